@@ -1,0 +1,158 @@
+//! `ferry generate`: one prompt in, its continuation out (streamed text, or one JSON object with `--json`).
+
+use std::io::Write;
+
+use anyhow::{bail, Context, Result};
+use ferry_core::backend::cpu::CpuBackend;
+use ferry_core::engine::{generate, GenerateRequest, SamplingParams, StopRules};
+use ferry_core::loader::{ChatMessage, Checkpoint, Detokenizer};
+use ferry_core::model::Model;
+
+use crate::{Device, ModelArgs};
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text (tokenized with the checkpoint's tokenizer).
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    prompt: Option<String>,
+    /// Wrap the prompt as a user message in the checkpoint's chat template.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    /// The prompt as comma-separated token ids (no tokenizer needed).
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy. Default: the checkpoint's generation_config.json, else greedy.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Default: the checkpoint's generation_config.json, else 1.0.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Default: the checkpoint's generation_config.json, else no limit.
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+    /// Print one JSON object (token_ids, text, prompt_tokens, completion_tokens, finish_reason).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    if args.device == Device::Cuda {
+        bail!("this build of ferry has no CUDA backend yet; use --device cpu");
+    }
+    let checkpoint = Checkpoint::open(&args.model.model)?;
+    let backend = CpuBackend;
+    let started = std::time::Instant::now();
+    let model = Model::load(&backend, &checkpoint)?;
+    tracing::info!(
+        "loaded {} from {} on {} in {:.2?}",
+        model.spec.model_type,
+        checkpoint.dir.display(),
+        ferry_core::backend::Backend::name(&backend),
+        started.elapsed()
+    );
+
+    let prompt_ids = match (&args.prompt_ids, &args.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(text)) => {
+            let tokenizer = checkpoint.tokenizer.as_ref().context(
+                "--prompt needs the checkpoint's tokenizer.json; use --prompt-ids without one",
+            )?;
+            if args.chat {
+                let messages = [ChatMessage {
+                    role: "user".into(),
+                    content: text.clone(),
+                }];
+                let rendered =
+                    tokenizer.apply_chat_template(&messages, true, &Default::default())?;
+                tokenizer.encode(&rendered, false)?
+            } else {
+                tokenizer.encode(text, true)?
+            }
+        }
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+
+    let defaults = &checkpoint.generation;
+    let sampling = SamplingParams {
+        temperature: args.temperature.or(defaults.temperature).unwrap_or(0.0),
+        top_p: args.top_p.or(defaults.top_p).unwrap_or(1.0),
+        top_k: args.top_k.or(defaults.top_k),
+        seed: args.seed,
+    };
+    let request = GenerateRequest {
+        prompt_ids: prompt_ids.clone(),
+        max_tokens: args.max_tokens,
+        sampling,
+        stop: StopRules {
+            eos_token_ids: checkpoint.eos_token_ids(),
+            ignore_eos: args.ignore_eos,
+        },
+    };
+    let mut kv = ferry_core::backend::Backend::new_kv(
+        &backend,
+        model.kv_spec(prompt_ids.len() + args.max_tokens),
+    )?;
+    let seq = kv.alloc_seq();
+
+    let tokenizer = checkpoint.tokenizer.as_ref();
+    let mut detokenizer = tokenizer.filter(|_| !args.json).map(Detokenizer::new);
+    let mut stdout = std::io::stdout().lock();
+    let mut stream_error = None;
+    let started = std::time::Instant::now();
+    let generation = generate(&backend, &model, &mut kv, seq, &request, |token, _| {
+        if let Some(detok) = detokenizer.as_mut() {
+            match detok.push(token) {
+                Ok(Some(piece)) => {
+                    let _ = write!(stdout, "{piece}");
+                    let _ = stdout.flush();
+                }
+                Ok(None) => {}
+                Err(e) => stream_error = Some(e),
+            }
+        }
+    })?;
+    if let Some(e) = stream_error {
+        return Err(e.into());
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    tracing::info!(
+        "{} prompt + {} generated tokens in {elapsed:.2} s ({:.1} tok/s)",
+        prompt_ids.len(),
+        generation.token_ids.len(),
+        generation.token_ids.len() as f64 / elapsed
+    );
+
+    if args.json {
+        let text = tokenizer
+            .map(|t| t.decode(&generation.token_ids, true))
+            .transpose()?;
+        let out = serde_json::json!({
+            "token_ids": generation.token_ids,
+            "text": text,
+            "prompt_tokens": prompt_ids.len(),
+            "completion_tokens": generation.token_ids.len(),
+            "finish_reason": generation.finish_reason.as_str(),
+        });
+        writeln!(stdout, "{out}")?;
+    } else if detokenizer.is_some() {
+        writeln!(stdout)?;
+    } else {
+        writeln!(stdout, "{:?}", generation.token_ids)?;
+    }
+    Ok(())
+}

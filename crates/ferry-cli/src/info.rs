@@ -1,0 +1,82 @@
+//! `ferry info`: what a user needs to size a GPU cache for a checkpoint.
+
+use anyhow::Result;
+use ferry_core::loader::Checkpoint;
+use ferry_core::model::{spec_for, ModelInfo};
+
+use crate::ModelArgs;
+
+#[derive(clap::Args)]
+pub struct InfoArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Bytes in the largest binary unit that keeps the number at least 1.
+fn bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let exponent = ((n.max(1).ilog2() / 10) as usize).min(units.len() - 1);
+    format!(
+        "{:.2} {}",
+        n as f64 / (1u64 << (10 * exponent)) as f64,
+        units[exponent]
+    )
+}
+
+/// A parameter count in thousands, millions or billions.
+fn count(n: u64) -> String {
+    match n {
+        0..1_000_000 => format!("{:.1} K", n as f64 / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.2} M", n as f64 / 1e6),
+        _ => format!("{:.2} B", n as f64 / 1e9),
+    }
+}
+
+pub fn run(args: InfoArgs) -> Result<()> {
+    let checkpoint = Checkpoint::open(&args.model.model)?;
+    let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
+    let dtype = checkpoint.weights.get("model.embed_tokens.weight")?.dtype;
+    let info = ModelInfo::new(&spec, dtype);
+    if args.json {
+        println!("{}", serde_json::to_string(&info)?);
+        return Ok(());
+    }
+    let rows = [
+        ("family", info.model_type.clone()),
+        (
+            "layers (MoE)",
+            format!("{} ({})", info.num_layers, info.num_moe_layers),
+        ),
+        (
+            "experts",
+            format!(
+                "{} routed, top-{}{}",
+                info.num_experts,
+                info.experts_per_token,
+                if info.shared_expert {
+                    " + 1 shared"
+                } else {
+                    ""
+                }
+            ),
+        ),
+        (
+            "hidden / moe intermediate",
+            format!("{} / {}", info.hidden_size, info.moe_intermediate_size),
+        ),
+        ("weights", info.weight_dtype.clone()),
+        ("parameters", count(info.params_total)),
+        ("active per token", count(info.params_active_per_token)),
+        ("bytes per expert", bytes(info.bytes_per_expert)),
+        ("expert bank (host RAM)", bytes(info.expert_bank_bytes)),
+        ("dense part (GPU)", bytes(info.dense_bytes)),
+        ("KV per token (bf16)", bytes(info.kv_bytes_per_token_bf16)),
+    ];
+    for (name, value) in rows {
+        println!("{name:<28}{value}");
+    }
+    Ok(())
+}

@@ -1,0 +1,66 @@
+//! `ferry`: run Mixture-of-Experts models larger than the GPU.
+
+mod generate;
+mod info;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(
+    name = "ferry",
+    version,
+    about = "Mixture-of-Experts inference with experts ferried from host RAM"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt.
+    Generate(generate::GenerateArgs),
+    /// Describe a checkpoint: family, experts, parameters, expert-bank and KV sizes.
+    Info(info::InfoArgs),
+}
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+    /// The GPU when there is one, else the CPU.
+    Auto,
+}
+
+#[derive(clap::Args)]
+pub struct ModelArgs {
+    /// A Hugging Face checkpoint directory.
+    #[arg(long)]
+    pub model: PathBuf,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::Info(args) => info::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! The `ferry` binary end to end: generate and info on the bundled fixture, and bad input of every kind, which
+//! must end in a non-zero exit with a message naming the file or tensor at fault, never a panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const FIXTURE: &str = "qwen3_moe";
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn ferry(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(args)
+        .output()
+        .expect("run ferry")
+}
+
+/// A private copy of a fixture to break.
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    dir
+}
+
+fn first_shard(dir: &Path) -> PathBuf {
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    shards.sort();
+    shards.remove(0)
+}
+
+/// Runs `generate` on a broken checkpoint: it must fail cleanly and mention `needle`.
+fn expect_clean_failure(model: &Path, needle: &str) {
+    let out = ferry(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "ferry succeeded on a broken checkpoint"
+    );
+    assert!(!stderr.contains("panicked"), "ferry panicked:\n{stderr}");
+    assert!(
+        stderr.contains(needle),
+        "the error does not mention {needle:?}:\n{stderr}"
+    );
+}
+
+fn reference_case(name: &str, case: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
+    let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
+    reference["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == case)
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn generate_json_matches_the_reference_continuation() {
+    let case = reference_case(FIXTURE, "short");
+    let ids: Vec<String> = case["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let model = fixture(FIXTURE);
+    let out = ferry(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        &ids.join(","),
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let expected = &case["generated_ids"].as_array().unwrap()[..8];
+    assert_eq!(json["token_ids"].as_array().unwrap(), expected);
+    assert_eq!(json["prompt_tokens"], ids.len());
+    assert_eq!(json["completion_tokens"], 8);
+    assert!(json["text"].is_string());
+}
+
+#[test]
+fn generate_from_text_and_chat_prompts() {
+    let model = fixture(FIXTURE);
+    for chat in [false, true] {
+        let case = reference_case(FIXTURE, if chat { "chat" } else { "short" });
+        let prompt = if chat {
+            case["messages"][0]["content"].as_str().unwrap().to_string()
+        } else {
+            case["prompt_text"].as_str().unwrap().to_string()
+        };
+        let mut args = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            &prompt,
+        ];
+        args.extend([
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ]);
+        if chat {
+            args.push("--chat");
+        }
+        let out = ferry(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            json["prompt_tokens"],
+            case["prompt_ids"].as_array().unwrap().len()
+        );
+        assert_eq!(
+            json["token_ids"].as_array().unwrap(),
+            &case["generated_ids"].as_array().unwrap()[..4]
+        );
+    }
+}
+
+#[test]
+fn info_describes_the_experts() {
+    let model = fixture(FIXTURE);
+    let out = ferry(&["info", "--model", model.to_str().unwrap(), "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    assert_eq!(info["model_type"], "qwen3_moe");
+    assert_eq!(info["num_experts"], config["num_experts"]);
+    assert_eq!(info["experts_per_token"], config["num_experts_per_tok"]);
+    let h = config["hidden_size"].as_u64().unwrap();
+    let inter = config["moe_intermediate_size"].as_u64().unwrap();
+    assert_eq!(info["bytes_per_expert"], 3 * h * inter * 2);
+    let moe_layers = info["num_moe_layers"].as_u64().unwrap();
+    let experts = config["num_experts"].as_u64().unwrap();
+    assert_eq!(
+        info["expert_bank_bytes"],
+        moe_layers * experts * 3 * h * inter * 2
+    );
+    // The whole checkpoint is the bank plus the dense part, byte for byte.
+    let stored: u64 = std::fs::read_dir(&model)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .map(|p| {
+            let bytes = std::fs::read(p).unwrap();
+            let header = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+            bytes.len() as u64 - 8 - header
+        })
+        .sum();
+    assert_eq!(
+        info["expert_bank_bytes"].as_u64().unwrap() + info["dense_bytes"].as_u64().unwrap(),
+        stored
+    );
+}
+
+#[test]
+fn missing_directory() {
+    expect_clean_failure(
+        Path::new("/nonexistent/ferry-model"),
+        "/nonexistent/ferry-model",
+    );
+}
+
+#[test]
+fn missing_config() {
+    let dir = copy_fixture(FIXTURE);
+    std::fs::remove_file(dir.path().join("config.json")).unwrap();
+    expect_clean_failure(dir.path(), "config.json");
+}
+
+#[test]
+fn garbage_config() {
+    let dir = copy_fixture(FIXTURE);
+    std::fs::write(dir.path().join("config.json"), "{ this is not json").unwrap();
+    expect_clean_failure(dir.path(), "config.json");
+}
+
+#[test]
+fn config_missing_a_field() {
+    let dir = copy_fixture(FIXTURE);
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("num_experts");
+    std::fs::write(&path, config.to_string()).unwrap();
+    expect_clean_failure(dir.path(), "num_experts");
+}
+
+#[test]
+fn unknown_model_type_names_the_supported_ones() {
+    let dir = copy_fixture(FIXTURE);
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["model_type"] = "llama4_moe".into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    expect_clean_failure(dir.path(), "llama4_moe");
+    expect_clean_failure(dir.path(), "qwen3_moe, qwen2_moe, mixtral, olmoe");
+}
+
+#[test]
+fn missing_shard() {
+    let dir = copy_fixture(FIXTURE);
+    let shard = first_shard(dir.path());
+    std::fs::remove_file(&shard).unwrap();
+    expect_clean_failure(dir.path(), shard.file_name().unwrap().to_str().unwrap());
+}
+
+#[test]
+fn truncated_shard() {
+    let dir = copy_fixture(FIXTURE);
+    let shard = first_shard(dir.path());
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() / 2]).unwrap();
+    expect_clean_failure(dir.path(), shard.file_name().unwrap().to_str().unwrap());
+}
+
+#[test]
+fn tensor_of_the_wrong_shape() {
+    let dir = copy_fixture(FIXTURE);
+    let shard = first_shard(dir.path());
+    let bytes = std::fs::read(&shard).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = tensors.tensors();
+    views.sort_by(|a, b| a.0.cmp(&b.0));
+    // Drop the last row of the first matrix in the shard.
+    let (name, view) = views
+        .iter()
+        .find(|(_, v)| v.shape().len() == 2)
+        .unwrap()
+        .clone();
+    let mut shape = view.shape().to_vec();
+    let row_bytes = view.data().len() / shape[0];
+    shape[0] -= 1;
+    let data = view.data()[..row_bytes * shape[0]].to_vec();
+    let shrunk = safetensors::tensor::TensorView::new(view.dtype(), shape, &data).unwrap();
+    let replaced = views.into_iter().map(|(n, v)| {
+        if n == name {
+            (n, shrunk.clone())
+        } else {
+            (n, v)
+        }
+    });
+    safetensors::serialize_to_file(replaced, None, &shard).unwrap();
+    expect_clean_failure(dir.path(), &name);
+}
+
+#[test]
+fn cuda_without_a_cuda_backend_says_so() {
+    let model = fixture(FIXTURE);
+    let out = ferry(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "--device",
+        "cuda",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("CUDA"));
+}
+
+#[test]
+fn token_id_outside_the_vocabulary_is_refused() {
+    let model = fixture(FIXTURE);
+    let out = ferry(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,999999",
+        "--max-tokens",
+        "1",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("999999"), "{stderr}");
+}

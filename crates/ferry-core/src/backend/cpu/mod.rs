@@ -1,0 +1,337 @@
+//! The CPU backend: f32 activations, weights read in place from the mapped checkpoint in their stored dtype,
+//! rayon for threads and [`gemv`]'s SIMD kernels for every product with a weight matrix.
+//!
+//! It is the numerical reference every other backend is tested against, CI's backend, and (later) the lane that
+//! computes expert misses straight from host RAM.
+
+pub mod gemv;
+
+use rayon::prelude::*;
+
+use super::{AttentionParams, Backend, ExpertWeights, Rope, RouterKind, Routing, SeqSlice};
+use crate::kv::{HostKv, KvSpec};
+use crate::loader::{DType, TensorRef};
+use crate::{Error, Result};
+use gemv::WeightDType;
+
+/// A `[rows, cols]` row-major f32 tensor.
+#[derive(Clone, Debug)]
+pub struct CpuTensor {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CpuTensor {
+    fn zeros(rows: usize, cols: usize) -> Self {
+        CpuTensor {
+            data: vec![0.0; rows * cols],
+            rows,
+            cols,
+        }
+    }
+
+    fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+#[derive(Default)]
+pub struct CpuBackend;
+
+fn weight_dtype(dtype: DType) -> WeightDType {
+    match dtype {
+        DType::F32 => WeightDType::F32,
+        DType::F16 => WeightDType::F16,
+        DType::BF16 => WeightDType::BF16,
+    }
+}
+
+/// `x W^T` for a weight `[n, k]` held in place.
+fn matmul(x: &[f32], rows: usize, w: &TensorRef) -> Vec<f32> {
+    let (n, k) = (w.shape[0], w.shape[1]);
+    let mut out = vec![0.0; rows * n];
+    gemv::matmul(x, rows, k, w.bytes(), weight_dtype(w.dtype), n, &mut out);
+    out
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// One expert's SwiGLU over the rows of `x` (`[rows, hidden]`).
+fn expert_forward(x: &[f32], rows: usize, e: &ExpertWeights<TensorRef>) -> Vec<f32> {
+    let gate = matmul(x, rows, &e.gate);
+    let up = matmul(x, rows, &e.up);
+    let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+    matmul(&act, rows, &e.down)
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = TensorRef;
+    type Kv = HostKv;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn weight(&self, tensor: TensorRef) -> Result<TensorRef> {
+        if tensor.shape.len() > 2 {
+            return Err(Error::tensor(
+                &tensor.name,
+                format!(
+                    "expected a matrix or vector, found shape {:?}",
+                    tensor.shape
+                ),
+            ));
+        }
+        Ok(tensor)
+    }
+
+    fn new_kv(&self, spec: KvSpec) -> Result<HostKv> {
+        Ok(HostKv::new(spec))
+    }
+
+    fn to_host(&self, x: &CpuTensor) -> Vec<f32> {
+        x.data.clone()
+    }
+
+    fn shape(&self, x: &CpuTensor) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
+    fn embed(&self, table: &TensorRef, ids: &[u32]) -> CpuTensor {
+        let hidden = table.shape[1];
+        let mut out = CpuTensor::zeros(ids.len(), hidden);
+        for (row, &id) in out.data.chunks_mut(hidden).zip(ids) {
+            let id = id as usize;
+            row.copy_from_slice(
+                &table
+                    .rows(id, id + 1)
+                    .expect("token id checked against the vocabulary")
+                    .to_f32_vec(),
+            );
+        }
+        out
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &TensorRef, group: usize, eps: f32) -> CpuTensor {
+        let w = weight.to_f32_vec();
+        let mut out = x.clone();
+        out.data.par_chunks_mut(group).for_each(|chunk| {
+            let mean_sq = chunk.iter().map(|v| v * v).sum::<f32>() / group as f32;
+            let inv = 1.0 / (mean_sq + eps).sqrt();
+            for (v, &g) in chunk.iter_mut().zip(&w) {
+                *v = *v * inv * g;
+            }
+        });
+        out
+    }
+
+    fn linear(&self, x: &CpuTensor, w: &TensorRef, bias: Option<&TensorRef>) -> CpuTensor {
+        let mut data = matmul(&x.data, x.rows, w);
+        let n = w.shape[0];
+        if let Some(bias) = bias {
+            let b = bias.to_f32_vec();
+            for row in data.chunks_mut(n) {
+                row.iter_mut().zip(&b).for_each(|(v, b)| *v += b);
+            }
+        }
+        CpuTensor {
+            data,
+            rows: x.rows,
+            cols: n,
+        }
+    }
+
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) {
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        CpuTensor {
+            data: gate
+                .data
+                .iter()
+                .zip(&up.data)
+                .map(|(&g, &u)| silu(g) * u)
+                .collect(),
+            rows: gate.rows,
+            cols: gate.cols,
+        }
+    }
+
+    fn sigmoid_gate(&self, x: &mut CpuTensor, gate: &CpuTensor) {
+        let cols = x.cols;
+        for (row, g) in x.data.chunks_mut(cols).zip(&gate.data) {
+            let s = sigmoid(*g);
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+    }
+
+    fn rope(&self, x: &mut CpuTensor, positions: &[u32], rope: &Rope) {
+        let cols = x.cols;
+        let half = rope.rotary_dim / 2;
+        x.data
+            .par_chunks_mut(cols)
+            .zip(positions)
+            .for_each(|(row, &pos)| {
+                let (cos, sin): (Vec<f32>, Vec<f32>) = rope
+                    .inv_freq
+                    .iter()
+                    .map(|&f| {
+                        let angle = pos as f32 * f;
+                        (angle.cos(), angle.sin())
+                    })
+                    .unzip();
+                for head in row.chunks_mut(rope.head_dim) {
+                    for i in 0..half {
+                        let (a, b) = (head[i], head[i + half]);
+                        head[i] = a * cos[i] - b * sin[i];
+                        head[i + half] = b * cos[i] + a * sin[i];
+                    }
+                }
+            });
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        kv: &mut HostKv,
+        layer: usize,
+        batch: &[SeqSlice],
+        p: &AttentionParams,
+    ) -> Result<CpuTensor> {
+        let kv_width = p.num_kv_heads * p.head_dim;
+        let group = p.num_heads / p.num_kv_heads;
+        let mut out = CpuTensor::zeros(q.rows, q.cols);
+        let mut row0 = 0;
+        for s in batch {
+            let rows = row0..row0 + s.len;
+            kv.append(
+                s.seq,
+                layer,
+                s.start_pos,
+                &k.data[rows.start * kv_width..rows.end * kv_width],
+                &v.data[rows.start * kv_width..rows.end * kv_width],
+            )?;
+            let (keys, values) = kv.layer(s.seq, layer)?;
+            let out_rows = &mut out.data[rows.start * q.cols..rows.end * q.cols];
+            out_rows
+                .par_chunks_mut(p.head_dim)
+                .enumerate()
+                .for_each(|(i, o)| {
+                    let (t, h) = (i / p.num_heads, i % p.num_heads);
+                    let pos = s.start_pos + t;
+                    let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let kh = h / group;
+                    let qh = &q.row(row0 + t)[h * p.head_dim..(h + 1) * p.head_dim];
+                    let scores: Vec<f32> = (first..=pos)
+                        .map(|j| {
+                            let kj = &keys[j * kv_width + kh * p.head_dim..][..p.head_dim];
+                            qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * p.scale
+                        })
+                        .collect();
+                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let total: f32 = exps.iter().sum();
+                    for (j, e) in (first..=pos).zip(&exps) {
+                        let vj = &values[j * kv_width + kh * p.head_dim..][..p.head_dim];
+                        let w = e / total;
+                        o.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
+                    }
+                });
+            row0 = rows.end;
+        }
+        Ok(out)
+    }
+
+    fn route(&self, logits: &CpuTensor, top_k: usize, kind: RouterKind) -> Routing {
+        let RouterKind::SoftmaxTopK { renormalize } = kind;
+        let mut routing = Routing {
+            top_k,
+            ids: Vec::with_capacity(logits.rows * top_k),
+            weights: Vec::with_capacity(logits.rows * top_k),
+        };
+        for r in 0..logits.rows {
+            let row = logits.row(r);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = row.iter().map(|l| (l - max).exp()).collect();
+            let total: f32 = exps.iter().sum();
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            // Highest probability first; equal ones by lower expert id, so the choice never depends on the batch.
+            order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
+            let chosen = &order[..top_k];
+            let kept: f32 = chosen.iter().map(|&e| exps[e] / total).sum();
+            for &e in chosen {
+                let p = exps[e] / total;
+                routing.ids.push(e as u32);
+                routing.weights.push(if renormalize { p / kept } else { p });
+            }
+        }
+        routing
+    }
+
+    fn moe_experts(
+        &self,
+        x: &CpuTensor,
+        routing: &Routing,
+        experts: &[ExpertWeights<TensorRef>],
+    ) -> CpuTensor {
+        // Group the batch's rows by expert, so each expert's weights are read once for all rows routed to it.
+        let mut rows_of: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];
+        for (slot, &e) in routing.ids.iter().enumerate() {
+            rows_of[e as usize].push(slot);
+        }
+        let per_expert: Vec<(usize, Vec<f32>)> = rows_of
+            .par_iter()
+            .enumerate()
+            .filter(|(_, slots)| !slots.is_empty())
+            .map(|(e, slots)| {
+                let gathered: Vec<f32> = slots
+                    .iter()
+                    .flat_map(|&slot| x.row(slot / routing.top_k).iter().copied())
+                    .collect();
+                (e, expert_forward(&gathered, slots.len(), &experts[e]))
+            })
+            .collect();
+        // Scatter each (row, k) result, then sum every row's experts in router order: the sum does not depend on
+        // which other rows share the batch.
+        let mut by_slot: Vec<&[f32]> = vec![&[]; routing.ids.len()];
+        for (e, y) in &per_expert {
+            for (slot, out) in rows_of[*e].iter().zip(y.chunks(x.cols)) {
+                by_slot[*slot] = out;
+            }
+        }
+        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        for (r, row) in out.data.chunks_mut(x.cols).enumerate() {
+            for k in 0..routing.top_k {
+                let slot = r * routing.top_k + k;
+                let w = routing.weights[slot];
+                row.iter_mut()
+                    .zip(by_slot[slot])
+                    .for_each(|(o, y)| *o += w * y);
+            }
+        }
+        out
+    }
+
+    fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        let data = rows
+            .iter()
+            .flat_map(|&r| x.row(r).iter().copied())
+            .collect();
+        CpuTensor {
+            data,
+            rows: rows.len(),
+            cols: x.cols,
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! The contract between model code and the hardware that runs it.
+//!
+//! Model families are written once against [`Backend`]; a backend owns where activations, weights and the KV
+//! cache live and how each op runs. The CPU backend ([`cpu::CpuBackend`]) is the numerical reference.
+//! Activations are 2-D `[rows, cols]` f32 tensors whose rows are the tokens of a batch, one sequence after another
+//! as the batch's [`SeqSlice`]s say.
+
+pub mod cpu;
+
+use crate::kv::{KvSpec, SeqId};
+use crate::loader::TensorRef;
+use crate::Result;
+
+/// A run of `len` consecutive batch rows belonging to sequence `seq`, at positions `start_pos..start_pos + len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqSlice {
+    pub seq: SeqId,
+    pub start_pos: usize,
+    pub len: usize,
+}
+
+/// Rotary position embedding (HF's rotate-half layout) over the first `rotary_dim` features of each head.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    /// `1 / theta^(2i / rotary_dim)` for i in 0..rotary_dim / 2, computed in f32 as transformers does.
+    pub inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    pub fn new(theta: f32, head_dim: usize, rotary_dim: usize) -> Self {
+        let inv_freq = (0..rotary_dim / 2)
+            .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32))
+            .collect();
+        Rope {
+            head_dim,
+            rotary_dim,
+            inv_freq,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct AttentionParams {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    /// Keys further back than this many positions are masked (Mixtral's sliding window); None: full causal.
+    pub sliding_window: Option<usize>,
+}
+
+/// Per-row routing decision of a MoE router: `top_k` expert ids and their combine weights, in router order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Routing {
+    pub top_k: usize,
+    pub ids: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    pub fn rows(&self) -> usize {
+        self.ids.len().checked_div(self.top_k).unwrap_or(0)
+    }
+
+    pub fn row(&self, r: usize) -> (&[u32], &[f32]) {
+        let span = r * self.top_k..(r + 1) * self.top_k;
+        (&self.ids[span.clone()], &self.weights[span])
+    }
+}
+
+/// How a router turns logits into routing weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouterKind {
+    /// Softmax over all experts, keep the top k; `renormalize` rescales the kept weights to sum to one.
+    SoftmaxTopK { renormalize: bool },
+}
+
+/// One routed expert's SwiGLU weights: `down(silu(gate x) * up x)`.
+pub struct ExpertWeights<W> {
+    pub gate: W,
+    pub up: W,
+    pub down: W,
+}
+
+pub trait Backend: Send + Sync + Sized {
+    /// A `[rows, cols]` f32 activation tensor.
+    type Tensor: Send;
+    /// A weight in its stored dtype: a matrix `[out, in]` or a vector.
+    type Weight: Send + Sync;
+    /// The KV cache of every running sequence.
+    type Kv: Send;
+
+    fn name(&self) -> String;
+
+    /// A weight matrix `[out, in]` (also embedding tables `[vocab, hidden]`), kept in its stored dtype.
+    fn weight(&self, tensor: TensorRef) -> Result<Self::Weight>;
+    fn new_kv(&self, spec: KvSpec) -> Result<Self::Kv>;
+
+    fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+    fn shape(&self, x: &Self::Tensor) -> (usize, usize);
+
+    /// Rows of `table` for `ids`.
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    /// RMSNorm of each `group`-wide chunk of every row, times `weight` (`group` features). `group == cols` is a
+    /// plain norm; `group == head_dim` is a per-head q/k norm.
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        group: usize,
+        eps: f32,
+    ) -> Self::Tensor;
+    /// `x W^T (+ bias)`.
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+    ) -> Self::Tensor;
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// `silu(gate) * up`, elementwise.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    /// `x[r, :] *= sigmoid(gate[r, 0])`.
+    fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor);
+    /// Rotates `x` (`[rows, heads * head_dim]`) in place; row r is at position `positions[r]`.
+    fn rope(&self, x: &mut Self::Tensor, positions: &[u32], rope: &Rope);
+    /// Appends k and v of the batch to the cache of `layer`, then causal attention of q over each sequence's cache.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &[SeqSlice],
+        params: &AttentionParams,
+    ) -> Result<Self::Tensor>;
+    /// Router logits `[rows, experts]` to each row's top-k experts and weights.
+    fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Routing;
+    /// `sum_k weight_k * expert_k(x)` for each row: the routed part of a MoE block.
+    fn moe_experts(
+        &self,
+        x: &Self::Tensor,
+        routing: &Routing,
+        experts: &[ExpertWeights<Self::Weight>],
+    ) -> Self::Tensor;
+    /// The rows `rows` of `x`, in that order.
+    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+}

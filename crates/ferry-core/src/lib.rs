@@ -1,0 +1,20 @@
+//! ferry-core: the engine as a library.
+//!
+//! - [`loader`]: a Hugging Face checkpoint directory (config, memory-mapped safetensors, tokenizer, chat template,
+//!   generation config), read without copying weights.
+//! - [`backend`]: the [`backend::Backend`] trait every model is written against, and the CPU backend (the numerical
+//!   reference, CI's backend, and later the CPU lane for expert misses).
+//! - [`model`]: one file per model family, built from the shared layers in [`model::layers`].
+//! - [`kv`]: the key/value cache of running sequences.
+//! - [`engine`]: sampling, stop rules and the generation loop.
+//!
+//! Not here: HTTP serving (ferry-server), the command line (ferry-cli), GPU kernels (ferry-kernels).
+
+pub mod backend;
+pub mod engine;
+pub mod error;
+pub mod kv;
+pub mod loader;
+pub mod model;
+
+pub use error::{Error, Result};

@@ -1,0 +1,262 @@
+//! The checkpoint's tokenizer (`tokenizer.json`) and chat template (`tokenizer_config.json` or
+//! `chat_template.jinja`), rendered with minijinja the way transformers' `apply_chat_template` renders it.
+
+use std::path::Path;
+
+use minijinja::value::Value as JinjaValue;
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+/// A special token in tokenizer_config.json: a plain string or an AddedToken object with `content`.
+fn special_token(config: &serde_json::Value, key: &str) -> Option<String> {
+    match config.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `chat_template` is a string, or a list of named templates of which "default" is the one used for chat.
+fn chat_template_from(config: &serde_json::Value) -> Option<String> {
+    match config.get("chat_template")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+        _ => None,
+    }
+}
+
+impl Tokenizer {
+    /// The tokenizer of `dir`, or None when the checkpoint has no tokenizer.json.
+    pub fn load(dir: &Path) -> Result<Option<Self>> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            return Ok(None);
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| Error::file(&path, format!("cannot load tokenizer: {e}")))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config: serde_json::Value = if config_path.exists() {
+            let text =
+                std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+            serde_json::from_str(&text)
+                .map_err(|e| Error::file(&config_path, format!("invalid JSON: {e}")))?
+        } else {
+            serde_json::Value::Null
+        };
+        let jinja_path = dir.join("chat_template.jinja");
+        let chat_template = if jinja_path.exists() {
+            Some(std::fs::read_to_string(&jinja_path).map_err(|e| Error::io(&jinja_path, e))?)
+        } else {
+            chat_template_from(&config)
+        };
+        Ok(Some(Tokenizer {
+            inner,
+            chat_template,
+            bos_token: special_token(&config, "bos_token"),
+            eos_token: special_token(&config, "eos_token"),
+        }))
+    }
+
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.token_id(self.eos_token.as_deref()?)
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders the chat template as transformers does (trim_blocks, lstrip_blocks, Python string methods,
+    /// `raise_exception`, Python-style `tojson`). `extra` holds `chat_template_kwargs` (e.g. enable_thinking).
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| Error::ChatTemplate("the checkpoint has no chat template".into()))?;
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    message,
+                ))
+            },
+        );
+        env.add_filter("tojson", python_tojson);
+        env.add_template("chat", template)
+            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        let mut context = extra.clone();
+        context.insert(
+            "messages".into(),
+            serde_json::to_value(messages).unwrap_or_default(),
+        );
+        context.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        context.insert(
+            "bos_token".into(),
+            self.bos_token.clone().unwrap_or_default().into(),
+        );
+        context.insert(
+            "eos_token".into(),
+            self.eos_token.clone().unwrap_or_default().into(),
+        );
+        env.get_template("chat")
+            .and_then(|t| t.render(JinjaValue::from_serialize(&context)))
+            .map_err(|e| Error::ChatTemplate(e.to_string()))
+    }
+}
+
+/// `tojson` as transformers defines it for templates: Python's `json.dumps(x, ensure_ascii=False)` with its
+/// `", "` and `": "` separators, or pretty-printed with `indent`.
+fn python_tojson(value: JinjaValue, indent: Option<usize>) -> Result<String, minijinja::Error> {
+    let json = serde_json::to_value(&value).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
+    let mut out = String::new();
+    write_python_json(&json, indent, 0, &mut out);
+    Ok(out)
+}
+
+fn write_python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    use serde_json::Value;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let item_separator = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_separator);
+                }
+                newline(out, depth + 1);
+                write_python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (key, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_separator);
+                }
+                newline(out, depth + 1);
+                out.push_str(&Value::String(key.clone()).to_string());
+                out.push_str(": ");
+                write_python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// Turns a growing list of token ids into text pieces without ever splitting a multi-byte character: text is
+/// released only once the tokens decode to complete characters.
+pub struct Detokenizer<'a> {
+    tokenizer: &'a Tokenizer,
+    ids: Vec<u32>,
+    /// Ids before this index are context only (a few tokens re-decoded so that spacing stays right).
+    prefix_offset: usize,
+    /// Ids before this index have had their text released.
+    read_offset: usize,
+}
+
+impl<'a> Detokenizer<'a> {
+    pub fn new(tokenizer: &'a Tokenizer) -> Self {
+        Detokenizer {
+            tokenizer,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
+    }
+
+    /// Adds a token; returns the new complete text it makes, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let prefix = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], true)?;
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
+            let piece = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            return Ok(Some(piece));
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let v = JinjaValue::from_serialize(serde_json::json!({"a": [1, "x<y"], "b": {}}));
+        assert_eq!(
+            python_tojson(v.clone(), None).unwrap(),
+            r#"{"a": [1, "x<y"], "b": {}}"#
+        );
+        assert_eq!(
+            python_tojson(v, Some(2)).unwrap(),
+            "{\n  \"a\": [\n    1,\n    \"x<y\"\n  ],\n  \"b\": {}\n}"
+        );
+    }
+}

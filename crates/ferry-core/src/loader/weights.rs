@@ -1,0 +1,267 @@
+//! Memory-mapped safetensors: one file or shards named by `model.safetensors.index.json`.
+//!
+//! Tensors are never copied here: a [`TensorRef`] is a shared handle on the mapped shard plus a byte range, so a
+//! loaded model holds one copy of its weights (the page cache's) whatever the backend does with them later.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use serde::Deserialize;
+
+use crate::{Error, Result};
+
+/// Element type of a stored tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+}
+
+/// A tensor inside a mapped shard: shape, dtype and a byte range, read in place.
+#[derive(Clone)]
+pub struct TensorRef {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    shard: Arc<Mmap>,
+    start: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for TensorRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}{:?}", self.name, self.dtype.name(), self.shape)
+    }
+}
+
+impl TensorRef {
+    pub fn bytes(&self) -> &[u8] {
+        &self.shard[self.start..self.start + self.len]
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn byte_len(&self) -> usize {
+        self.len
+    }
+
+    /// Fails unless the shape is exactly `expected`; the message names the tensor and both shapes.
+    pub fn expect_shape(self, expected: &[usize]) -> Result<Self> {
+        if self.shape != expected {
+            return Err(Error::tensor(
+                &self.name,
+                format!("expected shape {expected:?}, found {:?}", self.shape),
+            ));
+        }
+        Ok(self)
+    }
+
+    /// Entry `index` of the outermost dimension (expert `index` of a fused [E, ...] expert tensor), without copying.
+    pub fn select(&self, index: usize) -> Result<TensorRef> {
+        let (&outer, inner) = self
+            .shape
+            .split_first()
+            .ok_or_else(|| Error::tensor(&self.name, "cannot index a scalar"))?;
+        if index >= outer {
+            return Err(Error::tensor(
+                &self.name,
+                format!("index {index} out of range for shape {:?}", self.shape),
+            ));
+        }
+        let stride = self.len / outer;
+        Ok(TensorRef {
+            name: format!("{}[{index}]", self.name),
+            dtype: self.dtype,
+            shape: inner.to_vec(),
+            shard: self.shard.clone(),
+            start: self.start + index * stride,
+            len: stride,
+        })
+    }
+
+    /// Rows `start..end` of the outermost dimension, without copying.
+    pub fn rows(&self, start: usize, end: usize) -> Result<TensorRef> {
+        let outer = *self.shape.first().unwrap_or(&0);
+        if start > end || end > outer {
+            return Err(Error::tensor(
+                &self.name,
+                format!(
+                    "rows {start}..{end} out of range for shape {:?}",
+                    self.shape
+                ),
+            ));
+        }
+        let stride = self.len / outer.max(1);
+        let mut shape = self.shape.clone();
+        shape[0] = end - start;
+        Ok(TensorRef {
+            name: format!("{}[{start}..{end}]", self.name),
+            dtype: self.dtype,
+            shape,
+            shard: self.shard.clone(),
+            start: self.start + start * stride,
+            len: (end - start) * stride,
+        })
+    }
+
+    /// The values widened to f32: for small tensors only (norm weights, biases), never for weight matrices.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let b = self.bytes();
+        match self.dtype {
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::BF16 => b
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        }
+    }
+}
+
+/// Every tensor of a checkpoint, by name, across its shards.
+pub struct WeightStore {
+    tensors: HashMap<String, TensorRef>,
+    /// Where the text model's `model.*` weights live: `model.` or, in multimodal checkpoints,
+    /// `model.language_model.`.
+    text_prefix: &'static str,
+}
+
+#[derive(Deserialize)]
+struct ShardIndex {
+    weight_map: BTreeMap<String, String>,
+}
+
+impl WeightStore {
+    /// Maps `model.safetensors`, or every shard listed in `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let shard_names: Vec<String> = if index_path.exists() {
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let index: ShardIndex = serde_json::from_str(&text)
+                .map_err(|e| Error::file(&index_path, format!("invalid shard index: {e}")))?;
+            let mut names: Vec<String> = index.weight_map.into_values().collect();
+            names.sort();
+            names.dedup();
+            names
+        } else if dir.join("model.safetensors").exists() {
+            vec!["model.safetensors".to_string()]
+        } else {
+            return Err(Error::file(
+                dir,
+                "no model.safetensors or model.safetensors.index.json in the checkpoint directory",
+            ));
+        };
+
+        let mut tensors = HashMap::new();
+        for name in &shard_names {
+            let path = dir.join(name);
+            for t in map_shard(&path)? {
+                tensors.insert(t.name.clone(), t);
+            }
+        }
+        let text_prefix = if tensors
+            .keys()
+            .any(|k| k.starts_with("model.language_model."))
+        {
+            "model.language_model."
+        } else {
+            "model."
+        };
+        Ok(WeightStore {
+            tensors,
+            text_prefix,
+        })
+    }
+
+    /// The tensor called `name`, where a name under `model.` is looked up under the text model's prefix.
+    pub fn get(&self, name: &str) -> Result<TensorRef> {
+        self.find(name)
+            .ok_or_else(|| Error::tensor(name, "missing from the checkpoint"))
+    }
+
+    /// Like [`get`](Self::get), for tensors a checkpoint may leave out (biases, tied heads).
+    pub fn find(&self, name: &str) -> Option<TensorRef> {
+        let key = match name.strip_prefix("model.") {
+            Some(rest) => format!("{}{rest}", self.text_prefix),
+            None => name.to_string(),
+        };
+        self.tensors.get(&key).cloned()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.find(name).is_some()
+    }
+
+    pub fn total_bytes(&self) -> usize {
+        self.tensors.values().map(|t| t.len).sum()
+    }
+}
+
+fn map_shard(path: &PathBuf) -> Result<Vec<TensorRef>> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: the checkpoint is read-only for the life of the process; ferry never writes to it. A file truncated
+    // under us is the one hazard, which is the same for every mmap-based loader.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let (header_len, metadata) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| {
+        Error::file(
+            path,
+            format!("not a valid safetensors file (truncated or corrupt?): {e}"),
+        )
+    })?;
+    let data_start = 8 + header_len;
+    let shard = Arc::new(mmap);
+    let mut out = Vec::new();
+    for (name, info) in metadata.tensors() {
+        let dtype = match info.dtype {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(Error::tensor(
+                    &name,
+                    format!("unsupported dtype {other:?} in {}", path.display()),
+                ))
+            }
+        };
+        let (s, e) = info.data_offsets;
+        out.push(TensorRef {
+            name,
+            dtype,
+            shape: info.shape.clone(),
+            shard: shard.clone(),
+            start: data_start + s,
+            len: e - s,
+        });
+    }
+    Ok(out)
+}

@@ -1,0 +1,91 @@
+//! What a user needs to size a GPU cache for a model: parameters total and active per token, bytes per expert,
+//! the expert bank against the dense part, and KV bytes per token.
+
+use serde::Serialize;
+
+use super::config::{FfnKind, ModelSpec, QkNorm};
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelInfo {
+    pub model_type: String,
+    pub num_layers: usize,
+    pub num_moe_layers: usize,
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub shared_expert: bool,
+    pub hidden_size: usize,
+    pub moe_intermediate_size: usize,
+    pub vocab_size: usize,
+    pub weight_dtype: String,
+    pub params_total: u64,
+    pub params_active_per_token: u64,
+    pub bytes_per_expert: u64,
+    /// Every routed expert of every MoE layer: what lives in host RAM under offload.
+    pub expert_bank_bytes: u64,
+    /// Everything else (embeddings, attention, norms, routers, dense MLPs, shared experts): always on the GPU.
+    pub dense_bytes: u64,
+    /// Keys and values of one token over all layers, stored as bf16.
+    pub kv_bytes_per_token_bf16: u64,
+}
+
+impl ModelInfo {
+    pub fn new(spec: &ModelSpec, weight_dtype: crate::loader::DType) -> Self {
+        let h = spec.hidden_size as u64;
+        let (heads, kv_heads, d) = (
+            spec.num_heads as u64,
+            spec.num_kv_heads as u64,
+            spec.head_dim as u64,
+        );
+        let qk_norm = match spec.qk_norm {
+            QkNorm::None => 0,
+            QkNorm::PerHead => 2 * d,
+            QkNorm::Full => (heads + kv_heads) * d,
+        };
+        let attention = 2 * h * heads * d + 2 * h * kv_heads * d + qk_norm + 2 * h;
+        let (num_experts, top_k, moe_inter, shared) = spec.moe.as_ref().map_or((0, 0, 0, 0), |m| {
+            let shared = m
+                .shared_expert_intermediate
+                .map_or(0, |i| 3 * h * i as u64 + h);
+            (
+                m.num_experts as u64,
+                m.top_k as u64,
+                m.intermediate as u64,
+                shared,
+            )
+        });
+        let expert_params = 3 * h * moe_inter;
+        let mut dense =
+            spec.vocab_size as u64 * h * if spec.tie_word_embeddings { 1 } else { 2 } + h;
+        let mut moe_layers = 0u64;
+        for kind in &spec.ffn {
+            dense += attention;
+            match *kind {
+                FfnKind::Dense { intermediate } => dense += 3 * h * intermediate as u64,
+                FfnKind::Moe => {
+                    moe_layers += 1;
+                    dense += num_experts * h + shared;
+                }
+            }
+        }
+        let bank_params = moe_layers * num_experts * expert_params;
+        let bytes = weight_dtype.size() as u64;
+        ModelInfo {
+            model_type: spec.model_type.to_string(),
+            num_layers: spec.ffn.len(),
+            num_moe_layers: moe_layers as usize,
+            num_experts: num_experts as usize,
+            experts_per_token: top_k as usize,
+            shared_expert: shared > 0,
+            hidden_size: spec.hidden_size,
+            moe_intermediate_size: moe_inter as usize,
+            vocab_size: spec.vocab_size,
+            weight_dtype: weight_dtype.name().to_string(),
+            params_total: dense + bank_params,
+            params_active_per_token: dense + moe_layers * top_k * expert_params,
+            bytes_per_expert: expert_params * bytes,
+            expert_bank_bytes: bank_params * bytes,
+            dense_bytes: dense * bytes,
+            kv_bytes_per_token_bf16: 2 * spec.ffn.len() as u64 * kv_heads * d * 2,
+        }
+    }
+}

@@ -1,0 +1,38 @@
+//! Mixtral (8x7B, 8x22B): softmax top-2 router renormalised over the chosen experts, experts stored as
+//! `block_sparse_moe.experts.N.w1/w3/w2` (gate/up/down), optional sliding-window attention.
+
+use serde::Deserialize;
+
+use super::config::{check_top_k, parse, BaseConfig, ExpertNaming, ModelSpec, MoeSpec};
+use crate::backend::RouterKind;
+use crate::Result;
+
+#[derive(Deserialize)]
+struct MixtralConfig {
+    #[serde(flatten)]
+    base: BaseConfig,
+    num_local_experts: usize,
+    num_experts_per_tok: usize,
+    intermediate_size: usize,
+    #[serde(default)]
+    sliding_window: Option<usize>,
+}
+
+pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
+    let c: MixtralConfig = parse(config)?;
+    check_top_k(c.num_local_experts, c.num_experts_per_tok)?;
+    let mut spec = c.base.spec("mixtral")?;
+    spec.sliding_window = c.sliding_window;
+    spec.moe = Some(MoeSpec {
+        num_experts: c.num_local_experts,
+        top_k: c.num_experts_per_tok,
+        intermediate: c.intermediate_size,
+        router: RouterKind::SoftmaxTopK { renormalize: true },
+        shared_expert_intermediate: None,
+        naming: ExpertNaming {
+            block: "block_sparse_moe",
+            projections: ["w1", "w3", "w2"],
+        },
+    });
+    Ok(spec)
+}

@@ -1,0 +1,24 @@
+//! The incremental detokenizer against the fixture's byte-level BPE, where multi-byte characters span tokens.
+
+use std::path::Path;
+
+use ferry_core::loader::{Detokenizer, Tokenizer};
+
+#[test]
+fn streamed_pieces_never_split_a_character() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+    let tokenizer = Tokenizer::load(&dir).unwrap().unwrap();
+    let text = "naïve café, 世界 and 🦀 crabs";
+    let ids = tokenizer.encode(text, false).unwrap();
+    assert!(ids.len() > text.chars().count() / 2, "expected characters split across tokens");
+    let mut detokenizer = Detokenizer::new(&tokenizer);
+    let mut streamed = String::new();
+    for &id in &ids {
+        if let Some(piece) = detokenizer.push(id).unwrap() {
+            assert!(!piece.contains('\u{FFFD}'), "piece {piece:?} holds a broken character");
+            streamed.push_str(&piece);
+        }
+    }
+    assert_eq!(streamed, tokenizer.decode(&ids, true).unwrap());
+    assert_eq!(streamed, text);
+}
