@@ -6,19 +6,15 @@
 use std::path::{Path, PathBuf};
 
 use ferry_core::backend::cpu::CpuBackend;
+use ferry_core::backend::cuda::CudaBackend;
 use ferry_core::backend::Backend;
 use ferry_core::engine::{generate, GenerateRequest, SamplingParams, StopRules};
+use ferry_core::kv::KvCache;
 use ferry_core::loader::{ChatMessage, Checkpoint};
 use ferry_core::model::Model;
 use serde::Deserialize;
 
-const FAMILIES: &[&str] = &[
-    "qwen3_moe",
-    "qwen3_moe_fused",
-    "mixtral",
-    "olmoe",
-    "qwen2_moe",
-];
+const FAMILIES: &[&str] = &["qwen3_moe", "qwen3_moe_fused", "mixtral", "olmoe", "qwen2_moe"];
 const LOGIT_TOLERANCE: f32 = 1e-3;
 const NEAR_TIE: f32 = 2e-3;
 
@@ -39,22 +35,21 @@ struct Case {
     first_logits: Vec<f32>,
 }
 
+/// tests/fixtures, or `$FERRY_FIXTURES` where the tests run away from the source tree (the GPU machine).
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+    match std::env::var_os("FERRY_FIXTURES") {
+        Some(dir) => dir.into(),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"),
+    }
 }
 
-fn check_family(name: &str) {
+fn check_family<B: Backend>(backend: &B, name: &str) {
     let dir = fixtures().join(name);
     let reference: Reference =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let checkpoint = Checkpoint::open(&dir).unwrap();
-    let backend = CpuBackend;
-    let model = Model::load(&backend, &checkpoint).unwrap();
-    let tokenizer = checkpoint
-        .tokenizer
-        .as_ref()
-        .expect("fixture has a tokenizer");
+    let model = Model::load(backend, &checkpoint).unwrap();
+    let tokenizer = checkpoint.tokenizer.as_ref().expect("fixture has a tokenizer");
     assert!(
         reference.cases.len() >= 3,
         "{name}: expected short, long and chat cases"
@@ -80,9 +75,7 @@ fn check_family(name: &str) {
             );
         }
 
-        let mut kv = backend
-            .new_kv(model.kv_spec(case.prompt_ids.len() + 16))
-            .unwrap();
+        let mut kv = backend.new_kv(model.kv_spec(case.prompt_ids.len() + 16)).unwrap();
         let seq = kv.alloc_seq();
         let request = GenerateRequest {
             prompt_ids: case.prompt_ids.clone(),
@@ -94,38 +87,22 @@ fn check_family(name: &str) {
             },
         };
         let mut first_logits = None;
-        let out = generate(&backend, &model, &mut kv, seq, &request, |_, logits| {
+        let out = generate(backend, &model, &mut kv, seq, &request, |_, logits| {
             first_logits.get_or_insert_with(|| logits.to_vec());
         })
         .unwrap();
 
         let first_logits = first_logits.unwrap();
-        assert_eq!(
-            first_logits.len(),
-            case.first_logits.len(),
-            "{label}: vocabulary"
-        );
+        assert_eq!(first_logits.len(), case.first_logits.len(), "{label}: vocabulary");
         let worst = first_logits
             .iter()
             .zip(&case.first_logits)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
-        assert!(
-            worst <= LOGIT_TOLERANCE,
-            "{label}: first-step logits differ by {worst}"
-        );
+        assert!(worst <= LOGIT_TOLERANCE, "{label}: first-step logits differ by {worst}");
 
-        assert_eq!(
-            out.token_ids.len(),
-            case.generated_ids.len(),
-            "{label}: length"
-        );
-        if let Some(i) = out
-            .token_ids
-            .iter()
-            .zip(&case.generated_ids)
-            .position(|(a, b)| a != b)
-        {
+        assert_eq!(out.token_ids.len(), case.generated_ids.len(), "{label}: length");
+        if let Some(i) = out.token_ids.iter().zip(&case.generated_ids).position(|(a, b)| a != b) {
             assert!(
                 case.top2_margins[i] < NEAR_TIE,
                 "{label}: token {i} is {} but the reference has {} (margin {})\n ours {:?}\n  ref {:?}",
@@ -149,27 +126,23 @@ fn every_family_has_a_fixture() {
     }
 }
 
-#[test]
-fn qwen3_moe_matches_transformers() {
-    check_family("qwen3_moe");
+/// One test per family on the CPU (CI) and, ignored unless asked for, on the GPU (scripts/device/gpu-tests.sh).
+macro_rules! parity_tests {
+    ($($family:ident),*) => {
+        mod cpu {
+            $(#[test]
+            fn $family() {
+                super::check_family(&super::CpuBackend, stringify!($family));
+            })*
+        }
+        mod cuda {
+            $(#[test]
+            #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+            fn $family() {
+                super::check_family(&super::CudaBackend::new(0).unwrap(), stringify!($family));
+            })*
+        }
+    };
 }
 
-#[test]
-fn qwen3_moe_fused_experts_match_transformers() {
-    check_family("qwen3_moe_fused");
-}
-
-#[test]
-fn mixtral_matches_transformers() {
-    check_family("mixtral");
-}
-
-#[test]
-fn olmoe_matches_transformers() {
-    check_family("olmoe");
-}
-
-#[test]
-fn qwen2_moe_matches_transformers() {
-    check_family("qwen2_moe");
-}
+parity_tests!(qwen3_moe, qwen3_moe_fused, mixtral, olmoe, qwen2_moe);

@@ -4,4 +4,4 @@ mod generate;
 mod sampler;
 
 pub use generate::{generate, FinishReason, GenerateRequest, Generation, StopRules};
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{argmax, Sampler, SamplingParams};

@@ -29,10 +29,7 @@ impl SamplingParams {
     /// Rejects values no sampler can honour, naming the parameter.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            ));
+            return Err(format!("temperature must be >= 0, got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -137,10 +134,7 @@ mod tests {
         let mut allowed: Vec<usize> = (0..50).collect();
         allowed.sort_by(|&x, &y| logits[y].total_cmp(&logits[x]));
         for t in &a {
-            assert!(
-                allowed[..3].contains(&(*t as usize)),
-                "token {t} is outside the top 3"
-            );
+            assert!(allowed[..3].contains(&(*t as usize)), "token {t} is outside the top 3");
         }
         assert!(
             a.iter().collect::<std::collections::HashSet<_>>().len() > 1,
@@ -165,9 +159,6 @@ mod tests {
             .validate()
             .unwrap_err()
             .contains("temperature"));
-        assert!(params(1.0, None, 0.0, 0)
-            .validate()
-            .unwrap_err()
-            .contains("top_p"));
+        assert!(params(1.0, None, 0.0, 0).validate().unwrap_err().contains("top_p"));
     }
 }

@@ -3,7 +3,21 @@
 //! Sequences get a [`SeqId`] when they start and give it back when they end; their keys and values grow as they
 //! do, up to the cache's token capacity, after which appending fails with a clear error instead of growing.
 
+mod blocks;
+
+pub use blocks::BlockAllocator;
+
 use crate::{Error, Result};
+
+/// What the engine needs of any backend's KV cache: sequences come and go, and their lengths are known.
+pub trait KvCache: Send {
+    fn alloc_seq(&mut self) -> SeqId;
+    /// Ends a sequence and frees its room at once.
+    fn free_seq(&mut self, seq: SeqId);
+    fn seq_len(&self, seq: SeqId) -> usize;
+    fn used_tokens(&self) -> usize;
+    fn capacity_tokens(&self) -> usize;
+}
 
 /// A running sequence's handle into the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -40,56 +54,15 @@ pub struct HostKv {
 
 impl HostKv {
     pub fn new(spec: KvSpec) -> Self {
-        HostKv {
-            spec,
-            seqs: Vec::new(),
-        }
+        HostKv { spec, seqs: Vec::new() }
     }
 
     pub fn spec(&self) -> &KvSpec {
         &self.spec
     }
 
-    pub fn alloc_seq(&mut self) -> SeqId {
-        let fresh = HostSeq {
-            keys: vec![Vec::new(); self.spec.num_layers],
-            values: vec![Vec::new(); self.spec.num_layers],
-        };
-        match self.seqs.iter().position(Option::is_none) {
-            Some(i) => {
-                self.seqs[i] = Some(fresh);
-                SeqId(i as u32)
-            }
-            None => {
-                self.seqs.push(Some(fresh));
-                SeqId(self.seqs.len() as u32 - 1)
-            }
-        }
-    }
-
-    pub fn free_seq(&mut self, seq: SeqId) {
-        if let Some(slot) = self.seqs.get_mut(seq.0 as usize) {
-            *slot = None;
-        }
-    }
-
     fn row_width(&self) -> usize {
         self.spec.num_kv_heads * self.spec.head_dim
-    }
-
-    /// Tokens cached for `seq` (in layer 0, which every forward writes first).
-    pub fn seq_len(&self, seq: SeqId) -> usize {
-        self.seq(seq)
-            .map_or(0, |s| s.keys[0].len() / self.row_width())
-    }
-
-    pub fn used_tokens(&self) -> usize {
-        let width = self.row_width();
-        self.seqs
-            .iter()
-            .flatten()
-            .map(|s| s.keys[0].len() / width)
-            .sum()
     }
 
     fn seq(&self, seq: SeqId) -> Result<&HostSeq> {
@@ -99,24 +72,28 @@ impl HostKv {
             .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
     }
 
-    /// Appends `rows` rows of keys and values to `seq` at `layer`; the sequence must be at `start_pos`.
-    pub fn append(
-        &mut self,
-        seq: SeqId,
-        layer: usize,
-        start_pos: usize,
-        keys: &[f32],
-        values: &[f32],
-    ) -> Result<()> {
-        let width = self.row_width();
-        let new_tokens = keys.len() / width;
-        if layer == 0 && self.used_tokens() + new_tokens > self.spec.capacity_tokens {
+    /// Checks that a batch continuing `seq` at `start_pos` with `len` new tokens fits, before any layer runs.
+    pub fn check_room(&self, seq: SeqId, start_pos: usize, len: usize) -> Result<()> {
+        let cached = self.seq(seq)?.keys[0].len() / self.row_width();
+        if cached != start_pos {
             return Err(Error::Kv(format!(
-                "full: {} tokens cached, {new_tokens} more do not fit in a capacity of {}",
+                "sequence {} holds {cached} tokens, the batch continues it at position {start_pos}",
+                seq.0
+            )));
+        }
+        if self.used_tokens() + len > self.spec.capacity_tokens {
+            return Err(Error::Kv(format!(
+                "full: {} tokens cached, {len} more do not fit in a capacity of {}",
                 self.used_tokens(),
                 self.spec.capacity_tokens
             )));
         }
+        Ok(())
+    }
+
+    /// Appends rows of keys and values to `seq` at `layer`; the sequence must be at `start_pos` in that layer.
+    pub fn append(&mut self, seq: SeqId, layer: usize, start_pos: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        let width = self.row_width();
         let entry = self
             .seqs
             .get_mut(seq.0 as usize)
@@ -138,6 +115,45 @@ impl HostKv {
     pub fn layer(&self, seq: SeqId, layer: usize) -> Result<(&[f32], &[f32])> {
         let s = self.seq(seq)?;
         Ok((&s.keys[layer], &s.values[layer]))
+    }
+}
+
+impl KvCache for HostKv {
+    fn alloc_seq(&mut self) -> SeqId {
+        let fresh = HostSeq {
+            keys: vec![Vec::new(); self.spec.num_layers],
+            values: vec![Vec::new(); self.spec.num_layers],
+        };
+        match self.seqs.iter().position(Option::is_none) {
+            Some(i) => {
+                self.seqs[i] = Some(fresh);
+                SeqId(i as u32)
+            }
+            None => {
+                self.seqs.push(Some(fresh));
+                SeqId(self.seqs.len() as u32 - 1)
+            }
+        }
+    }
+
+    fn free_seq(&mut self, seq: SeqId) {
+        if let Some(slot) = self.seqs.get_mut(seq.0 as usize) {
+            *slot = None;
+        }
+    }
+
+    /// Tokens cached for `seq` (in layer 0, which every forward writes first).
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.seq(seq).map_or(0, |s| s.keys[0].len() / self.row_width())
+    }
+
+    fn used_tokens(&self) -> usize {
+        let width = self.row_width();
+        self.seqs.iter().flatten().map(|s| s.keys[0].len() / width).sum()
+    }
+
+    fn capacity_tokens(&self) -> usize {
+        self.spec.capacity_tokens
     }
 }
 
@@ -176,7 +192,7 @@ mod tests {
     fn a_full_cache_is_an_error_not_a_crash() {
         let mut kv = HostKv::new(spec(2));
         let a = kv.alloc_seq();
-        let err = kv.append(a, 0, 0, &[0.0; 6], &[0.0; 6]).unwrap_err();
+        let err = kv.check_room(a, 0, 3).unwrap_err();
         assert!(err.to_string().contains("full"), "{err}");
     }
 }

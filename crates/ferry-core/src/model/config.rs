@@ -102,43 +102,28 @@ impl BaseConfig {
     /// The spec's attention and embedding part; the family fills in `ffn`, `moe`, `qk_norm` and `sliding_window`.
     pub fn spec(&self, model_type: &'static str) -> Result<ModelSpec> {
         let num_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
-        if self.num_attention_heads == 0
-            || num_kv_heads == 0
-            || !self.num_attention_heads.is_multiple_of(num_kv_heads)
+        if self.num_attention_heads == 0 || num_kv_heads == 0 || !self.num_attention_heads.is_multiple_of(num_kv_heads)
         {
             return Err(Error::Config(format!(
                 "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({num_kv_heads})",
                 self.num_attention_heads
             )));
         }
-        let head_dim = self
-            .head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads);
+        let head_dim = self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads);
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(Error::Config(format!(
-                "head_dim {head_dim} must be even and positive"
-            )));
+            return Err(Error::Config(format!("head_dim {head_dim} must be even and positive")));
         }
         if let Some(scaling) = self.rope_scaling.as_ref().filter(|v| !v.is_null()) {
-            return Err(Error::Config(format!(
-                "rope_scaling {scaling} is not supported yet"
-            )));
+            return Err(Error::Config(format!("rope_scaling {scaling} is not supported yet")));
         }
         let rope = self.rope_parameters.as_ref();
-        if let Some(kind) = rope
-            .and_then(|r| r.rope_type.as_deref())
-            .filter(|t| *t != "default")
-        {
-            return Err(Error::Config(format!(
-                "rope_type \"{kind}\" is not supported yet"
-            )));
+        if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref()).filter(|t| *t != "default") {
+            return Err(Error::Config(format!("rope_type \"{kind}\" is not supported yet")));
         }
         let rope_theta = self
             .rope_theta
             .or(rope.and_then(|r| r.rope_theta))
-            .ok_or_else(|| {
-                Error::Config("no rope_theta (top level or in rope_parameters)".into())
-            })?;
+            .ok_or_else(|| Error::Config("no rope_theta (top level or in rope_parameters)".into()))?;
         let partial = rope.and_then(|r| r.partial_rotary_factor).unwrap_or(1.0);
         let rotary_dim = ((head_dim as f64 * partial) as usize) & !1;
         Ok(ModelSpec {

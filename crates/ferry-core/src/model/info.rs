@@ -31,11 +31,7 @@ pub struct ModelInfo {
 impl ModelInfo {
     pub fn new(spec: &ModelSpec, weight_dtype: crate::loader::DType) -> Self {
         let h = spec.hidden_size as u64;
-        let (heads, kv_heads, d) = (
-            spec.num_heads as u64,
-            spec.num_kv_heads as u64,
-            spec.head_dim as u64,
-        );
+        let (heads, kv_heads, d) = (spec.num_heads as u64, spec.num_kv_heads as u64, spec.head_dim as u64);
         let qk_norm = match spec.qk_norm {
             QkNorm::None => 0,
             QkNorm::PerHead => 2 * d,
@@ -43,19 +39,11 @@ impl ModelInfo {
         };
         let attention = 2 * h * heads * d + 2 * h * kv_heads * d + qk_norm + 2 * h;
         let (num_experts, top_k, moe_inter, shared) = spec.moe.as_ref().map_or((0, 0, 0, 0), |m| {
-            let shared = m
-                .shared_expert_intermediate
-                .map_or(0, |i| 3 * h * i as u64 + h);
-            (
-                m.num_experts as u64,
-                m.top_k as u64,
-                m.intermediate as u64,
-                shared,
-            )
+            let shared = m.shared_expert_intermediate.map_or(0, |i| 3 * h * i as u64 + h);
+            (m.num_experts as u64, m.top_k as u64, m.intermediate as u64, shared)
         });
         let expert_params = 3 * h * moe_inter;
-        let mut dense =
-            spec.vocab_size as u64 * h * if spec.tie_word_embeddings { 1 } else { 2 } + h;
+        let mut dense = spec.vocab_size as u64 * h * if spec.tie_word_embeddings { 1 } else { 2 } + h;
         let mut moe_layers = 0u64;
         for kind in &spec.ffn {
             dense += attention;

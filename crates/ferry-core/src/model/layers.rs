@@ -2,7 +2,7 @@
 //! the SwiGLU MLP, and the MoE block (router, routed experts, optional sigmoid-gated shared expert).
 
 use super::config::{ExpertNaming, FfnKind, ModelSpec, MoeSpec, QkNorm};
-use crate::backend::{AttentionParams, Backend, ExpertWeights, Rope, RouterKind, SeqSlice};
+use crate::backend::{AttentionParams, Backend, ExpertTensors, RouterKind};
 use crate::loader::{TensorRef, WeightStore};
 use crate::Result;
 
@@ -14,7 +14,7 @@ pub struct WeightLoader<'a, B: Backend> {
 
 impl<B: Backend> WeightLoader<'_, B> {
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<TensorRef> {
-        self.store.get(name)?.expect_shape(shape)
+        self.store.get_shaped(name, shape)
     }
 
     pub fn load(&self, name: &str, shape: &[usize]) -> Result<B::Weight> {
@@ -86,15 +86,14 @@ impl<B: Backend> Attention<B> {
         &self,
         be: &B,
         x: &B::Tensor,
-        positions: &[u32],
-        rope: &Rope,
+        rope: &B::RopeTable,
         kv: &mut B::Kv,
         layer: usize,
-        batch: &[SeqSlice],
+        batch: &B::Batch,
     ) -> Result<B::Tensor> {
-        let mut q = be.linear(x, &self.q_proj, self.q_bias.as_ref());
-        let mut k = be.linear(x, &self.k_proj, self.k_bias.as_ref());
-        let v = be.linear(x, &self.v_proj, self.v_bias.as_ref());
+        let mut q = be.linear(x, &self.q_proj, self.q_bias.as_ref())?;
+        let mut k = be.linear(x, &self.k_proj, self.k_bias.as_ref())?;
+        let v = be.linear(x, &self.v_proj, self.v_bias.as_ref())?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             let group = |t: &B::Tensor| {
                 if self.norm_group == 0 {
@@ -103,13 +102,13 @@ impl<B: Backend> Attention<B> {
                     self.norm_group
                 }
             };
-            q = be.rms_norm(&q, qn, group(&q), self.eps);
-            k = be.rms_norm(&k, kn, group(&k), self.eps);
+            q = be.rms_norm(&q, qn, group(&q), self.eps)?;
+            k = be.rms_norm(&k, kn, group(&k), self.eps)?;
         }
-        be.rope(&mut q, positions, rope);
-        be.rope(&mut k, positions, rope);
+        be.rope(&mut q, batch, rope)?;
+        be.rope(&mut k, batch, rope)?;
         let out = be.attention(&q, &k, &v, kv, layer, batch, &self.params)?;
-        Ok(be.linear(&out, &self.o_proj, None))
+        be.linear(&out, &self.o_proj, None)
     }
 }
 
@@ -121,13 +120,7 @@ pub struct Mlp<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
-    pub fn load(
-        w: &WeightLoader<B>,
-        prefix: &str,
-        names: [&str; 3],
-        hidden: usize,
-        inter: usize,
-    ) -> Result<Self> {
+    pub fn load(w: &WeightLoader<B>, prefix: &str, names: [&str; 3], hidden: usize, inter: usize) -> Result<Self> {
         Ok(Mlp {
             gate: w.load(&format!("{prefix}.{}.weight", names[0]), &[inter, hidden])?,
             up: w.load(&format!("{prefix}.{}.weight", names[1]), &[inter, hidden])?,
@@ -135,11 +128,8 @@ impl<B: Backend> Mlp<B> {
         })
     }
 
-    pub fn forward(&self, be: &B, x: &B::Tensor) -> B::Tensor {
-        let act = be.silu_mul(
-            &be.linear(x, &self.gate, None),
-            &be.linear(x, &self.up, None),
-        );
+    pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let act = be.silu_mul(&be.linear(x, &self.gate, None)?, &be.linear(x, &self.up, None)?)?;
         be.linear(&act, &self.down, None)
     }
 }
@@ -153,7 +143,7 @@ pub struct MoeBlock<B: Backend> {
     router: B::Weight,
     router_kind: RouterKind,
     top_k: usize,
-    experts: Vec<ExpertWeights<B::Weight>>,
+    experts: B::Experts,
     shared: Option<SharedExpert<B>>,
 }
 
@@ -166,7 +156,7 @@ fn expert_tensors(
     naming: &ExpertNaming,
     moe: &MoeSpec,
     hidden: usize,
-) -> Result<Vec<[TensorRef; 3]>> {
+) -> Result<Vec<ExpertTensors>> {
     let (n, inter) = (moe.num_experts, moe.intermediate);
     let fused = format!("{block}.experts.gate_up_proj");
     if w.store.contains(&fused) {
@@ -175,11 +165,11 @@ fn expert_tensors(
         return (0..n)
             .map(|e| {
                 let pair = gate_up.select(e)?;
-                Ok([
-                    pair.rows(0, inter)?,
-                    pair.rows(inter, 2 * inter)?,
-                    down.select(e)?,
-                ])
+                Ok(ExpertTensors {
+                    gate: pair.rows(0, inter)?,
+                    up: pair.rows(inter, 2 * inter)?,
+                    down: down.select(e)?,
+                })
             })
             .collect();
     }
@@ -187,33 +177,21 @@ fn expert_tensors(
     (0..n)
         .map(|e| {
             let name = |proj: &str| format!("{block}.experts.{e}.{proj}.weight");
-            Ok([
-                w.tensor(&name(gate), &[inter, hidden])?,
-                w.tensor(&name(up), &[inter, hidden])?,
-                w.tensor(&name(down), &[hidden, inter])?,
-            ])
+            Ok(ExpertTensors {
+                gate: w.tensor(&name(gate), &[inter, hidden])?,
+                up: w.tensor(&name(up), &[inter, hidden])?,
+                down: w.tensor(&name(down), &[hidden, inter])?,
+            })
         })
         .collect()
 }
 
 impl<B: Backend> MoeBlock<B> {
-    pub fn load(
-        w: &WeightLoader<B>,
-        layer_prefix: &str,
-        moe: &MoeSpec,
-        hidden: usize,
-    ) -> Result<Self> {
+    pub fn load(w: &WeightLoader<B>, layer_prefix: &str, moe: &MoeSpec, hidden: usize) -> Result<Self> {
         let block = format!("{layer_prefix}.{}", moe.naming.block);
-        let experts = expert_tensors(w, &block, &moe.naming, moe, hidden)?
-            .into_iter()
-            .map(|[gate, up, down]| {
-                Ok(ExpertWeights {
-                    gate: w.backend.weight(gate)?,
-                    up: w.backend.weight(up)?,
-                    down: w.backend.weight(down)?,
-                })
-            })
-            .collect::<Result<_>>()?;
+        let experts = w
+            .backend
+            .experts(expert_tensors(w, &block, &moe.naming, moe, hidden)?)?;
         let shared = match moe.shared_expert_intermediate {
             Some(inter) => Some(SharedExpert {
                 mlp: Mlp::load(
@@ -236,19 +214,15 @@ impl<B: Backend> MoeBlock<B> {
         })
     }
 
-    pub fn forward(&self, be: &B, x: &B::Tensor) -> B::Tensor {
-        let routing = be.route(
-            &be.linear(x, &self.router, None),
-            self.top_k,
-            self.router_kind,
-        );
-        let mut out = be.moe_experts(x, &routing, &self.experts);
+    pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let routing = be.route(&be.linear(x, &self.router, None)?, self.top_k, self.router_kind)?;
+        let mut out = be.moe_experts(x, &routing, &self.experts)?;
         if let Some(shared) = &self.shared {
-            let mut y = shared.mlp.forward(be, x);
-            be.sigmoid_gate(&mut y, &be.linear(x, &shared.gate, None));
-            be.add_assign(&mut out, &y);
+            let mut y = shared.mlp.forward(be, x)?;
+            be.sigmoid_gate(&mut y, &be.linear(x, &shared.gate, None)?)?;
+            be.add_assign(&mut out, &y)?;
         }
-        out
+        Ok(out)
     }
 }
 
@@ -258,12 +232,7 @@ pub enum Ffn<B: Backend> {
 }
 
 impl<B: Backend> Ffn<B> {
-    pub fn load(
-        w: &WeightLoader<B>,
-        layer_prefix: &str,
-        kind: FfnKind,
-        spec: &ModelSpec,
-    ) -> Result<Self> {
+    pub fn load(w: &WeightLoader<B>, layer_prefix: &str, kind: FfnKind, spec: &ModelSpec) -> Result<Self> {
         match (kind, &spec.moe) {
             (FfnKind::Dense { intermediate }, _) => Ok(Ffn::Dense(Mlp::load(
                 w,
@@ -272,19 +241,12 @@ impl<B: Backend> Ffn<B> {
                 spec.hidden_size,
                 intermediate,
             )?)),
-            (FfnKind::Moe, Some(moe)) => Ok(Ffn::Moe(MoeBlock::load(
-                w,
-                layer_prefix,
-                moe,
-                spec.hidden_size,
-            )?)),
-            (FfnKind::Moe, None) => Err(crate::Error::Config(
-                "a MoE layer in a model without experts".into(),
-            )),
+            (FfnKind::Moe, Some(moe)) => Ok(Ffn::Moe(MoeBlock::load(w, layer_prefix, moe, spec.hidden_size)?)),
+            (FfnKind::Moe, None) => Err(crate::Error::Config("a MoE layer in a model without experts".into())),
         }
     }
 
-    pub fn forward(&self, be: &B, x: &B::Tensor) -> B::Tensor {
+    pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
         match self {
             Ffn::Dense(mlp) => mlp.forward(be, x),
             Ffn::Moe(moe) => moe.forward(be, x),

@@ -50,7 +50,7 @@ pub struct Model<B: Backend> {
     norm: B::Weight,
     /// None when the output head is tied to the embedding table.
     lm_head: Option<B::Weight>,
-    rope: Rope,
+    rope: B::RopeTable,
 }
 
 impl<B: Backend> Model<B> {
@@ -70,8 +70,7 @@ impl<B: Backend> Model<B> {
                 Ok(DecoderLayer {
                     input_norm: w.load(&format!("{prefix}.input_layernorm.weight"), &[h])?,
                     attention: Attention::load(&w, &format!("{prefix}.self_attn"), &spec)?,
-                    post_attention_norm: w
-                        .load(&format!("{prefix}.post_attention_layernorm.weight"), &[h])?,
+                    post_attention_norm: w.load(&format!("{prefix}.post_attention_layernorm.weight"), &[h])?,
                     ffn: Ffn::load(&w, &prefix, kind, &spec)?,
                 })
             })
@@ -85,7 +84,7 @@ impl<B: Backend> Model<B> {
             layers,
             norm: w.load("model.norm.weight", &[h])?,
             lm_head,
-            rope: Rope::new(spec.rope_theta, spec.head_dim, spec.rotary_dim),
+            rope: backend.rope_table(&Rope::new(spec.rope_theta, spec.head_dim, spec.rotary_dim))?,
             spec,
         })
     }
@@ -102,13 +101,7 @@ impl<B: Backend> Model<B> {
 
     /// Runs the batch (`ids` are the rows of `batch`'s slices, in order), appending to each sequence's KV cache,
     /// and returns the logits `[slices, vocab]` of each slice's last token.
-    pub fn forward(
-        &self,
-        be: &B,
-        ids: &[u32],
-        batch: &[SeqSlice],
-        kv: &mut B::Kv,
-    ) -> Result<B::Tensor> {
+    pub fn forward(&self, be: &B, ids: &[u32], batch: &[SeqSlice], kv: &mut B::Kv) -> Result<B::Tensor> {
         let rows: usize = batch.iter().map(|s| s.len).sum();
         if rows != ids.len() || batch.iter().any(|s| s.len == 0) {
             return Err(Error::Request(format!(
@@ -123,21 +116,16 @@ impl<B: Backend> Model<B> {
                 self.spec.vocab_size
             )));
         }
-        let positions: Vec<u32> = batch
-            .iter()
-            .flat_map(|s| (s.start_pos..s.start_pos + s.len).map(|p| p as u32))
-            .collect();
+        let prepared = be.prepare_batch(kv, batch)?;
         let eps = self.spec.rms_norm_eps;
         let h = self.spec.hidden_size;
-        let mut x = be.embed(&self.embed_tokens, ids);
+        let mut x = be.embed(&self.embed_tokens, ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let normed = be.rms_norm(&x, &layer.input_norm, h, eps);
-            let attn = layer
-                .attention
-                .forward(be, &normed, &positions, &self.rope, kv, i, batch)?;
-            be.add_assign(&mut x, &attn);
-            let normed = be.rms_norm(&x, &layer.post_attention_norm, h, eps);
-            be.add_assign(&mut x, &layer.ffn.forward(be, &normed));
+            let normed = be.rms_norm(&x, &layer.input_norm, h, eps)?;
+            let attn = layer.attention.forward(be, &normed, &self.rope, kv, i, &prepared)?;
+            be.add_assign(&mut x, &attn)?;
+            let normed = be.rms_norm(&x, &layer.post_attention_norm, h, eps)?;
+            be.add_assign(&mut x, &layer.ffn.forward(be, &normed)?)?;
         }
         let last_rows: Vec<usize> = batch
             .iter()
@@ -146,11 +134,7 @@ impl<B: Backend> Model<B> {
                 Some(*end - 1)
             })
             .collect();
-        let last = be.rms_norm(&be.select_rows(&x, &last_rows), &self.norm, h, eps);
-        Ok(be.linear(
-            &last,
-            self.lm_head.as_ref().unwrap_or(&self.embed_tokens),
-            None,
-        ))
+        let last = be.rms_norm(&be.select_rows(&x, &last_rows)?, &self.norm, h, eps)?;
+        be.linear(&last, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
     }
 }

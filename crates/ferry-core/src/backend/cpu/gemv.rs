@@ -6,15 +6,7 @@ pub enum WeightDType {
     BF16,
 }
 
-pub fn matmul(
-    x: &[f32],
-    m_tokens: usize,
-    k: usize,
-    w: &[u8],
-    dtype: WeightDType,
-    n_rows: usize,
-    out: &mut [f32],
-) {
+pub fn matmul(x: &[f32], m_tokens: usize, k: usize, w: &[u8], dtype: WeightDType, n_rows: usize, out: &mut [f32]) {
     let es = if dtype == WeightDType::F32 { 4 } else { 2 };
     for r in 0..n_rows {
         let row: Vec<f32> = w[r * k * es..(r + 1) * k * es]
@@ -26,11 +18,7 @@ pub fn matmul(
             })
             .collect();
         for m in 0..m_tokens {
-            out[m * n_rows + r] = x[m * k..(m + 1) * k]
-                .iter()
-                .zip(&row)
-                .map(|(a, b)| a * b)
-                .sum();
+            out[m * n_rows + r] = x[m * k..(m + 1) * k].iter().zip(&row).map(|(a, b)| a * b).sum();
         }
     }
 }
