@@ -8,14 +8,17 @@ cd "$(dirname "$0")/../.."
 cargo build --release -p ferry-cli
 rm -rf .stage && mkdir -p .stage/tests
 cp target/release/ferry .stage/
-cargo test --release --workspace --no-run --message-format=json 2>/dev/null \
-    | python3 -c '
-import json, shutil, sys, os
+cargo test --release --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, os, shutil, sys
 for line in sys.stdin:
     msg = json.loads(line)
-    exe = msg.get("executable")
-    if msg.get("reason") == "compiler-artifact" and exe and msg.get("profile", {}).get("test"):
-        name = msg["target"]["name"]
-        shutil.copy(exe, os.path.join(".stage/tests", f"{msg[\"package_id\"].split(\"#\")[0].split(\"/\")[-1]}-{name}"))
+    if msg.get("reason") == "compiler-artifact" and msg.get("executable") and msg["profile"]["test"]:
+        package = msg["package_id"].split("#")[0].rsplit("/", 1)[-1]
+        shutil.copy(msg["executable"], os.path.join(".stage/tests", package + "-" + msg["target"]["name"]))
 '
-ls -la .stage .stage/tests
+# Only test binaries with GPU tests travel, without debug info: the device tool carries 64 MiB at most.
+for test in .stage/tests/*; do
+    "$test" --list --ignored 2>/dev/null | grep -q ': test$' || rm "$test"
+done
+strip --strip-debug .stage/ferry .stage/tests/*
+du -sh .stage/ferry .stage/tests/*

@@ -86,7 +86,7 @@ fn python_nvidia_lib_dirs() -> Vec<PathBuf> {
 }
 
 /// Loads `name` (a soname) globally: first as the system linker finds it, then from each search directory.
-fn load(name: &str, dirs: &[PathBuf]) -> Result<String> {
+fn load(name: &str, dirs: &[PathBuf]) -> Result<String, String> {
     let open = |path: &str| {
         // SAFETY: loading a shared library runs its initialisers; these are NVIDIA's own libraries, loaded once.
         unsafe {
@@ -111,14 +111,14 @@ fn load(name: &str, dirs: &[PathBuf]) -> Result<String> {
             std::mem::forget(lib);
             Ok(path)
         }
-        None => Err(Error::Cuda(format!(
+        None => Err(format!(
             "{name} not found; searched: {}, and {}",
             tried.join(", "),
             dirs.iter()
                 .map(|d| d.display().to_string())
                 .collect::<Vec<_>>()
                 .join(", ")
-        ))),
+        )),
     }
 }
 
@@ -128,14 +128,11 @@ pub fn load_cuda_libraries() -> Result<CudaLibraries> {
     LOADED
         .get_or_init(|| {
             let dirs = search_dirs();
-            let load_all = || -> Result<CudaLibraries> {
-                Ok(CudaLibraries {
-                    driver: load("libcuda.so.1", &dirs)?,
-                    cublas_lt: load("libcublasLt.so.13", &dirs)?,
-                    cublas: load("libcublas.so.13", &dirs)?,
-                })
-            };
-            load_all().map_err(|e| e.to_string())
+            Ok(CudaLibraries {
+                driver: load("libcuda.so.1", &dirs)?,
+                cublas_lt: load("libcublasLt.so.13", &dirs)?,
+                cublas: load("libcublas.so.13", &dirs)?,
+            })
         })
         .clone()
         .map_err(Error::Cuda)

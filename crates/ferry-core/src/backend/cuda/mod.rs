@@ -29,6 +29,8 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Rows of a batch up to which the MoE block runs its decode kernels (routing never leaves the device).
 const MOE_DECODE_MAX_ROWS: usize = GEMV_MAX_ROWS;
 const GEMV_WARPS: u32 = 8;
+/// Warps per (row, head) block of the attention kernel (attention.cu's ATTN_WARPS).
+const ATTENTION_WARPS: u32 = 8;
 
 fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Cuda(format!("{context}: {e}"))
@@ -662,7 +664,7 @@ impl Backend for CudaBackend {
         let block_size = kv.block_size() as i32;
         let cfg = LaunchConfig {
             grid_dim: (q.rows as u32, p.num_heads as u32, 1),
-            block_dim: (32, 1, 1),
+            block_dim: (ATTENTION_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
         unsafe {
