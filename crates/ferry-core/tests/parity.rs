@@ -1,13 +1,16 @@
 //! Every fixture family against HF transformers' float32 reference (tests/fixtures, made by
 //! scripts/make_fixtures.py): tokenization and chat template, first-step logits within 1e-3, and 16 greedy tokens
 //! equal to the reference's, where a first difference is allowed only at a near tie (reference top-2 margin
-//! below 2e-3), after which the continuations legitimately diverge.
+//! below 2e-3), after which the continuations legitimately diverge. The long prompt is checked twice: prefilled in
+//! one forward call, and in chunks of [`PREFILL_CHUNK`] tokens the way the scheduler feeds long prompts, so KV and
+//! recurrent state must carry across calls.
 
 use std::path::{Path, PathBuf};
 
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
-use ferry_core::engine::{generate, GenerateRequest, SamplingParams, StopRules};
+use ferry_core::backend::SeqSlice;
+use ferry_core::engine::{generate, GenerateRequest, Sampler, SamplingParams, StopRules};
 use ferry_core::loader::{ChatMessage, Checkpoint};
 use ferry_core::model::Model;
 use serde::Deserialize;
@@ -18,8 +21,13 @@ const FAMILIES: &[&str] = &[
     "mixtral",
     "olmoe",
     "qwen2_moe",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
 ];
 const LOGIT_TOLERANCE: f32 = 1e-3;
+/// Several chunks for the long prompt (472 tokens), none aligned to the reference's 64-token delta-rule chunks.
+const PREFILL_CHUNK: usize = 100;
 const NEAR_TIE: f32 = 2e-3;
 
 #[derive(Deserialize)]
@@ -99,43 +107,88 @@ fn check_family(name: &str) {
         })
         .unwrap();
 
-        let first_logits = first_logits.unwrap();
-        assert_eq!(
-            first_logits.len(),
-            case.first_logits.len(),
-            "{label}: vocabulary"
-        );
-        let worst = first_logits
-            .iter()
-            .zip(&case.first_logits)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        assert!(
-            worst <= LOGIT_TOLERANCE,
-            "{label}: first-step logits differ by {worst}"
-        );
-
-        assert_eq!(
-            out.token_ids.len(),
-            case.generated_ids.len(),
-            "{label}: length"
-        );
-        if let Some(i) = out
-            .token_ids
-            .iter()
-            .zip(&case.generated_ids)
-            .position(|(a, b)| a != b)
-        {
-            assert!(
-                case.top2_margins[i] < NEAR_TIE,
-                "{label}: token {i} is {} but the reference has {} (margin {})\n ours {:?}\n  ref {:?}",
-                out.token_ids[i],
-                case.generated_ids[i],
-                case.top2_margins[i],
-                out.token_ids,
-                case.generated_ids
+        check_against_reference(&label, case, &first_logits.unwrap(), &out.token_ids);
+        if case.prompt_ids.len() > PREFILL_CHUNK {
+            let (first_logits, tokens) =
+                greedy_chunked(&backend, &model, &case.prompt_ids, case.generated_ids.len());
+            check_against_reference(
+                &format!("{label} (prefill in chunks of {PREFILL_CHUNK})"),
+                case,
+                &first_logits,
+                &tokens,
             );
         }
+    }
+}
+
+/// Greedy decoding after a prefill of `PREFILL_CHUNK`-token forward calls; the first step's logits and the tokens.
+fn greedy_chunked(
+    backend: &CpuBackend,
+    model: &Model<CpuBackend>,
+    prompt: &[u32],
+    steps: usize,
+) -> (Vec<f32>, Vec<u32>) {
+    let mut kv = backend.new_kv(model.kv_spec(prompt.len() + steps)).unwrap();
+    let seq = kv.alloc_seq();
+    let mut sampler = Sampler::new(SamplingParams::default());
+    let mut logits = Vec::new();
+    for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+        let slice = SeqSlice {
+            seq,
+            start_pos: i * PREFILL_CHUNK,
+            len: chunk.len(),
+        };
+        logits = backend.to_host(&model.forward(backend, chunk, &[slice], &mut kv).unwrap());
+    }
+    let first_logits = logits.clone();
+    let mut tokens = Vec::with_capacity(steps);
+    for pos in prompt.len()..prompt.len() + steps {
+        let token = sampler.sample(&logits);
+        tokens.push(token);
+        if tokens.len() == steps {
+            break;
+        }
+        let slice = SeqSlice {
+            seq,
+            start_pos: pos,
+            len: 1,
+        };
+        logits = backend.to_host(&model.forward(backend, &[token], &[slice], &mut kv).unwrap());
+    }
+    (first_logits, tokens)
+}
+
+fn check_against_reference(label: &str, case: &Case, first_logits: &[f32], tokens: &[u32]) {
+    assert_eq!(
+        first_logits.len(),
+        case.first_logits.len(),
+        "{label}: vocabulary"
+    );
+    let worst = first_logits
+        .iter()
+        .zip(&case.first_logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst <= LOGIT_TOLERANCE,
+        "{label}: first-step logits differ by {worst}"
+    );
+
+    assert_eq!(tokens.len(), case.generated_ids.len(), "{label}: length");
+    if let Some(i) = tokens
+        .iter()
+        .zip(&case.generated_ids)
+        .position(|(a, b)| a != b)
+    {
+        assert!(
+            case.top2_margins[i] < NEAR_TIE,
+            "{label}: token {i} is {} but the reference has {} (margin {})\n ours {:?}\n  ref {:?}",
+            tokens[i],
+            case.generated_ids[i],
+            case.top2_margins[i],
+            tokens,
+            case.generated_ids
+        );
     }
 }
 
@@ -172,4 +225,19 @@ fn olmoe_matches_transformers() {
 #[test]
 fn qwen2_moe_matches_transformers() {
     check_family("qwen2_moe");
+}
+
+#[test]
+fn qwen3_5_moe_matches_transformers() {
+    check_family("qwen3_5_moe");
+}
+
+#[test]
+fn qwen3_5_moe_text_matches_transformers() {
+    check_family("qwen3_5_moe_text");
+}
+
+#[test]
+fn qwen3_next_matches_transformers() {
+    check_family("qwen3_next");
 }

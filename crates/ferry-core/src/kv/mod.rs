@@ -1,7 +1,13 @@
-//! The key/value cache: what a running sequence keeps of its past tokens, per attention layer.
+//! The key/value cache: what a running sequence keeps of its past tokens, per attention layer, and, for hybrid
+//! models, its recurrent-state slot ([`recurrent`]).
 //!
 //! Sequences get a [`SeqId`] when they start and give it back when they end; their keys and values grow as they
-//! do, up to the cache's token capacity, after which appending fails with a clear error instead of growing.
+//! do, up to the cache's token capacity, after which appending fails with a clear error instead of growing. The
+//! recurrent state is allocated with the sequence and freed with it.
+
+pub mod recurrent;
+
+pub use recurrent::{RecurrentLayer, RecurrentSpec};
 
 use crate::{Error, Result};
 
@@ -12,11 +18,14 @@ pub struct SeqId(pub u32);
 /// The shape of a KV cache.
 #[derive(Clone, Debug)]
 pub struct KvSpec {
+    /// Attention layers (a hybrid model's Gated DeltaNet layers keep no keys and values).
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
     /// Tokens the cache may hold across all sequences.
     pub capacity_tokens: usize,
+    /// Each sequence's recurrent state, for models with Gated DeltaNet layers.
+    pub recurrent: Option<RecurrentSpec>,
 }
 
 impl KvSpec {
@@ -30,6 +39,8 @@ impl KvSpec {
 struct HostSeq {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
+    /// Per Gated DeltaNet layer.
+    recurrent: Vec<RecurrentLayer>,
 }
 
 /// The KV cache in host memory (the CPU backend's).
@@ -51,9 +62,14 @@ impl HostKv {
     }
 
     pub fn alloc_seq(&mut self) -> SeqId {
+        let recurrent = match &self.spec.recurrent {
+            Some(r) => vec![RecurrentLayer::new(r); r.num_layers],
+            None => Vec::new(),
+        };
         let fresh = HostSeq {
             keys: vec![Vec::new(); self.spec.num_layers],
             values: vec![Vec::new(); self.spec.num_layers],
+            recurrent,
         };
         match self.seqs.iter().position(Option::is_none) {
             Some(i) => {
@@ -134,6 +150,17 @@ impl HostKv {
         Ok(())
     }
 
+    /// The recurrent state of `seq` in Gated DeltaNet layer `layer`.
+    pub fn recurrent(&mut self, seq: SeqId, layer: usize) -> Result<&mut RecurrentLayer> {
+        self.seqs
+            .get_mut(seq.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))?
+            .recurrent
+            .get_mut(layer)
+            .ok_or_else(|| Error::Kv(format!("no recurrent state for layer {layer}")))
+    }
+
     /// All cached keys and values of `seq` at `layer`.
     pub fn layer(&self, seq: SeqId, layer: usize) -> Result<(&[f32], &[f32])> {
         let s = self.seq(seq)?;
@@ -151,6 +178,14 @@ mod tests {
             num_kv_heads: 1,
             head_dim: 2,
             capacity_tokens,
+            recurrent: Some(RecurrentSpec {
+                num_layers: 1,
+                conv_channels: 2,
+                conv_kernel: 3,
+                num_heads: 1,
+                k_head_dim: 2,
+                v_head_dim: 2,
+            }),
         }
     }
 
@@ -167,9 +202,21 @@ mod tests {
             kv.append(a, 0, 0, &[1.0; 2], &[1.0; 2]).is_err(),
             "wrong start position"
         );
+        kv.recurrent(a, 0).unwrap().delta[0] = 1.0;
         kv.free_seq(a);
         assert_eq!(kv.used_tokens(), 0);
         assert_eq!(kv.alloc_seq(), a, "a freed slot is reused");
+        let state = kv.recurrent(a, 0).unwrap();
+        assert_eq!(
+            (state.conv.len(), state.delta.len()),
+            (4, 4),
+            "[K - 1, C] and [H, dk, dv]"
+        );
+        assert!(
+            state.delta.iter().all(|&v| v == 0.0),
+            "a reused slot starts from a fresh recurrent state"
+        );
+        assert!(kv.recurrent(a, 1).is_err(), "one Gated DeltaNet layer");
     }
 
     #[test]
