@@ -241,3 +241,94 @@ fn qwen3_5_moe_text_matches_transformers() {
 fn qwen3_next_matches_transformers() {
     check_family("qwen3_next");
 }
+
+/// What the scheduler does with a hybrid model: a long prompt prefilled in chunks, each chunk batched with another
+/// sequence's work. Its last logits must equal one whole-prompt call, and the other sequence's must equal its own
+/// call alone: recurrent state carries across calls and never leaks between sequences.
+fn check_state_across_calls(name: &str) {
+    let checkpoint = Checkpoint::open(&fixtures().join(name)).unwrap();
+    let backend = CpuBackend;
+    let model = Model::load(&backend, &checkpoint).unwrap();
+    let reference: Reference = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(name).join("reference.json")).unwrap(),
+    )
+    .unwrap();
+    let prompt = |case: &str| {
+        &reference
+            .cases
+            .iter()
+            .find(|c| c.name == case)
+            .unwrap()
+            .prompt_ids
+    };
+    let (long, short) = (prompt("long"), prompt("short"));
+    let alone = |ids: &[u32]| {
+        let mut kv = backend.new_kv(model.kv_spec(ids.len())).unwrap();
+        let seq = kv.alloc_seq();
+        let slice = SeqSlice {
+            seq,
+            start_pos: 0,
+            len: ids.len(),
+        };
+        backend.to_host(&model.forward(&backend, ids, &[slice], &mut kv).unwrap())
+    };
+
+    let mut kv = backend
+        .new_kv(model.kv_spec(long.len() + short.len() + 8))
+        .unwrap();
+    let (a, b) = (kv.alloc_seq(), kv.alloc_seq());
+    let vocab = model.spec.vocab_size;
+    let mut long_logits = Vec::new();
+    let mut short_logits = Vec::new();
+    for (i, chunk) in long.chunks(PREFILL_CHUNK).enumerate() {
+        // The short prompt shares the first call; later calls carry one more of its tokens each.
+        let (other_ids, other_start) = match i {
+            0 => (short.clone(), 0),
+            _ => (vec![short[i % short.len()]], short.len() + i - 1),
+        };
+        let batch = [
+            SeqSlice {
+                seq: b,
+                start_pos: other_start,
+                len: other_ids.len(),
+            },
+            SeqSlice {
+                seq: a,
+                start_pos: i * PREFILL_CHUNK,
+                len: chunk.len(),
+            },
+        ];
+        let ids: Vec<u32> = other_ids.iter().chain(chunk).copied().collect();
+        let logits = backend.to_host(&model.forward(&backend, &ids, &batch, &mut kv).unwrap());
+        if i == 0 {
+            short_logits = logits[..vocab].to_vec();
+        }
+        long_logits = logits[vocab..].to_vec();
+    }
+    let differ = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max)
+    };
+    let long_diff = differ(&long_logits, &alone(long));
+    assert!(
+        long_diff <= 1e-5,
+        "{name}: chunked, batched prefill differs from one call by {long_diff}"
+    );
+    let short_diff = differ(&short_logits, &alone(short));
+    assert!(
+        short_diff <= 1e-5,
+        "{name}: a sequence batched with another differs from its own call by {short_diff}"
+    );
+}
+
+#[test]
+fn qwen3_5_moe_state_carries_across_calls_and_stays_per_sequence() {
+    check_state_across_calls("qwen3_5_moe");
+}
+
+#[test]
+fn qwen3_next_state_carries_across_calls_and_stays_per_sequence() {
+    check_state_across_calls("qwen3_next");
+}

@@ -38,7 +38,14 @@ impl Checkpoint {
             .and_then(|v| v.as_str())
             .ok_or_else(|| Error::file(&config_path, "no \"model_type\" string"))?
             .to_string();
-        if let Some(text_config) = config.get("text_config").cloned() {
+        if let Some(mut text_config) = config.get("text_config").cloned() {
+            // Multimodal wrappers say whether the output head is tied at the top level; the text config may not.
+            if let (Some(tie), Some(text)) = (
+                config.get("tie_word_embeddings"),
+                text_config.as_object_mut(),
+            ) {
+                text.entry("tie_word_embeddings").or_insert(tie.clone());
+            }
             config = text_config;
         }
         let generation = GenerationConfig::load(dir)?;
