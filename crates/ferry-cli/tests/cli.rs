@@ -305,6 +305,30 @@ fn config_missing_a_field() {
     expect_clean_failure(dir.path(), "num_experts");
 }
 
+/// The qwen3_next fixture with `edit` applied to its config.json.
+fn edited_hybrid(edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let dir = copy_fixture("qwen3_next");
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn hybrid_configs_that_cannot_run_say_why() {
+    let dir = edited_hybrid(|c| c["layer_types"] = serde_json::json!(vec!["linear_attention"; 4]));
+    expect_clean_failure(dir.path(), "no full_attention layer");
+    let dir = edited_hybrid(|c| c["layer_types"] = serde_json::json!(["full_attention"]));
+    expect_clean_failure(dir.path(), "layer_types has 1 entries for 4 layers");
+    let dir = edited_hybrid(|c| c["linear_num_value_heads"] = 3.into());
+    expect_clean_failure(dir.path(), "linear_num_value_heads (3)");
+    // A Qwen3-Next checkpoint whose qkvz projection does not fit its config names the tensor.
+    let dir = edited_hybrid(|c| c["linear_value_head_dim"] = 8.into());
+    expect_clean_failure(dir.path(), "in_proj_qkvz.weight");
+}
+
 #[test]
 fn unknown_model_type_names_the_supported_ones() {
     let dir = copy_fixture(FIXTURE);

@@ -322,6 +322,13 @@ impl HybridConfig {
                 })
                 .collect(),
         };
+        if !spec.mixers.contains(&Mixer::Attention) {
+            // Sequences are tracked through their attention layers' KV; a model of Gated DeltaNet layers alone has none.
+            return Err(Error::Config(
+                "no full_attention layer: models of Gated DeltaNet layers alone are not supported"
+                    .into(),
+            ));
+        }
         let (k_heads, v_heads) = (self.linear_num_key_heads, self.linear_num_value_heads);
         if k_heads == 0 || !v_heads.is_multiple_of(k_heads) || v_heads == 0 {
             return Err(Error::Config(format!(
