@@ -39,7 +39,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&info)?);
         return Ok(());
     }
-    let rows = [
+    let mut rows = vec![
         ("family", info.model_type.clone()),
         ("layers (MoE)", format!("{} ({})", info.num_layers, info.num_moe_layers)),
         (
@@ -63,6 +63,19 @@ pub fn run(args: InfoArgs) -> Result<()> {
         ("dense part (GPU)", bytes(info.dense_bytes)),
         ("KV per token (bf16)", bytes(info.kv_bytes_per_token_bf16)),
     ];
+    if info.num_gated_delta_net_layers > 0 {
+        rows.insert(
+            2,
+            (
+                "token mixers",
+                format!(
+                    "{} attention + {} Gated DeltaNet",
+                    info.num_attention_layers, info.num_gated_delta_net_layers
+                ),
+            ),
+        );
+        rows.push(("recurrent state / sequence", bytes(info.recurrent_state_bytes_per_seq)));
+    }
     for (name, value) in rows {
         println!("{name:<28}{value}");
     }

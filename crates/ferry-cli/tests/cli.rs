@@ -147,7 +147,15 @@ fn info_describes_the_experts() {
     let experts = config["num_experts"].as_u64().unwrap();
     assert_eq!(info["expert_bank_bytes"], moe_layers * experts * 3 * h * inter * 2);
     // The whole checkpoint is the bank plus the dense part, byte for byte.
-    let stored: u64 = std::fs::read_dir(&model)
+    assert_eq!(
+        info["expert_bank_bytes"].as_u64().unwrap() + info["dense_bytes"].as_u64().unwrap(),
+        stored_weight_bytes(&model)
+    );
+}
+
+/// The tensor bytes of a checkpoint's safetensors shards (without their headers).
+fn stored_weight_bytes(model: &Path) -> u64 {
+    std::fs::read_dir(model)
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
@@ -156,10 +164,66 @@ fn info_describes_the_experts() {
             let header = u64::from_le_bytes(bytes[..8].try_into().unwrap());
             bytes.len() as u64 - 8 - header
         })
-        .sum();
+        .sum()
+}
+
+#[test]
+fn info_describes_a_hybrid_model() {
+    let model = fixture("qwen3_next");
+    let out = ferry(&["info", "--model", model.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let get = |key: &str| config[key].as_u64().unwrap();
+    // Every fourth layer attends; the others are Gated DeltaNet layers, which keep no keys and values.
+    assert_eq!(info["num_attention_layers"], 1);
+    assert_eq!(info["num_gated_delta_net_layers"], 3);
+    assert_eq!(
+        info["kv_bytes_per_token_bf16"],
+        2 * get("num_key_value_heads") * get("head_dim") * 2
+    );
+    let conv_dim = 2 * get("linear_num_key_heads") * get("linear_key_head_dim")
+        + get("linear_num_value_heads") * get("linear_value_head_dim");
+    let conv_state = (get("linear_conv_kernel_dim") - 1) * conv_dim;
+    let delta_state = get("linear_num_value_heads") * get("linear_key_head_dim") * get("linear_value_head_dim");
+    assert_eq!(
+        info["recurrent_state_bytes_per_seq"],
+        3 * (conv_state + delta_state) * 4
+    );
     assert_eq!(
         info["expert_bank_bytes"].as_u64().unwrap() + info["dense_bytes"].as_u64().unwrap(),
-        stored
+        stored_weight_bytes(&model),
+        "the checkpoint is the bank plus the dense part, byte for byte"
+    );
+    let table = ferry(&["info", "--model", model.to_str().unwrap()]);
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("1 attention + 3 Gated DeltaNet"), "{table}");
+}
+
+#[test]
+fn a_multimodal_checkpoint_ties_its_head_as_its_top_level_config_says() {
+    let info = |dir: &Path| -> serde_json::Value {
+        let out = ferry(&["info", "--model", dir.to_str().unwrap(), "--json"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let untied = info(&fixture("qwen3_5_moe"));
+    let dir = copy_fixture("qwen3_5_moe");
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["tie_word_embeddings"] = true.into();
+    config["text_config"]
+        .as_object_mut()
+        .unwrap()
+        .remove("tie_word_embeddings");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let tied = info(dir.path());
+    let head = untied["vocab_size"].as_u64().unwrap() * untied["hidden_size"].as_u64().unwrap() * 2;
+    assert_eq!(
+        untied["dense_bytes"].as_u64().unwrap() - tied["dense_bytes"].as_u64().unwrap(),
+        head,
+        "a tied model has no separate lm_head"
     );
 }
 
@@ -190,6 +254,29 @@ fn config_missing_a_field() {
     config.as_object_mut().unwrap().remove("num_experts");
     std::fs::write(&path, config.to_string()).unwrap();
     expect_clean_failure(dir.path(), "num_experts");
+}
+
+/// The qwen3_next fixture with `edit` applied to its config.json.
+fn edited_hybrid(edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let dir = copy_fixture("qwen3_next");
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn hybrid_configs_that_cannot_run_say_why() {
+    let dir = edited_hybrid(|c| c["layer_types"] = serde_json::json!(vec!["linear_attention"; 4]));
+    expect_clean_failure(dir.path(), "no full_attention layer");
+    let dir = edited_hybrid(|c| c["layer_types"] = serde_json::json!(["full_attention"]));
+    expect_clean_failure(dir.path(), "layer_types has 1 entries for 4 layers");
+    let dir = edited_hybrid(|c| c["linear_num_value_heads"] = 3.into());
+    expect_clean_failure(dir.path(), "linear_num_value_heads (3)");
+    // A Qwen3-Next checkpoint whose qkvz projection does not fit its config names the tensor.
+    let dir = edited_hybrid(|c| c["linear_value_head_dim"] = 8.into());
+    expect_clean_failure(dir.path(), "in_proj_qkvz.weight");
 }
 
 #[test]

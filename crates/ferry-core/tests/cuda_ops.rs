@@ -170,6 +170,7 @@ fn elementwise_ops() {
                     num_kv_heads: 1,
                     head_dim,
                     capacity_tokens: 4096,
+                    recurrent: None,
                 })
                 .unwrap();
             let seq = kv.alloc_seq();
@@ -235,6 +236,7 @@ fn attention_over_paged_cache_prefill_then_decode() {
                         num_kv_heads: kv_heads,
                         head_dim,
                         capacity_tokens: 100,
+                        recurrent: None,
                     })
                     .unwrap();
                 let seqs = [kv.alloc_seq(), kv.alloc_seq()];

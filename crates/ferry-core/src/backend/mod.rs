@@ -62,6 +62,16 @@ pub struct AttentionParams {
     pub sliding_window: Option<usize>,
 }
 
+/// The shape of a Gated DeltaNet layer's delta rule (see [`Backend::gated_delta_rule`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeltaRuleParams {
+    pub num_k_heads: usize,
+    /// A multiple of `num_k_heads`; value head `h` reads key (and query) head `h / (num_v_heads / num_k_heads)`.
+    pub num_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+}
+
 /// How a router turns logits into routing weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterKind {
@@ -84,7 +94,8 @@ pub trait Backend: Send + Sync + Sized {
     type Weight: Send + Sync;
     /// The routed experts of one MoE layer, wherever the backend keeps them.
     type Experts: Send + Sync;
-    /// The KV cache of every running sequence.
+    /// What running sequences keep between forward calls: the KV cache of attention layers and, for hybrid models,
+    /// each sequence's recurrent-state slot (conv state and delta-rule state of every Gated DeltaNet layer).
     type Kv: KvCache;
     /// What the ops of one forward pass need to know about its batch (positions, KV slots), prepared once.
     type Batch;
@@ -120,7 +131,9 @@ pub trait Backend: Send + Sync + Sized {
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// `silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
-    /// `x[r, :] *= sigmoid(gate[r, 0])`.
+    /// Scales `x` by the sigmoid of `gate`: per row (`gate` `[rows, 1]`: `x[r, c] *= sigmoid(gate[r, 0])`, the
+    /// shared expert's gate) or per element (`gate` the shape of `x`: `x[r, c] *= sigmoid(gate[r, c])`, gated
+    /// attention's output gate).
     fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()>;
     /// Rotates `x` (`[rows, heads * head_dim]`) in place, each row at its position in the batch.
     fn rope(&self, x: &mut Self::Tensor, batch: &Self::Batch, rope: &Self::RopeTable) -> Result<()>;
@@ -135,6 +148,48 @@ pub trait Backend: Send + Sync + Sized {
         layer: usize,
         batch: &Self::Batch,
         params: &AttentionParams,
+    ) -> Result<Self::Tensor>;
+    /// Depthwise causal convolution along each sequence's tokens, then SiLU. `x` is `[rows, C]`, `weight` `[C, K]`;
+    /// for row t of a slice at position p and channel c:
+    /// `y[t, c] = silu(sum_{j < K} weight[c, j] * in[p - (K - 1) + j, c])`, where `in` is the sequence's input
+    /// history (this call's rows after every earlier call's) and positions before 0 read as zero. Each sequence's
+    /// last `K - 1` inputs (zeros at first) live in its recurrent-state slot for Gated DeltaNet layer `layer` (the
+    /// layer's index among the model's Gated DeltaNet layers) and are read, then replaced, so the next call
+    /// continues where this one ended. A slice must start where its sequence's conv state ends.
+    fn causal_conv1d(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &Self::Batch,
+    ) -> Result<Self::Tensor>;
+    /// The gated delta rule of Gated DeltaNet layer `layer` over each sequence's rows, from and into its
+    /// delta-rule state: per value head h a `[k_head_dim, v_head_dim]` matrix S (zeros at first). `qkv`
+    /// (`[rows, 2 * Hk * dk + Hv * dv]`) holds each row's queries (Hk heads of dk), keys (likewise) and values (Hv
+    /// heads of dv); `a` and `b` are `[rows, Hv]`; `a_log` and `dt_bias` are `[Hv]` vectors. For each row in order
+    /// and each value head h, with i = h / (Hv / Hk):
+    ///
+    /// - `q = l2norm(q_i) / sqrt(dk)`, `k = l2norm(k_i)`, where `l2norm(x) = x / sqrt(sum x^2 + 1e-6)`;
+    /// - `g = -exp(a_log[h]) * softplus(a[h] + dt_bias[h])` (softplus(x) = x above 20, as torch's) and
+    ///   `beta = sigmoid(b[h])`;
+    /// - `S *= exp(g)`; `S += k (beta (v_h - S^T k))^T`; the output is `S^T q` (dv values).
+    ///
+    /// Returns `[rows, Hv * dv]`. A slice must start where its sequence's delta-rule state ends. How a backend
+    /// evaluates it (token by token, or in parallel chunks for long prefills) is its own affair; the result is this
+    /// recurrence.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        qkv: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        a_log: &Self::Weight,
+        dt_bias: &Self::Weight,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &Self::Batch,
+        params: &DeltaRuleParams,
     ) -> Result<Self::Tensor>;
     /// Router logits `[rows, experts]` to each row's top-k experts and weights.
     fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Result<Self::Routing>;

@@ -23,7 +23,13 @@ fn read_config(path: &Path) -> Result<(String, serde_json::Value)> {
         .and_then(|v| v.as_str())
         .ok_or_else(|| Error::file(path, "no \"model_type\" string"))?
         .to_string();
-    let text_config = config.get("text_config").cloned().unwrap_or(config);
+    let Some(mut text_config) = config.get("text_config").cloned() else {
+        return Ok((model_type, config));
+    };
+    // Multimodal wrappers say whether the output head is tied at the top level; the text config may not.
+    if let (Some(tie), Some(text)) = (config.get("tie_word_embeddings"), text_config.as_object_mut()) {
+        text.entry("tie_word_embeddings").or_insert(tie.clone());
+    }
     Ok((model_type, text_config))
 }
 

@@ -160,6 +160,42 @@ impl TensorRef {
         })
     }
 
+    /// An f32 tensor holding `values` (a (1 + w) norm scale derived at load).
+    pub fn from_f32(name: &str, shape: Vec<usize>, values: &[f32]) -> Result<TensorRef> {
+        Self::from_bytes(
+            name,
+            DType::F32,
+            shape,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        )
+    }
+
+    /// The rows of each range, in order, copied into one new tensor in the stored dtype: how a family turns a
+    /// projection whose output features are interleaved (per head or per head group) into the plain layout the
+    /// shared layers compute with, once, at load.
+    pub fn gather_rows(&self, ranges: &[std::ops::Range<usize>]) -> Result<TensorRef> {
+        let outer = *self.shape.first().unwrap_or(&0);
+        let stride = self.len / outer.max(1);
+        let mut bytes = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum::<usize>() * stride);
+        for r in ranges {
+            bytes.extend_from_slice(self.rows(r.start, r.end)?.bytes());
+        }
+        let mut shape = self.shape.clone();
+        shape[0] = bytes.len() / stride.max(1);
+        Self::from_bytes(&format!("{}[gathered]", self.name), self.dtype, shape, bytes)
+    }
+
+    /// The same bytes seen with another shape of as many elements (a conv1d weight `[C, 1, K]` as `[C, K]`).
+    pub fn reshape(self, shape: Vec<usize>) -> Result<TensorRef> {
+        if shape.iter().product::<usize>() != self.numel() {
+            return Err(Error::tensor(
+                &self.name,
+                format!("cannot view shape {:?} as {shape:?}", self.shape),
+            ));
+        }
+        Ok(TensorRef { shape, ..self })
+    }
+
     /// The values widened to f32: for small tensors only (norm weights, biases), never for weight matrices.
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let b = self.bytes();
@@ -270,6 +306,22 @@ impl WeightStore {
 
     pub fn contains(&self, name: &str) -> bool {
         self.find(name).is_some()
+    }
+
+    /// Tensors outside the text model (not under its `model.` prefix, not `lm_head`), counted by the prefix that
+    /// names their part: a multimodal checkpoint's vision tower (`model.visual.`), a multi-token-prediction head
+    /// (`mtp.`). Text serving never reads them.
+    pub fn outside_text_model(&self) -> BTreeMap<String, usize> {
+        let mut parts = BTreeMap::new();
+        for name in self.tensors.keys() {
+            if name.starts_with(self.text_prefix) || name.starts_with("lm_head.") {
+                continue;
+            }
+            let depth = if name.starts_with("model.") { 2 } else { 1 };
+            let part: String = name.split('.').take(depth).map(|p| format!("{p}.")).collect();
+            *parts.entry(part).or_insert(0) += 1;
+        }
+        parts
     }
 }
 

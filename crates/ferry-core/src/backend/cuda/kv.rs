@@ -1,13 +1,14 @@
 //! The KV cache in device memory: per layer, a key pool and a value pool of `BLOCK_SIZE`-token blocks, handed
-//! to sequences by a [`BlockAllocator`] as they grow.
+//! to sequences by a [`BlockAllocator`] as they grow; and, for hybrid models, each sequence's recurrent state
+//! (one zeroed allocation per sequence, made when it starts: see gdn.cu for its layout).
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::cuda_err;
 use crate::backend::SeqSlice;
-use crate::kv::{BlockAllocator, KvCache, KvSpec, SeqId};
+use crate::kv::{BlockAllocator, KvCache, KvSpec, RecurrentSpec, SeqId};
 use crate::{Error, Result};
 
 pub const BLOCK_SIZE: usize = 16;
@@ -16,6 +17,25 @@ pub struct DeviceKv {
     blocks: BlockAllocator,
     keys: Vec<CudaSlice<f32>>,
     values: Vec<CudaSlice<f32>>,
+    recurrent: Option<RecurrentSpec>,
+    /// By sequence id: the recurrent state of every Gated DeltaNet layer.
+    states: Vec<Option<CudaSlice<f32>>>,
+}
+
+/// Where one Gated DeltaNet layer's state sits inside a sequence's recurrent-state allocation (in floats).
+pub struct RecurrentOffsets {
+    pub conv: usize,
+    pub delta: usize,
+}
+
+/// The slices of a batch of a hybrid model, for the Gated DeltaNet kernels.
+pub struct RecurrentBatch {
+    pub(super) slices: usize,
+    pub(super) row_slice: CudaSlice<u32>,
+    pub(super) slice_start_row: CudaSlice<u32>,
+    pub(super) slice_len: CudaSlice<u32>,
+    /// Each slice's sequence's recurrent-state base address.
+    pub(super) slice_state: CudaSlice<u64>,
 }
 
 /// A batch's per-row metadata on the device, made once per forward pass and read by every layer.
@@ -27,6 +47,7 @@ pub struct DeviceBatch {
     pub(super) row_table: CudaSlice<u32>,
     /// The block tables of the batch's sequences, one after another.
     pub(super) block_tables: CudaSlice<u32>,
+    pub(super) recurrent: Option<RecurrentBatch>,
 }
 
 impl DeviceKv {
@@ -42,7 +63,64 @@ impl DeviceKv {
             blocks: BlockAllocator::new(BLOCK_SIZE, num_blocks),
             keys: (0..spec.num_layers).map(|_| pool()).collect::<Result<_>>()?,
             values: (0..spec.num_layers).map(|_| pool()).collect::<Result<_>>()?,
+            recurrent: spec.recurrent,
+            states: Vec::new(),
         })
+    }
+
+    /// Gated DeltaNet layer `layer`'s conv and delta-rule state offsets in a sequence's recurrent state.
+    pub(super) fn recurrent_offsets(&self, layer: usize) -> Result<RecurrentOffsets> {
+        let r = self
+            .recurrent
+            .as_ref()
+            .ok_or_else(|| Error::Kv("this model keeps no recurrent state".into()))?;
+        let conv_len = (r.conv_kernel - 1) * r.conv_channels;
+        let per_layer = conv_len + r.num_heads * r.k_head_dim * r.v_head_dim;
+        Ok(RecurrentOffsets {
+            conv: layer * per_layer,
+            delta: layer * per_layer + conv_len,
+        })
+    }
+
+    /// The recurrent state of each slice's sequence, zeroed for sequences that start with this batch.
+    fn recurrent_batch(&mut self, stream: &Arc<CudaStream>, batch: &[SeqSlice]) -> Result<Option<RecurrentBatch>> {
+        let Some(r) = &self.recurrent else { return Ok(None) };
+        let len = r.bytes_per_seq() / 4;
+        let (mut row_slice, mut slice_start_row, mut slice_len, mut slice_state) = (vec![], vec![], vec![], vec![]);
+        for (i, s) in batch.iter().enumerate() {
+            let index = s.seq.0 as usize;
+            if self.states.len() <= index {
+                self.states.resize_with(index + 1, || None);
+            }
+            let state = match (&mut self.states[index], s.start_pos) {
+                (Some(state), 0) => {
+                    stream
+                        .memset_zeros(state)
+                        .map_err(cuda_err("resetting a recurrent state"))?;
+                    state
+                }
+                (Some(state), _) => state,
+                (slot @ None, _) => slot.insert(
+                    stream
+                        .alloc_zeros::<f32>(len)
+                        .map_err(cuda_err("allocating a recurrent state"))?,
+                ),
+            };
+            slice_state.push(state.device_ptr(stream).0);
+            slice_start_row.push(row_slice.len() as u32);
+            slice_len.push(s.len as u32);
+            row_slice.extend(std::iter::repeat_n(i as u32, s.len));
+        }
+        let upload = |v: &[u32]| stream.clone_htod(v).map_err(cuda_err("uploading batch metadata"));
+        Ok(Some(RecurrentBatch {
+            slices: batch.len(),
+            row_slice: upload(&row_slice)?,
+            slice_start_row: upload(&slice_start_row)?,
+            slice_len: upload(&slice_len)?,
+            slice_state: stream
+                .clone_htod(&slice_state)
+                .map_err(cuda_err("uploading batch metadata"))?,
+        }))
     }
 
     pub fn block_size(&self) -> usize {
@@ -83,6 +161,7 @@ impl DeviceKv {
             row_slot: upload(&row_slot)?,
             row_table: upload(&row_table)?,
             block_tables: upload(&block_tables)?,
+            recurrent: self.recurrent_batch(stream, batch)?,
         })
     }
 }
@@ -94,6 +173,9 @@ impl KvCache for DeviceKv {
 
     fn free_seq(&mut self, seq: SeqId) {
         self.blocks.free_seq(seq);
+        if let Some(state) = self.states.get_mut(seq.0 as usize) {
+            *state = None;
+        }
     }
 
     fn seq_len(&self, seq: SeqId) -> usize {

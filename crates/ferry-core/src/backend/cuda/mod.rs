@@ -7,6 +7,7 @@
 //! per-layer table of device pointers, so an expert cache only has to rewrite the table.
 
 mod ceilings;
+mod gdn;
 mod kv;
 mod libs;
 
@@ -16,7 +17,7 @@ use std::sync::Arc;
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{AttentionParams, Backend, ExpertTensors, Rope, RouterKind, SeqSlice};
+use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, Rope, RouterKind, SeqSlice};
 use crate::kv::KvSpec;
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
@@ -107,6 +108,15 @@ const KERNELS: &[(&str, &[&str])] = &[
         ],
     ),
     ("gemv", &["gemv_bf16"]),
+    (
+        "gdn",
+        &[
+            "causal_conv1d",
+            "conv_state_update",
+            "gated_delta_rule",
+            "sigmoid_gate_elementwise",
+        ],
+    ),
     ("attention", &["kv_append", "attention"]),
     (
         "moe",
@@ -605,10 +615,49 @@ impl Backend for CudaBackend {
     }
 
     fn sigmoid_gate(&self, x: &mut CudaTensor, gate: &CudaTensor) -> Result<()> {
+        if gate.cols == x.cols {
+            let len = x.rows * x.cols;
+            unsafe {
+                self.stream
+                    .launch_builder(self.function("sigmoid_gate_elementwise"))
+                    .arg(&x.data)
+                    .arg(&gate.data)
+                    .arg(&len)
+                    .launch(grid_1d(len, 256))
+            }
+            .map_err(cuda_err("sigmoid_gate_elementwise"))?;
+            return Ok(());
+        }
         let cols = x.cols as i32;
         self.launch_rows("sigmoid_gate", x.rows, |b| {
             b.arg(&x.data).arg(&gate.data).arg(&cols);
         })
+    }
+
+    fn causal_conv1d(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        kv: &mut DeviceKv,
+        layer: usize,
+        batch: &DeviceBatch,
+    ) -> Result<CudaTensor> {
+        self.causal_conv1d_on_device(x, weight, kv, layer, batch)
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &CudaTensor,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        a_log: &CudaWeight,
+        dt_bias: &CudaWeight,
+        kv: &mut DeviceKv,
+        layer: usize,
+        batch: &DeviceBatch,
+        params: &DeltaRuleParams,
+    ) -> Result<CudaTensor> {
+        self.gated_delta_rule_on_device(qkv, a, b, a_log, dt_bias, kv, layer, batch, params)
     }
 
     fn rope(&self, x: &mut CudaTensor, batch: &DeviceBatch, rope: &CudaRope) -> Result<()> {
