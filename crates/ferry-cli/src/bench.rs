@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use ferry_core::backend::profiled::{OpTime, Profiled};
 use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::argmax;
 use ferry_core::kv::KvCache;
@@ -38,6 +39,9 @@ pub struct BenchArgs {
     /// Write the results as JSON here (e.g. bench/results/q30-resident.json).
     #[arg(long)]
     output: Option<PathBuf>,
+    /// Wait for the device after every op and report where the time goes (slows everything down).
+    #[arg(long)]
+    profile: bool,
 }
 
 /// The memory the bound is computed against.
@@ -60,6 +64,8 @@ struct BenchReport {
     ttft_seconds: f64,
     decode_tokens: usize,
     decode_tok_s_batch1: f64,
+    /// Seconds the host spends issuing one batch-1 decode step (the rest of the step is waiting for the device).
+    decode_host_seconds_per_token: f64,
     concurrency: usize,
     decode_tok_s_aggregate: f64,
     /// Bytes of weights one decoded token reads at batch 1.
@@ -68,6 +74,8 @@ struct BenchReport {
     decode_bound_tok_s: f64,
     decode_achieved_over_bound: f64,
     peak_gpu_memory_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    profile: Option<Vec<OpTime>>,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -75,7 +83,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let backends = open_backend(args.device)?;
     let report = crate::with_backend!(backends, be => {
         let ceiling = memory_ceiling(&backends)?;
-        bench_on(be, &checkpoint, &args, ceiling, || peak_gpu_memory(&backends))
+        if args.profile {
+            let profiled = Profiled::new(be);
+            let mut report = bench_on(&profiled, &checkpoint, &args, ceiling, || peak_gpu_memory(&backends))?;
+            report.profile = Some(profiled.report());
+            Ok::<_, anyhow::Error>(report)
+        } else {
+            bench_on(be, &checkpoint, &args, ceiling, || peak_gpu_memory(&backends))
+        }
     })?;
     print_report(&report);
     if let Some(path) = &args.output {
@@ -165,13 +180,17 @@ fn bench_on<B: Backend>(
 
     // Decode that sequence at batch 1.
     let started = Instant::now();
+    let mut host = std::time::Duration::ZERO;
     for pos in prompt.len()..prompt.len() + args.decode_tokens {
         let slice = SeqSlice {
             seq,
             start_pos: pos,
             len: 1,
         };
-        token = greedy(be, &model.forward(be, &[token], &[slice], &mut kv)?)?[0];
+        let issued = Instant::now();
+        let logits = model.forward(be, &[token], &[slice], &mut kv)?;
+        host += issued.elapsed();
+        token = greedy(be, &logits)?[0];
     }
     let decode_batch1 = args.decode_tokens as f64 / started.elapsed().as_secs_f64();
     track(&mut peak);
@@ -218,6 +237,7 @@ fn bench_on<B: Backend>(
         ttft_seconds: ttft,
         decode_tokens: args.decode_tokens,
         decode_tok_s_batch1: decode_batch1,
+        decode_host_seconds_per_token: host.as_secs_f64() / args.decode_tokens as f64,
         concurrency: args.concurrency,
         decode_tok_s_aggregate: decode_aggregate,
         bytes_per_token,
@@ -225,6 +245,7 @@ fn bench_on<B: Backend>(
         decode_achieved_over_bound: decode_batch1 / bound,
         memory_ceiling: ceiling,
         peak_gpu_memory_bytes: peak,
+        profile: None,
     })
 }
 
@@ -256,7 +277,14 @@ fn print_report(r: &BenchReport) {
             format!("{:.0} tok/s ({} tokens)", r.prefill_tok_s, r.prompt_tokens),
         ),
         ("time to first token", format!("{:.3} s", r.ttft_seconds)),
-        ("decode, batch 1", format!("{:.1} tok/s", r.decode_tok_s_batch1)),
+        (
+            "decode, batch 1",
+            format!(
+                "{:.1} tok/s (host issues a step in {:.2} ms)",
+                r.decode_tok_s_batch1,
+                r.decode_host_seconds_per_token * 1e3
+            ),
+        ),
         (
             "decode, concurrent",
             format!(
@@ -282,5 +310,8 @@ fn print_report(r: &BenchReport) {
     ];
     for (name, value) in rows {
         println!("{name:<26}{value}");
+    }
+    for op in r.profile.iter().flatten() {
+        println!("  {:<24}{:>8} calls {:>10.3} s", op.op, op.calls, op.seconds);
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod profiled;
 
 use crate::kv::{KvCache, KvSpec, SeqId};
 use crate::loader::TensorRef;
@@ -105,6 +106,8 @@ pub trait Backend: Send + Sync + Sized {
     type RopeTable: Send + Sync;
 
     fn name(&self) -> String;
+    /// Waits until every op issued so far has finished (a no-op where ops finish before they return).
+    fn synchronize(&self) -> Result<()>;
 
     /// A weight matrix `[out, in]` (also embedding tables `[vocab, hidden]`) or vector.
     fn weight(&self, tensor: TensorRef) -> Result<Self::Weight>;

@@ -143,6 +143,10 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn weight(&self, tensor: TensorRef) -> Result<TensorRef> {
         if tensor.shape.len() > 2 {
             return Err(Error::tensor(

@@ -220,10 +220,6 @@ impl CudaBackend {
         self.ctx.mem_get_info().map_err(cuda_err("cuMemGetInfo"))
     }
 
-    pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(cuda_err("synchronize"))
-    }
-
     fn function(&self, name: &str) -> &CudaFunction {
         &self.functions[name]
     }
@@ -449,6 +445,10 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> String {
         format!("cuda: {}", self.device)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(cuda_err("synchronize"))
     }
 
     fn weight(&self, tensor: TensorRef) -> Result<CudaWeight> {
