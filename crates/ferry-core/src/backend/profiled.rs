@@ -43,9 +43,9 @@ impl<'a, B: Backend> Profiled<'a, B> {
         Ok(out)
     }
 
-    /// Every op's calls and time, the most expensive first.
-    pub fn report(&self) -> Vec<OpTime> {
-        let totals = self.totals.lock().unwrap_or_else(|e| e.into_inner());
+    /// Every op's calls and time since the last report, the most expensive first; starts counting afresh.
+    pub fn take_report(&self) -> Vec<OpTime> {
+        let totals = std::mem::take(&mut *self.totals.lock().unwrap_or_else(|e| e.into_inner()));
         let mut ops: Vec<OpTime> = totals
             .iter()
             .map(|(&op, &(calls, time))| OpTime {
