@@ -110,6 +110,15 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()> {
         self.time("add_assign", || self.inner.add_assign(x, y))
     }
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.time("add_rms_norm", || self.inner.add_rms_norm(x, y, weight, eps))
+    }
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
         self.time("silu_mul", || self.inner.silu_mul(gate, up))
     }

@@ -100,6 +100,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         &[
             "embed_bf16",
             "rms_norm",
+            "add_rms_norm",
             "add_assign",
             "add_bias",
             "silu_mul",
@@ -604,6 +605,26 @@ impl Backend for CudaBackend {
         }
         .map_err(cuda_err("add_assign"))?;
         Ok(())
+    }
+
+    fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, weight: &CudaWeight, eps: f32) -> Result<CudaTensor> {
+        let w = self.vector(weight)?;
+        let out = self.tensor(x.rows, x.cols)?;
+        let cols = x.cols as i32;
+        let threads = (x.cols.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        unsafe {
+            self.stream
+                .launch_builder(self.function("add_rms_norm"))
+                .arg(&x.data)
+                .arg(&y.data)
+                .arg(w)
+                .arg(&out.data)
+                .arg(&cols)
+                .arg(&eps)
+                .launch(per_row(x.rows, threads))
+        }
+        .map_err(cuda_err("add_rms_norm"))?;
+        Ok(out)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
