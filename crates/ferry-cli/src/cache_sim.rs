@@ -38,27 +38,20 @@ impl PolicyName {
     }
 }
 
-/// Hits and misses of one replay, per MoE layer.
-#[derive(Debug, PartialEq, Eq)]
+/// Hits and misses of one replay, per MoE layer (every layer appears in every token of a trace).
 struct Replay {
     layers: Vec<LayerCounts>,
 }
 
 impl Replay {
-    fn hits(&self) -> u64 {
-        self.layers.iter().map(|layer| layer.hits).sum()
-    }
-
-    fn misses(&self) -> u64 {
-        self.layers.iter().map(|layer| layer.misses).sum()
-    }
-
-    fn accesses(&self) -> u64 {
-        self.hits() + self.misses()
-    }
-
-    fn hit_rate(&self) -> f64 {
-        self.hits() as f64 / self.accesses() as f64
+    /// Hits and misses over all layers.
+    fn total(&self) -> LayerCounts {
+        self.layers
+            .iter()
+            .fold(LayerCounts::default(), |total, layer| LayerCounts {
+                hits: total.hits + layer.hits,
+                misses: total.misses + layer.misses,
+            })
     }
 }
 
@@ -72,10 +65,9 @@ fn replay(trace: &RoutingTrace, slots: u32, policy: PolicyName) -> Result<Replay
     for key in trace.accesses() {
         cache.access(key)?;
     }
-    let mut layers = cache.layer_counts().to_vec();
-    // Every layer appears in every token, so only an empty trace leaves layers uncounted.
-    layers.resize(trace.header().num_layers as usize, LayerCounts::default());
-    Ok(Replay { layers })
+    Ok(Replay {
+        layers: cache.layer_counts().to_vec(),
+    })
 }
 
 pub fn run(args: CacheSimArgs) -> Result<()> {
@@ -86,6 +78,7 @@ pub fn run(args: CacheSimArgs) -> Result<()> {
     let replay =
         replay(&trace, args.slots, args.policy).with_context(|| format!("replaying {}", args.trace.display()))?;
     let header = trace.header();
+    let total = replay.total();
     // Written through a handle, not println!, so a closed pipe (`| head`) is an error rather than a panic.
     let mut out = std::io::stdout().lock();
     if args.json {
@@ -103,17 +96,17 @@ pub fn run(args: CacheSimArgs) -> Result<()> {
             })
             .collect();
         let summary = serde_json::json!({
-            "trace": args.trace,
+            "trace": args.trace.display().to_string(),
             "policy": args.policy.name(),
             "slots": args.slots,
             "tokens": trace.num_tokens(),
             "num_layers": header.num_layers,
             "num_experts": header.num_experts,
             "top_k": header.top_k,
-            "accesses": replay.accesses(),
-            "hits": replay.hits(),
-            "misses": replay.misses(),
-            "hit_rate": replay.hit_rate(),
+            "accesses": total.hits + total.misses,
+            "hits": total.hits,
+            "misses": total.misses,
+            "hit_rate": total.hit_rate(),
             "layers": layers,
         });
         writeln!(out, "{summary}")?;
@@ -138,11 +131,11 @@ pub fn run(args: CacheSimArgs) -> Result<()> {
     writeln!(
         out,
         "accesses  {} ({} hits, {} misses)",
-        replay.accesses(),
-        replay.hits(),
-        replay.misses()
+        total.hits + total.misses,
+        total.hits,
+        total.misses
     )?;
-    writeln!(out, "hit rate  {:.2}%", 100.0 * replay.hit_rate())?;
+    writeln!(out, "hit rate  {:.2}%", 100.0 * total.hit_rate())?;
     writeln!(out, "per layer")?;
     for (layer, counts) in replay.layers.iter().enumerate() {
         writeln!(out, "  {layer:>4}  {:6.2}%", 100.0 * counts.hit_rate())?;
@@ -244,14 +237,12 @@ mod tests {
                 .collect();
             let trace = trace(num_experts as u32, &tokens);
             let slots = rng.random_range(1..(num_layers * num_experts) as u32);
-            let lru = replay(&trace, slots, PolicyName::Lru).unwrap();
-            let belady = replay(&trace, slots, PolicyName::Belady).unwrap();
-            assert_eq!(lru.accesses(), (100 * num_layers * top_k) as u64);
+            let lru = replay(&trace, slots, PolicyName::Lru).unwrap().total();
+            let belady = replay(&trace, slots, PolicyName::Belady).unwrap().total();
+            assert_eq!(lru.hits + lru.misses, (100 * num_layers * top_k) as u64);
             assert!(
-                belady.hits() >= lru.hits(),
-                "{slots} slots: Belady {} < LRU {}",
-                belady.hits(),
-                lru.hits()
+                belady.hits >= lru.hits,
+                "{slots} slots: Belady {belady:?} < LRU {lru:?}"
             );
         }
     }

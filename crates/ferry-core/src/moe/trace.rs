@@ -98,10 +98,11 @@ impl RoutingTraceWriter {
     }
 
     /// Appends one token: for each MoE layer, its routed expert ids in router order.
-    pub fn record_token(&mut self, layers: &[Vec<u32>]) -> Result<()> {
+    pub fn record_token(&mut self, layers: &[impl AsRef<[u32]>]) -> Result<()> {
         self.header
             .check_token(layers)
             .map_err(|message| Error::file(&self.path, format!("token {}: {message}", self.tokens)))?;
+        let layers: Vec<&[u32]> = layers.iter().map(AsRef::as_ref).collect();
         self.write_line(&layers)?;
         self.tokens += 1;
         Ok(())
@@ -171,7 +172,8 @@ impl RoutingTrace {
         self.routed.len() / (self.header.num_layers * self.header.top_k) as usize
     }
 
-    /// The expert ids `token` was routed to in MoE layer `layer`, in router order.
+    /// The expert ids `token` was routed to in MoE layer `layer`, in router order. Panics if either is out of
+    /// range (`num_tokens()`, the header's `num_layers`), as slice indexing does.
     pub fn routed(&self, token: usize, layer: u32) -> &[u32] {
         let k = self.header.top_k as usize;
         let start = (token * self.header.num_layers as usize + layer as usize) * k;
@@ -214,7 +216,7 @@ mod tests {
         let path = dir.path().join("trace.jsonl");
         let mut writer = RoutingTraceWriter::create(&path, HEADER).unwrap();
         writer.record_token(&[vec![3, 1], vec![0, 2]]).unwrap();
-        writer.record_token(&[vec![1, 0], vec![2, 3]]).unwrap();
+        writer.record_token(&[[1, 0].as_slice(), &[2, 3]]).unwrap();
         writer.finish().unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(
