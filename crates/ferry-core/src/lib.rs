@@ -7,6 +7,8 @@
 //! - [`model`]: one file per model family, built from the shared layers in [`model::layers`].
 //! - [`kv`]: the key/value cache of running sequences.
 //! - [`engine`]: sampling, stop rules and the generation loop.
+//! - [`moe`]: the expert cache's pure logic: eviction policies, the planner of one slot pool shared by all MoE
+//!   layers, routing traces.
 //!
 //! Not here: HTTP serving (ferry-server), the command line (ferry-cli), GPU kernels (ferry-kernels).
 
@@ -16,5 +18,6 @@ pub mod error;
 pub mod kv;
 pub mod loader;
 pub mod model;
+pub mod moe;
 
 pub use error::{Error, Result};
