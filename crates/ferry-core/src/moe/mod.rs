@@ -2,10 +2,12 @@
 //! layers, and routing traces. The GPU side (host bank, device slab, copy stream) lives in `backend::cuda` and
 //! applies the plans made here; nothing in this module touches a device, so all of it is tested on the CPU.
 
+pub mod budget;
 pub mod cache;
 pub mod policy;
 pub mod trace;
 
+pub use budget::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode};
 pub use cache::{ExpertCache, LayerCounts, Plan};
 pub use policy::{Belady, EvictionPolicy, ExpertKey, Lru};
 pub use trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};

@@ -6,13 +6,15 @@
 //! (`x = hi + lo`), which keeps f32 accuracy. Routed experts sit in one slab per layer and are read through a
 //! per-layer table of device pointers, so an expert cache only has to rewrite the table.
 
+mod bank;
 mod ceilings;
 mod gdn;
 mod kv;
 mod libs;
+mod offload;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
@@ -24,6 +26,7 @@ use crate::{Error, Result};
 pub use ceilings::GpuCeilings;
 pub use kv::{DeviceBatch, DeviceKv};
 pub use libs::CudaLibraries;
+pub use offload::OffloadStats;
 
 /// Products with at most this many rows use the GEMV kernels (gemv.cu's GEMV_MAX_TOKENS).
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -60,14 +63,33 @@ pub enum CudaWeight {
     Vector(CudaSlice<f32>),
 }
 
-/// One layer's routed experts: a slab of equal blocks (gate, up, down, each bf16) and a device table of the
-/// blocks' addresses, indexed by expert id.
-pub struct CudaExperts {
-    _slab: CudaSlice<u8>,
-    table: CudaSlice<u64>,
-    addresses: Vec<u64>,
-    hidden: usize,
-    inter: usize,
+/// One layer's routed experts, read by the expert kernels through a device table of block addresses indexed by
+/// expert id. All resident: a slab of the layer's blocks (gate, up, down, each bf16). Offloaded: the blocks live in
+/// the host bank and the table points into the shared cache slab, rewritten each step for the routed experts.
+pub enum CudaExperts {
+    Resident {
+        _slab: CudaSlice<u8>,
+        table: CudaSlice<u64>,
+        addresses: Vec<u64>,
+        hidden: usize,
+        inter: usize,
+    },
+    Offloaded {
+        layer: usize,
+        table: CudaSlice<u64>,
+        hidden: usize,
+        inter: usize,
+    },
+}
+
+impl CudaExperts {
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            CudaExperts::Resident { hidden, inter, .. } | CudaExperts::Offloaded { hidden, inter, .. } => {
+                (*hidden, *inter)
+            }
+        }
+    }
 }
 
 /// RoPE frequencies on the device.
@@ -90,6 +112,8 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     functions: HashMap<&'static str, CudaFunction>,
+    /// Set by [`CudaBackend::enable_offload`] before a model is loaded.
+    offload: Option<Mutex<offload::Offload>>,
     device: String,
     pub libraries: CudaLibraries,
 }
@@ -210,9 +234,23 @@ impl CudaBackend {
             stream,
             blas,
             functions,
+            offload: None,
             device,
             libraries,
         })
+    }
+
+    /// Keeps the routed experts of models loaded from now on in a host bank, with `slots` of them cached on the GPU.
+    pub fn enable_offload(&mut self, slots: usize) -> Result<()> {
+        self.offload = Some(Mutex::new(offload::Offload::new(self.ctx.clone(), slots)?));
+        Ok(())
+    }
+
+    /// The offload's counters, when experts are offloaded.
+    pub fn offload_stats(&self) -> Option<OffloadStats> {
+        self.offload
+            .as_ref()
+            .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).stats())
     }
 
     /// The GPU's name, architecture and memory, as the log shows it.
@@ -351,13 +389,19 @@ impl CudaBackend {
 
     /// The MoE block for a batch too large for the decode kernels: the routing comes to the host, each expert's
     /// rows are gathered and run through cuBLAS, and the results are combined in router order.
-    fn moe_experts_grouped(&self, x: &CudaTensor, routing: &CudaRouting, experts: &CudaExperts) -> Result<CudaTensor> {
+    fn moe_experts_grouped(
+        &self,
+        x: &CudaTensor,
+        routing: &CudaRouting,
+        addresses: &[u64],
+        hidden: usize,
+        inter: usize,
+    ) -> Result<CudaTensor> {
         let ids = self
             .stream
             .clone_dtoh(&routing.ids)
             .map_err(cuda_err("routing to host"))?;
-        let (hidden, inter) = (experts.hidden, experts.inter);
-        let mut slots_of: Vec<Vec<u32>> = vec![Vec::new(); experts.addresses.len()];
+        let mut slots_of: Vec<Vec<u32>> = vec![Vec::new(); addresses.len()];
         for (slot, &e) in ids.iter().enumerate().take(routing.rows * routing.top_k) {
             slots_of[e as usize].push(slot as u32);
         }
@@ -370,7 +414,7 @@ impl CudaBackend {
             self.launch_rows("gather_rows", rows.len(), |b| {
                 b.arg(&x.data).arg(&rows_dev).arg(&gathered.data).arg(&cols);
             })?;
-            let base = experts.addresses[e];
+            let base = addresses[e];
             let expert_bytes = (inter * hidden * 2) as u64;
             let gate = self.matmul(&gathered, base, inter, hidden)?;
             let up = self.matmul(&gathered, base + expert_bytes, inter, hidden)?;
@@ -433,7 +477,7 @@ fn keep_freed_memory_pooled(ctx: &CudaContext) -> Result<()> {
 }
 
 /// The bytes of a bf16 matrix, as stored.
-fn bf16_bytes(t: &TensorRef) -> Result<&[u8]> {
+pub(super) fn bf16_bytes(t: &TensorRef) -> Result<&[u8]> {
     if t.dtype != DType::BF16 {
         return Err(Error::tensor(
             &t.name,
@@ -480,6 +524,22 @@ impl Backend for CudaBackend {
             .first()
             .ok_or_else(|| Error::Cuda("a MoE layer without experts".into()))?;
         let (inter, hidden) = (first.gate.shape[0], first.gate.shape[1]);
+        if let Some(offload) = &self.offload {
+            let layer = offload
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .add_layer(&self.stream, &experts)?;
+            let table = self
+                .stream
+                .alloc_zeros::<u64>(experts.len())
+                .map_err(cuda_err("allocating a slot table"))?;
+            return Ok(CudaExperts::Offloaded {
+                layer,
+                table,
+                hidden,
+                inter,
+            });
+        }
         // One expert's gate, up and down, back to back, in bytes.
         let block = 3 * inter * hidden * 2;
         let mut slab: CudaSlice<u8> = self.alloc(block * experts.len())?;
@@ -495,7 +555,7 @@ impl Backend for CudaBackend {
         }
         let base = self.address(&slab);
         let addresses: Vec<u64> = (0..experts.len()).map(|e| base + (e * block) as u64).collect();
-        Ok(CudaExperts {
+        Ok(CudaExperts::Resident {
             table: self.copy_to_device(&addresses)?,
             _slab: slab,
             addresses,
@@ -836,48 +896,61 @@ impl Backend for CudaBackend {
     }
 
     fn moe_experts(&self, x: &CudaTensor, routing: &CudaRouting, experts: &CudaExperts) -> Result<CudaTensor> {
+        let (table, addresses) = match experts {
+            CudaExperts::Resident { table, addresses, .. } => (table, addresses.clone()),
+            CudaExperts::Offloaded { layer, table, .. } => {
+                let offload = self
+                    .offload
+                    .as_ref()
+                    .ok_or_else(|| Error::Cuda("offloaded experts without offload".into()))?;
+                let addresses = offload.lock().unwrap_or_else(|e| e.into_inner()).prepare_layer(
+                    &self.stream,
+                    *layer,
+                    routing,
+                    table,
+                )?;
+                (table, addresses)
+            }
+        };
+        let (hidden, inter) = experts.shape();
         if x.rows > MOE_DECODE_MAX_ROWS {
-            return self.moe_experts_grouped(x, routing, experts);
+            return self.moe_experts_grouped(x, routing, &addresses, hidden, inter);
         }
-        let (hidden, inter, top_k) = (experts.hidden as i32, experts.inter as i32, routing.top_k as i32);
+        let (hidden32, inter32, top_k) = (hidden as i32, inter as i32, routing.top_k as i32);
         let pairs = routing.rows * routing.top_k;
-        let act = self.tensor(pairs, experts.inter)?;
+        let act = self.tensor(pairs, inter)?;
         let block = (GEMV_WARPS * 32, 1, 1);
         unsafe {
             self.stream
                 .launch_builder(self.function("moe_gate_up"))
                 .arg(&x.data)
-                .arg(&hidden)
-                .arg(&inter)
+                .arg(&hidden32)
+                .arg(&inter32)
                 .arg(&top_k)
                 .arg(&routing.ids)
-                .arg(&experts.table)
+                .arg(table)
                 .arg(&act.data)
                 .launch(LaunchConfig {
-                    grid_dim: (experts.inter.div_ceil(GEMV_WARPS as usize) as u32, pairs as u32, 1),
+                    grid_dim: (inter.div_ceil(GEMV_WARPS as usize) as u32, pairs as u32, 1),
                     block_dim: block,
                     shared_mem_bytes: 0,
                 })
         }
         .map_err(cuda_err("moe_gate_up"))?;
-        let out = self.tensor(routing.rows, experts.hidden)?;
+        let out = self.tensor(routing.rows, hidden)?;
         unsafe {
             self.stream
                 .launch_builder(self.function("moe_down"))
                 .arg(&act.data)
-                .arg(&hidden)
-                .arg(&inter)
+                .arg(&hidden32)
+                .arg(&inter32)
                 .arg(&top_k)
                 .arg(&routing.ids)
                 .arg(&routing.weights)
-                .arg(&experts.table)
+                .arg(table)
                 .arg(&out.data)
                 .launch(LaunchConfig {
-                    grid_dim: (
-                        experts.hidden.div_ceil(GEMV_WARPS as usize) as u32,
-                        routing.rows as u32,
-                        1,
-                    ),
+                    grid_dim: (hidden.div_ceil(GEMV_WARPS as usize) as u32, routing.rows as u32, 1),
                     block_dim: block,
                     shared_mem_bytes: 0,
                 })

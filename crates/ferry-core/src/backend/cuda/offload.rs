@@ -1,0 +1,202 @@
+//! Expert offload: the routed experts live in the host [`HostBank`]; one device slab of equal slots, shared by all
+//! MoE layers, caches the hot ones. Per layer and step the routed ids of the whole batch come to the host, the
+//! [`ExpertCache`] plans hits and misses, misses are copied bank -> slot on a dedicated copy stream, the layer's
+//! device slot table is rewritten for the routed experts, and the compute stream waits on an event for all of it
+//! before the same expert kernels as the all-resident path run: only where the weights live differs.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use serde::Serialize;
+
+use super::bank::HostBank;
+use super::{cuda_err, CudaRouting};
+use crate::backend::ExpertTensors;
+use crate::moe::{ExpertCache, Lru};
+use crate::{Error, Result};
+
+/// One MoE layer under offload: where its experts sit in the bank, and its slot table (device and a pinned host
+/// mirror the table is uploaded from).
+struct OffloadLayer {
+    bank_blocks: Vec<usize>,
+    table_host: PinnedHostSlice<u64>,
+}
+
+/// Counters of the offload, for bench and /metrics.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct OffloadStats {
+    pub slots: usize,
+    pub bytes_per_expert: usize,
+    pub bank_bytes: usize,
+    pub bank_pinned: bool,
+    /// Per MoE layer: hits and misses, counted per distinct expert of each step.
+    pub layer_hits: Vec<u64>,
+    pub layer_misses: Vec<u64>,
+    pub bytes_copied: u64,
+    pub copies: u64,
+}
+
+impl OffloadStats {
+    pub fn hit_rate(&self) -> f64 {
+        let hits: u64 = self.layer_hits.iter().sum();
+        let all = hits + self.layer_misses.iter().sum::<u64>();
+        if all == 0 {
+            0.0
+        } else {
+            hits as f64 / all as f64
+        }
+    }
+}
+
+pub struct Offload {
+    ctx: Arc<CudaContext>,
+    copy_stream: Arc<CudaStream>,
+    slots: usize,
+    bank: Option<HostBank>,
+    slab: Option<CudaSlice<u8>>,
+    cache: ExpertCache,
+    layers: Vec<OffloadLayer>,
+    routed_host: Option<PinnedHostSlice<i32>>,
+    bytes_copied: u64,
+    copies: u64,
+}
+
+impl Offload {
+    pub fn new(ctx: Arc<CudaContext>, slots: usize) -> Result<Self> {
+        Ok(Offload {
+            copy_stream: ctx.new_stream().map_err(cuda_err("creating the copy stream"))?,
+            ctx,
+            slots,
+            bank: None,
+            slab: None,
+            cache: ExpertCache::new(slots as u32, Box::new(Lru::new())),
+            layers: Vec::new(),
+            routed_host: None,
+            bytes_copied: 0,
+            copies: 0,
+        })
+    }
+
+    /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
+    /// returns the layer's index.
+    pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors]) -> Result<usize> {
+        let block_bytes = experts
+            .first()
+            .map_or(0, |e| e.gate.byte_len() + e.up.byte_len() + e.down.byte_len());
+        if self.slab.is_none() {
+            if self.slots < experts.len() {
+                return Err(Error::Cuda(format!(
+                    "{} expert cache slots cannot hold one layer's {} experts; give the cache more memory",
+                    self.slots,
+                    experts.len()
+                )));
+            }
+            let slab = unsafe { stream.alloc::<u8>(self.slots * block_bytes) }
+                .map_err(cuda_err(&format!("allocating {} expert cache slots", self.slots)))?;
+            self.slab = Some(slab);
+            self.bank = Some(HostBank::new(self.ctx.clone(), block_bytes));
+        }
+        let Some(bank) = self.bank.as_mut() else {
+            return Err(Error::Cuda("no expert bank".into()));
+        };
+        if block_bytes != bank.block_bytes() {
+            return Err(Error::Cuda("MoE layers with experts of different sizes".into()));
+        }
+        let bank_blocks = experts
+            .iter()
+            .map(|e| {
+                for t in [&e.gate, &e.up, &e.down] {
+                    super::bf16_bytes(t)?;
+                }
+                bank.push([e.gate.bytes(), e.up.bytes(), e.down.bytes()])
+            })
+            .collect::<Result<_>>()?;
+        let mut table_host = unsafe { self.ctx.alloc_pinned_with_flags::<u64>(experts.len(), 0) }
+            .map_err(cuda_err("pinning a slot table"))?;
+        table_host.as_mut_slice().map_err(cuda_err("slot table"))?.fill(0);
+        self.layers.push(OffloadLayer {
+            bank_blocks,
+            table_host,
+        });
+        Ok(self.layers.len() - 1)
+    }
+
+    /// The device address of `slot`, given the slab's base.
+    fn slot_address(slab_base: u64, block_bytes: usize, slot: u32) -> u64 {
+        slab_base + slot as u64 * block_bytes as u64
+    }
+
+    /// Makes the routed experts of `layer` resident for this step: returns the layer's slot addresses by expert
+    /// (0 for experts not routed now) after queueing the copies and the table upload, which `compute` waits for.
+    pub fn prepare_layer(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+        routing: &CudaRouting,
+        table: &CudaSlice<u64>,
+    ) -> Result<Vec<u64>> {
+        let routed = routing.rows * routing.top_k;
+        if self.routed_host.as_ref().is_none_or(|h| h.len() < routed) {
+            self.routed_host = Some(
+                unsafe { self.ctx.alloc_pinned_with_flags::<i32>(routed.next_power_of_two(), 0) }
+                    .map_err(cuda_err("pinning the routing buffer"))?,
+            );
+        }
+        let Some(host) = self.routed_host.as_mut() else {
+            return Err(Error::Cuda("no routing buffer".into()));
+        };
+        compute
+            .memcpy_dtoh(&routing.ids, host)
+            .map_err(cuda_err("routing to the host"))?;
+        // The host needs the ids to plan; every earlier kernel has finished too, so no slot is still being read.
+        compute.synchronize().map_err(cuda_err("waiting for the router"))?;
+        let ids: Vec<u32> = host.as_slice().map_err(cuda_err("routing buffer"))?[..routed]
+            .iter()
+            .map(|&e| e as u32)
+            .collect();
+        let plan = self.cache.plan(layer as u32, &ids)?;
+        let (Some(bank), Some(slab)) = (self.bank.as_mut(), self.slab.as_ref()) else {
+            return Err(Error::Cuda(
+                "expert offload used before any MoE layer was loaded".into(),
+            ));
+        };
+        let (base, block_bytes) = (slab.device_ptr(compute).0, bank.block_bytes());
+        let layer_state = self
+            .layers
+            .get_mut(layer)
+            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
+        for &(expert, slot) in &plan.fetch {
+            let dst = Self::slot_address(base, block_bytes, slot);
+            bank.copy_to_device(layer_state.bank_blocks[expert as usize], dst, &self.copy_stream)?;
+            self.bytes_copied += block_bytes as u64;
+            self.copies += 1;
+        }
+        let mirror = layer_state.table_host.as_mut_slice().map_err(cuda_err("slot table"))?;
+        mirror.fill(0);
+        for &(expert, slot) in plan.resident.iter().chain(&plan.fetch) {
+            mirror[expert as usize] = Self::slot_address(base, block_bytes, slot);
+        }
+        let table_address = table.device_ptr(&self.copy_stream).0;
+        let mirror = layer_state.table_host.as_slice().map_err(cuda_err("slot table"))?;
+        unsafe { cudarc::driver::result::memcpy_htod_async(table_address, mirror, self.copy_stream.cu_stream()) }
+            .map_err(cuda_err("uploading a slot table"))?;
+        let ready = self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?;
+        compute.wait(&ready).map_err(cuda_err("waiting for expert copies"))?;
+        Ok(mirror.to_vec())
+    }
+
+    pub fn stats(&self) -> OffloadStats {
+        let counts = self.cache.layer_counts();
+        let bank = self.bank.as_ref();
+        OffloadStats {
+            slots: self.slots,
+            bytes_per_expert: bank.map_or(0, |b| b.block_bytes()),
+            bank_bytes: bank.map_or(0, |b| b.bytes()),
+            bank_pinned: bank.is_some_and(|b| b.is_pinned()),
+            layer_hits: counts.iter().map(|c| c.hits).collect(),
+            layer_misses: counts.iter().map(|c| c.misses).collect(),
+            bytes_copied: self.bytes_copied,
+            copies: self.copies,
+        }
+    }
+}
