@@ -10,12 +10,18 @@ fn streamed_pieces_never_split_a_character() {
     let tokenizer = Tokenizer::load(&dir).unwrap().unwrap();
     let text = "naïve café, 世界 and 🦀 crabs";
     let ids = tokenizer.encode(text, false).unwrap();
-    assert!(ids.len() > text.chars().count() / 2, "expected characters split across tokens");
-    let mut detokenizer = Detokenizer::new(&tokenizer);
+    assert!(
+        ids.len() > text.chars().count() / 2,
+        "expected characters split across tokens"
+    );
+    let mut detokenizer = Detokenizer::new();
     let mut streamed = String::new();
     for &id in &ids {
-        if let Some(piece) = detokenizer.push(id).unwrap() {
-            assert!(!piece.contains('\u{FFFD}'), "piece {piece:?} holds a broken character");
+        if let Some(piece) = detokenizer.push(&tokenizer, id).unwrap() {
+            assert!(
+                !piece.contains('\u{FFFD}'),
+                "piece {piece:?} holds a broken character"
+            );
             streamed.push_str(&piece);
         }
     }

@@ -2,6 +2,12 @@
 //!
 //! Sequences get a [`SeqId`] when they start and give it back when they end; their keys and values grow as they
 //! do, up to the cache's token capacity, after which appending fails with a clear error instead of growing.
+//! [`BlockPool`] counts that capacity in fixed-size blocks for the scheduler, which grows a sequence's blocks
+//! before each step so that the cache itself is never asked for more than it has.
+
+mod blocks;
+
+pub use blocks::BlockPool;
 
 use crate::{Error, Result};
 
@@ -22,6 +28,23 @@ pub struct KvSpec {
 impl KvSpec {
     pub fn bytes_per_token(&self, bytes_per_value: usize) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
+    }
+}
+
+/// What a scheduler needs of any backend's KV cache: sequence handles to take and give back.
+pub trait SeqStore {
+    fn alloc_seq(&mut self) -> SeqId;
+    /// Frees everything `seq` holds at once; its id may be handed out again.
+    fn free_seq(&mut self, seq: SeqId);
+}
+
+impl SeqStore for HostKv {
+    fn alloc_seq(&mut self) -> SeqId {
+        HostKv::alloc_seq(self)
+    }
+
+    fn free_seq(&mut self, seq: SeqId) {
+        HostKv::free_seq(self, seq)
     }
 }
 

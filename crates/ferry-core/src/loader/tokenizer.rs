@@ -200,10 +200,21 @@ fn write_python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize,
     }
 }
 
+/// Token ids to text: what incremental detokenisation needs of a tokenizer (the engine's tests use a stand-in).
+pub trait TextDecoder: Send + Sync {
+    fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String>;
+}
+
+impl TextDecoder for Tokenizer {
+    fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        Tokenizer::decode(self, ids, skip_special_tokens)
+    }
+}
+
 /// Turns a growing list of token ids into text pieces without ever splitting a multi-byte character: text is
 /// released only once the tokens decode to complete characters.
-pub struct Detokenizer<'a> {
-    tokenizer: &'a Tokenizer,
+#[derive(Default)]
+pub struct Detokenizer {
     ids: Vec<u32>,
     /// Ids before this index are context only (a few tokens re-decoded so that spacing stays right).
     prefix_offset: usize,
@@ -211,25 +222,16 @@ pub struct Detokenizer<'a> {
     read_offset: usize,
 }
 
-impl<'a> Detokenizer<'a> {
-    pub fn new(tokenizer: &'a Tokenizer) -> Self {
-        Detokenizer {
-            tokenizer,
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-        }
+impl Detokenizer {
+    pub fn new() -> Self {
+        Self::default()
     }
 
     /// Adds a token; returns the new complete text it makes, if any.
-    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+    pub fn push(&mut self, decoder: &dyn TextDecoder, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let prefix = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
-        let full = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..], true)?;
+        let prefix = decoder.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = decoder.decode(&self.ids[self.prefix_offset..], true)?;
         if full.len() > prefix.len()
             && !full.ends_with('\u{FFFD}')
             && full.is_char_boundary(prefix.len())
