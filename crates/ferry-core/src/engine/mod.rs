@@ -15,4 +15,4 @@ pub use scheduler::{
     Event, EventSink, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats, StepReport,
 };
 pub use service::{EngineHandle, EngineStatus};
-pub use stop::StopStrings;
+pub use stop::{partial_match_len, StopStrings};

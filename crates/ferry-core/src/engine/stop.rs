@@ -32,7 +32,7 @@ impl StopStrings {
         let held = self
             .stops
             .iter()
-            .map(|s| longest_suffix_that_starts(&self.pending, s))
+            .map(|s| partial_match_len(&self.pending, s))
             .max()
             .unwrap_or(0);
         let released = self.pending.len() - held;
@@ -45,8 +45,9 @@ impl StopStrings {
     }
 }
 
-/// Length in bytes of the longest suffix of `text` that is a proper prefix of `stop`.
-fn longest_suffix_that_starts(text: &str, stop: &str) -> usize {
+/// Length in bytes of the longest suffix of `text` that is a proper prefix of `stop`: how much of a streamed text
+/// must be held back because it may be the start of `stop`.
+pub fn partial_match_len(text: &str, stop: &str) -> usize {
     (1..stop.len().min(text.len() + 1))
         .rev()
         .find(|&n| {
