@@ -1,7 +1,9 @@
 //! `ferry`: run Mixture-of-Experts models larger than the GPU.
 
 mod generate;
+mod hub;
 mod info;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,6 +27,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Describe a checkpoint: family, experts, parameters, expert-bank and KV sizes.
     Info(info::InfoArgs),
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
 }
 
 /// Where the model runs.
@@ -55,6 +59,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Info(args) => info::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -28,3 +28,23 @@ fn streamed_pieces_never_split_a_character() {
     assert_eq!(streamed, tokenizer.decode(&ids, true).unwrap());
     assert_eq!(streamed, text);
 }
+
+#[test]
+fn text_held_back_at_the_end_is_released_as_transformers_decodes_it() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+    let tokenizer = Tokenizer::load(&dir).unwrap().unwrap();
+    let ids = tokenizer.encode("🦀", false).unwrap();
+    assert!(ids.len() > 1, "the crab spans several byte tokens");
+    let cut = &ids[..ids.len() - 1];
+    let mut detokenizer = Detokenizer::new();
+    for &id in cut {
+        assert_eq!(
+            detokenizer.push(&tokenizer, id).unwrap(),
+            None,
+            "an incomplete character is held"
+        );
+    }
+    let rest = detokenizer.finish(&tokenizer).unwrap();
+    assert_eq!(rest, tokenizer.decode(cut, true).unwrap());
+    assert!(rest.contains('\u{FFFD}'));
+}

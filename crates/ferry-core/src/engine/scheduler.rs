@@ -60,7 +60,7 @@ pub type EventSink = Box<dyn FnMut(Event) -> bool + Send>;
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
     pub max_running: usize,
-    /// Requests waiting for a place in the running batch at most; more are refused.
+    /// Requests waiting for a place in the running batch at most (beyond `max_running`); more are refused.
     pub max_queued: usize,
     /// Tokens one step runs at most: a token per running decode, prefill chunks fill the rest.
     pub step_tokens: usize,
@@ -219,9 +219,11 @@ impl<E: Executor> Scheduler<E> {
             .validate(self.config.max_model_len, self.executor.vocab_size())
             .err()
             .or_else(|| {
-                (self.waiting.len() >= self.config.max_queued).then(|| {
+                let held = self.waiting.len() + self.running.len();
+                (held >= self.config.max_running + self.config.max_queued).then(|| {
                     Error::Request(format!(
-                        "the queue is full ({} requests waiting)",
+                        "the queue is full ({} requests running, {} waiting)",
+                        self.running.len(),
                         self.waiting.len()
                     ))
                 })
@@ -480,28 +482,35 @@ fn emit_next_token(
     seq.tokens.push(token);
     *seq.generated_counts.entry(token).or_default() += 1;
     let eos = !request.stop.ignore_eos && request.stop.eos_token_ids.contains(&token);
-    let (text, stopped) = if eos {
-        (seq.stop_strings.flush(), true)
-    } else {
-        match seq.detokenizer.push(decoder, token) {
-            Ok(piece) => seq.stop_strings.push(piece.as_deref().unwrap_or("")),
-            Err(e) => {
-                return Next::Finished(Event::Failed {
-                    message: e.to_string(),
-                })
-            }
-        }
-    };
     let out_of_room =
         seq.generated() >= seq.request.max_tokens || seq.tokens.len() >= max_model_len;
-    let text = match stopped || !out_of_room {
-        true => text,
-        false => text + &seq.stop_strings.flush(),
+    let ending = eos || out_of_room;
+    let piece = (|| -> Result<String> {
+        let mut piece = match eos {
+            true => String::new(),
+            false => seq.detokenizer.push(decoder, token)?.unwrap_or_default(),
+        };
+        if ending {
+            piece += &seq.detokenizer.finish(decoder)?;
+        }
+        Ok(piece)
+    })();
+    let piece = match piece {
+        Ok(piece) => piece,
+        Err(e) => {
+            return Next::Finished(Event::Failed {
+                message: e.to_string(),
+            })
+        }
     };
+    let (mut text, stopped) = seq.stop_strings.push(&piece);
+    if ending && !stopped {
+        text += &seq.stop_strings.flush();
+    }
     if !(seq.sink)(Event::Token { text }) {
         return Next::ListenerGone;
     }
-    let reason = match (stopped, out_of_room) {
+    let reason = match (stopped || eos, out_of_room) {
         (true, _) => FinishReason::Stop,
         (false, true) => FinishReason::Length,
         (false, false) => return Next::Running,
@@ -816,7 +825,8 @@ mod tests {
         let mut bad = request(&[1], 1);
         bad.presence_penalty = 3.0;
         assert!(refused(&mut s, 0, bad).contains("presence_penalty"));
-        let _queued: Vec<_> = (0..4)
+        // One running place and four queued ones.
+        let _held: Vec<_> = (0..5)
             .map(|i| submit(&mut s, i, request(&[1], 1)))
             .collect();
         assert!(refused(&mut s, 9, request(&[1], 1)).contains("queue is full"));

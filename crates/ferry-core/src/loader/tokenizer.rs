@@ -100,6 +100,13 @@ impl Tokenizer {
         self.chat_template.is_some()
     }
 
+    /// Whether the chat template's source contains `text` (e.g. a reasoning tag it emits).
+    pub fn chat_template_mentions(&self, text: &str) -> bool {
+        self.chat_template
+            .as_deref()
+            .is_some_and(|t| t.contains(text))
+    }
+
     /// Renders the chat template as transformers does (trim_blocks, lstrip_blocks, Python string methods,
     /// `raise_exception`, Python-style `tojson`). `extra` holds `chat_template_kwargs` (e.g. enable_thinking).
     pub fn apply_chat_template(
@@ -230,10 +237,26 @@ impl Detokenizer {
     /// Adds a token; returns the new complete text it makes, if any.
     pub fn push(&mut self, decoder: &dyn TextDecoder, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
+        self.release(decoder, false)
+    }
+
+    /// The text still held back at the end of generation (an incomplete character decodes as U+FFFD, as
+    /// transformers' decode gives it).
+    pub fn finish(&mut self, decoder: &dyn TextDecoder) -> Result<String> {
+        Ok(self.release(decoder, true)?.unwrap_or_default())
+    }
+
+    /// Text decoded since the last release; while `incomplete_ok` is false, none until it ends in a whole
+    /// character.
+    fn release(
+        &mut self,
+        decoder: &dyn TextDecoder,
+        incomplete_ok: bool,
+    ) -> Result<Option<String>> {
         let prefix = decoder.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
         let full = decoder.decode(&self.ids[self.prefix_offset..], true)?;
         if full.len() > prefix.len()
-            && !full.ends_with('\u{FFFD}')
+            && (incomplete_ok || !full.ends_with('\u{FFFD}'))
             && full.is_char_boundary(prefix.len())
         {
             let piece = full[prefix.len()..].to_string();
