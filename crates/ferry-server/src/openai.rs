@@ -181,7 +181,7 @@ fn engine_request(
         stop_strings: params.stop.clone(),
         stop: StopRules {
             eos_token_ids: model.eos_token_ids.clone(),
-            ignore_eos: false,
+            ignore_eos: params.ignore_eos,
         },
         prompt_ids,
     };

@@ -20,6 +20,8 @@ pub struct GenerationParams {
     pub frequency_penalty: f32,
     pub stream: bool,
     pub include_usage: bool,
+    /// Generate past end-of-sequence tokens (vLLM's extension; benchmarks use it to fix the output length).
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -211,6 +213,7 @@ impl GenerationParams {
             frequency_penalty: number_in(obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
             stream: boolean(obj, "stream")?,
             include_usage,
+            ignore_eos: boolean(obj, "ignore_eos")?,
         })
     }
 }
