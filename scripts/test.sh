@@ -9,7 +9,7 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
 
-cargo build -p ferry-cli --bin ferry
+# `cargo test` built the ferry binary for the CLI's integration tests; the SDK test runs that same binary.
 if [ ! -x .venv-ci/bin/python ]; then
     python3 -m venv .venv-ci
 fi

@@ -313,6 +313,10 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         200
     );
     assert!(!server.log().contains("panicked"));
+    assert_eq!(
+        server.metric("ferry_requests_total{outcome=\"invalid\"}"),
+        14.0
+    );
 }
 
 #[test]
@@ -351,6 +355,10 @@ fn a_full_queue_is_refused_and_a_client_that_hangs_up_frees_its_kv() {
     );
     assert_eq!(status, 503, "{error}");
     assert_eq!(error["error"]["code"], "queue_full");
+    assert_eq!(
+        server.metric("ferry_requests_total{outcome=\"rejected\"}"),
+        1.0
+    );
 
     drop(reader);
     let deadline = Instant::now() + Duration::from_secs(20);

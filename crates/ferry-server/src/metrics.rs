@@ -37,7 +37,8 @@ impl Metrics {
         with_local_recorder(&self.recorder, f)
     }
 
-    /// A request ended: `outcome` is stop, length, error, cancelled or rejected.
+    /// A request ended: `outcome` is stop, length, error (in the engine), cancelled (the client left), rejected
+    /// (queue full), invalid (a 4xx before generation) or unavailable (the model was loading).
     pub fn request_done(
         &self,
         outcome: &'static str,

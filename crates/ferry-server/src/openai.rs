@@ -499,7 +499,14 @@ fn respond_streamed(
 async fn generate(state: AppState, prepared: Result<(Prepared, Request), ApiError>) -> Response {
     let (prepared, request) = match prepared {
         Ok(p) => p,
-        Err(e) => return e.into_response(),
+        Err(e) => {
+            let outcome = match e.status.is_client_error() {
+                true => "invalid",
+                false => "unavailable",
+            };
+            state.0.metrics.request_done(outcome, 0, 0);
+            return e.into_response();
+        }
     };
     let (in_flight, events) = match submit(&state, &prepared.model, request) {
         Ok(admitted) => admitted,
