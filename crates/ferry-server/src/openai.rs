@@ -206,14 +206,15 @@ fn meta(state: &AppState, endpoint: Endpoint) -> ResponseMeta {
     };
     ResponseMeta {
         endpoint,
-        id: format!("{prefix}-{:016x}", rand_id()),
+        id: format!("{prefix}-{:016x}", response_id()),
         created: unix_seconds(),
         model: state.0.config.served_model_name.clone(),
     }
 }
 
-/// A response id nobody can guess from the request count: time and a per-process counter, mixed.
-fn rand_id() -> u64 {
+/// A response id unique within the process (a counter) and across restarts (the clock), bit-mixed so ids do not
+/// look sequential.
+fn response_id() -> u64 {
     use std::sync::atomic::AtomicU64;
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()

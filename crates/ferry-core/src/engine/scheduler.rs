@@ -297,55 +297,16 @@ impl<E: Executor> Scheduler<E> {
         }
     }
 
-    /// Picks this step's slices (index into `running`, tokens to feed) and grows their KV blocks.
+    /// Picks this step's slices (index into `running`, tokens to feed) and grows their KV blocks, preempting the
+    /// newest requests until something can run.
     fn plan(&mut self) -> Vec<(usize, usize)> {
         loop {
-            if let Some(i) = self.running.iter().position(|s| s.solo) {
-                let seq = &self.running[i];
-                let kv = seq.kv.expect("running sequences hold KV");
-                let room = self.blocks.max_tokens_for(kv).saturating_sub(seq.computed);
-                let len = seq.pending().min(self.config.step_tokens).min(room);
-                if len > 0 {
-                    self.blocks.grow(kv, seq.computed + len);
-                    return vec![(i, len)];
-                }
-            } else {
-                let decode_blocks: usize = self
-                    .running
-                    .iter()
-                    .filter(|s| s.pending() == 1)
-                    .map(|s| {
-                        self.blocks
-                            .shortfall(s.kv.expect("running"), s.computed + 1)
-                    })
-                    .sum();
-                if decode_blocks <= self.blocks.free() {
-                    let mut plan = Vec::new();
-                    let mut budget = self.config.step_tokens;
-                    for (i, seq) in self.running.iter().enumerate() {
-                        if seq.pending() == 1 && budget > 0 {
-                            self.blocks.grow(seq.kv.expect("running"), seq.computed + 1);
-                            plan.push((i, 1));
-                            budget -= 1;
-                        }
-                    }
-                    for (i, seq) in self.running.iter().enumerate() {
-                        if seq.pending() > 1 && budget > 0 {
-                            let kv = seq.kv.expect("running");
-                            let room = self.blocks.max_tokens_for(kv).saturating_sub(seq.computed);
-                            let len = seq.pending().min(budget).min(room);
-                            if len > 0 {
-                                self.blocks.grow(kv, seq.computed + len);
-                                plan.push((i, len));
-                                budget -= len;
-                            }
-                        }
-                    }
-                    if !plan.is_empty() {
-                        plan.sort_unstable();
-                        return plan;
-                    }
-                }
+            let planned = match self.running.iter().position(|s| s.solo) {
+                Some(i) => self.plan_solo(i),
+                None => self.plan_batch(),
+            };
+            if !planned.is_empty() {
+                return planned;
             }
             if self.running.len() <= 1 {
                 // One request alone cannot outgrow a pool that holds a context window; never spin if it does.
@@ -359,6 +320,60 @@ impl<E: Executor> Scheduler<E> {
             }
             self.preempt_newest();
         }
+    }
+
+    /// A batch of request `i` alone (it was in a batch that failed).
+    fn plan_solo(&mut self, i: usize) -> Vec<(usize, usize)> {
+        let seq = &self.running[i];
+        let kv = seq.kv.expect("running sequences hold KV");
+        let room = self.blocks.max_tokens_for(kv).saturating_sub(seq.computed);
+        let len = seq.pending().min(self.config.step_tokens).min(room);
+        if len == 0 {
+            return Vec::new();
+        }
+        self.blocks.grow(kv, seq.computed + len);
+        vec![(i, len)]
+    }
+
+    /// Every decode's token, then prefill chunks in arrival order while the token budget and free blocks last.
+    /// Empty when the decodes need more blocks than are free.
+    fn plan_batch(&mut self) -> Vec<(usize, usize)> {
+        let decode_blocks: usize = self
+            .running
+            .iter()
+            .filter(|s| s.pending() == 1)
+            .map(|s| {
+                self.blocks
+                    .shortfall(s.kv.expect("running sequences hold KV"), s.computed + 1)
+            })
+            .sum();
+        if decode_blocks > self.blocks.free() {
+            return Vec::new();
+        }
+        let mut plan = Vec::new();
+        let mut budget = self.config.step_tokens;
+        for (i, seq) in self.running.iter().enumerate() {
+            if seq.pending() == 1 && budget > 0 {
+                self.blocks
+                    .grow(seq.kv.expect("running sequences hold KV"), seq.computed + 1);
+                plan.push((i, 1));
+                budget -= 1;
+            }
+        }
+        for (i, seq) in self.running.iter().enumerate() {
+            if seq.pending() > 1 && budget > 0 {
+                let kv = seq.kv.expect("running sequences hold KV");
+                let room = self.blocks.max_tokens_for(kv).saturating_sub(seq.computed);
+                let len = seq.pending().min(budget).min(room);
+                if len > 0 {
+                    self.blocks.grow(kv, seq.computed + len);
+                    plan.push((i, len));
+                    budget -= len;
+                }
+            }
+        }
+        plan.sort_unstable();
+        plan
     }
 
     /// Runs one step: admits waiting requests, runs a batch, samples and streams the tokens of requests whose
@@ -455,6 +470,24 @@ impl<E: Executor> Scheduler<E> {
     }
 }
 
+/// The text a new token releases (none for an eos token), and at the end whatever the detokenizer held back.
+fn released_text(
+    detokenizer: &mut Detokenizer,
+    decoder: &dyn TextDecoder,
+    token: u32,
+    eos: bool,
+    ending: bool,
+) -> Result<String> {
+    let mut text = match eos {
+        true => String::new(),
+        false => detokenizer.push(decoder, token)?.unwrap_or_default(),
+    };
+    if ending {
+        text += &detokenizer.finish(decoder)?;
+    }
+    Ok(text)
+}
+
 /// What became of a request after a token.
 enum Next {
     Running,
@@ -485,17 +518,7 @@ fn emit_next_token(
     let out_of_room =
         seq.generated() >= seq.request.max_tokens || seq.tokens.len() >= max_model_len;
     let ending = eos || out_of_room;
-    let piece = (|| -> Result<String> {
-        let mut piece = match eos {
-            true => String::new(),
-            false => seq.detokenizer.push(decoder, token)?.unwrap_or_default(),
-        };
-        if ending {
-            piece += &seq.detokenizer.finish(decoder)?;
-        }
-        Ok(piece)
-    })();
-    let piece = match piece {
+    let piece = match released_text(&mut seq.detokenizer, decoder, token, eos, ending) {
         Ok(piece) => piece,
         Err(e) => {
             return Next::Finished(Event::Failed {
