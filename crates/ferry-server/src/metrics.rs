@@ -70,6 +70,7 @@ impl Metrics {
             gauge!("ferry_kv_blocks_used").set(s.kv_blocks_used as f64);
             gauge!("ferry_kv_blocks_total").set(s.kv_blocks_total as f64);
             gauge!("ferry_decode_tokens_per_second").set(status.decode_tokens_per_s);
+            counter!("ferry_preemptions_total").absolute(s.preemptions);
         });
         self.handle.render()
     }

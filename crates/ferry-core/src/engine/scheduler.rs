@@ -140,6 +140,8 @@ pub struct SchedulerStats {
     pub queued: usize,
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
+    /// Requests preempted (KV freed, to be recomputed) since the start.
+    pub preemptions: u64,
 }
 
 /// What one step did.
@@ -157,6 +159,7 @@ pub struct Scheduler<E: Executor> {
     waiting: VecDeque<Sequence>,
     /// In arrival order: the last is the first to be preempted.
     running: Vec<Sequence>,
+    preemptions: u64,
 }
 
 impl<E: Executor> Scheduler<E> {
@@ -188,6 +191,7 @@ impl<E: Executor> Scheduler<E> {
             blocks,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            preemptions: 0,
         })
     }
 
@@ -209,6 +213,7 @@ impl<E: Executor> Scheduler<E> {
             queued: self.waiting.len(),
             kv_blocks_used: self.blocks.used(),
             kv_blocks_total: self.blocks.total(),
+            preemptions: self.preemptions,
         }
     }
 
@@ -277,6 +282,7 @@ impl<E: Executor> Scheduler<E> {
             );
             self.free_kv(&mut seq);
             self.waiting.push_front(seq);
+            self.preemptions += 1;
         }
     }
 
@@ -749,6 +755,7 @@ mod tests {
             assert!(s.stats().kv_blocks_used <= 4);
         }
         assert_eq!(peak, 4);
+        assert!(s.stats().preemptions > 0);
         assert_eq!(outcome(&a).0, alone(&[1, 2, 3, 4, 5], 7));
         assert_eq!(outcome(&b).0, alone(&[6, 7, 8, 9, 10], 7));
         assert!(s.executor.kv.is_empty());
