@@ -60,12 +60,15 @@ class Server:
         for line in self.process.stderr:
             self.log.append(line)
 
-    def metric(self, name):
+    def metric(self, name, default=None):
+        """A sample from /metrics (`name` with its labels); `default` when a counter was never incremented."""
         text = httpx.get(self.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         for line in text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
-        raise AssertionError(f"no {name} in /metrics")
+        if default is None:
+            raise AssertionError(f"no {name} in /metrics")
+        return default
 
     def stop(self):
         self.process.terminate()
@@ -140,6 +143,24 @@ def test_a_client_that_hangs_up_frees_its_kv(server):
         assert time.time() < deadline, "KV not freed after the client hung up"
         time.sleep(0.02)
     assert server.metric("ferry_running_requests") == 0
+
+
+def test_a_client_that_times_out_on_a_plain_request_frees_its_kv_too(server):
+    cancelled = 'ferry_requests_total{outcome="cancelled"}'
+    cancelled_before = server.metric(cancelled, default=0)
+    impatient = OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=0.5)
+    try:
+        impatient.chat.completions.create(
+            model=MODEL, messages=chat("Go on and on."), max_tokens=3000, temperature=0, extra_body={"ignore_eos": True}
+        )
+        raise AssertionError("3000 tokens in half a second")
+    except openai.APITimeoutError:
+        pass
+    deadline = time.time() + 20
+    while server.metric("ferry_kv_blocks_used") > 0 or server.metric("ferry_running_requests") > 0:
+        assert time.time() < deadline, "KV not freed after the client gave up"
+        time.sleep(0.02)
+    assert server.metric(cancelled) == cancelled_before + 1, "the request ran on instead of being cancelled"
 
 
 def test_stop_strings_cut_the_output(server):
