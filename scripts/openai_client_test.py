@@ -135,14 +135,15 @@ def test_a_client_that_hangs_up_frees_its_kv(server):
     chunks = iter(stream)
     next(chunks), next(chunks)
     deadline = time.time() + 20
-    while server.metric("ferry_kv_blocks_used") == 0:
-        assert time.time() < deadline, "no KV in use while streaming"
+    while server.metric("ferry_kv_blocks_used") == 0 or server.metric("ferry_decode_tokens_per_second") == 0:
+        assert time.time() < deadline, "no KV in use or no decode speed while streaming"
         time.sleep(0.01)
     stream.close()
     while server.metric("ferry_kv_blocks_used") > 0:
         assert time.time() < deadline, "KV not freed after the client hung up"
         time.sleep(0.02)
     assert server.metric("ferry_running_requests") == 0
+    assert server.metric("ferry_decode_tokens_per_second") == 0, "an idle engine decodes nothing"
 
 
 def test_a_client_that_times_out_on_a_plain_request_frees_its_kv_too(server):

@@ -18,21 +18,29 @@ const OPTIONAL_FILES: [&str; 3] = [
     "chat_template.jinja",
 ];
 
-/// Where the hub is and whether to ask it.
+/// Where the hub is, whether to ask it, and the token for gated repos.
 pub struct HubAccess {
     pub cache: Cache,
     pub endpoint: Option<String>,
     pub offline: bool,
+    /// HF_TOKEN, else the token `huggingface-cli login` saved beside the cache.
+    pub token: Option<String>,
 }
 
 impl HubAccess {
     pub fn from_env() -> Self {
         let offline = std::env::var("HF_HUB_OFFLINE")
             .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+        let cache = Cache::from_env();
+        let token = std::env::var("HF_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())
+            .or_else(|| cache.token());
         HubAccess {
-            cache: Cache::from_env(),
+            cache,
             endpoint: std::env::var("HF_ENDPOINT").ok(),
             offline,
+            token,
         }
     }
 }
@@ -76,7 +84,9 @@ pub fn fetch(
     if access.offline {
         return cached(repo_id, &access.cache, "HF_HUB_OFFLINE is set");
     }
-    let mut builder = ApiBuilder::from_cache(access.cache.clone()).with_progress(true);
+    let mut builder = ApiBuilder::from_cache(access.cache.clone())
+        .with_progress(true)
+        .with_token(access.token.clone());
     if let Some(endpoint) = &access.endpoint {
         builder = builder.with_endpoint(endpoint.clone());
     }
@@ -198,6 +208,7 @@ mod tests {
             // Nothing listens there: the hub is unreachable, as in CI.
             endpoint: Some("http://127.0.0.1:9".into()),
             offline,
+            token: None,
         }
     }
 

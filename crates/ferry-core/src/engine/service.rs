@@ -23,7 +23,7 @@ enum Command {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EngineStatus {
     pub scheduler: SchedulerStats,
-    /// Decode tokens per second over recent steps that decoded (smoothed).
+    /// Decode tokens per second over recent steps (smoothed); 0 while the engine is idle.
     pub decode_tokens_per_s: f64,
 }
 
@@ -117,6 +117,9 @@ fn run<E: Executor>(
                 0.0 => rate,
                 previous => 0.8 * previous + 0.2 * rate,
             };
+        }
+        if scheduler.is_idle() {
+            decode_rate = 0.0;
         }
         *status.lock().unwrap_or_else(|e| e.into_inner()) = EngineStatus {
             scheduler: scheduler.stats(),
