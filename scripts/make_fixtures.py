@@ -24,6 +24,11 @@ Fixtures:
     mixtral          MixtralForCausalLM, block_sparse_moe.experts.E.w1/w2/w3
     olmoe            OlmoeForCausalLM, q/k norm over the full projected width
     qwen2_moe        Qwen2MoeForCausalLM, shared expert + sigmoid gate, q/k/v bias
+    qwen3_5_moe      Qwen3_5MoeForConditionalGeneration: hybrid Gated DeltaNet / gated attention text model
+                     nested under text_config and model.language_model., a tiny vision tower, mtp.* tensors,
+                     fused expert tensors
+    qwen3_5_moe_text Qwen3_5MoeForCausalLM: the same text model on its own, tied embeddings
+    qwen3_next       Qwen3NextForCausalLM: in_proj_qkvz / in_proj_ba layout, a dense layer, hub-style config
 
 Needs torch, transformers (5.x), tokenizers and safetensors. Usage:
 
@@ -45,7 +50,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 
 # ---------------------------------------------------------------------------------------------
 # Shared constants
@@ -67,6 +72,13 @@ EMBED_STD = 0.4  # embed_tokens and lm_head: final logits get std ~ 0.4 * sqrt(6
 ROUTER_STD = 0.5  # router logits get std ~ 0.5 * sqrt(64) = 4
 NORM_JITTER = 0.1  # RMSNorm weights are 1 + 0.1 * randn
 BIAS_STD = 0.1
+# Gated DeltaNet: conv taps large enough that the conv keeps the projections' scale; decay rates
+# A = exp(A_log) around 1 and dt = softplus(a + dt_bias) around 0.15 give a per-token state decay of
+# about 0.85, so the recurrent state carries a dozen tokens (and across prefill chunks).
+CONV_STD = 0.5
+A_LOG_STD = 0.5
+DT_BIAS_MEAN = -2.0
+DT_BIAS_STD = 0.5
 
 TRAINING_TEXT = """\
 The quick brown fox jumps over the lazy dog. A small model can still learn the shape of a language
@@ -312,6 +324,29 @@ COMMON = dict(
 )
 
 
+# The hybrid families (Qwen3-Next, Qwen3.5/3.6-MoE): three Gated DeltaNet layers, then one gated
+# full-attention layer (partial rotary 0.25: 4 of head_dim 16); the linear layers have 2 key heads
+# serving 4 value heads, as the real models' 16 serve 32.
+QWEN3_NEXT_HYBRID = dict(
+    COMMON,
+    head_dim=16,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=8,
+    num_experts_per_tok=2,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+)
+QWEN3_5_TEXT = QWEN3_NEXT_HYBRID  # Qwen3.5 has no dense layers and always renormalises the top-k weights
+
+
 @dataclass
 class Fixture:
     name: str
@@ -324,6 +359,7 @@ class Fixture:
     expert_names: str  # "per_expert" (gate/up/down_proj), "w1w3w2" (Mixtral) or "fused" (v5 3-D)
     moe_prefix: str = "mlp"  # hub module name of the sparse block ("block_sparse_moe" for Mixtral)
     hub_config: bool = True  # rewrite config.json to the transformers 4.x hub conventions
+    mtp_head: bool = False  # add mtp.* tensors as published checkpoints carry them (transformers skips them)
 
 
 FIXTURES = [
@@ -446,6 +482,60 @@ FIXTURES = [
         num_shards=2,
         expert_names="per_expert",
     ),
+    Fixture(
+        name="qwen3_5_moe",
+        config_class="Qwen3_5MoeConfig",
+        architecture="Qwen3_5MoeForConditionalGeneration",
+        config=dict(
+            text_config=dict(QWEN3_5_TEXT),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                patch_size=4,
+                temporal_patch_size=2,
+                spatial_merge_size=2,
+                out_hidden_size=64,
+                num_position_embeddings=16,
+            ),
+            tie_word_embeddings=False,
+        ),
+        tokenizer=QWEN_TOKENIZER,
+        seed=6000,
+        num_shards=3,
+        expert_names="fused",
+        hub_config=False,
+        mtp_head=True,
+    ),
+    Fixture(
+        name="qwen3_5_moe_text",
+        config_class="Qwen3_5MoeTextConfig",
+        architecture="Qwen3_5MoeForCausalLM",
+        config=dict(QWEN3_5_TEXT, tie_word_embeddings=True),
+        tokenizer=QWEN_TOKENIZER,
+        seed=7000,
+        num_shards=2,
+        expert_names="fused",
+        hub_config=False,
+    ),
+    Fixture(
+        name="qwen3_next",
+        config_class="Qwen3NextConfig",
+        architecture="Qwen3NextForCausalLM",
+        config=dict(
+            QWEN3_NEXT_HYBRID,
+            intermediate_size=96,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        tokenizer=QWEN_TOKENIZER,
+        seed=8000,
+        num_shards=3,
+        expert_names="per_expert",
+    ),
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -547,7 +637,12 @@ def make_config(fx: Fixture, tok: Tokenizer):
         "eos_token_id": tok.token_to_id(style.eos_token),
         "pad_token_id": tok.token_to_id(style.pad_token) if style.pad_token else None,
     }
-    config = getattr(transformers, fx.config_class)(**fx.config, **ids)
+    fields = copy.deepcopy(fx.config)
+    if "text_config" in fields:  # multimodal: the token ids belong to the text model
+        fields["text_config"].update(ids)
+    else:
+        fields.update(ids)
+    config = getattr(transformers, fx.config_class)(**fields)
     config.architectures = [fx.architecture]
     return config
 
@@ -568,6 +663,13 @@ def hub_style_config(config_dict: dict, model_type: str) -> dict:
     d["torch_dtype"] = d.pop("dtype")
     if model_type == "qwen3_moe":
         d["num_experts"] = d.pop("num_local_experts")
+    if model_type == "qwen3_next":  # as Qwen3-Next-80B-A3B's config: layer pattern by interval
+        d["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        interval = 4
+        assert d.pop("layer_types") == [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(d["num_hidden_layers"])
+        ]
+        d["full_attention_interval"] = interval
     if d.get("use_sliding_window") is False and d.get("sliding_window") == 0:
         d["sliding_window"] = d["max_position_embeddings"]  # as Qwen1.5-MoE's config: set but unused
     return dict(sorted(d.items()))
@@ -583,10 +685,11 @@ def write_configs(out: Path, fx: Fixture, config, tok: Tokenizer) -> None:
 
     style = fx.tokenizer
     eos = [tok.token_to_id(t) for t in style.generation_eos]
+    text = config.get_text_config()
     gen = GenerationConfig(
-        bos_token_id=config.bos_token_id,
+        bos_token_id=text.bos_token_id,
         eos_token_id=eos[0] if len(eos) == 1 else eos,
-        pad_token_id=config.pad_token_id,
+        pad_token_id=text.pad_token_id,
         **style.generation_extra,
     )
     gen.save_pretrained(out)
@@ -603,8 +706,18 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and type(model).__name__.startswith(("Qwen3_5Moe", "Qwen3Next")) and (
+                "linear_attn.norm" not in name and ".visual." not in name
+            ):  # the hybrids' RMSNorm scales by (1 + weight); the gated norm and the vision tower's do not
+                value = NORM_JITTER * noise
+            elif name.endswith("norm.weight"):
                 value = 1.0 + NORM_JITTER * noise
+            elif name.endswith("conv1d.weight"):
+                value = CONV_STD * noise
+            elif name.endswith("A_log"):
+                value = A_LOG_STD * noise
+            elif name.endswith("dt_bias"):
+                value = DT_BIAS_MEAN + DT_BIAS_STD * noise
             elif name.endswith(".bias"):
                 value = BIAS_STD * noise
             elif name.endswith("mlp.gate.weight"):  # router
@@ -650,15 +763,37 @@ def hub_state_dict(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tenso
         for role, stacked in per_expert.items():
             for e in range(stacked.shape[0]):
                 out[f"{prefix}.{e}.{names[role]}.weight"] = stacked[e].clone().contiguous()
+    if fx.mtp_head:
+        out.update(mtp_tensors(model.config.get_text_config()))
     return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))
+
+
+def mtp_tensors(text) -> dict[str, torch.Tensor]:
+    """A few of the multi-token-prediction head's tensors, named as Qwen3.5's published checkpoints name them.
+
+    transformers does not load them (`_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`) and text
+    serving does not need them; they are here so loaders prove they skip them.
+    """
+    gen = torch.Generator().manual_seed(0)
+    h = text.hidden_size
+    shapes = {
+        "mtp.fc.weight": (h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,),
+        "mtp.norm.weight": (h,),
+        "mtp.layers.0.input_layernorm.weight": (h,),
+    }
+    return {name: (LINEAR_STD * torch.randn(shape, generator=gen)).to(torch.bfloat16) for name, shape in shapes.items()}
 
 
 def check_hub_names(fx: Fixture, config, state: dict[str, torch.Tensor]) -> None:
     """Assert the on-disk names and shapes are the family's hub layout."""
+    tied = config.tie_word_embeddings
+    config = config.get_text_config()
     hidden = config.hidden_size
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     n_exp = getattr(config, "num_experts", None) or config.num_local_experts
-    if config.tie_word_embeddings:
+    if tied:
         assert "lm_head.weight" not in state, "tied checkpoint must not store lm_head"
     else:
         assert "lm_head.weight" in state
@@ -774,7 +909,8 @@ def prompt_cases(hf_tok, raw_tok: Tokenizer) -> list[dict]:
 
 def build_model(fx: Fixture, config, seed: int):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model_class = getattr(transformers, fx.architecture)
+    model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float32)
     init_weights(model, seed)
     return model.eval()
 
@@ -851,7 +987,7 @@ def verify_fixture(out: Path, fx: Fixture, model, results: list[dict]) -> None:
             ids = hf_tok(r["prompt_text"]).input_ids
         assert ids == r["prompt_ids"], f"tokenizer reload changed {r['name']} ids"
 
-    loaded, info = AutoModelForCausalLM.from_pretrained(
+    loaded, info = getattr(transformers, fx.architecture).from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
     )
     loaded.eval()

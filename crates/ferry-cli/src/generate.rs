@@ -3,23 +3,20 @@
 use std::io::Write;
 
 use anyhow::{bail, Context, Result};
-use ferry_core::backend::cpu::CpuBackend;
+use ferry_core::backend::Backend;
 use ferry_core::engine::{generate, GenerateRequest, SamplingParams, StopRules};
+use ferry_core::kv::KvCache;
 use ferry_core::loader::{ChatMessage, Checkpoint, Detokenizer};
 use ferry_core::model::Model;
 
-use crate::{Device, ModelArgs};
+use crate::device::{open_backend, Device, ModelArgs};
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// The prompt text (tokenized with the checkpoint's tokenizer).
-    #[arg(
-        long,
-        conflicts_with = "prompt_ids",
-        required_unless_present = "prompt_ids"
-    )]
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     prompt: Option<String>,
     /// Wrap the prompt as a user message in the checkpoint's chat template.
     #[arg(long, requires = "prompt")]
@@ -51,34 +48,35 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    if args.device == Device::Cuda {
-        bail!("this build of ferry has no CUDA backend yet; use --device cpu");
-    }
-    let checkpoint = Checkpoint::open(&args.model.model)?;
-    let backend = CpuBackend;
+    let checkpoint = args.model.open()?;
+    let backends = open_backend(args.device)?;
+    crate::with_backend!(backends, be => generate_on(be, &checkpoint, &args))
+}
+
+fn generate_on<B: Backend>(backend: &B, checkpoint: &Checkpoint, args: &GenerateArgs) -> Result<()> {
     let started = std::time::Instant::now();
-    let model = Model::load(&backend, &checkpoint)?;
+    let model = Model::load(backend, checkpoint)?;
     tracing::info!(
         "loaded {} from {} on {} in {:.2?}",
         model.spec.model_type,
         checkpoint.dir.display(),
-        ferry_core::backend::Backend::name(&backend),
+        backend.name(),
         started.elapsed()
     );
 
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(text)) => {
-            let tokenizer = checkpoint.tokenizer.as_ref().context(
-                "--prompt needs the checkpoint's tokenizer.json; use --prompt-ids without one",
-            )?;
+            let tokenizer = checkpoint
+                .tokenizer
+                .as_ref()
+                .context("--prompt needs the checkpoint's tokenizer.json; use --prompt-ids without one")?;
             if args.chat {
                 let messages = [ChatMessage {
                     role: "user".into(),
                     content: text.clone(),
                 }];
-                let rendered =
-                    tokenizer.apply_chat_template(&messages, true, &Default::default())?;
+                let rendered = tokenizer.apply_chat_template(&messages, true, &Default::default())?;
                 tokenizer.encode(&rendered, false)?
             } else {
                 tokenizer.encode(text, true)?
@@ -103,20 +101,15 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             ignore_eos: args.ignore_eos,
         },
     };
-    let mut kv = ferry_core::backend::Backend::new_kv(
-        &backend,
-        model.kv_spec(prompt_ids.len() + args.max_tokens),
-    )?;
+    let mut kv = backend.new_kv(model.kv_spec(prompt_ids.len() + args.max_tokens))?;
     let seq = kv.alloc_seq();
 
     let tokenizer = checkpoint.tokenizer.as_ref();
-    let mut detokenizer = tokenizer
-        .filter(|_| !args.json)
-        .map(|t| (t, Detokenizer::new()));
+    let mut detokenizer = tokenizer.filter(|_| !args.json).map(|t| (t, Detokenizer::new()));
     let mut stdout = std::io::stdout().lock();
     let mut stream_error = None;
     let started = std::time::Instant::now();
-    let generation = generate(&backend, &model, &mut kv, seq, &request, |token, _| {
+    let generation = generate(backend, &model, &mut kv, seq, &request, |token, _| {
         if let Some((tokenizer, detok)) = detokenizer.as_mut() {
             match detok.push(*tokenizer, token) {
                 Ok(Some(piece)) => {
@@ -140,9 +133,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     );
 
     if args.json {
-        let text = tokenizer
-            .map(|t| t.decode(&generation.token_ids, true))
-            .transpose()?;
+        let text = tokenizer.map(|t| t.decode(&generation.token_ids, true)).transpose()?;
         let out = serde_json::json!({
             "token_ids": generation.token_ids,
             "text": text,

@@ -12,11 +12,7 @@ use hf_hub::{Cache, Repo};
 const WEIGHT_INDEX: &str = "model.safetensors.index.json";
 const SINGLE_WEIGHTS: &str = "model.safetensors";
 /// Files read when present; config.json, tokenizer.json and the weights are required.
-const OPTIONAL_FILES: [&str; 3] = [
-    "generation_config.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-];
+const OPTIONAL_FILES: [&str; 3] = ["generation_config.json", "tokenizer_config.json", "chat_template.jinja"];
 
 /// Where the hub is, whether to ask it, and the token for gated repos.
 pub struct HubAccess {
@@ -49,10 +45,7 @@ impl HubAccess {
 pub fn is_repo_id(model: &str) -> bool {
     let mut parts = model.split('/');
     let valid = |s: &str| {
-        !s.is_empty()
-            && !s.starts_with('.')
-            && s.chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        !s.is_empty() && !s.starts_with('.') && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
     };
     matches!((parts.next(), parts.next(), parts.next()), (Some(owner), Some(name), None) if valid(owner) && valid(name))
 }
@@ -60,15 +53,12 @@ pub fn is_repo_id(model: &str) -> bool {
 /// The shard files an index names.
 fn shards_of(index: &Path) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(index).with_context(|| index.display().to_string())?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{}: invalid JSON", index.display()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", index.display()))?;
     let map = json["weight_map"]
         .as_object()
         .with_context(|| format!("{}: no weight_map", index.display()))?;
-    let mut shards: Vec<String> = map
-        .values()
-        .filter_map(|v| v.as_str().map(str::to_string))
-        .collect();
+    let mut shards: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
     shards.sort();
     shards.dedup();
     Ok(shards)
@@ -76,11 +66,7 @@ fn shards_of(index: &Path) -> Result<Vec<String>> {
 
 /// The checkpoint directory (a snapshot in the cache) for `repo_id`. `progress(stage, fraction)` hears about
 /// each file.
-pub fn fetch(
-    repo_id: &str,
-    access: &HubAccess,
-    progress: &mut dyn FnMut(String, f64),
-) -> Result<PathBuf> {
+pub fn fetch(repo_id: &str, access: &HubAccess, progress: &mut dyn FnMut(String, f64)) -> Result<PathBuf> {
     if access.offline {
         return cached(repo_id, &access.cache, "HF_HUB_OFFLINE is set");
     }
@@ -90,25 +76,13 @@ pub fn fetch(
     if let Some(endpoint) = &access.endpoint {
         builder = builder.with_endpoint(endpoint.clone());
     }
-    let api = builder
-        .build()
-        .context("cannot set up the Hugging Face hub client")?;
+    let api = builder.build().context("cannot set up the Hugging Face hub client")?;
     let repo = api.repo(Repo::model(repo_id.to_string()));
     let listing = match repo.info() {
-        Ok(info) => info
-            .siblings
-            .into_iter()
-            .map(|s| s.rfilename)
-            .collect::<Vec<_>>(),
+        Ok(info) => info.siblings.into_iter().map(|s| s.rfilename).collect::<Vec<_>>(),
         Err(e) => {
-            tracing::warn!(
-                "cannot reach the Hugging Face hub for {repo_id} ({e}); using the cached copy"
-            );
-            return cached(
-                repo_id,
-                &access.cache,
-                &format!("the hub could not be reached: {e}"),
-            );
+            tracing::warn!("cannot reach the Hugging Face hub for {repo_id} ({e}); using the cached copy");
+            return cached(repo_id, &access.cache, &format!("the hub could not be reached: {e}"));
         }
     };
     let has = |name: &str| listing.iter().any(|f| f == name);
@@ -160,14 +134,10 @@ fn cached(repo_id: &str, cache: &Cache, why_offline: &str) -> Result<PathBuf> {
         missing.push("tokenizer.json".to_string());
     }
     match repo.get(WEIGHT_INDEX) {
-        Some(index) => missing.extend(
-            shards_of(&index)?
-                .into_iter()
-                .filter(|s| repo.get(s).is_none()),
-        ),
-        None if repo.get(SINGLE_WEIGHTS).is_none() => missing.push(format!(
-            "{SINGLE_WEIGHTS} (or {WEIGHT_INDEX} and its shards)"
-        )),
+        Some(index) => missing.extend(shards_of(&index)?.into_iter().filter(|s| repo.get(s).is_none())),
+        None if repo.get(SINGLE_WEIGHTS).is_none() => {
+            missing.push(format!("{SINGLE_WEIGHTS} (or {WEIGHT_INDEX} and its shards)"))
+        }
         None => {}
     }
     if !missing.is_empty() {
@@ -216,14 +186,7 @@ mod tests {
     fn repo_ids_and_paths_are_told_apart() {
         assert!(is_repo_id("Qwen/Qwen3-30B-A3B"));
         assert!(is_repo_id("allenai/OLMoE-1B-7B-0924"));
-        for not_id in [
-            "tests/fixtures/qwen3_moe",
-            "/abs/path",
-            "./x/y",
-            "name",
-            "a/b/",
-            "../x",
-        ] {
+        for not_id in ["tests/fixtures/qwen3_moe", "/abs/path", "./x/y", "name", "a/b/", "../x"] {
             assert!(!is_repo_id(not_id), "{not_id}");
         }
     }
@@ -241,12 +204,7 @@ mod tests {
     fn an_unreachable_hub_falls_back_to_the_cache() {
         let root = tempfile::tempdir().unwrap();
         let snapshot = fake_cache(root.path());
-        let dir = fetch(
-            "tiny/qwen3-moe",
-            &access(root.path(), false),
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let dir = fetch("tiny/qwen3-moe", &access(root.path(), false), &mut |_, _| {}).unwrap();
         assert_eq!(dir, snapshot);
     }
 
@@ -264,12 +222,7 @@ mod tests {
         let snapshot = fake_cache(root.path());
         std::fs::remove_file(snapshot.join("model-00002-of-00003.safetensors")).unwrap();
         std::fs::remove_file(snapshot.join("tokenizer.json")).unwrap();
-        let err = fetch(
-            "tiny/qwen3-moe",
-            &access(root.path(), false),
-            &mut |_, _| {},
-        )
-        .unwrap_err();
+        let err = fetch("tiny/qwen3-moe", &access(root.path(), false), &mut |_, _| {}).unwrap_err();
         let message = err.to_string();
         assert!(message.contains("incomplete"), "{message}");
         assert!(

@@ -1,10 +1,9 @@
 //! `ferry info`: what a user needs to size a GPU cache for a checkpoint.
 
 use anyhow::Result;
-use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, ModelInfo};
 
-use crate::ModelArgs;
+use crate::device::ModelArgs;
 
 #[derive(clap::Args)]
 pub struct InfoArgs {
@@ -19,11 +18,7 @@ pub struct InfoArgs {
 fn bytes(n: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let exponent = ((n.max(1).ilog2() / 10) as usize).min(units.len() - 1);
-    format!(
-        "{:.2} {}",
-        n as f64 / (1u64 << (10 * exponent)) as f64,
-        units[exponent]
-    )
+    format!("{:.2} {}", n as f64 / (1u64 << (10 * exponent)) as f64, units[exponent])
 }
 
 /// A parameter count in thousands, millions or billions.
@@ -36,31 +31,24 @@ fn count(n: u64) -> String {
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
-    let checkpoint = Checkpoint::open(&args.model.model)?;
+    let checkpoint = args.model.open()?;
     let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
-    let dtype = checkpoint.weights.get("model.embed_tokens.weight")?.dtype;
+    let dtype = checkpoint.weight_dtype();
     let info = ModelInfo::new(&spec, dtype);
     if args.json {
         println!("{}", serde_json::to_string(&info)?);
         return Ok(());
     }
-    let rows = [
+    let mut rows = vec![
         ("family", info.model_type.clone()),
-        (
-            "layers (MoE)",
-            format!("{} ({})", info.num_layers, info.num_moe_layers),
-        ),
+        ("layers (MoE)", format!("{} ({})", info.num_layers, info.num_moe_layers)),
         (
             "experts",
             format!(
                 "{} routed, top-{}{}",
                 info.num_experts,
                 info.experts_per_token,
-                if info.shared_expert {
-                    " + 1 shared"
-                } else {
-                    ""
-                }
+                if info.shared_expert { " + 1 shared" } else { "" }
             ),
         ),
         (
@@ -75,6 +63,19 @@ pub fn run(args: InfoArgs) -> Result<()> {
         ("dense part (GPU)", bytes(info.dense_bytes)),
         ("KV per token (bf16)", bytes(info.kv_bytes_per_token_bf16)),
     ];
+    if info.num_gated_delta_net_layers > 0 {
+        rows.insert(
+            2,
+            (
+                "token mixers",
+                format!(
+                    "{} attention + {} Gated DeltaNet",
+                    info.num_attention_layers, info.num_gated_delta_net_layers
+                ),
+            ),
+        );
+        rows.push(("recurrent state / sequence", bytes(info.recurrent_state_bytes_per_seq)));
+    }
     for (name, value) in rows {
         println!("{name:<28}{value}");
     }

@@ -1,14 +1,16 @@
 //! `ferry`: run Mixture-of-Experts models larger than the GPU.
 
+mod bench;
+mod device;
+mod doctor;
 mod generate;
 mod hub;
 mod info;
 mod serve;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -27,38 +29,25 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Describe a checkpoint: family, experts, parameters, expert-bank and KV sizes.
     Info(info::InfoArgs),
+    /// Measure prefill and decode speed against the machine's bound.
+    Bench(bench::BenchArgs),
+    /// Measure the machine's ceilings: memory and copy bandwidths, GEMM throughput.
+    Doctor(doctor::DoctorArgs),
     /// Serve the OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
 }
 
-/// Where the model runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Device {
-    Cpu,
-    Cuda,
-    /// The GPU when there is one, else the CPU.
-    Auto,
-}
-
-#[derive(clap::Args)]
-pub struct ModelArgs {
-    /// A Hugging Face checkpoint directory.
-    #[arg(long)]
-    pub model: PathBuf,
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Info(args) => info::run(args),
+        Command::Bench(args) => bench::run(args),
+        Command::Doctor(args) => doctor::run(args),
         Command::Serve(args) => serve::run(args),
     };
     match result {

@@ -7,19 +7,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use ferry_core::backend::cpu::CpuBackend;
+use ferry_core::backend::cuda::KV_BLOCK_SIZE;
 use ferry_core::backend::Backend;
 use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig};
 use ferry_core::kv::BlockPool;
-use ferry_core::loader::Checkpoint;
+use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
 use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig};
 
+use crate::device::{open_backend, Backends, Device};
 use crate::hub::{self, HubAccess};
-use crate::Device;
-
-/// Tokens per KV block: small enough that a sequence wastes little, large enough that the block table stays short.
-const KV_BLOCK_TOKENS: usize = 16;
 /// Tokens one engine step runs at most: running decodes first, then prefill chunks. 2048 keeps a step's prefill
 /// chunk large enough to reuse each fetched expert across many tokens while decodes still advance every step.
 const STEP_TOKENS: usize = 2048;
@@ -54,9 +51,6 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    if args.device == Device::Cuda {
-        bail!("this build of ferry has no CUDA backend yet; use --device cpu");
-    }
     if args.max_running_requests == 0 {
         bail!("--max-running-requests must be at least 1");
     }
@@ -74,10 +68,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("cannot listen on {address}"))?;
     let bound: SocketAddr = listener.local_addr()?;
     let state = AppState::new(ServerConfig {
-        served_model_name: args
-            .served_model_name
-            .clone()
-            .unwrap_or_else(|| args.model.clone()),
+        served_model_name: args.served_model_name.clone().unwrap_or_else(|| args.model.clone()),
         api_key: args.api_key.clone(),
         max_in_flight: args.max_running_requests + args.max_queued_requests,
     });
@@ -103,11 +94,10 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => return std::future::pending().await,
-            };
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(_) => return std::future::pending().await,
+        };
         tokio::select! {
             _ = ctrl_c => {},
             _ = term.recv() => {},
@@ -123,61 +113,33 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     let dir = if PathBuf::from(&args.model).is_dir() || !hub::is_repo_id(&args.model) {
         PathBuf::from(&args.model)
     } else {
-        hub::fetch(
-            &args.model,
-            &HubAccess::from_env(),
-            &mut |stage, progress| {
-                tracing::info!("{stage}");
-                state.set_loading(stage, progress);
-            },
-        )?
+        hub::fetch(&args.model, &HubAccess::from_env(), &mut |stage, progress| {
+            tracing::info!("{stage}");
+            state.set_loading(stage, progress);
+        })
+        .with_context(|| {
+            format!(
+                "{} is not a directory, so it was taken as a Hugging Face repo id",
+                args.model
+            )
+        })?
     };
     state.set_loading(format!("loading weights from {}", dir.display()), 0.0);
     let mut checkpoint = Checkpoint::open(&dir)?;
     let eos_token_ids = checkpoint.eos_token_ids();
-    let tokenizer = checkpoint
-        .tokenizer
-        .take()
-        .context("the checkpoint has no tokenizer.json, which the server needs")?;
-    let backend = CpuBackend;
-    let started = std::time::Instant::now();
-    let model = Model::load(&backend, &checkpoint)?;
-    let window = model.spec.max_position_embeddings;
-    let max_model_len = match args.max_model_len {
-        Some(n) if n > window => {
-            bail!("--max-model-len {n} is beyond the model's context window of {window}")
-        }
-        Some(0) => bail!("--max-model-len must be at least 2"),
-        Some(n) => n,
-        None => window,
-    };
-    // Room for every running request at full length, so preemption is a last resort.
-    let kv_tokens = max_model_len * args.max_running_requests;
-    let blocks = BlockPool::new(KV_BLOCK_TOKENS, kv_tokens.div_ceil(KV_BLOCK_TOKENS));
-    let kv = backend.new_kv(model.kv_spec(blocks.capacity_tokens()))?;
-    tracing::info!(
-        "loaded {} on {} in {:.2?}; context {max_model_len}, KV {} blocks of {KV_BLOCK_TOKENS} tokens",
-        model.spec.model_type,
-        backend.name(),
-        started.elapsed(),
-        blocks.total()
+    let tokenizer = Arc::new(
+        checkpoint
+            .tokenizer
+            .take()
+            .context("the checkpoint has no tokenizer.json, which the server needs")?,
     );
-    let vocab_size = model.spec.vocab_size;
-    let tokenizer = Arc::new(tokenizer);
-    let scheduler = Scheduler::new(
-        SchedulerConfig {
-            max_running: args.max_running_requests,
-            max_queued: args.max_queued_requests,
-            step_tokens: STEP_TOKENS,
-            max_model_len,
-        },
-        ModelExecutor { backend, model, kv },
-        tokenizer.clone(),
-        blocks,
-    )?;
+    let (engine, max_model_len, vocab_size) = match open_backend(args.device)? {
+        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args)?,
+        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args)?,
+    };
     let defaults = &checkpoint.generation;
     Ok(LoadedModel {
-        engine: EngineHandle::spawn(scheduler).context("cannot start the engine thread")?,
+        engine,
         eos_token_ids,
         tokenizer,
         max_model_len,
@@ -188,4 +150,49 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
             top_k: defaults.top_k,
         },
     })
+}
+
+/// Loads the model on `backend` and starts the engine thread; returns it with the context length and vocabulary
+/// size the server validates requests against.
+fn start_engine<B: Backend + 'static>(
+    backend: B,
+    checkpoint: &Checkpoint,
+    tokenizer: Arc<Tokenizer>,
+    args: &ServeArgs,
+) -> Result<(EngineHandle, usize, usize)> {
+    let started = std::time::Instant::now();
+    let model = Model::load(&backend, checkpoint)?;
+    let window = model.spec.max_position_embeddings;
+    let max_model_len = match args.max_model_len {
+        Some(n) if n > window => bail!("--max-model-len {n} is beyond the model's context window of {window}"),
+        Some(n) if n < 2 => bail!("--max-model-len must leave room for a prompt token and an output token"),
+        Some(n) => n,
+        None => window,
+    };
+    // Room for every running request at full length, so preemption is a last resort. The pool's blocks are the
+    // device cache's, so the cache holds whatever the pool grants.
+    let kv_tokens = max_model_len * args.max_running_requests;
+    let blocks = BlockPool::new(KV_BLOCK_SIZE, kv_tokens.div_ceil(KV_BLOCK_SIZE));
+    let kv = backend.new_kv(model.kv_spec(blocks.capacity_tokens()))?;
+    tracing::info!(
+        "loaded {} on {} in {:.2?}; context {max_model_len}, KV {} blocks of {KV_BLOCK_SIZE} tokens",
+        model.spec.model_type,
+        backend.name(),
+        started.elapsed(),
+        blocks.total()
+    );
+    let vocab_size = model.spec.vocab_size;
+    let scheduler = Scheduler::new(
+        SchedulerConfig {
+            max_running: args.max_running_requests,
+            max_queued: args.max_queued_requests,
+            step_tokens: STEP_TOKENS,
+            max_model_len,
+        },
+        ModelExecutor { backend, model, kv },
+        tokenizer,
+        blocks,
+    )?;
+    let engine = EngineHandle::spawn(scheduler).context("cannot start the engine thread")?;
+    Ok((engine, max_model_len, vocab_size))
 }

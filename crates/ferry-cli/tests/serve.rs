@@ -49,11 +49,7 @@ impl Server {
         let address = address_rx
             .recv_timeout(Duration::from_secs(30))
             .unwrap_or_else(|_| panic!("ferry serve did not start:\n{}", log.lock().unwrap()));
-        let server = Server {
-            child,
-            address,
-            log,
-        };
+        let server = Server { child, address, log };
         let deadline = Instant::now() + Duration::from_secs(30);
         while server.get("/health", None).0 != 200 {
             assert!(Instant::now() < deadline, "never ready:\n{}", server.log());
@@ -81,24 +77,13 @@ impl Server {
     }
 
     /// Status and (de-chunked) body.
-    fn request(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&str>,
-        key: Option<&str>,
-    ) -> (u16, String) {
+    fn request(&self, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> (u16, String) {
         let mut raw = Vec::new();
-        self.send(method, path, body, key)
-            .read_to_end(&mut raw)
-            .unwrap();
+        self.send(method, path, body, key).read_to_end(&mut raw).unwrap();
         let raw = String::from_utf8(raw).unwrap();
         let (head, body) = raw.split_once("\r\n\r\n").unwrap();
         let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-        let body = match head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked")
-        {
+        let body = match head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
             true => dechunk(body),
             false => body.to_string(),
         };
@@ -155,33 +140,22 @@ fn dechunk(mut body: &str) -> String {
 
 fn chat(content: &str, extra: Value) -> Value {
     let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
     body
 }
 
 #[test]
 fn plain_and_streamed_answers_agree_and_only_health_is_open() {
     let server = Server::start(&[]);
-    assert_eq!(
-        server.get("/health", None),
-        (200, r#"{"status":"ok"}"#.into())
-    );
+    assert_eq!(server.get("/health", None), (200, r#"{"status":"ok"}"#.into()));
     let (status, body) = server.get("/v1/models", None);
     assert_eq!(status, 401, "{body}");
     assert_eq!(server.get("/v1/models", Some("wrong")).0, 401);
     let (status, body) = server.get("/v1/models", Some(KEY));
     assert_eq!(status, 200);
-    assert_eq!(
-        serde_json::from_str::<Value>(&body).unwrap()["data"][0]["id"],
-        "tiny"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["data"][0]["id"], "tiny");
 
-    let request = chat(
-        "Tell me about ferries.",
-        json!({"max_tokens": 24, "temperature": 0}),
-    );
+    let request = chat("Tell me about ferries.", json!({"max_tokens": 24, "temperature": 0}));
     let (status, whole) = server.post("/v1/chat/completions", &request);
     assert_eq!(status, 200, "{whole}");
     let message = &whole["choices"][0]["message"];
@@ -208,9 +182,7 @@ fn plain_and_streamed_answers_agree_and_only_health_is_open() {
         field("reasoning_content"),
         message["reasoning_content"].as_str().unwrap_or("")
     );
-    let finish = chunks
-        .iter()
-        .find_map(|c| c["choices"][0]["finish_reason"].as_str());
+    let finish = chunks.iter().find_map(|c| c["choices"][0]["finish_reason"].as_str());
     assert_eq!(finish, Some("length"));
     assert_eq!(chunks.last().unwrap()["usage"], whole["usage"]);
 
@@ -234,37 +206,23 @@ fn plain_and_streamed_answers_agree_and_only_health_is_open() {
 #[test]
 fn bad_requests_get_openai_errors_naming_the_field() {
     let server = Server::start(&["--max-model-len", "64"]);
-    let (status, body) = server.request(
-        "POST",
-        "/v1/chat/completions",
-        Some("{\"messages\": ["),
-        Some(KEY),
-    );
+    let (status, body) = server.request("POST", "/v1/chat/completions", Some("{\"messages\": ["), Some(KEY));
     assert_eq!(status, 400, "{body}");
     let error: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(error["error"]["type"], "invalid_request_error");
-    assert!(error["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("not valid JSON"));
+    assert!(error["error"]["message"].as_str().unwrap().contains("not valid JSON"));
 
     let user = json!([{"role": "user", "content": "hi"}]);
     for (body, param) in [
         (json!({"model": "tiny"}), "messages"),
         (json!({"messages": "hi"}), "messages"),
-        (
-            json!({"messages": [{"role": 1, "content": "x"}]}),
-            "messages[0].role",
-        ),
+        (json!({"messages": [{"role": 1, "content": "x"}]}), "messages[0].role"),
         (json!({"messages": user, "max_tokens": -1}), "max_tokens"),
         (json!({"messages": user, "max_tokens": "ten"}), "max_tokens"),
         (json!({"messages": user, "temperature": -1}), "temperature"),
         (json!({"messages": user, "top_p": 2}), "top_p"),
         (json!({"messages": user, "n": 2}), "n"),
-        (
-            json!({"messages": user, "presence_penalty": 9}),
-            "presence_penalty",
-        ),
+        (json!({"messages": user, "presence_penalty": 9}), "presence_penalty"),
         (json!({"messages": user, "stop": 7}), "stop"),
     ] {
         let (status, error) = server.post("/v1/chat/completions", &body);
@@ -273,10 +231,7 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         assert!(error["error"]["message"].as_str().unwrap().len() > 10);
     }
     let (status, error) = server.post("/v1/completions", &json!({"prompt": 5}));
-    assert_eq!(
-        (status, error["error"]["param"].clone()),
-        (400, json!("prompt"))
-    );
+    assert_eq!((status, error["error"]["param"].clone()), (400, json!("prompt")));
 
     let long = "ferry ".repeat(100);
     let (status, error) = server.post("/v1/chat/completions", &chat(&long, json!({})));
@@ -287,16 +242,10 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         .nth(1)
         .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
         .unwrap_or_else(|| panic!("no prompt length in {message}"));
-    assert!(
-        message.contains("64 tokens") && prompt_tokens > 64,
-        "{message}"
-    );
+    assert!(message.contains("64 tokens") && prompt_tokens > 64, "{message}");
     assert_eq!(error["error"]["code"], "context_length_exceeded");
 
-    let (status, error) = server.post(
-        "/v1/chat/completions",
-        &json!({"model": "other", "messages": user}),
-    );
+    let (status, error) = server.post("/v1/chat/completions", &json!({"model": "other", "messages": user}));
     assert_eq!(
         (status, error["error"]["code"].clone()),
         (404, json!("model_not_found"))
@@ -305,79 +254,49 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     // Still serving after all of that.
     assert_eq!(
         server
-            .post(
-                "/v1/chat/completions",
-                &chat("hi", json!({"max_tokens": 2}))
-            )
+            .post("/v1/chat/completions", &chat("hi", json!({"max_tokens": 2})))
             .0,
         200
     );
     assert!(!server.log().contains("panicked"));
-    assert_eq!(
-        server.metric("ferry_requests_total{outcome=\"invalid\"}"),
-        14.0
-    );
+    assert_eq!(server.metric("ferry_requests_total{outcome=\"invalid\"}"), 14.0);
 }
 
 #[test]
 fn a_full_queue_is_refused_and_a_client_that_hangs_up_frees_its_kv() {
     let server = Server::start(&["--max-running-requests", "1", "--max-queued-requests", "0"]);
     let long = chat("Go on and on.", json!({"max_tokens": 3000, "stream": true}));
-    let stream = server.send(
-        "POST",
-        "/v1/chat/completions",
-        Some(&long.to_string()),
-        Some(KEY),
-    );
+    let stream = server.send("POST", "/v1/chat/completions", Some(&long.to_string()), Some(KEY));
     let mut reader = BufReader::new(stream);
     let mut seen = String::new();
     // The role chunk, then the first generated text.
     while seen.matches("data: {").count() < 2 {
-        assert!(
-            reader.read_line(&mut seen).unwrap() > 0,
-            "stream ended early:\n{seen}"
-        );
+        assert!(reader.read_line(&mut seen).unwrap() > 0, "stream ended early:\n{seen}");
     }
     // The engine publishes its state after each step, so the gauges may lag the first token by a step.
     let deadline = Instant::now() + Duration::from_secs(20);
     while server.metric("ferry_kv_blocks_used") == 0.0 {
-        assert!(
-            Instant::now() < deadline,
-            "no KV in use while streaming:\n{seen}"
-        );
+        assert!(Instant::now() < deadline, "no KV in use while streaming:\n{seen}");
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(server.metric("ferry_running_requests"), 1.0);
 
-    let (status, error) = server.post(
-        "/v1/chat/completions",
-        &chat("me too", json!({"max_tokens": 2})),
-    );
+    let (status, error) = server.post("/v1/chat/completions", &chat("me too", json!({"max_tokens": 2})));
     assert_eq!(status, 503, "{error}");
     assert_eq!(error["error"]["code"], "queue_full");
-    assert_eq!(
-        server.metric("ferry_requests_total{outcome=\"rejected\"}"),
-        1.0
-    );
+    assert_eq!(server.metric("ferry_requests_total{outcome=\"rejected\"}"), 1.0);
 
     drop(reader);
     let deadline = Instant::now() + Duration::from_secs(20);
     while server.metric("ferry_kv_blocks_used") > 0.0 {
-        assert!(
-            Instant::now() < deadline,
-            "KV was not freed:\n{}",
-            server.log()
-        );
+        assert!(Instant::now() < deadline, "KV was not freed:\n{}", server.log());
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(server.metric("ferry_running_requests"), 0.0);
     assert!(server.metric("ferry_requests_total{outcome=\"cancelled\"}") >= 1.0);
     assert_eq!(
         server
-            .post(
-                "/v1/chat/completions",
-                &chat("now me", json!({"max_tokens": 2}))
-            )
+            .post("/v1/chat/completions", &chat("now me", json!({"max_tokens": 2})))
             .0,
         200
     );

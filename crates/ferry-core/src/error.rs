@@ -7,10 +7,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{path}: {error}")]
-    Io {
-        path: PathBuf,
-        error: std::io::Error,
-    },
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: {message}")]
     File { path: PathBuf, message: String },
     #[error("config: {0}")]
@@ -25,6 +22,8 @@ pub enum Error {
     Request(String),
     #[error("KV cache: {0}")]
     Kv(String),
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 impl Error {

@@ -30,9 +30,7 @@ fn tokenizer_for(reference: &Value, scratch: &Path) -> Tokenizer {
 }
 
 fn check_family(name: &str) {
-    let path = fixtures()
-        .join("chat_templates")
-        .join(format!("{name}.json"));
+    let path = fixtures().join("chat_templates").join(format!("{name}.json"));
     let reference: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let scratch = tempfile::tempdir().unwrap();
     let tokenizer = tokenizer_for(&reference, scratch.path());

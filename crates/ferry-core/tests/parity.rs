@@ -1,13 +1,18 @@
 //! Every fixture family against HF transformers' float32 reference (tests/fixtures, made by
 //! scripts/make_fixtures.py): tokenization and chat template, first-step logits within 1e-3, and 16 greedy tokens
 //! equal to the reference's, where a first difference is allowed only at a near tie (reference top-2 margin
-//! below 2e-3), after which the continuations legitimately diverge.
+//! below 2e-3), after which the continuations legitimately diverge. The long prompt is checked twice: prefilled in
+//! one forward call, and in chunks of [`PREFILL_CHUNK`] tokens the way the scheduler feeds long prompts, so KV and
+//! recurrent state must carry across calls.
 
 use std::path::{Path, PathBuf};
 
 use ferry_core::backend::cpu::CpuBackend;
+use ferry_core::backend::cuda::CudaBackend;
 use ferry_core::backend::Backend;
-use ferry_core::engine::{generate, GenerateRequest, SamplingParams, StopRules};
+use ferry_core::backend::SeqSlice;
+use ferry_core::engine::{generate, GenerateRequest, Sampler, SamplingParams, StopRules};
+use ferry_core::kv::KvCache;
 use ferry_core::loader::{ChatMessage, Checkpoint};
 use ferry_core::model::Model;
 use serde::Deserialize;
@@ -18,8 +23,13 @@ const FAMILIES: &[&str] = &[
     "mixtral",
     "olmoe",
     "qwen2_moe",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
 ];
 const LOGIT_TOLERANCE: f32 = 1e-3;
+/// Several chunks for the long prompt (472 tokens), none aligned to the reference's 64-token delta-rule chunks.
+const PREFILL_CHUNK: usize = 100;
 const NEAR_TIE: f32 = 2e-3;
 
 #[derive(Deserialize)]
@@ -39,22 +49,21 @@ struct Case {
     first_logits: Vec<f32>,
 }
 
+/// tests/fixtures, or `$FERRY_FIXTURES` where the tests run away from the source tree (the GPU machine).
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+    match std::env::var_os("FERRY_FIXTURES") {
+        Some(dir) => dir.into(),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"),
+    }
 }
 
-fn check_family(name: &str) {
+fn check_family<B: Backend>(backend: &B, name: &str) {
     let dir = fixtures().join(name);
     let reference: Reference =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let checkpoint = Checkpoint::open(&dir).unwrap();
-    let backend = CpuBackend;
-    let model = Model::load(&backend, &checkpoint).unwrap();
-    let tokenizer = checkpoint
-        .tokenizer
-        .as_ref()
-        .expect("fixture has a tokenizer");
+    let model = Model::load(backend, &checkpoint).unwrap();
+    let tokenizer = checkpoint.tokenizer.as_ref().expect("fixture has a tokenizer");
     assert!(
         reference.cases.len() >= 3,
         "{name}: expected short, long and chat cases"
@@ -80,9 +89,7 @@ fn check_family(name: &str) {
             );
         }
 
-        let mut kv = backend
-            .new_kv(model.kv_spec(case.prompt_ids.len() + 16))
-            .unwrap();
+        let mut kv = backend.new_kv(model.kv_spec(case.prompt_ids.len() + 16)).unwrap();
         let seq = kv.alloc_seq();
         let request = GenerateRequest {
             prompt_ids: case.prompt_ids.clone(),
@@ -94,48 +101,80 @@ fn check_family(name: &str) {
             },
         };
         let mut first_logits = None;
-        let out = generate(&backend, &model, &mut kv, seq, &request, |_, logits| {
+        let out = generate(backend, &model, &mut kv, seq, &request, |_, logits| {
             first_logits.get_or_insert_with(|| logits.to_vec());
         })
         .unwrap();
 
-        let first_logits = first_logits.unwrap();
-        assert_eq!(
-            first_logits.len(),
-            case.first_logits.len(),
-            "{label}: vocabulary"
-        );
-        let worst = first_logits
-            .iter()
-            .zip(&case.first_logits)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        assert!(
-            worst <= LOGIT_TOLERANCE,
-            "{label}: first-step logits differ by {worst}"
-        );
-
-        assert_eq!(
-            out.token_ids.len(),
-            case.generated_ids.len(),
-            "{label}: length"
-        );
-        if let Some(i) = out
-            .token_ids
-            .iter()
-            .zip(&case.generated_ids)
-            .position(|(a, b)| a != b)
-        {
-            assert!(
-                case.top2_margins[i] < NEAR_TIE,
-                "{label}: token {i} is {} but the reference has {} (margin {})\n ours {:?}\n  ref {:?}",
-                out.token_ids[i],
-                case.generated_ids[i],
-                case.top2_margins[i],
-                out.token_ids,
-                case.generated_ids
+        check_against_reference(&label, case, &first_logits.unwrap(), &out.token_ids);
+        if case.prompt_ids.len() > PREFILL_CHUNK {
+            let (first_logits, tokens) = greedy_chunked(backend, &model, &case.prompt_ids, case.generated_ids.len());
+            check_against_reference(
+                &format!("{label} (prefill in chunks of {PREFILL_CHUNK})"),
+                case,
+                &first_logits,
+                &tokens,
             );
         }
+    }
+}
+
+/// Greedy decoding after a prefill of `PREFILL_CHUNK`-token forward calls; the first step's logits and the tokens.
+fn greedy_chunked<B: Backend>(backend: &B, model: &Model<B>, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
+    let mut kv = backend.new_kv(model.kv_spec(prompt.len() + steps)).unwrap();
+    let seq = kv.alloc_seq();
+    let mut sampler = Sampler::new(SamplingParams::default());
+    let mut logits = Vec::new();
+    for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+        let slice = SeqSlice {
+            seq,
+            start_pos: i * PREFILL_CHUNK,
+            len: chunk.len(),
+        };
+        logits = backend
+            .to_host(&model.forward(backend, chunk, &[slice], &mut kv).unwrap())
+            .unwrap();
+    }
+    let first_logits = logits.clone();
+    let mut tokens = Vec::with_capacity(steps);
+    for pos in prompt.len()..prompt.len() + steps {
+        let token = sampler.sample(&logits);
+        tokens.push(token);
+        if tokens.len() == steps {
+            break;
+        }
+        let slice = SeqSlice {
+            seq,
+            start_pos: pos,
+            len: 1,
+        };
+        logits = backend
+            .to_host(&model.forward(backend, &[token], &[slice], &mut kv).unwrap())
+            .unwrap();
+    }
+    (first_logits, tokens)
+}
+
+fn check_against_reference(label: &str, case: &Case, first_logits: &[f32], tokens: &[u32]) {
+    assert_eq!(first_logits.len(), case.first_logits.len(), "{label}: vocabulary");
+    let worst = first_logits
+        .iter()
+        .zip(&case.first_logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= LOGIT_TOLERANCE, "{label}: first-step logits differ by {worst}");
+
+    assert_eq!(tokens.len(), case.generated_ids.len(), "{label}: length");
+    if let Some(i) = tokens.iter().zip(&case.generated_ids).position(|(a, b)| a != b) {
+        assert!(
+            case.top2_margins[i] < NEAR_TIE,
+            "{label}: token {i} is {} but the reference has {} (margin {})\n ours {:?}\n  ref {:?}",
+            tokens[i],
+            case.generated_ids[i],
+            case.top2_margins[i],
+            tokens,
+            case.generated_ids
+        );
     }
 }
 
@@ -149,27 +188,118 @@ fn every_family_has_a_fixture() {
     }
 }
 
-#[test]
-fn qwen3_moe_matches_transformers() {
-    check_family("qwen3_moe");
+/// One test per family on the CPU (CI) and, ignored unless asked for, on the GPU (scripts/device/gpu-tests.sh).
+macro_rules! parity_tests {
+    ($($family:ident),*) => {
+        mod cpu {
+            $(#[test]
+            fn $family() {
+                super::check_family(&super::CpuBackend, stringify!($family));
+            })*
+
+            #[test]
+            fn hybrid_state_carries_across_calls_and_stays_per_sequence() {
+                for family in super::HYBRID_FAMILIES {
+                    super::check_state_across_calls(&super::CpuBackend, family);
+                }
+            }
+        }
+        mod cuda {
+            $(#[test]
+            #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+            fn $family() {
+                super::check_family(&super::CudaBackend::new(0).unwrap(), stringify!($family));
+            })*
+
+            #[test]
+            #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+            fn hybrid_state_carries_across_calls_and_stays_per_sequence() {
+                let backend = super::CudaBackend::new(0).unwrap();
+                for family in super::HYBRID_FAMILIES {
+                    super::check_state_across_calls(&backend, family);
+                }
+            }
+        }
+    };
 }
 
-#[test]
-fn qwen3_moe_fused_experts_match_transformers() {
-    check_family("qwen3_moe_fused");
-}
+const HYBRID_FAMILIES: &[&str] = &["qwen3_5_moe", "qwen3_next"];
 
-#[test]
-fn mixtral_matches_transformers() {
-    check_family("mixtral");
-}
+parity_tests!(
+    qwen3_moe,
+    qwen3_moe_fused,
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    qwen3_5_moe,
+    qwen3_5_moe_text,
+    qwen3_next
+);
 
-#[test]
-fn olmoe_matches_transformers() {
-    check_family("olmoe");
-}
+/// What the scheduler does with a hybrid model: a long prompt prefilled in chunks, each chunk batched with another
+/// sequence's work. Its last logits must equal one whole-prompt call, and the other sequence's must equal its own
+/// call alone: recurrent state carries across calls and never leaks between sequences.
+fn check_state_across_calls<B: Backend>(backend: &B, name: &str) {
+    let checkpoint = Checkpoint::open(&fixtures().join(name)).unwrap();
+    let model = Model::load(backend, &checkpoint).unwrap();
+    let reference: Reference =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join(name).join("reference.json")).unwrap()).unwrap();
+    let prompt = |case: &str| &reference.cases.iter().find(|c| c.name == case).unwrap().prompt_ids;
+    let (long, short) = (prompt("long"), prompt("short"));
+    let alone = |ids: &[u32]| {
+        let mut kv = backend.new_kv(model.kv_spec(ids.len())).unwrap();
+        let seq = kv.alloc_seq();
+        let slice = SeqSlice {
+            seq,
+            start_pos: 0,
+            len: ids.len(),
+        };
+        backend
+            .to_host(&model.forward(backend, ids, &[slice], &mut kv).unwrap())
+            .unwrap()
+    };
 
-#[test]
-fn qwen2_moe_matches_transformers() {
-    check_family("qwen2_moe");
+    let mut kv = backend.new_kv(model.kv_spec(long.len() + short.len() + 8)).unwrap();
+    let (a, b) = (kv.alloc_seq(), kv.alloc_seq());
+    let vocab = model.spec.vocab_size;
+    let mut long_logits = Vec::new();
+    let mut short_logits = Vec::new();
+    for (i, chunk) in long.chunks(PREFILL_CHUNK).enumerate() {
+        // The short prompt shares the first call; later calls carry one more of its tokens each.
+        let (other_ids, other_start) = match i {
+            0 => (short.clone(), 0),
+            _ => (vec![short[i % short.len()]], short.len() + i - 1),
+        };
+        let batch = [
+            SeqSlice {
+                seq: b,
+                start_pos: other_start,
+                len: other_ids.len(),
+            },
+            SeqSlice {
+                seq: a,
+                start_pos: i * PREFILL_CHUNK,
+                len: chunk.len(),
+            },
+        ];
+        let ids: Vec<u32> = other_ids.iter().chain(chunk).copied().collect();
+        let logits = backend
+            .to_host(&model.forward(backend, &ids, &batch, &mut kv).unwrap())
+            .unwrap();
+        if i == 0 {
+            short_logits = logits[..vocab].to_vec();
+        }
+        long_logits = logits[vocab..].to_vec();
+    }
+    let differ = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let long_diff = differ(&long_logits, &alone(long));
+    assert!(
+        long_diff <= 1e-5,
+        "{name}: chunked, batched prefill differs from one call by {long_diff}"
+    );
+    let short_diff = differ(&short_logits, &alone(short));
+    assert!(
+        short_diff <= 1e-5,
+        "{name}: a sequence batched with another differs from its own call by {short_diff}"
+    );
 }

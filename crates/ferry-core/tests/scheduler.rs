@@ -1,6 +1,7 @@
-//! The scheduler on the real model (the qwen3_moe fixture on the CPU backend): requests batched together,
-//! prefilled in small chunks beside running decodes, and preempted and recomputed when KV runs short, must
-//! generate exactly the greedy tokens each generates alone through `engine::generate`.
+//! The scheduler on real models (the qwen3_moe fixture, and the qwen3_5_moe hybrid whose Gated DeltaNet layers
+//! carry recurrent state, on the CPU backend): requests batched together, prefilled in small chunks beside running
+//! decodes, and preempted and recomputed when KV runs short, must generate exactly the greedy tokens each generates
+//! alone through `engine::generate`.
 
 use std::path::Path;
 use std::sync::{mpsc, Arc};
@@ -8,10 +9,10 @@ use std::sync::{mpsc, Arc};
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
 use ferry_core::engine::{
-    generate, Event, GenerateRequest, ModelExecutor, Request, RequestId, SamplingParams, Scheduler,
-    SchedulerConfig, StopRules,
+    generate, Event, GenerateRequest, ModelExecutor, Request, RequestId, SamplingParams, Scheduler, SchedulerConfig,
+    StopRules,
 };
-use ferry_core::kv::BlockPool;
+use ferry_core::kv::{BlockPool, KvCache};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::Model;
 
@@ -26,9 +27,7 @@ fn prompts() -> Vec<Vec<u32>> {
 fn alone(checkpoint: &Checkpoint, prompt: &[u32]) -> Vec<u32> {
     let backend = CpuBackend;
     let model = Model::load(&backend, checkpoint).unwrap();
-    let mut kv = backend
-        .new_kv(model.kv_spec(prompt.len() + MAX_TOKENS))
-        .unwrap();
+    let mut kv = backend.new_kv(model.kv_spec(prompt.len() + MAX_TOKENS)).unwrap();
     let seq = kv.alloc_seq();
     let request = GenerateRequest {
         prompt_ids: prompt.to_vec(),
@@ -54,14 +53,8 @@ fn scheduled(
     let backend = CpuBackend;
     let model = Model::load(&backend, checkpoint).unwrap();
     let blocks = BlockPool::new(4, kv_blocks);
-    let kv = backend
-        .new_kv(model.kv_spec(blocks.capacity_tokens()))
-        .unwrap();
-    let tokenizer = Arc::new(
-        ferry_core::loader::Tokenizer::load(&checkpoint.dir)
-            .unwrap()
-            .unwrap(),
-    );
+    let kv = backend.new_kv(model.kv_spec(blocks.capacity_tokens())).unwrap();
+    let tokenizer = Arc::new(ferry_core::loader::Tokenizer::load(&checkpoint.dir).unwrap().unwrap());
     let mut scheduler = Scheduler::new(
         SchedulerConfig {
             max_running: 4,
@@ -92,11 +85,7 @@ fn scheduled(
                 },
             };
             scheduler
-                .submit(
-                    RequestId(i as u64),
-                    request,
-                    Box::new(move |e| tx.send(e).is_ok()),
-                )
+                .submit(RequestId(i as u64), request, Box::new(move |e| tx.send(e).is_ok()))
                 .unwrap();
             rx
         })
@@ -116,9 +105,7 @@ fn scheduled(
             for event in rx.try_iter() {
                 match event {
                     Event::Token { text: piece } => text.push_str(&piece),
-                    Event::Finished {
-                        completion_tokens, ..
-                    } => assert_eq!(completion_tokens, MAX_TOKENS),
+                    Event::Finished { completion_tokens, .. } => assert_eq!(completion_tokens, MAX_TOKENS),
                     Event::Failed { message } => panic!("{message}"),
                 }
             }
@@ -128,9 +115,10 @@ fn scheduled(
     (texts, scheduler.stats().preemptions)
 }
 
-#[test]
-fn batching_chunking_and_preemption_change_nothing() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+fn check_family(name: &str) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
     let checkpoint = Checkpoint::open(&dir).unwrap();
     let tokenizer = checkpoint.tokenizer.as_ref().unwrap();
     let expected: Vec<String> = prompts()
@@ -146,4 +134,14 @@ fn batching_chunking_and_preemption_change_nothing() {
     let (texts, preemptions) = scheduled(&checkpoint, 7, 9, 34);
     assert_eq!(texts, expected);
     assert!(preemptions > 0, "the KV was meant to run short");
+}
+
+#[test]
+fn batching_chunking_and_preemption_change_nothing() {
+    check_family("qwen3_moe");
+}
+
+#[test]
+fn the_same_holds_for_a_hybrid_with_recurrent_state() {
+    check_family("qwen3_5_moe");
 }

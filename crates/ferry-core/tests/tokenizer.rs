@@ -18,10 +18,7 @@ fn streamed_pieces_never_split_a_character() {
     let mut streamed = String::new();
     for &id in &ids {
         if let Some(piece) = detokenizer.push(&tokenizer, id).unwrap() {
-            assert!(
-                !piece.contains('\u{FFFD}'),
-                "piece {piece:?} holds a broken character"
-            );
+            assert!(!piece.contains('\u{FFFD}'), "piece {piece:?} holds a broken character");
             streamed.push_str(&piece);
         }
     }

@@ -52,9 +52,7 @@ impl ApiError {
     pub fn model_not_found(requested: &str, served: &str) -> Self {
         ApiError {
             status: StatusCode::NOT_FOUND,
-            message: format!(
-                "the model `{requested}` does not exist; this server serves `{served}`"
-            ),
+            message: format!("the model `{requested}` does not exist; this server serves `{served}`"),
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),

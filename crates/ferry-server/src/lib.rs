@@ -87,9 +87,7 @@ struct Shared {
 pub struct AppState(Arc<Shared>);
 
 fn unix_seconds() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 impl AppState {
@@ -197,10 +195,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(models))
         .route("/metrics", get(prometheus))
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(
-            state.clone(),
-            require_api_key,
-        ));
+        .layer(middleware::from_fn_with_state(state.clone(), require_api_key));
     Router::new()
         .route("/health", get(health))
         .merge(guarded)

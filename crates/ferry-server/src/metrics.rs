@@ -4,9 +4,7 @@
 
 use ferry_core::engine::EngineStatus;
 use metrics::{counter, gauge, histogram, with_local_recorder};
-use metrics_exporter_prometheus::{
-    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
-};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
 const TTFT: &str = "ferry_time_to_first_token_seconds";
 const ITL: &str = "ferry_inter_token_latency_seconds";
@@ -18,12 +16,8 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let ttft_buckets = [
-            0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-        ];
-        let itl_buckets = [
-            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-        ];
+        let ttft_buckets = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+        let itl_buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Full(TTFT.into()), &ttft_buckets)
             .and_then(|b| b.set_buckets_for_metric(Matcher::Full(ITL.into()), &itl_buckets))
@@ -39,12 +33,7 @@ impl Metrics {
 
     /// A request ended: `outcome` is stop, length, error (in the engine), cancelled (the client left), rejected
     /// (queue full), invalid (a 4xx before generation) or unavailable (the model was loading).
-    pub fn request_done(
-        &self,
-        outcome: &'static str,
-        prompt_tokens: usize,
-        completion_tokens: usize,
-    ) {
+    pub fn request_done(&self, outcome: &'static str, prompt_tokens: usize, completion_tokens: usize) {
         self.record(|| {
             counter!("ferry_requests_total", "outcome" => outcome).increment(1);
             counter!("ferry_prompt_tokens_total").increment(prompt_tokens as u64);

@@ -149,11 +149,7 @@ struct Prepared {
 }
 
 /// Builds the engine request for `prompt_ids`, refusing a prompt that leaves no room in the context window.
-fn engine_request(
-    model: &LoadedModel,
-    params: &GenerationParams,
-    prompt_ids: Vec<u32>,
-) -> Result<Request, ApiError> {
+fn engine_request(model: &LoadedModel, params: &GenerationParams, prompt_ids: Vec<u32>) -> Result<Request, ApiError> {
     let window = model.max_model_len;
     if prompt_ids.len() >= window {
         return Err(ApiError::invalid_param(
@@ -243,9 +239,7 @@ fn prepare_chat(state: &AppState, body: &[u8]) -> Result<(Prepared, Request), Ap
     let prompt_ids = tokenizer
         .encode(&prompt, false)
         .map_err(|e| ApiError::internal(e.to_string()))?;
-    let reasoning = model
-        .splits_reasoning()
-        .then(|| ReasoningParser::new(&prompt));
+    let reasoning = model.splits_reasoning().then(|| ReasoningParser::new(&prompt));
     let request = engine_request(&model, &body.params, prompt_ids)?;
     let prepared = Prepared {
         model,
@@ -291,10 +285,7 @@ fn submit(
     let limit = state.0.config.max_in_flight;
     if state.0.in_flight.fetch_add(1, Ordering::AcqRel) >= limit {
         state.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-        state
-            .0
-            .metrics
-            .request_done("rejected", request.prompt_ids.len(), 0);
+        state.0.metrics.request_done("rejected", request.prompt_ids.len(), 0);
         return Err(ApiError::unavailable(
             format!("the server is busy: {limit} requests are running or queued; retry later"),
             "queue_full",
@@ -329,10 +320,7 @@ fn split_text(reasoning: &mut Option<ReasoningParser>, text: &str) -> Split {
 }
 
 fn flush_text(reasoning: &mut Option<ReasoningParser>) -> Split {
-    reasoning
-        .as_mut()
-        .map(ReasoningParser::finish)
-        .unwrap_or_default()
+    reasoning.as_mut().map(ReasoningParser::finish).unwrap_or_default()
 }
 
 fn engine_failure(message: String) -> ApiError {
@@ -409,10 +397,7 @@ impl StreamState {
             self.ended = true;
             self.in_flight.finish("error");
             let error = engine_failure("the engine stopped".into());
-            return Some(vec![
-                SseEvent::default().data(error.body().to_string()),
-                done(),
-            ]);
+            return Some(vec![SseEvent::default().data(error.body().to_string()), done()]);
         };
         Some(match event {
             Event::Token { text } => {
@@ -459,11 +444,7 @@ fn done() -> SseEvent {
 }
 
 /// Streams the generation as server-sent events ending with `data: [DONE]`.
-fn respond_streamed(
-    prepared: Prepared,
-    in_flight: InFlight,
-    events: UnboundedReceiver<Event>,
-) -> Response {
+fn respond_streamed(prepared: Prepared, in_flight: InFlight, events: UnboundedReceiver<Event>) -> Response {
     let state = StreamState {
         prepared,
         in_flight,
@@ -492,9 +473,7 @@ fn respond_streamed(
         .chain(rest)
         .flat_map(stream::iter)
         .map(Ok::<_, Infallible>);
-    Sse::new(all)
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    Sse::new(all).keep_alive(KeepAlive::default()).into_response()
 }
 
 async fn generate(state: AppState, prepared: Result<(Prepared, Request), ApiError>) -> Response {

@@ -55,10 +55,7 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 fn wrong_type(name: &str, expected: &str, got: &Value) -> ApiError {
-    ApiError::invalid_param(
-        name,
-        format!("`{name}` must be {expected}, got {}", type_name(got)),
-    )
+    ApiError::invalid_param(name, format!("`{name}` must be {expected}, got {}", type_name(got)))
 }
 
 /// A field's value; null counts as absent.
@@ -69,19 +66,11 @@ fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
 fn number(obj: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
     match field(obj, name) {
         None => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| wrong_type(name, "a number", v)),
+        Some(v) => v.as_f64().map(Some).ok_or_else(|| wrong_type(name, "a number", v)),
     }
 }
 
-fn number_in(
-    obj: &Map<String, Value>,
-    name: &str,
-    low: f64,
-    high: f64,
-) -> Result<Option<f32>, ApiError> {
+fn number_in(obj: &Map<String, Value>, name: &str, low: f64, high: f64) -> Result<Option<f32>, ApiError> {
     match number(obj, name)? {
         Some(x) if !(low..=high).contains(&x) => Err(ApiError::invalid_param(
             name,
@@ -96,10 +85,7 @@ fn integer(obj: &Map<String, Value>, name: &str) -> Result<Option<i64>, ApiError
         None => Ok(None),
         Some(v) => match (v.as_i64(), v.as_u64()) {
             (Some(i), _) => Ok(Some(i)),
-            (None, Some(_)) => Err(ApiError::invalid_param(
-                name,
-                format!("`{name}` is too large"),
-            )),
+            (None, Some(_)) => Err(ApiError::invalid_param(name, format!("`{name}` is too large"))),
             _ => Err(wrong_type(name, "an integer", v)),
         },
     }
@@ -129,9 +115,7 @@ pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
             "the request body must be a JSON object, got {}",
             type_name(&other)
         ))),
-        Err(e) => Err(ApiError::invalid(format!(
-            "the request body is not valid JSON: {e}"
-        ))),
+        Err(e) => Err(ApiError::invalid(format!("the request body is not valid JSON: {e}"))),
     }
 }
 
@@ -171,10 +155,7 @@ impl GenerationParams {
         };
         let top_p = number_in(obj, "top_p", 0.0, 1.0)?;
         if top_p == Some(0.0) {
-            return Err(ApiError::invalid_param(
-                "top_p",
-                "`top_p` must be greater than 0",
-            ));
+            return Err(ApiError::invalid_param("top_p", "`top_p` must be greater than 0"));
         }
         let seed = integer(obj, "seed")?.map(|s| s as u64);
         let stop = match field(obj, "stop") {
@@ -187,17 +168,12 @@ impl GenerationParams {
                     other => Err(wrong_type("stop", "a string or an array of strings", other)),
                 })
                 .collect::<Result<_, _>>()?,
-            Some(other) => {
-                return Err(wrong_type("stop", "a string or an array of strings", other))
-            }
+            Some(other) => return Err(wrong_type("stop", "a string or an array of strings", other)),
         };
         let include_usage = match field(obj, "stream_options") {
             None => false,
             Some(Value::Object(options)) => boolean(options, "include_usage").map_err(|_| {
-                ApiError::invalid_param(
-                    "stream_options",
-                    "`stream_options.include_usage` must be a boolean",
-                )
+                ApiError::invalid_param("stream_options", "`stream_options.include_usage` must be a boolean")
             })?,
             Some(other) => return Err(wrong_type("stream_options", "an object", other)),
         };
@@ -224,42 +200,28 @@ fn message_content(index: usize, content: Option<&Value>) -> Result<String, ApiE
     match content {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => {
-            parts
-                .iter()
-                .map(|part| {
-                    match (part.get("type").and_then(Value::as_str), part.get("text")) {
-                (Some("text"), Some(Value::String(text))) => Ok(text.as_str()),
-                _ => Err(ApiError::invalid_param(
-                    &param,
-                    "only text content parts (`{\"type\": \"text\", \"text\": ...}`) are supported",
-                )),
-            }
-                })
-                .collect()
-        }
-        Some(other) => Err(wrong_type(
-            &param,
-            "a string or an array of content parts",
-            other,
-        )),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(
+                |part| match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("text"), Some(Value::String(text))) => Ok(text.as_str()),
+                    _ => Err(ApiError::invalid_param(
+                        &param,
+                        "only text content parts (`{\"type\": \"text\", \"text\": ...}`) are supported",
+                    )),
+                },
+            )
+            .collect(),
+        Some(other) => Err(wrong_type(&param, "a string or an array of content parts", other)),
     }
 }
 
 impl ChatBody {
     pub fn parse(obj: &Map<String, Value>) -> Result<Self, ApiError> {
         let messages = match obj.get("messages") {
-            None | Some(Value::Null) => {
-                return Err(ApiError::invalid_param(
-                    "messages",
-                    "`messages` is required",
-                ))
-            }
+            None | Some(Value::Null) => return Err(ApiError::invalid_param("messages", "`messages` is required")),
             Some(Value::Array(list)) if list.is_empty() => {
-                return Err(ApiError::invalid_param(
-                    "messages",
-                    "`messages` must not be empty",
-                ))
+                return Err(ApiError::invalid_param("messages", "`messages` must not be empty"))
             }
             Some(Value::Array(list)) => list,
             Some(other) => return Err(wrong_type("messages", "an array of messages", other)),
@@ -273,13 +235,7 @@ impl ChatBody {
                     .ok_or_else(|| wrong_type(&format!("messages[{i}]"), "an object", m))?;
                 let role = match m.get("role") {
                     Some(Value::String(role)) => role.clone(),
-                    Some(other) => {
-                        return Err(wrong_type(
-                            &format!("messages[{i}].role"),
-                            "a string",
-                            other,
-                        ))
-                    }
+                    Some(other) => return Err(wrong_type(&format!("messages[{i}].role"), "a string", other)),
                     None => {
                         return Err(ApiError::invalid_param(
                             &format!("messages[{i}].role"),
@@ -317,32 +273,25 @@ impl CompletionBody {
         let token_ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
             items
                 .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .and_then(|id| u32::try_from(id).ok())
-                        .ok_or_else(bad_prompt)
-                })
+                .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(bad_prompt))
                 .collect()
         };
-        let prompt =
-            match obj.get("prompt") {
-                None | Some(Value::Null) => {
-                    return Err(ApiError::invalid_param("prompt", "`prompt` is required"))
-                }
-                Some(Value::String(s)) => Prompt::Text(s.clone()),
-                Some(Value::Array(items)) => match items.as_slice() {
-                    [Value::String(s)] => Prompt::Text(s.clone()),
-                    [Value::Array(ids)] => Prompt::TokenIds(token_ids(ids)?),
-                    ids if !ids.is_empty() && ids.iter().all(Value::is_number) => {
-                        Prompt::TokenIds(token_ids(ids)?)
-                    }
-                    _ => return Err(ApiError::invalid_param(
+        let prompt = match obj.get("prompt") {
+            None | Some(Value::Null) => return Err(ApiError::invalid_param("prompt", "`prompt` is required")),
+            Some(Value::String(s)) => Prompt::Text(s.clone()),
+            Some(Value::Array(items)) => match items.as_slice() {
+                [Value::String(s)] => Prompt::Text(s.clone()),
+                [Value::Array(ids)] => Prompt::TokenIds(token_ids(ids)?),
+                ids if !ids.is_empty() && ids.iter().all(Value::is_number) => Prompt::TokenIds(token_ids(ids)?),
+                _ => {
+                    return Err(ApiError::invalid_param(
                         "prompt",
                         "one prompt per request is supported: a string or an array of token ids",
-                    )),
-                },
-                Some(_) => return Err(bad_prompt()),
-            };
+                    ))
+                }
+            },
+            Some(_) => return Err(bad_prompt()),
+        };
         if boolean(obj, "echo")? {
             return Err(ApiError::invalid_param("echo", "`echo` is not supported"));
         }
@@ -461,22 +410,14 @@ mod tests {
             assert_eq!(parse(bad).unwrap_err().param, Some("prompt".into()));
         }
         assert_eq!(
-            parse(json!({"prompt": "x", "echo": true}))
-                .unwrap_err()
-                .param,
+            parse(json!({"prompt": "x", "echo": true})).unwrap_err().param,
             Some("echo".into())
         );
     }
 
     #[test]
     fn malformed_json_is_a_400() {
-        assert!(json_object(b"{\"a\":")
-            .unwrap_err()
-            .message
-            .contains("not valid JSON"));
-        assert!(json_object(b"[1]")
-            .unwrap_err()
-            .message
-            .contains("JSON object"));
+        assert!(json_object(b"{\"a\":").unwrap_err().message.contains("not valid JSON"));
+        assert!(json_object(b"[1]").unwrap_err().message.contains("JSON object"));
     }
 }

@@ -105,10 +105,7 @@ mod tests {
     fn thinking_goes_to_reasoning_even_when_tags_are_split() {
         let qwen3_prompt = "<|im_start|>assistant\n";
         assert_eq!(
-            split_all(
-                qwen3_prompt,
-                &["<th", "ink>\nhmm", " ok\n</", "think>\n\nHi", "!"]
-            ),
+            split_all(qwen3_prompt, &["<th", "ink>\nhmm", " ok\n</", "think>\n\nHi", "!"]),
             split("\nhmm ok\n", "Hi!")
         );
         assert_eq!(

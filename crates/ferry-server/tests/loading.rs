@@ -34,9 +34,7 @@ fn health_reports_progress_until_the_model_is_ready() {
         max_in_flight: 4,
     });
     state.set_loading("downloading model-00002-of-00004.safetensors (2/4)", 0.25);
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
     let address = listener.local_addr().unwrap().to_string();
     runtime.spawn(async move { axum::serve(listener, router(state)).await });
 
@@ -50,10 +48,7 @@ fn health_reports_progress_until_the_model_is_ready() {
     assert_eq!(status, 503);
     assert_eq!(error["error"]["code"], "model_loading");
     assert!(error["error"]["message"].as_str().unwrap().contains("25%"));
-    assert_eq!(
-        request(&address, "POST", "/v1/chat/completions", None).0,
-        401
-    );
+    assert_eq!(request(&address, "POST", "/v1/chat/completions", None).0, 401);
     let (status, models) = request(&address, "GET", "/v1/models", Some("k"));
     assert_eq!((status, models["data"][0]["id"].clone()), (200, "m".into()));
 }

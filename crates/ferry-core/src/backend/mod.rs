@@ -1,13 +1,17 @@
 //! The contract between model code and the hardware that runs it.
 //!
-//! Model families are written once against [`Backend`]; a backend owns where activations, weights and the KV
-//! cache live and how each op runs. The CPU backend ([`cpu::CpuBackend`]) is the numerical reference.
-//! Activations are 2-D `[rows, cols]` f32 tensors whose rows are the tokens of a batch, one sequence after another
-//! as the batch's [`SeqSlice`]s say.
+//! Model families are written once against [`Backend`]; a backend owns where activations, weights, experts and
+//! the KV cache live and how each op runs. The CPU backend ([`cpu::CpuBackend`]) is the numerical reference; the
+//! CUDA backend ([`cuda::CudaBackend`]) runs the same ops on an NVIDIA GPU. Activations are 2-D `[rows, cols]`
+//! f32 tensors whose rows are the tokens of a batch, one sequence after another as the batch's [`SeqSlice`]s say.
+//! Every op returns a `Result`: a device can fail (out of memory, a lost context), and that must reach the caller
+//! as an error, never a panic.
 
 pub mod cpu;
+pub mod cuda;
+pub mod profiled;
 
-use crate::kv::{KvSpec, SeqId};
+use crate::kv::{KvCache, KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::Result;
 
@@ -17,6 +21,14 @@ pub struct SeqSlice {
     pub seq: SeqId,
     pub start_pos: usize,
     pub len: usize,
+}
+
+/// The positions of every row of a batch, in order.
+pub fn batch_positions(batch: &[SeqSlice]) -> Vec<u32> {
+    batch
+        .iter()
+        .flat_map(|s| (s.start_pos..s.start_pos + s.len).map(|p| p as u32))
+        .collect()
 }
 
 /// Rotary position embedding (HF's rotate-half layout) over the first `rotary_dim` features of each head.
@@ -51,23 +63,14 @@ pub struct AttentionParams {
     pub sliding_window: Option<usize>,
 }
 
-/// Per-row routing decision of a MoE router: `top_k` expert ids and their combine weights, in router order.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Routing {
-    pub top_k: usize,
-    pub ids: Vec<u32>,
-    pub weights: Vec<f32>,
-}
-
-impl Routing {
-    pub fn rows(&self) -> usize {
-        self.ids.len().checked_div(self.top_k).unwrap_or(0)
-    }
-
-    pub fn row(&self, r: usize) -> (&[u32], &[f32]) {
-        let span = r * self.top_k..(r + 1) * self.top_k;
-        (&self.ids[span.clone()], &self.weights[span])
-    }
+/// The shape of a Gated DeltaNet layer's delta rule (see [`Backend::gated_delta_rule`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeltaRuleParams {
+    pub num_k_heads: usize,
+    /// A multiple of `num_k_heads`; value head `h` reads key (and query) head `h / (num_v_heads / num_k_heads)`.
+    pub num_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
 }
 
 /// How a router turns logits into routing weights.
@@ -77,11 +80,12 @@ pub enum RouterKind {
     SoftmaxTopK { renormalize: bool },
 }
 
-/// One routed expert's SwiGLU weights: `down(silu(gate x) * up x)`.
-pub struct ExpertWeights<W> {
-    pub gate: W,
-    pub up: W,
-    pub down: W,
+/// One routed expert's SwiGLU weights, `down(silu(gate x) * up x)`, as stored in the checkpoint.
+#[derive(Clone, Debug)]
+pub struct ExpertTensors {
+    pub gate: TensorRef,
+    pub up: TensorRef,
+    pub down: TensorRef,
 }
 
 pub trait Backend: Send + Sync + Sized {
@@ -89,44 +93,54 @@ pub trait Backend: Send + Sync + Sized {
     type Tensor: Send;
     /// A weight in its stored dtype: a matrix `[out, in]` or a vector.
     type Weight: Send + Sync;
-    /// The KV cache of every running sequence.
-    type Kv: Send;
+    /// The routed experts of one MoE layer, wherever the backend keeps them.
+    type Experts: Send + Sync;
+    /// What running sequences keep between forward calls: the KV cache of attention layers and, for hybrid models,
+    /// each sequence's recurrent-state slot (conv state and delta-rule state of every Gated DeltaNet layer).
+    type Kv: KvCache;
+    /// What the ops of one forward pass need to know about its batch (positions, KV slots), prepared once.
+    type Batch;
+    /// Each row's chosen experts and their weights, as [`Backend::route`] leaves them.
+    type Routing;
+    /// A [`Rope`]'s frequencies where the rope op reads them.
+    type RopeTable: Send + Sync;
 
     fn name(&self) -> String;
+    /// Waits until every op issued so far has finished (a no-op where ops finish before they return).
+    fn synchronize(&self) -> Result<()>;
 
-    /// A weight matrix `[out, in]` (also embedding tables `[vocab, hidden]`), kept in its stored dtype.
+    /// A weight matrix `[out, in]` (also embedding tables `[vocab, hidden]`) or vector.
     fn weight(&self, tensor: TensorRef) -> Result<Self::Weight>;
+    /// One MoE layer's routed experts.
+    fn experts(&self, experts: Vec<ExpertTensors>) -> Result<Self::Experts>;
+    fn rope_table(&self, rope: &Rope) -> Result<Self::RopeTable>;
     fn new_kv(&self, spec: KvSpec) -> Result<Self::Kv>;
+    /// Reserves KV room for the batch's new tokens and prepares its per-row positions and slots; fails (before
+    /// any work) when a sequence is unknown, out of step with the batch, or the cache is full.
+    fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Result<Self::Batch>;
 
-    fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+    /// A tensor holding `data` (`rows * cols` values).
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
+    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
     fn shape(&self, x: &Self::Tensor) -> (usize, usize);
 
     /// Rows of `table` for `ids`.
-    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
     /// RMSNorm of each `group`-wide chunk of every row, times `weight` (`group` features). `group == cols` is a
     /// plain norm; `group == head_dim` is a per-head q/k norm.
-    fn rms_norm(
-        &self,
-        x: &Self::Tensor,
-        weight: &Self::Weight,
-        group: usize,
-        eps: f32,
-    ) -> Self::Tensor;
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, group: usize, eps: f32) -> Result<Self::Tensor>;
     /// `x W^T (+ bias)`.
-    fn linear(
-        &self,
-        x: &Self::Tensor,
-        w: &Self::Weight,
-        bias: Option<&Self::Weight>,
-    ) -> Self::Tensor;
-    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>) -> Result<Self::Tensor>;
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// `silu(gate) * up`, elementwise.
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
-    /// `x[r, :] *= sigmoid(gate[r, 0])`.
-    fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor);
-    /// Rotates `x` (`[rows, heads * head_dim]`) in place; row r is at position `positions[r]`.
-    fn rope(&self, x: &mut Self::Tensor, positions: &[u32], rope: &Rope);
-    /// Appends k and v of the batch to the cache of `layer`, then causal attention of q over each sequence's cache.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Scales `x` by the sigmoid of `gate`: per row (`gate` `[rows, 1]`: `x[r, c] *= sigmoid(gate[r, 0])`, the
+    /// shared expert's gate) or per element (`gate` the shape of `x`: `x[r, c] *= sigmoid(gate[r, c])`, gated
+    /// attention's output gate).
+    fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()>;
+    /// Rotates `x` (`[rows, heads * head_dim]`) in place, each row at its position in the batch.
+    fn rope(&self, x: &mut Self::Tensor, batch: &Self::Batch, rope: &Self::RopeTable) -> Result<()>;
+    /// Writes k and v of the batch into the cache of `layer`, then causal attention of q over each sequence.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -135,18 +149,55 @@ pub trait Backend: Send + Sync + Sized {
         v: &Self::Tensor,
         kv: &mut Self::Kv,
         layer: usize,
-        batch: &[SeqSlice],
+        batch: &Self::Batch,
         params: &AttentionParams,
     ) -> Result<Self::Tensor>;
-    /// Router logits `[rows, experts]` to each row's top-k experts and weights.
-    fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Routing;
-    /// `sum_k weight_k * expert_k(x)` for each row: the routed part of a MoE block.
-    fn moe_experts(
+    /// Depthwise causal convolution along each sequence's tokens, then SiLU. `x` is `[rows, C]`, `weight` `[C, K]`;
+    /// for row t of a slice at position p and channel c:
+    /// `y[t, c] = silu(sum_{j < K} weight[c, j] * in[p - (K - 1) + j, c])`, where `in` is the sequence's input
+    /// history (this call's rows after every earlier call's) and positions before 0 read as zero. Each sequence's
+    /// last `K - 1` inputs (zeros at first) live in its recurrent-state slot for Gated DeltaNet layer `layer` (the
+    /// layer's index among the model's Gated DeltaNet layers) and are read, then replaced, so the next call
+    /// continues where this one ended. A slice must start where its sequence's conv state ends.
+    fn causal_conv1d(
         &self,
         x: &Self::Tensor,
-        routing: &Routing,
-        experts: &[ExpertWeights<Self::Weight>],
-    ) -> Self::Tensor;
+        weight: &Self::Weight,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &Self::Batch,
+    ) -> Result<Self::Tensor>;
+    /// The gated delta rule of Gated DeltaNet layer `layer` over each sequence's rows, from and into its
+    /// delta-rule state: per value head h a `[k_head_dim, v_head_dim]` matrix S (zeros at first). `qkv`
+    /// (`[rows, 2 * Hk * dk + Hv * dv]`) holds each row's queries (Hk heads of dk), keys (likewise) and values (Hv
+    /// heads of dv); `a` and `b` are `[rows, Hv]`; `a_log` and `dt_bias` are `[Hv]` vectors. For each row in order
+    /// and each value head h, with i = h / (Hv / Hk):
+    ///
+    /// - `q = l2norm(q_i) / sqrt(dk)`, `k = l2norm(k_i)`, where `l2norm(x) = x / sqrt(sum x^2 + 1e-6)`;
+    /// - `g = -exp(a_log[h]) * softplus(a[h] + dt_bias[h])` (softplus(x) = x above 20, as torch's) and
+    ///   `beta = sigmoid(b[h])`;
+    /// - `S *= exp(g)`; `S += k (beta (v_h - S^T k))^T`; the output is `S^T q` (dv values).
+    ///
+    /// Returns `[rows, Hv * dv]`. A slice must start where its sequence's delta-rule state ends. How a backend
+    /// evaluates it (token by token, or in parallel chunks for long prefills) is its own affair; the result is this
+    /// recurrence.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        qkv: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        a_log: &Self::Weight,
+        dt_bias: &Self::Weight,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &Self::Batch,
+        params: &DeltaRuleParams,
+    ) -> Result<Self::Tensor>;
+    /// Router logits `[rows, experts]` to each row's top-k experts and weights.
+    fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Result<Self::Routing>;
+    /// `sum_k weight_k * expert_k(x)` for each row, summed in router order: the routed part of a MoE block.
+    fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor>;
     /// The rows `rows` of `x`, in that order.
-    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
 }

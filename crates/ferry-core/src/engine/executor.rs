@@ -2,7 +2,7 @@
 //! scheduling logic is tested without a model.
 
 use crate::backend::{Backend, SeqSlice};
-use crate::kv::{SeqId, SeqStore};
+use crate::kv::{KvCache, SeqId};
 use crate::model::Model;
 use crate::Result;
 
@@ -22,10 +22,7 @@ pub struct ModelExecutor<B: Backend> {
     pub kv: B::Kv,
 }
 
-impl<B: Backend> Executor for ModelExecutor<B>
-where
-    B::Kv: SeqStore,
-{
+impl<B: Backend> Executor for ModelExecutor<B> {
     fn vocab_size(&self) -> usize {
         self.model.spec.vocab_size
     }
@@ -39,9 +36,7 @@ where
     }
 
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>> {
-        let logits = self
-            .model
-            .forward(&self.backend, ids, batch, &mut self.kv)?;
-        Ok(self.backend.to_host(&logits))
+        let logits = self.model.forward(&self.backend, ids, batch, &mut self.kv)?;
+        self.backend.to_host(&logits)
     }
 }

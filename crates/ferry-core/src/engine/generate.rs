@@ -76,7 +76,7 @@ pub fn generate<B: Backend>(
             start_pos: pos,
             len: input.len(),
         };
-        let logits = be.to_host(&model.forward(be, &input, &[slice], kv)?);
+        let logits = be.to_host(&model.forward(be, &input, &[slice], kv)?)?;
         pos += input.len();
         let token = sampler.sample(&logits);
         tokens.push(token);

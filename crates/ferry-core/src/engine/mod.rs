@@ -10,9 +10,7 @@ mod stop;
 
 pub use executor::{Executor, ModelExecutor};
 pub use generate::{generate, FinishReason, GenerateRequest, Generation, StopRules};
-pub use sampler::{apply_penalties, Sampler, SamplingParams};
-pub use scheduler::{
-    Event, EventSink, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats, StepReport,
-};
+pub use sampler::{apply_penalties, argmax, Sampler, SamplingParams};
+pub use scheduler::{Event, EventSink, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats, StepReport};
 pub use service::{EngineHandle, EngineStatus};
 pub use stop::{partial_match_len, StopStrings};

@@ -31,10 +31,7 @@ impl SamplingParams {
     /// Rejects values no sampler can honour, naming the parameter.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            ));
+            return Err(format!("temperature must be >= 0, got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -110,12 +107,7 @@ impl Sampler {
 
 /// OpenAI's presence and frequency penalties: each token already generated loses `presence` once and
 /// `frequency` per time it was generated.
-pub fn apply_penalties(
-    logits: &mut [f32],
-    generated_counts: &HashMap<u32, u32>,
-    presence: f32,
-    frequency: f32,
-) {
+pub fn apply_penalties(logits: &mut [f32], generated_counts: &HashMap<u32, u32>, presence: f32, frequency: f32) {
     if presence == 0.0 && frequency == 0.0 {
         return;
     }
@@ -165,10 +157,7 @@ mod tests {
         let mut allowed: Vec<usize> = (0..50).collect();
         allowed.sort_by(|&x, &y| logits[y].total_cmp(&logits[x]));
         for t in &a {
-            assert!(
-                allowed[..3].contains(&(*t as usize)),
-                "token {t} is outside the top 3"
-            );
+            assert!(allowed[..3].contains(&(*t as usize)), "token {t} is outside the top 3");
         }
         assert!(
             a.iter().collect::<std::collections::HashSet<_>>().len() > 1,
@@ -193,9 +182,6 @@ mod tests {
             .validate()
             .unwrap_err()
             .contains("temperature"));
-        assert!(params(1.0, None, 0.0, 0)
-            .validate()
-            .unwrap_err()
-            .contains("top_p"));
+        assert!(params(1.0, None, 0.0, 0).validate().unwrap_err().contains("top_p"));
     }
 }

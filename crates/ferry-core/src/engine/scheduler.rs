@@ -82,11 +82,7 @@ impl Request {
                 self.prompt_ids.len()
             )));
         }
-        if let Some(bad) = self
-            .prompt_ids
-            .iter()
-            .find(|&&id| id as usize >= vocab_size)
-        {
+        if let Some(bad) = self.prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
             return Err(Error::Request(format!(
                 "token id {bad} is outside the vocabulary (size {vocab_size})"
             )));
@@ -96,9 +92,7 @@ impl Request {
             ("frequency_penalty", self.frequency_penalty),
         ] {
             if !(-2.0..=2.0).contains(&value) {
-                return Err(Error::Request(format!(
-                    "{name} must be between -2 and 2, got {value}"
-                )));
+                return Err(Error::Request(format!("{name} must be between -2 and 2, got {value}")));
             }
         }
         Ok(())
@@ -164,12 +158,7 @@ pub struct Scheduler<E: Executor> {
 
 impl<E: Executor> Scheduler<E> {
     /// `blocks` must hold a whole context window, so that the oldest request can always finish.
-    pub fn new(
-        config: SchedulerConfig,
-        executor: E,
-        decoder: Arc<dyn TextDecoder>,
-        blocks: BlockPool,
-    ) -> Result<Self> {
+    pub fn new(config: SchedulerConfig, executor: E, decoder: Arc<dyn TextDecoder>, blocks: BlockPool) -> Result<Self> {
         if blocks.capacity_tokens() < config.max_model_len {
             return Err(Error::Kv(format!(
                 "{} blocks of {} tokens hold {} tokens, less than the context window of {}",
@@ -427,12 +416,7 @@ impl<E: Executor> Scheduler<E> {
                 report.prefill_tokens += len;
             }
             let mut row_logits = logits[row * vocab..(row + 1) * vocab].to_vec();
-            match emit_next_token(
-                seq,
-                &mut row_logits,
-                self.decoder.as_ref(),
-                self.config.max_model_len,
-            ) {
+            match emit_next_token(seq, &mut row_logits, self.decoder.as_ref(), self.config.max_model_len) {
                 Next::Running => {}
                 Next::Finished(event) => retired.push((i, Some(event))),
                 Next::ListenerGone => retired.push((i, None)),
@@ -504,12 +488,7 @@ enum Next {
 }
 
 /// Samples `seq`'s next token, streams its text and applies the stop rules.
-fn emit_next_token(
-    seq: &mut Sequence,
-    logits: &mut [f32],
-    decoder: &dyn TextDecoder,
-    max_model_len: usize,
-) -> Next {
+fn emit_next_token(seq: &mut Sequence, logits: &mut [f32], decoder: &dyn TextDecoder, max_model_len: usize) -> Next {
     let request = &seq.request;
     apply_penalties(
         logits,
@@ -521,16 +500,11 @@ fn emit_next_token(
     seq.tokens.push(token);
     *seq.generated_counts.entry(token).or_default() += 1;
     let eos = !request.stop.ignore_eos && request.stop.eos_token_ids.contains(&token);
-    let out_of_room =
-        seq.generated() >= seq.request.max_tokens || seq.tokens.len() >= max_model_len;
+    let out_of_room = seq.generated() >= seq.request.max_tokens || seq.tokens.len() >= max_model_len;
     let ending = eos || out_of_room;
     let piece = match released_text(&mut seq.detokenizer, decoder, token, eos, ending) {
         Ok(piece) => piece,
-        Err(e) => {
-            return Next::Finished(Event::Failed {
-                message: e.to_string(),
-            })
-        }
+        Err(e) => return Next::Finished(Event::Failed { message: e.to_string() }),
     };
     let (mut text, stopped) = seq.stop_strings.push(&piece);
     if ending && !stopped {
@@ -600,11 +574,7 @@ mod tests {
             let mut row = 0;
             for slice in batch {
                 let cached = self.kv.get_mut(&slice.seq).expect("allocated sequence");
-                assert_eq!(
-                    cached.len(),
-                    slice.start_pos,
-                    "slice starts where the sequence ends"
-                );
+                assert_eq!(cached.len(), slice.start_pos, "slice starts where the sequence ends");
                 cached.extend_from_slice(&ids[row..row + slice.len]);
                 row += slice.len;
                 let next = cached.iter().sum::<u32>() % 13;
@@ -698,11 +668,7 @@ mod tests {
             .map(|(i, p)| submit(&mut s, i as u64, request(p, 5)))
             .collect();
         s.step();
-        assert_eq!(
-            (s.stats().running, s.stats().queued),
-            (2, 1),
-            "two run, one waits"
-        );
+        assert_eq!((s.stats().running, s.stats().queued), (2, 1), "two run, one waits");
         run_to_idle(&mut s);
         for (p, rx) in prompts.iter().zip(&rxs) {
             let (text, last) = outcome(rx);
@@ -733,11 +699,7 @@ mod tests {
             &s.executor.batches[..5],
             [vec![1], vec![1, 3], vec![1, 3], vec![1, 3], vec![1, 2]]
         );
-        assert!(s
-            .executor
-            .batches
-            .iter()
-            .all(|b| b.iter().sum::<usize>() <= 4));
+        assert!(s.executor.batches.iter().all(|b| b.iter().sum::<usize>() <= 4));
         assert_eq!(outcome(&decoding).0, alone(&[1], 8));
         assert_eq!(outcome(&prefilling).0, alone(&long, 2));
     }
@@ -796,18 +758,9 @@ mod tests {
             prompt_tokens: 1,
             completion_tokens,
         };
-        assert_eq!(
-            outcome(&stopped),
-            ("bc".into(), finished(FinishReason::Stop, 4))
-        );
-        assert_eq!(
-            outcome(&eos),
-            ("bc".into(), finished(FinishReason::Stop, 3))
-        );
-        assert_eq!(
-            outcome(&short),
-            ("bc".into(), finished(FinishReason::Length, 2))
-        );
+        assert_eq!(outcome(&stopped), ("bc".into(), finished(FinishReason::Stop, 4)));
+        assert_eq!(outcome(&eos), ("bc".into(), finished(FinishReason::Stop, 3)));
+        assert_eq!(outcome(&short), ("bc".into(), finished(FinishReason::Length, 2)));
     }
 
     #[test]
@@ -856,9 +809,7 @@ mod tests {
         bad.presence_penalty = 3.0;
         assert!(refused(&mut s, 0, bad).contains("presence_penalty"));
         // One running place and four queued ones.
-        let _held: Vec<_> = (0..5)
-            .map(|i| submit(&mut s, i, request(&[1], 1)))
-            .collect();
+        let _held: Vec<_> = (0..5).map(|i| submit(&mut s, i, request(&[1], 1))).collect();
         assert!(refused(&mut s, 9, request(&[1], 1)).contains("queue is full"));
     }
 }

@@ -88,11 +88,7 @@ fn apply<E: Executor>(scheduler: &mut Scheduler<E>, command: Command) {
     }
 }
 
-fn run<E: Executor>(
-    mut scheduler: Scheduler<E>,
-    commands: Receiver<Command>,
-    status: Arc<Mutex<EngineStatus>>,
-) {
+fn run<E: Executor>(mut scheduler: Scheduler<E>, commands: Receiver<Command>, status: Arc<Mutex<EngineStatus>>) {
     let mut decode_rate = 0.0;
     loop {
         if scheduler.is_idle() {

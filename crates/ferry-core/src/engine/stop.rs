@@ -20,11 +20,7 @@ impl StopStrings {
     /// string and everything after it are dropped).
     pub fn push(&mut self, piece: &str) -> (String, bool) {
         self.pending.push_str(piece);
-        let first_stop = self
-            .stops
-            .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min();
+        let first_stop = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min();
         if let Some(at) = first_stop {
             self.pending.truncate(at);
             return (std::mem::take(&mut self.pending), true);
@@ -50,11 +46,7 @@ impl StopStrings {
 pub fn partial_match_len(text: &str, stop: &str) -> usize {
     (1..stop.len().min(text.len() + 1))
         .rev()
-        .find(|&n| {
-            stop.is_char_boundary(n)
-                && text.is_char_boundary(text.len() - n)
-                && text.ends_with(&stop[..n])
-        })
+        .find(|&n| stop.is_char_boundary(n) && text.is_char_boundary(text.len() - n) && text.ends_with(&stop[..n]))
         .unwrap_or(0)
 }
 

@@ -1,29 +1,29 @@
-//! Block accounting for the KV cache: capacity is counted in fixed-size blocks of token positions, and a sequence
-//! holds only the blocks its cached tokens fill, taken one at a time as it grows (never reserved up front for
-//! max_tokens). The scheduler asks here before it runs a step, so running out of KV is a scheduling decision
-//! (wait, or preempt a sequence) instead of an error in the middle of a forward pass.
-
-use std::collections::HashMap;
+//! Paged KV bookkeeping: the cache is cut into blocks of `block_size` token slots; a sequence owns a list of
+//! blocks that grows as it does and returns to the pool when it ends. Pure logic, shared by device caches.
 
 use super::SeqId;
+use crate::{Error, Result};
 
-/// Free and used blocks of a KV cache of `total` blocks of `block_size` tokens.
-#[derive(Clone, Debug)]
-pub struct BlockPool {
-    block_size: usize,
-    total: usize,
-    held: HashMap<SeqId, usize>,
-    used: usize,
+struct SeqBlocks {
+    blocks: Vec<u32>,
+    len: usize,
 }
 
-impl BlockPool {
-    pub fn new(block_size: usize, total: usize) -> Self {
-        assert!(block_size > 0, "a KV block holds at least one token");
-        BlockPool {
+pub struct BlockAllocator {
+    block_size: usize,
+    num_blocks: usize,
+    free: Vec<u32>,
+    seqs: Vec<Option<SeqBlocks>>,
+}
+
+impl BlockAllocator {
+    pub fn new(block_size: usize, num_blocks: usize) -> Self {
+        BlockAllocator {
             block_size,
-            total,
-            held: HashMap::new(),
-            used: 0,
+            num_blocks,
+            // Reversed so blocks are handed out from 0 upwards.
+            free: (0..num_blocks as u32).rev().collect(),
+            seqs: Vec::new(),
         }
     }
 
@@ -31,58 +31,104 @@ impl BlockPool {
         self.block_size
     }
 
-    pub fn total(&self) -> usize {
-        self.total
-    }
-
-    pub fn used(&self) -> usize {
-        self.used
-    }
-
-    pub fn free(&self) -> usize {
-        self.total - self.used
-    }
-
-    /// Tokens the whole pool holds.
-    pub fn capacity_tokens(&self) -> usize {
-        self.total * self.block_size
-    }
-
-    /// Blocks needed to hold `tokens` positions.
-    pub fn blocks_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
-    }
-
-    pub fn held_by(&self, seq: SeqId) -> usize {
-        self.held.get(&seq).copied().unwrap_or(0)
-    }
-
-    /// Extra blocks `seq` needs to hold `tokens` positions in all.
-    pub fn shortfall(&self, seq: SeqId, tokens: usize) -> usize {
-        self.blocks_for(tokens).saturating_sub(self.held_by(seq))
-    }
-
-    /// The most positions `seq` can hold in all with the blocks it has plus every free one.
-    pub fn max_tokens_for(&self, seq: SeqId) -> usize {
-        (self.held_by(seq) + self.free()) * self.block_size
-    }
-
-    /// Grows `seq` to hold `tokens` positions; false (and nothing taken) when too few blocks are free.
-    pub fn grow(&mut self, seq: SeqId, tokens: usize) -> bool {
-        let extra = self.shortfall(seq, tokens);
-        if extra > self.free() {
-            return false;
+    pub fn alloc_seq(&mut self) -> SeqId {
+        let fresh = Some(SeqBlocks {
+            blocks: Vec::new(),
+            len: 0,
+        });
+        match self.seqs.iter().position(Option::is_none) {
+            Some(i) => {
+                self.seqs[i] = fresh;
+                SeqId(i as u32)
+            }
+            None => {
+                self.seqs.push(fresh);
+                SeqId(self.seqs.len() as u32 - 1)
+            }
         }
-        *self.held.entry(seq).or_default() += extra;
-        self.used += extra;
-        true
     }
 
-    /// Gives back every block of `seq`.
-    pub fn release(&mut self, seq: SeqId) {
-        if let Some(n) = self.held.remove(&seq) {
-            self.used -= n;
+    pub fn free_seq(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.get_mut(seq.0 as usize).and_then(Option::take) {
+            self.free.extend(s.blocks.into_iter().rev());
         }
+    }
+
+    fn get(&self, seq: SeqId) -> Result<&SeqBlocks> {
+        self.seqs
+            .get(seq.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+    }
+
+    pub fn seq_len(&self, seq: SeqId) -> usize {
+        self.get(seq).map_or(0, |s| s.len)
+    }
+
+    pub fn used_blocks(&self) -> usize {
+        self.num_blocks - self.free.len()
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn used_tokens(&self) -> usize {
+        self.seqs.iter().flatten().map(|s| s.len).sum()
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Blocks `seq` needs to grow by `len` tokens from `start_pos`, which must be its current length.
+    pub fn blocks_needed(&self, seq: SeqId, start_pos: usize, len: usize) -> Result<usize> {
+        let s = self.get(seq)?;
+        if s.len != start_pos {
+            return Err(Error::Kv(format!(
+                "sequence {} holds {} tokens, the batch continues it at position {start_pos}",
+                seq.0, s.len
+            )));
+        }
+        Ok((start_pos + len)
+            .div_ceil(self.block_size)
+            .saturating_sub(s.blocks.len()))
+    }
+
+    /// Extends `seq` by `len` tokens starting at `start_pos` (which must be its current length), taking blocks as
+    /// needed; on failure nothing changes.
+    pub fn extend(&mut self, seq: SeqId, start_pos: usize, len: usize) -> Result<()> {
+        let needed = self.blocks_needed(seq, start_pos, len)?;
+        if needed > self.free.len() {
+            return Err(Error::Kv(format!(
+                "full: {needed} more blocks of {} tokens needed, {} free of {}",
+                self.block_size,
+                self.free.len(),
+                self.num_blocks
+            )));
+        }
+        let taken = self.free.split_off(self.free.len() - needed);
+        let s = self.seqs[seq.0 as usize]
+            .as_mut()
+            .expect("blocks_needed checked the sequence");
+        s.blocks.extend(taken.into_iter().rev());
+        s.len = start_pos + len;
+        Ok(())
+    }
+
+    pub fn blocks(&self, seq: SeqId) -> Result<&[u32]> {
+        Ok(&self.get(seq)?.blocks)
+    }
+
+    /// The physical token slot of position `pos` of `seq` (block * block_size + offset).
+    pub fn slot(&self, seq: SeqId, pos: usize) -> Result<u32> {
+        let block = self
+            .get(seq)?
+            .blocks
+            .get(pos / self.block_size)
+            .copied()
+            .ok_or_else(|| Error::Kv(format!("position {pos} of sequence {} is not allocated", seq.0)))?;
+        Ok(block * self.block_size as u32 + (pos % self.block_size) as u32)
     }
 }
 
@@ -92,24 +138,27 @@ mod tests {
 
     #[test]
     fn sequences_take_blocks_as_they_grow_and_give_them_back() {
-        let mut pool = BlockPool::new(16, 4);
-        let (a, b) = (SeqId(0), SeqId(1));
-        assert!(pool.grow(a, 1));
-        assert_eq!((pool.used(), pool.held_by(a)), (1, 1));
-        assert!(pool.grow(a, 16), "still within the first block");
-        assert_eq!(pool.used(), 1);
-        assert!(pool.grow(a, 17));
-        assert_eq!(pool.used(), 2);
-        assert!(pool.grow(b, 32));
-        assert_eq!(pool.free(), 0);
-        assert!(!pool.grow(a, 33), "no block left");
-        assert_eq!(pool.held_by(a), 2, "a failed grow takes nothing");
-        assert_eq!(pool.max_tokens_for(a), 32);
-        pool.release(b);
-        assert_eq!(pool.free(), 2);
-        assert_eq!(pool.max_tokens_for(a), 64);
-        assert!(pool.grow(a, 33));
-        pool.release(a);
-        assert_eq!(pool.used(), 0);
+        let mut a = BlockAllocator::new(4, 3);
+        let s = a.alloc_seq();
+        a.extend(s, 0, 5).unwrap();
+        assert_eq!(a.used_blocks(), 2);
+        assert_eq!(a.slot(s, 4).unwrap(), 4);
+        a.extend(s, 5, 3).unwrap();
+        assert_eq!(a.used_blocks(), 2, "positions 5..8 fit in the second block");
+        let t = a.alloc_seq();
+        a.extend(t, 0, 1).unwrap();
+        assert_eq!(a.slot(t, 0).unwrap(), 8);
+        let err = a.extend(s, 8, 1).unwrap_err();
+        assert!(err.to_string().contains("full"), "{err}");
+        assert_eq!(a.seq_len(s), 8, "a failed extend changes nothing");
+        a.free_seq(s);
+        assert_eq!(a.used_blocks(), 1);
+        let u = a.alloc_seq();
+        assert_eq!(u, s, "the freed sequence id is reused");
+        a.extend(u, 0, 8).unwrap();
+        assert!(
+            a.extend(t, 0, 1).is_err(),
+            "a batch must continue a sequence at its length"
+        );
     }
 }

@@ -1,15 +1,31 @@
-//! The key/value cache: what a running sequence keeps of its past tokens, per attention layer.
+//! The key/value cache: what a running sequence keeps of its past tokens, per attention layer, and, for hybrid
+//! models, its recurrent-state slot ([`recurrent`]).
 //!
 //! Sequences get a [`SeqId`] when they start and give it back when they end; their keys and values grow as they
-//! do, up to the cache's token capacity, after which appending fails with a clear error instead of growing.
-//! [`BlockPool`] counts that capacity in fixed-size blocks for the scheduler, which grows a sequence's blocks
-//! before each step so that the cache itself is never asked for more than it has.
+//! do, up to the cache's token capacity, after which appending fails with a clear error instead of growing. The
+//! recurrent state is allocated with the sequence and freed with it. [`BlockPool`] is the scheduler's budget of
+//! that capacity in blocks: it grows a sequence's blocks before each step, so the cache is never asked for more
+//! than it has (running out is a scheduling decision, not an error mid-forward).
 
+mod block_pool;
 mod blocks;
+pub mod recurrent;
 
-pub use blocks::BlockPool;
+pub use block_pool::BlockPool;
+pub use blocks::BlockAllocator;
+pub use recurrent::{RecurrentLayer, RecurrentSpec};
 
 use crate::{Error, Result};
+
+/// What the engine needs of any backend's KV cache: sequences come and go, and their lengths are known.
+pub trait KvCache: Send {
+    fn alloc_seq(&mut self) -> SeqId;
+    /// Ends a sequence and frees its room at once.
+    fn free_seq(&mut self, seq: SeqId);
+    fn seq_len(&self, seq: SeqId) -> usize;
+    fn used_tokens(&self) -> usize;
+    fn capacity_tokens(&self) -> usize;
+}
 
 /// A running sequence's handle into the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -18,11 +34,14 @@ pub struct SeqId(pub u32);
 /// The shape of a KV cache.
 #[derive(Clone, Debug)]
 pub struct KvSpec {
+    /// Attention layers (a hybrid model's Gated DeltaNet layers keep no keys and values).
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
     /// Tokens the cache may hold across all sequences.
     pub capacity_tokens: usize,
+    /// Each sequence's recurrent state, for models with Gated DeltaNet layers.
+    pub recurrent: Option<RecurrentSpec>,
 }
 
 impl KvSpec {
@@ -31,28 +50,14 @@ impl KvSpec {
     }
 }
 
-/// What a scheduler needs of any backend's KV cache: sequence handles to take and give back.
-pub trait SeqStore {
-    fn alloc_seq(&mut self) -> SeqId;
-    /// Frees everything `seq` holds at once; its id may be handed out again.
-    fn free_seq(&mut self, seq: SeqId);
-}
-
-impl SeqStore for HostKv {
-    fn alloc_seq(&mut self) -> SeqId {
-        HostKv::alloc_seq(self)
-    }
-
-    fn free_seq(&mut self, seq: SeqId) {
-        HostKv::free_seq(self, seq)
-    }
-}
-
 /// One sequence's keys and values in host memory: per layer, `[positions, kv_heads * head_dim]` rows.
-#[derive(Default)]
 struct HostSeq {
+    /// Tokens reserved by the batches prepared so far (their keys and values are appended layer by layer).
+    len: usize,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
+    /// Per Gated DeltaNet layer.
+    recurrent: Vec<RecurrentLayer>,
 }
 
 /// The KV cache in host memory (the CPU backend's).
@@ -63,20 +68,100 @@ pub struct HostKv {
 
 impl HostKv {
     pub fn new(spec: KvSpec) -> Self {
-        HostKv {
-            spec,
-            seqs: Vec::new(),
-        }
+        HostKv { spec, seqs: Vec::new() }
     }
 
     pub fn spec(&self) -> &KvSpec {
         &self.spec
     }
 
-    pub fn alloc_seq(&mut self) -> SeqId {
+    fn row_width(&self) -> usize {
+        self.spec.num_kv_heads * self.spec.head_dim
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&HostSeq> {
+        self.seqs
+            .get(seq.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+    }
+
+    fn seq_mut(&mut self, seq: SeqId) -> Result<&mut HostSeq> {
+        self.seqs
+            .get_mut(seq.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+    }
+
+    /// Reserves room for a batch's slices, all or none: each must continue its sequence where it ends, and the
+    /// cache must hold the new tokens.
+    pub fn reserve(&mut self, slices: &[(SeqId, usize, usize)]) -> Result<()> {
+        let mut new_tokens = 0;
+        for &(seq, start_pos, len) in slices {
+            let held = self.seq(seq)?.len;
+            if held != start_pos {
+                return Err(Error::Kv(format!(
+                    "sequence {} holds {held} tokens, the batch continues it at position {start_pos}",
+                    seq.0
+                )));
+            }
+            new_tokens += len;
+        }
+        if self.used_tokens() + new_tokens > self.spec.capacity_tokens {
+            return Err(Error::Kv(format!(
+                "full: {} tokens cached, {new_tokens} more do not fit in a capacity of {}",
+                self.used_tokens(),
+                self.spec.capacity_tokens
+            )));
+        }
+        for &(seq, _, len) in slices {
+            self.seq_mut(seq)?.len += len;
+        }
+        Ok(())
+    }
+
+    /// Appends rows of keys and values to `seq` at `layer`; the sequence must be at `start_pos` in that layer.
+    pub fn append(&mut self, seq: SeqId, layer: usize, start_pos: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        let width = self.row_width();
+        let entry = self.seq_mut(seq)?;
+        let cached = entry.keys[layer].len() / width;
+        if cached != start_pos {
+            return Err(Error::Kv(format!(
+                "sequence {} has {cached} cached tokens at layer {layer}, batch starts at position {start_pos}",
+                seq.0
+            )));
+        }
+        entry.keys[layer].extend_from_slice(keys);
+        entry.values[layer].extend_from_slice(values);
+        Ok(())
+    }
+
+    /// The recurrent state of `seq` in Gated DeltaNet layer `layer`.
+    pub fn recurrent(&mut self, seq: SeqId, layer: usize) -> Result<&mut RecurrentLayer> {
+        self.seq_mut(seq)?
+            .recurrent
+            .get_mut(layer)
+            .ok_or_else(|| Error::Kv(format!("no recurrent state for layer {layer}")))
+    }
+
+    /// All cached keys and values of `seq` at `layer`.
+    pub fn layer(&self, seq: SeqId, layer: usize) -> Result<(&[f32], &[f32])> {
+        let s = self.seq(seq)?;
+        Ok((&s.keys[layer], &s.values[layer]))
+    }
+}
+
+impl KvCache for HostKv {
+    fn alloc_seq(&mut self) -> SeqId {
+        let recurrent = match &self.spec.recurrent {
+            Some(r) => vec![RecurrentLayer::new(r); r.num_layers],
+            None => Vec::new(),
+        };
         let fresh = HostSeq {
+            len: 0,
             keys: vec![Vec::new(); self.spec.num_layers],
             values: vec![Vec::new(); self.spec.num_layers],
+            recurrent,
         };
         match self.seqs.iter().position(Option::is_none) {
             Some(i) => {
@@ -90,77 +175,22 @@ impl HostKv {
         }
     }
 
-    pub fn free_seq(&mut self, seq: SeqId) {
+    fn free_seq(&mut self, seq: SeqId) {
         if let Some(slot) = self.seqs.get_mut(seq.0 as usize) {
             *slot = None;
         }
     }
 
-    fn row_width(&self) -> usize {
-        self.spec.num_kv_heads * self.spec.head_dim
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.seq(seq).map_or(0, |s| s.len)
     }
 
-    /// Tokens cached for `seq` (in layer 0, which every forward writes first).
-    pub fn seq_len(&self, seq: SeqId) -> usize {
-        self.seq(seq)
-            .map_or(0, |s| s.keys[0].len() / self.row_width())
+    fn used_tokens(&self) -> usize {
+        self.seqs.iter().flatten().map(|s| s.len).sum()
     }
 
-    pub fn used_tokens(&self) -> usize {
-        let width = self.row_width();
-        self.seqs
-            .iter()
-            .flatten()
-            .map(|s| s.keys[0].len() / width)
-            .sum()
-    }
-
-    fn seq(&self, seq: SeqId) -> Result<&HostSeq> {
-        self.seqs
-            .get(seq.0 as usize)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
-    }
-
-    /// Appends `rows` rows of keys and values to `seq` at `layer`; the sequence must be at `start_pos`.
-    pub fn append(
-        &mut self,
-        seq: SeqId,
-        layer: usize,
-        start_pos: usize,
-        keys: &[f32],
-        values: &[f32],
-    ) -> Result<()> {
-        let width = self.row_width();
-        let new_tokens = keys.len() / width;
-        if layer == 0 && self.used_tokens() + new_tokens > self.spec.capacity_tokens {
-            return Err(Error::Kv(format!(
-                "full: {} tokens cached, {new_tokens} more do not fit in a capacity of {}",
-                self.used_tokens(),
-                self.spec.capacity_tokens
-            )));
-        }
-        let entry = self
-            .seqs
-            .get_mut(seq.0 as usize)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))?;
-        let cached = entry.keys[layer].len() / width;
-        if cached != start_pos {
-            return Err(Error::Kv(format!(
-                "sequence {} has {cached} cached tokens at layer {layer}, batch starts at position {start_pos}",
-                seq.0
-            )));
-        }
-        entry.keys[layer].extend_from_slice(keys);
-        entry.values[layer].extend_from_slice(values);
-        Ok(())
-    }
-
-    /// All cached keys and values of `seq` at `layer`.
-    pub fn layer(&self, seq: SeqId, layer: usize) -> Result<(&[f32], &[f32])> {
-        let s = self.seq(seq)?;
-        Ok((&s.keys[layer], &s.values[layer]))
+    fn capacity_tokens(&self) -> usize {
+        self.spec.capacity_tokens
     }
 }
 
@@ -174,6 +204,14 @@ mod tests {
             num_kv_heads: 1,
             head_dim: 2,
             capacity_tokens,
+            recurrent: Some(RecurrentSpec {
+                num_layers: 1,
+                conv_channels: 2,
+                conv_kernel: 3,
+                num_heads: 1,
+                k_head_dim: 2,
+                v_head_dim: 2,
+            }),
         }
     }
 
@@ -182,24 +220,42 @@ mod tests {
         let mut kv = HostKv::new(spec(8));
         let a = kv.alloc_seq();
         let b = kv.alloc_seq();
+        kv.reserve(&[(a, 0, 3)]).unwrap();
         kv.append(a, 0, 0, &[1.0; 6], &[2.0; 6]).unwrap();
         kv.append(a, 1, 0, &[1.0; 6], &[2.0; 6]).unwrap();
         assert_eq!(kv.seq_len(a), 3);
         assert_eq!(kv.seq_len(b), 0);
         assert!(
+            kv.reserve(&[(a, 0, 1)]).is_err(),
+            "a batch must continue the sequence where it ends"
+        );
+        assert!(
             kv.append(a, 0, 0, &[1.0; 2], &[1.0; 2]).is_err(),
             "wrong start position"
         );
+        kv.recurrent(a, 0).unwrap().delta[0] = 1.0;
         kv.free_seq(a);
         assert_eq!(kv.used_tokens(), 0);
         assert_eq!(kv.alloc_seq(), a, "a freed slot is reused");
+        let state = kv.recurrent(a, 0).unwrap();
+        assert_eq!(
+            (state.conv.len(), state.delta.len()),
+            (4, 4),
+            "[K - 1, C] and [H, dk, dv]"
+        );
+        assert!(
+            state.delta.iter().all(|&v| v == 0.0),
+            "a reused slot starts from a fresh recurrent state"
+        );
+        assert!(kv.recurrent(a, 1).is_err(), "one Gated DeltaNet layer");
     }
 
     #[test]
     fn a_full_cache_is_an_error_not_a_crash() {
         let mut kv = HostKv::new(spec(2));
         let a = kv.alloc_seq();
-        let err = kv.append(a, 0, 0, &[0.0; 6], &[0.0; 6]).unwrap_err();
+        let err = kv.reserve(&[(a, 0, 3)]).unwrap_err();
         assert!(err.to_string().contains("full"), "{err}");
+        assert_eq!(kv.seq_len(a), 0, "a refused batch reserves nothing");
     }
 }

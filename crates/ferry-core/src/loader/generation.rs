@@ -39,8 +39,8 @@ impl GenerationConfig {
             return Ok(Self::default());
         }
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-        let raw: RawGenerationConfig = serde_json::from_str(&text)
-            .map_err(|e| Error::file(&path, format!("invalid generation config: {e}")))?;
+        let raw: RawGenerationConfig =
+            serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid generation config: {e}")))?;
         Ok(GenerationConfig {
             eos_token_ids: match raw.eos_token_id {
                 None => vec![],

@@ -13,6 +13,26 @@ pub use weights::{DType, TensorRef, WeightStore};
 
 use crate::{Error, Result};
 
+/// A config.json's `model_type` and the text model's configuration (`text_config` of multimodal checkpoints).
+fn read_config(path: &Path) -> Result<(String, serde_json::Value)> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?;
+    let model_type = config
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| Error::file(path, "no \"model_type\" string"))?
+        .to_string();
+    let Some(mut text_config) = config.get("text_config").cloned() else {
+        return Ok((model_type, config));
+    };
+    // Multimodal wrappers say whether the output head is tied at the top level; the text config may not.
+    if let (Some(tie), Some(text)) = (config.get("tie_word_embeddings"), text_config.as_object_mut()) {
+        text.entry("tie_word_embeddings").or_insert(tie.clone());
+    }
+    Ok((model_type, text_config))
+}
+
 /// An opened checkpoint. Weights are mapped, not read; the tokenizer is optional (`--prompt-ids` needs none).
 pub struct Checkpoint {
     pub dir: PathBuf,
@@ -29,18 +49,7 @@ impl Checkpoint {
         if !dir.is_dir() {
             return Err(Error::file(dir, "checkpoint directory not found"));
         }
-        let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-        let mut config: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::file(&config_path, format!("invalid JSON: {e}")))?;
-        let model_type = config
-            .get("model_type")
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| Error::file(&config_path, "no \"model_type\" string"))?
-            .to_string();
-        if let Some(text_config) = config.get("text_config").cloned() {
-            config = text_config;
-        }
+        let (model_type, config) = read_config(&dir.join("config.json"))?;
         let generation = GenerationConfig::load(dir)?;
         let tokenizer = Tokenizer::load(dir)?;
         let weights = WeightStore::open(dir)?;
@@ -52,6 +61,27 @@ impl Checkpoint {
             tokenizer,
             weights,
         })
+    }
+
+    /// A checkpoint of the model `config_path` describes (a config.json) with seeded random weights and no files:
+    /// full-size benchmarks without a download.
+    pub fn synthetic(config_path: &Path, seed: u64) -> Result<Self> {
+        let (model_type, config) = read_config(config_path)?;
+        Ok(Checkpoint {
+            dir: config_path.to_path_buf(),
+            model_type,
+            config,
+            generation: GenerationConfig::default(),
+            tokenizer: None,
+            weights: WeightStore::synthetic(seed),
+        })
+    }
+
+    /// The stored dtype of the weights (the embedding table's; synthetic weights are bf16).
+    pub fn weight_dtype(&self) -> DType {
+        self.weights
+            .find("model.embed_tokens.weight")
+            .map_or(DType::BF16, |t| t.dtype)
     }
 
     /// The ids that end generation: generation_config.json's, else the tokenizer's eos token.

@@ -53,10 +53,8 @@ impl Tokenizer {
             .map_err(|e| Error::file(&path, format!("cannot load tokenizer: {e}")))?;
         let config_path = dir.join("tokenizer_config.json");
         let config: serde_json::Value = if config_path.exists() {
-            let text =
-                std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-            serde_json::from_str(&text)
-                .map_err(|e| Error::file(&config_path, format!("invalid JSON: {e}")))?
+            let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+            serde_json::from_str(&text).map_err(|e| Error::file(&config_path, format!("invalid JSON: {e}")))?
         } else {
             serde_json::Value::Null
         };
@@ -102,9 +100,7 @@ impl Tokenizer {
 
     /// Whether the chat template's source contains `text` (e.g. a reasoning tag it emits).
     pub fn chat_template_mentions(&self, text: &str) -> bool {
-        self.chat_template
-            .as_deref()
-            .is_some_and(|t| t.contains(text))
+        self.chat_template.as_deref().is_some_and(|t| t.contains(text))
     }
 
     /// Renders the chat template as transformers does (trim_blocks, lstrip_blocks, Python string methods,
@@ -127,29 +123,17 @@ impl Tokenizer {
         env.add_function(
             "raise_exception",
             |message: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    message,
-                ))
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
             },
         );
         env.add_filter("tojson", python_tojson);
         env.add_template("chat", template)
             .map_err(|e| Error::ChatTemplate(e.to_string()))?;
         let mut context = extra.clone();
-        context.insert(
-            "messages".into(),
-            serde_json::to_value(messages).unwrap_or_default(),
-        );
+        context.insert("messages".into(), serde_json::to_value(messages).unwrap_or_default());
         context.insert("add_generation_prompt".into(), add_generation_prompt.into());
-        context.insert(
-            "bos_token".into(),
-            self.bos_token.clone().unwrap_or_default().into(),
-        );
-        context.insert(
-            "eos_token".into(),
-            self.eos_token.clone().unwrap_or_default().into(),
-        );
+        context.insert("bos_token".into(), self.bos_token.clone().unwrap_or_default().into());
+        context.insert("eos_token".into(), self.eos_token.clone().unwrap_or_default().into());
         env.get_template("chat")
             .and_then(|t| t.render(JinjaValue::from_serialize(&context)))
             .map_err(|e| Error::ChatTemplate(e.to_string()))
@@ -159,9 +143,8 @@ impl Tokenizer {
 /// `tojson` as transformers defines it for templates: Python's `json.dumps(x, ensure_ascii=False)` with its
 /// `", "` and `": "` separators, or pretty-printed with `indent`.
 fn python_tojson(value: JinjaValue, indent: Option<usize>) -> Result<String, minijinja::Error> {
-    let json = serde_json::to_value(&value).map_err(|e| {
-        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
-    })?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string()))?;
     let mut out = String::new();
     write_python_json(&json, indent, 0, &mut out);
     Ok(out)
@@ -248,11 +231,7 @@ impl Detokenizer {
 
     /// Text decoded since the last release; while `incomplete_ok` is false, none until it ends in a whole
     /// character.
-    fn release(
-        &mut self,
-        decoder: &dyn TextDecoder,
-        incomplete_ok: bool,
-    ) -> Result<Option<String>> {
+    fn release(&mut self, decoder: &dyn TextDecoder, incomplete_ok: bool) -> Result<Option<String>> {
         let prefix = decoder.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
         let full = decoder.decode(&self.ids[self.prefix_offset..], true)?;
         if full.len() > prefix.len()
@@ -275,10 +254,7 @@ mod tests {
     #[test]
     fn tojson_matches_python_json_dumps() {
         let v = JinjaValue::from_serialize(serde_json::json!({"a": [1, "x<y"], "b": {}}));
-        assert_eq!(
-            python_tojson(v.clone(), None).unwrap(),
-            r#"{"a": [1, "x<y"], "b": {}}"#
-        );
+        assert_eq!(python_tojson(v.clone(), None).unwrap(), r#"{"a": [1, "x<y"], "b": {}}"#);
         assert_eq!(
             python_tojson(v, Some(2)).unwrap(),
             "{\n  \"a\": [\n    1,\n    \"x<y\"\n  ],\n  \"b\": {}\n}"

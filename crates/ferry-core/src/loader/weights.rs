@@ -38,13 +38,30 @@ impl DType {
     }
 }
 
-/// A tensor inside a mapped shard: shape, dtype and a byte range, read in place.
+/// Where a tensor's bytes live: a mapped shard, or memory of our own (synthetic weights, tests).
+enum Storage {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Storage {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
+/// A tensor inside a mapped shard (or owned memory): shape, dtype and a byte range, read in place.
 #[derive(Clone)]
 pub struct TensorRef {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
-    shard: Arc<Mmap>,
+    shard: Arc<Storage>,
     start: usize,
     len: usize,
 }
@@ -56,6 +73,25 @@ impl std::fmt::Debug for TensorRef {
 }
 
 impl TensorRef {
+    /// A tensor over bytes of our own; fails unless `bytes` holds exactly `shape` elements of `dtype`.
+    pub fn from_bytes(name: &str, dtype: DType, shape: Vec<usize>, bytes: Vec<u8>) -> Result<Self> {
+        let expected = shape.iter().product::<usize>() * dtype.size();
+        if bytes.len() != expected {
+            return Err(Error::tensor(
+                name,
+                format!("{} bytes for shape {shape:?} of {}", bytes.len(), dtype.name()),
+            ));
+        }
+        Ok(TensorRef {
+            name: name.to_string(),
+            dtype,
+            shape,
+            len: bytes.len(),
+            shard: Arc::new(Storage::Owned(bytes)),
+            start: 0,
+        })
+    }
+
     pub fn bytes(&self) -> &[u8] {
         &self.shard[self.start..self.start + self.len]
     }
@@ -108,10 +144,7 @@ impl TensorRef {
         if start > end || end > outer {
             return Err(Error::tensor(
                 &self.name,
-                format!(
-                    "rows {start}..{end} out of range for shape {:?}",
-                    self.shape
-                ),
+                format!("rows {start}..{end} out of range for shape {:?}", self.shape),
             ));
         }
         let stride = self.len / outer.max(1);
@@ -125,6 +158,42 @@ impl TensorRef {
             start: self.start + start * stride,
             len: (end - start) * stride,
         })
+    }
+
+    /// An f32 tensor holding `values` (a (1 + w) norm scale derived at load).
+    pub fn from_f32(name: &str, shape: Vec<usize>, values: &[f32]) -> Result<TensorRef> {
+        Self::from_bytes(
+            name,
+            DType::F32,
+            shape,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        )
+    }
+
+    /// The rows of each range, in order, copied into one new tensor in the stored dtype: how a family turns a
+    /// projection whose output features are interleaved (per head or per head group) into the plain layout the
+    /// shared layers compute with, once, at load.
+    pub fn gather_rows(&self, ranges: &[std::ops::Range<usize>]) -> Result<TensorRef> {
+        let outer = *self.shape.first().unwrap_or(&0);
+        let stride = self.len / outer.max(1);
+        let mut bytes = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum::<usize>() * stride);
+        for r in ranges {
+            bytes.extend_from_slice(self.rows(r.start, r.end)?.bytes());
+        }
+        let mut shape = self.shape.clone();
+        shape[0] = bytes.len() / stride.max(1);
+        Self::from_bytes(&format!("{}[gathered]", self.name), self.dtype, shape, bytes)
+    }
+
+    /// The same bytes seen with another shape of as many elements (a conv1d weight `[C, 1, K]` as `[C, K]`).
+    pub fn reshape(self, shape: Vec<usize>) -> Result<TensorRef> {
+        if shape.iter().product::<usize>() != self.numel() {
+            return Err(Error::tensor(
+                &self.name,
+                format!("cannot view shape {:?} as {shape:?}", self.shape),
+            ));
+        }
+        Ok(TensorRef { shape, ..self })
     }
 
     /// The values widened to f32: for small tensors only (norm weights, biases), never for weight matrices.
@@ -147,12 +216,14 @@ impl TensorRef {
     }
 }
 
-/// Every tensor of a checkpoint, by name, across its shards.
+/// Every tensor of a checkpoint, by name, across its shards; or, for benchmarks at full size without files,
+/// seeded random weights made when asked for.
 pub struct WeightStore {
     tensors: HashMap<String, TensorRef>,
     /// Where the text model's `model.*` weights live: `model.` or, in multimodal checkpoints,
     /// `model.language_model.`.
     text_prefix: &'static str,
+    synthetic_seed: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -165,8 +236,7 @@ impl WeightStore {
     pub fn open(dir: &Path) -> Result<Self> {
         let index_path = dir.join("model.safetensors.index.json");
         let shard_names: Vec<String> = if index_path.exists() {
-            let text =
-                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
             let index: ShardIndex = serde_json::from_str(&text)
                 .map_err(|e| Error::file(&index_path, format!("invalid shard index: {e}")))?;
             let mut names: Vec<String> = index.weight_map.into_values().collect();
@@ -189,10 +259,7 @@ impl WeightStore {
                 tensors.insert(t.name.clone(), t);
             }
         }
-        let text_prefix = if tensors
-            .keys()
-            .any(|k| k.starts_with("model.language_model."))
-        {
+        let text_prefix = if tensors.keys().any(|k| k.starts_with("model.language_model.")) {
             "model.language_model."
         } else {
             "model."
@@ -200,7 +267,26 @@ impl WeightStore {
         Ok(WeightStore {
             tensors,
             text_prefix,
+            synthetic_seed: None,
         })
+    }
+
+    /// A store of seeded random bf16 weights of whatever shape is asked for: matrices scaled by 1/sqrt(fan-in)
+    /// so activations stay of order one, norm weights of one. Optional tensors (biases) are absent.
+    pub fn synthetic(seed: u64) -> Self {
+        WeightStore {
+            tensors: HashMap::new(),
+            text_prefix: "model.",
+            synthetic_seed: Some(seed),
+        }
+    }
+
+    /// The tensor called `name`, which must have shape `shape` (synthetic stores make it so).
+    pub fn get_shaped(&self, name: &str, shape: &[usize]) -> Result<TensorRef> {
+        match self.synthetic_seed {
+            Some(seed) => synthetic_tensor(seed, name, shape),
+            None => self.get(name)?.expect_shape(shape),
+        }
     }
 
     /// The tensor called `name`, where a name under `model.` is looked up under the text model's prefix.
@@ -222,9 +308,52 @@ impl WeightStore {
         self.find(name).is_some()
     }
 
-    pub fn total_bytes(&self) -> usize {
-        self.tensors.values().map(|t| t.len).sum()
+    /// Tensors outside the text model (not under its `model.` prefix, not `lm_head`), counted by the prefix that
+    /// names their part: a multimodal checkpoint's vision tower (`model.visual.`), a multi-token-prediction head
+    /// (`mtp.`). Text serving never reads them.
+    pub fn outside_text_model(&self) -> BTreeMap<String, usize> {
+        let mut parts = BTreeMap::new();
+        for name in self.tensors.keys() {
+            if name.starts_with(self.text_prefix) || name.starts_with("lm_head.") {
+                continue;
+            }
+            let depth = if name.starts_with("model.") { 2 } else { 1 };
+            let part: String = name.split('.').take(depth).map(|p| format!("{p}.")).collect();
+            *parts.entry(part).or_insert(0) += 1;
+        }
+        parts
     }
+}
+
+/// Seeded bf16 values, uniform with the standard deviation of 1/sqrt(fan-in) (norm vectors: ones). Each
+/// 64 Ki-element chunk has its own generator keyed by (seed, name, chunk), so the result does not depend on threads.
+fn synthetic_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<TensorRef> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let numel: usize = shape.iter().product();
+    let mut bytes = vec![0u8; numel * 2];
+    if shape.len() == 1 {
+        let one = half::bf16::ONE.to_le_bytes();
+        bytes.chunks_exact_mut(2).for_each(|b| b.copy_from_slice(&one));
+    } else {
+        let fan_in = *shape.last().unwrap_or(&1) as f32;
+        let bound = 3f32.sqrt() / fan_in.sqrt();
+        let key = name.bytes().fold(seed ^ 0x9e37_79b9_7f4a_7c15, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        bytes.par_chunks_mut(CHUNK * 2).enumerate().for_each(|(chunk, out)| {
+            let mut state = key ^ (chunk as u64).wrapping_mul(0xd6e8_feb8_6659_fd93) | 1;
+            for b in out.chunks_exact_mut(2) {
+                // xorshift64*: fast, and plenty for weights nobody trains.
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                let unit = (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32;
+                b.copy_from_slice(&half::bf16::from_f32((2.0 * unit - 1.0) * bound).to_le_bytes());
+            }
+        });
+    }
+    TensorRef::from_bytes(name, DType::BF16, shape.to_vec(), bytes)
 }
 
 fn map_shard(path: &PathBuf) -> Result<Vec<TensorRef>> {
@@ -239,7 +368,7 @@ fn map_shard(path: &PathBuf) -> Result<Vec<TensorRef>> {
         )
     })?;
     let data_start = 8 + header_len;
-    let shard = Arc::new(mmap);
+    let shard = Arc::new(Storage::Mapped(mmap));
     let mut out = Vec::new();
     for (name, info) in metadata.tensors() {
         let dtype = match info.dtype {

@@ -19,6 +19,8 @@ pub struct BaseConfig {
     /// transformers < 5 writes `rope_theta`; 5 writes `rope_parameters: {rope_type, rope_theta, ...}`.
     pub rope_theta: Option<f64>,
     pub rope_parameters: Option<RopeParameters>,
+    /// Qwen3-Next's 4.x-era configs put the partial rotary factor at the top level rather than in `rope_parameters`.
+    pub partial_rotary_factor: Option<f64>,
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
     pub max_position_embeddings: usize,
@@ -77,6 +79,52 @@ pub struct MoeSpec {
     pub naming: ExpertNaming,
 }
 
+/// How a layer mixes information across tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mixer {
+    /// Softmax attention over the KV cache.
+    Attention,
+    /// Gated DeltaNet: a short causal convolution and the gated delta rule over a fixed-size recurrent state.
+    GatedDeltaNet,
+}
+
+/// Where a Gated DeltaNet layer's input projections put q, k, v, the output gate z, and the per-head b and a.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnProjections {
+    /// Qwen3.5: `in_proj_qkv` (all q, then all k, then all v), `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    Separate,
+    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, each grouped by key head: per key head its q, its k, then the v
+    /// and z of the value heads it serves (and for ba: their b, then their a).
+    GroupedByKeyHead,
+}
+
+/// The shape of a model's Gated DeltaNet layers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GatedDeltaNetSpec {
+    pub num_k_heads: usize,
+    /// A multiple of `num_k_heads`: each key head serves `num_v_heads / num_k_heads` consecutive value heads.
+    pub num_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    pub conv_kernel: usize,
+    pub projections: GdnProjections,
+}
+
+impl GatedDeltaNetSpec {
+    pub fn key_dim(&self) -> usize {
+        self.num_k_heads * self.k_head_dim
+    }
+
+    pub fn value_dim(&self) -> usize {
+        self.num_v_heads * self.v_head_dim
+    }
+
+    /// Channels of the causal convolution: q, k and v together.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+}
+
 /// Everything the shared decoder needs to know about a model.
 #[derive(Clone, Debug)]
 pub struct ModelSpec {
@@ -92,54 +140,55 @@ pub struct ModelSpec {
     pub max_position_embeddings: usize,
     pub sliding_window: Option<usize>,
     pub qk_norm: QkNorm,
+    /// q_proj also yields a per-head output gate: the attention output is scaled by `sigmoid(gate)` before o_proj.
+    pub attention_output_gate: bool,
+    /// RMSNorm weights are stored as offsets from one: the scale is `1 + w` (Qwen3-Next, Qwen3.5).
+    pub norm_weight_offset: bool,
     pub tie_word_embeddings: bool,
+    /// One entry per decoder layer.
+    pub mixers: Vec<Mixer>,
+    pub gated_delta_net: Option<GatedDeltaNetSpec>,
     /// One entry per decoder layer.
     pub ffn: Vec<FfnKind>,
     pub moe: Option<MoeSpec>,
+}
+
+impl ModelSpec {
+    pub fn num_attention_layers(&self) -> usize {
+        self.mixers.iter().filter(|&&m| m == Mixer::Attention).count()
+    }
 }
 
 impl BaseConfig {
     /// The spec's attention and embedding part; the family fills in `ffn`, `moe`, `qk_norm` and `sliding_window`.
     pub fn spec(&self, model_type: &'static str) -> Result<ModelSpec> {
         let num_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
-        if self.num_attention_heads == 0
-            || num_kv_heads == 0
-            || !self.num_attention_heads.is_multiple_of(num_kv_heads)
+        if self.num_attention_heads == 0 || num_kv_heads == 0 || !self.num_attention_heads.is_multiple_of(num_kv_heads)
         {
             return Err(Error::Config(format!(
                 "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({num_kv_heads})",
                 self.num_attention_heads
             )));
         }
-        let head_dim = self
-            .head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads);
+        let head_dim = self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads);
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(Error::Config(format!(
-                "head_dim {head_dim} must be even and positive"
-            )));
+            return Err(Error::Config(format!("head_dim {head_dim} must be even and positive")));
         }
         if let Some(scaling) = self.rope_scaling.as_ref().filter(|v| !v.is_null()) {
-            return Err(Error::Config(format!(
-                "rope_scaling {scaling} is not supported yet"
-            )));
+            return Err(Error::Config(format!("rope_scaling {scaling} is not supported yet")));
         }
         let rope = self.rope_parameters.as_ref();
-        if let Some(kind) = rope
-            .and_then(|r| r.rope_type.as_deref())
-            .filter(|t| *t != "default")
-        {
-            return Err(Error::Config(format!(
-                "rope_type \"{kind}\" is not supported yet"
-            )));
+        if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref()).filter(|t| *t != "default") {
+            return Err(Error::Config(format!("rope_type \"{kind}\" is not supported yet")));
         }
         let rope_theta = self
             .rope_theta
             .or(rope.and_then(|r| r.rope_theta))
-            .ok_or_else(|| {
-                Error::Config("no rope_theta (top level or in rope_parameters)".into())
-            })?;
-        let partial = rope.and_then(|r| r.partial_rotary_factor).unwrap_or(1.0);
+            .ok_or_else(|| Error::Config("no rope_theta (top level or in rope_parameters)".into()))?;
+        let partial = rope
+            .and_then(|r| r.partial_rotary_factor)
+            .or(self.partial_rotary_factor)
+            .unwrap_or(1.0);
         let rotary_dim = ((head_dim as f64 * partial) as usize) & !1;
         Ok(ModelSpec {
             model_type,
@@ -154,7 +203,11 @@ impl BaseConfig {
             max_position_embeddings: self.max_position_embeddings,
             sliding_window: None,
             qk_norm: QkNorm::None,
+            attention_output_gate: false,
+            norm_weight_offset: false,
             tie_word_embeddings: self.tie_word_embeddings,
+            mixers: vec![Mixer::Attention; self.num_hidden_layers],
+            gated_delta_net: None,
             ffn: vec![FfnKind::Moe; self.num_hidden_layers],
             moe: None,
         })
@@ -198,4 +251,83 @@ pub fn check_top_k(num_experts: usize, top_k: usize) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The hybrid families' (Qwen3-Next, Qwen3.5) Gated DeltaNet settings and layer pattern.
+#[derive(Clone, Debug, Deserialize)]
+pub struct HybridConfig {
+    /// `linear_attention` or `full_attention` per layer; absent in 4.x-era configs, which give the interval instead.
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default = "default_full_attention_interval")]
+    pub full_attention_interval: usize,
+    pub linear_conv_kernel_dim: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    pub linear_num_key_heads: usize,
+    pub linear_num_value_heads: usize,
+}
+
+fn default_full_attention_interval() -> usize {
+    4
+}
+
+impl HybridConfig {
+    /// Makes `spec` hybrid: the layer pattern, the Gated DeltaNet shape, gated attention and (1 + w) norms.
+    pub fn apply(&self, spec: &mut ModelSpec, projections: GdnProjections) -> Result<()> {
+        let layers = spec.ffn.len();
+        spec.mixers = match &self.layer_types {
+            Some(types) if types.len() != layers => {
+                return Err(Error::Config(format!(
+                    "layer_types has {} entries for {layers} layers",
+                    types.len()
+                )))
+            }
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "full_attention" => Ok(Mixer::Attention),
+                    "linear_attention" => Ok(Mixer::GatedDeltaNet),
+                    other => Err(Error::Config(format!(
+                        "layer type \"{other}\" is not supported (full_attention, linear_attention)"
+                    ))),
+                })
+                .collect::<Result<_>>()?,
+            None if self.full_attention_interval == 0 => {
+                return Err(Error::Config("full_attention_interval must be positive".into()))
+            }
+            None => (0..layers)
+                .map(|i| match (i + 1) % self.full_attention_interval {
+                    0 => Mixer::Attention,
+                    _ => Mixer::GatedDeltaNet,
+                })
+                .collect(),
+        };
+        if !spec.mixers.contains(&Mixer::Attention) {
+            // Sequences are tracked through their attention layers' KV; a model of Gated DeltaNet layers alone has none.
+            return Err(Error::Config(
+                "no full_attention layer: models of Gated DeltaNet layers alone are not supported".into(),
+            ));
+        }
+        let (k_heads, v_heads) = (self.linear_num_key_heads, self.linear_num_value_heads);
+        if k_heads == 0 || !v_heads.is_multiple_of(k_heads) || v_heads == 0 {
+            return Err(Error::Config(format!(
+                "linear_num_value_heads ({v_heads}) must be a positive multiple of linear_num_key_heads ({k_heads})"
+            )));
+        }
+        if self.linear_conv_kernel_dim == 0 {
+            return Err(Error::Config("linear_conv_kernel_dim must be positive".into()));
+        }
+        spec.gated_delta_net = Some(GatedDeltaNetSpec {
+            num_k_heads: k_heads,
+            num_v_heads: v_heads,
+            k_head_dim: self.linear_key_head_dim,
+            v_head_dim: self.linear_value_head_dim,
+            conv_kernel: self.linear_conv_kernel_dim,
+            projections,
+        });
+        spec.qk_norm = QkNorm::PerHead;
+        spec.attention_output_gate = true;
+        spec.norm_weight_offset = true;
+        Ok(())
+    }
 }

@@ -1,14 +1,20 @@
 //! What a user needs to size a GPU cache for a model: parameters total and active per token, bytes per expert,
-//! the expert bank against the dense part, and KV bytes per token.
+//! the expert bank against the dense part, KV bytes per token and, for hybrid models, recurrent-state bytes per
+//! sequence.
 
 use serde::Serialize;
 
-use super::config::{FfnKind, ModelSpec, QkNorm};
+use super::config::{FfnKind, Mixer, ModelSpec, QkNorm};
+use super::recurrent_spec;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelInfo {
     pub model_type: String,
     pub num_layers: usize,
+    /// Layers with softmax attention (all of them, except in hybrid models).
+    pub num_attention_layers: usize,
+    /// Hybrid models' Gated DeltaNet layers.
+    pub num_gated_delta_net_layers: usize,
     pub num_moe_layers: usize,
     pub num_experts: usize,
     pub experts_per_token: usize,
@@ -24,41 +30,48 @@ pub struct ModelInfo {
     pub expert_bank_bytes: u64,
     /// Everything else (embeddings, attention, norms, routers, dense MLPs, shared experts): always on the GPU.
     pub dense_bytes: u64,
-    /// Keys and values of one token over all layers, stored as bf16.
+    /// Keys and values of one token over all attention layers, stored as bf16.
     pub kv_bytes_per_token_bf16: u64,
+    /// A sequence's fixed-size recurrent state over all Gated DeltaNet layers (conv and delta-rule state, f32).
+    pub recurrent_state_bytes_per_seq: u64,
 }
 
 impl ModelInfo {
     pub fn new(spec: &ModelSpec, weight_dtype: crate::loader::DType) -> Self {
         let h = spec.hidden_size as u64;
-        let (heads, kv_heads, d) = (
-            spec.num_heads as u64,
-            spec.num_kv_heads as u64,
-            spec.head_dim as u64,
-        );
+        let (heads, kv_heads, d) = (spec.num_heads as u64, spec.num_kv_heads as u64, spec.head_dim as u64);
         let qk_norm = match spec.qk_norm {
             QkNorm::None => 0,
             QkNorm::PerHead => 2 * d,
             QkNorm::Full => (heads + kv_heads) * d,
         };
-        let attention = 2 * h * heads * d + 2 * h * kv_heads * d + qk_norm + 2 * h;
+        let q_rows = if spec.attention_output_gate { 2 } else { 1 } * heads * d;
+        let attention = h * q_rows + 2 * h * kv_heads * d + heads * d * h + qk_norm;
+        let gated_delta_net = spec.gated_delta_net.as_ref().map_or(0, |g| {
+            let (conv, value, heads) = (g.conv_dim() as u64, g.value_dim() as u64, g.num_v_heads as u64);
+            // in_proj_qkv, in_proj_z, in_proj_b + in_proj_a, conv1d, A_log + dt_bias, the gated norm, out_proj.
+            h * conv
+                + h * value
+                + 2 * h * heads
+                + conv * g.conv_kernel as u64
+                + 2 * heads
+                + g.v_head_dim as u64
+                + value * h
+        });
         let (num_experts, top_k, moe_inter, shared) = spec.moe.as_ref().map_or((0, 0, 0, 0), |m| {
-            let shared = m
-                .shared_expert_intermediate
-                .map_or(0, |i| 3 * h * i as u64 + h);
-            (
-                m.num_experts as u64,
-                m.top_k as u64,
-                m.intermediate as u64,
-                shared,
-            )
+            let shared = m.shared_expert_intermediate.map_or(0, |i| 3 * h * i as u64 + h);
+            (m.num_experts as u64, m.top_k as u64, m.intermediate as u64, shared)
         });
         let expert_params = 3 * h * moe_inter;
-        let mut dense =
-            spec.vocab_size as u64 * h * if spec.tie_word_embeddings { 1 } else { 2 } + h;
+        let mut dense = spec.vocab_size as u64 * h * if spec.tie_word_embeddings { 1 } else { 2 } + h;
         let mut moe_layers = 0u64;
-        for kind in &spec.ffn {
-            dense += attention;
+        for (kind, mixer) in spec.ffn.iter().zip(&spec.mixers) {
+            // The mixer, and the layer's two norms.
+            dense += 2 * h
+                + match mixer {
+                    Mixer::Attention => attention,
+                    Mixer::GatedDeltaNet => gated_delta_net,
+                };
             match *kind {
                 FfnKind::Dense { intermediate } => dense += 3 * h * intermediate as u64,
                 FfnKind::Moe => {
@@ -72,6 +85,8 @@ impl ModelInfo {
         ModelInfo {
             model_type: spec.model_type.to_string(),
             num_layers: spec.ffn.len(),
+            num_attention_layers: spec.num_attention_layers(),
+            num_gated_delta_net_layers: spec.ffn.len() - spec.num_attention_layers(),
             num_moe_layers: moe_layers as usize,
             num_experts: num_experts as usize,
             experts_per_token: top_k as usize,
@@ -85,7 +100,8 @@ impl ModelInfo {
             bytes_per_expert: expert_params * bytes,
             expert_bank_bytes: bank_params * bytes,
             dense_bytes: dense * bytes,
-            kv_bytes_per_token_bf16: 2 * spec.ffn.len() as u64 * kv_heads * d * 2,
+            kv_bytes_per_token_bf16: 2 * spec.num_attention_layers() as u64 * kv_heads * d * 2,
+            recurrent_state_bytes_per_seq: recurrent_spec(spec).map_or(0, |r| r.bytes_per_seq() as u64),
         }
     }
 }

@@ -1,8 +1,11 @@
-//! The building blocks every family's decoder is made of: attention (GQA, RoPE, optional biases and q/k norms),
-//! the SwiGLU MLP, and the MoE block (router, routed experts, optional sigmoid-gated shared expert).
+//! The building blocks every family's decoder is made of: attention (GQA, RoPE, optional biases, q/k norms and
+//! output gate), Gated DeltaNet, the SwiGLU MLP, and the MoE block (router, routed experts, optional
+//! sigmoid-gated shared expert).
 
-use super::config::{ExpertNaming, FfnKind, ModelSpec, MoeSpec, QkNorm};
-use crate::backend::{AttentionParams, Backend, ExpertWeights, Rope, RouterKind, SeqSlice};
+use std::ops::Range;
+
+use super::config::{ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm};
+use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, RouterKind};
 use crate::loader::{TensorRef, WeightStore};
 use crate::Result;
 
@@ -14,11 +17,22 @@ pub struct WeightLoader<'a, B: Backend> {
 
 impl<B: Backend> WeightLoader<'_, B> {
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<TensorRef> {
-        self.store.get(name)?.expect_shape(shape)
+        self.store.get_shaped(name, shape)
     }
 
     pub fn load(&self, name: &str, shape: &[usize]) -> Result<B::Weight> {
         self.backend.weight(self.tensor(name, shape)?)
+    }
+
+    /// An RMSNorm scale of `width` features. Families that store it as an offset from one (`offset`) get `1 + w`,
+    /// computed once here in f32 exactly as transformers computes it in every forward.
+    pub fn norm(&self, name: &str, width: usize, offset: bool) -> Result<B::Weight> {
+        let stored = self.tensor(name, &[width])?;
+        if !offset {
+            return self.backend.weight(stored);
+        }
+        let scale: Vec<f32> = stored.to_f32_vec().iter().map(|w| 1.0 + w).collect();
+        self.backend.weight(TensorRef::from_f32(name, vec![width], &scale)?)
     }
 
     /// A tensor the checkpoint may leave out (a bias); present with the wrong shape is still an error.
@@ -30,8 +44,19 @@ impl<B: Backend> WeightLoader<'_, B> {
     }
 }
 
+/// The row ranges of a projection whose output is `groups` groups of `group` features, taking `start..start + len`
+/// of each group: how interleaved per-head (or per-head-group) projections are split into plain ones at load.
+fn group_rows(groups: usize, group: usize, start: usize, len: usize) -> Vec<Range<usize>> {
+    (0..groups)
+        .map(|g| g * group + start..g * group + start + len)
+        .collect()
+}
+
 pub struct Attention<B: Backend> {
     q_proj: B::Weight,
+    /// Gated attention's output gate projection (and bias): split out of q_proj, whose rows hold each head's query
+    /// then its gate.
+    output_gate: Option<(B::Weight, Option<B::Weight>)>,
     k_proj: B::Weight,
     v_proj: B::Weight,
     o_proj: B::Weight,
@@ -56,15 +81,40 @@ impl<B: Backend> Attention<B> {
         let has_norm = spec.qk_norm != QkNorm::None;
         let norm = |name: &str, width: usize| -> Result<Option<B::Weight>> {
             has_norm
-                .then(|| w.load(&format!("{prefix}.{name}.weight"), &[width]))
+                .then(|| w.norm(&format!("{prefix}.{name}.weight"), width, spec.norm_weight_offset))
                 .transpose()
         };
+        let (q_proj, q_bias, output_gate) = if spec.attention_output_gate {
+            let heads = spec.num_heads;
+            let split = |t: TensorRef| -> Result<(B::Weight, B::Weight)> {
+                Ok((
+                    w.backend.weight(t.gather_rows(&group_rows(heads, 2 * d, 0, d))?)?,
+                    w.backend.weight(t.gather_rows(&group_rows(heads, 2 * d, d, d))?)?,
+                ))
+            };
+            let (query, gate) = split(w.tensor(&format!("{prefix}.q_proj.weight"), &[2 * q_width, h])?)?;
+            let (query_bias, gate_bias) = match w.store.find(&format!("{prefix}.q_proj.bias")) {
+                Some(t) => {
+                    let (q, g) = split(t.expect_shape(&[2 * q_width])?)?;
+                    (Some(q), Some(g))
+                }
+                None => (None, None),
+            };
+            (query, query_bias, Some((gate, gate_bias)))
+        } else {
+            (
+                w.load(&format!("{prefix}.q_proj.weight"), &[q_width, h])?,
+                w.optional(&format!("{prefix}.q_proj.bias"), &[q_width])?,
+                None,
+            )
+        };
         Ok(Attention {
-            q_proj: w.load(&format!("{prefix}.q_proj.weight"), &[q_width, h])?,
+            q_proj,
+            output_gate,
             k_proj: w.load(&format!("{prefix}.k_proj.weight"), &[kv_width, h])?,
             v_proj: w.load(&format!("{prefix}.v_proj.weight"), &[kv_width, h])?,
             o_proj: w.load(&format!("{prefix}.o_proj.weight"), &[h, q_width])?,
-            q_bias: w.optional(&format!("{prefix}.q_proj.bias"), &[q_width])?,
+            q_bias,
             k_bias: w.optional(&format!("{prefix}.k_proj.bias"), &[kv_width])?,
             v_bias: w.optional(&format!("{prefix}.v_proj.bias"), &[kv_width])?,
             q_norm: norm("q_norm", q_norm_width)?,
@@ -86,15 +136,19 @@ impl<B: Backend> Attention<B> {
         &self,
         be: &B,
         x: &B::Tensor,
-        positions: &[u32],
-        rope: &Rope,
+        rope: &B::RopeTable,
         kv: &mut B::Kv,
         layer: usize,
-        batch: &[SeqSlice],
+        batch: &B::Batch,
     ) -> Result<B::Tensor> {
-        let mut q = be.linear(x, &self.q_proj, self.q_bias.as_ref());
-        let mut k = be.linear(x, &self.k_proj, self.k_bias.as_ref());
-        let v = be.linear(x, &self.v_proj, self.v_bias.as_ref());
+        let mut q = be.linear(x, &self.q_proj, self.q_bias.as_ref())?;
+        let mut k = be.linear(x, &self.k_proj, self.k_bias.as_ref())?;
+        let v = be.linear(x, &self.v_proj, self.v_bias.as_ref())?;
+        let gate = self
+            .output_gate
+            .as_ref()
+            .map(|(w, bias)| be.linear(x, w, bias.as_ref()))
+            .transpose()?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             let group = |t: &B::Tensor| {
                 if self.norm_group == 0 {
@@ -103,13 +157,103 @@ impl<B: Backend> Attention<B> {
                     self.norm_group
                 }
             };
-            q = be.rms_norm(&q, qn, group(&q), self.eps);
-            k = be.rms_norm(&k, kn, group(&k), self.eps);
+            q = be.rms_norm(&q, qn, group(&q), self.eps)?;
+            k = be.rms_norm(&k, kn, group(&k), self.eps)?;
         }
-        be.rope(&mut q, positions, rope);
-        be.rope(&mut k, positions, rope);
-        let out = be.attention(&q, &k, &v, kv, layer, batch, &self.params)?;
-        Ok(be.linear(&out, &self.o_proj, None))
+        be.rope(&mut q, batch, rope)?;
+        be.rope(&mut k, batch, rope)?;
+        let mut out = be.attention(&q, &k, &v, kv, layer, batch, &self.params)?;
+        if let Some(gate) = &gate {
+            be.sigmoid_gate(&mut out, gate)?;
+        }
+        be.linear(&out, &self.o_proj, None)
+    }
+}
+
+/// Gated DeltaNet (Qwen3-Next, Qwen3.5): input projections -> causal conv1d + SiLU over q, k, v -> the gated delta
+/// rule over the sequence's recurrent state -> per-head RMSNorm gated by `silu(z)` -> out_proj.
+pub struct GatedDeltaNet<B: Backend> {
+    in_proj_qkv: B::Weight,
+    in_proj_z: B::Weight,
+    in_proj_b: B::Weight,
+    in_proj_a: B::Weight,
+    /// `[conv_dim, kernel]`.
+    conv1d: B::Weight,
+    a_log: B::Weight,
+    dt_bias: B::Weight,
+    norm: B::Weight,
+    out_proj: B::Weight,
+    eps: f32,
+    params: DeltaRuleParams,
+}
+
+impl<B: Backend> GatedDeltaNet<B> {
+    pub fn load(w: &WeightLoader<B>, prefix: &str, spec: &ModelSpec, g: &GatedDeltaNetSpec) -> Result<Self> {
+        let h = spec.hidden_size;
+        let (value_dim, conv_dim) = (g.value_dim(), g.conv_dim());
+        let (heads, k_heads) = (g.num_v_heads, g.num_k_heads);
+        let name = |n: &str| format!("{prefix}.{n}");
+        let [qkv, z, b, a] = match g.projections {
+            GdnProjections::Separate => [
+                w.tensor(&name("in_proj_qkv.weight"), &[conv_dim, h])?,
+                w.tensor(&name("in_proj_z.weight"), &[value_dim, h])?,
+                w.tensor(&name("in_proj_b.weight"), &[heads, h])?,
+                w.tensor(&name("in_proj_a.weight"), &[heads, h])?,
+            ],
+            GdnProjections::GroupedByKeyHead => {
+                // Per key head: its q (dk), its k (dk), then v and z of the value heads it serves (r dv each);
+                // in_proj_ba likewise holds their b (r), then their a (r).
+                let (dk, r) = (g.k_head_dim, heads / k_heads);
+                let vz = r * g.v_head_dim;
+                let group = 2 * dk + 2 * vz;
+                let qkvz = w.tensor(&name("in_proj_qkvz.weight"), &[conv_dim + value_dim, h])?;
+                let ba = w.tensor(&name("in_proj_ba.weight"), &[2 * heads, h])?;
+                let qkv_rows: Vec<Range<usize>> = [(0, dk), (dk, dk), (2 * dk, vz)]
+                    .iter()
+                    .flat_map(|&(start, len)| group_rows(k_heads, group, start, len))
+                    .collect();
+                [
+                    qkvz.gather_rows(&qkv_rows)?,
+                    qkvz.gather_rows(&group_rows(k_heads, group, 2 * dk + vz, vz))?,
+                    ba.gather_rows(&group_rows(k_heads, 2 * r, 0, r))?,
+                    ba.gather_rows(&group_rows(k_heads, 2 * r, r, r))?,
+                ]
+            }
+        };
+        let conv1d = w
+            .tensor(&name("conv1d.weight"), &[conv_dim, 1, g.conv_kernel])?
+            .reshape(vec![conv_dim, g.conv_kernel])?;
+        let be = w.backend;
+        Ok(GatedDeltaNet {
+            in_proj_qkv: be.weight(qkv)?,
+            in_proj_z: be.weight(z)?,
+            in_proj_b: be.weight(b)?,
+            in_proj_a: be.weight(a)?,
+            conv1d: be.weight(conv1d)?,
+            a_log: w.load(&name("A_log"), &[heads])?,
+            dt_bias: w.load(&name("dt_bias"), &[heads])?,
+            norm: w.norm(&name("norm.weight"), g.v_head_dim, false)?,
+            out_proj: w.load(&name("out_proj.weight"), &[h, value_dim])?,
+            eps: spec.rms_norm_eps,
+            params: DeltaRuleParams {
+                num_k_heads: k_heads,
+                num_v_heads: heads,
+                k_head_dim: g.k_head_dim,
+                v_head_dim: g.v_head_dim,
+            },
+        })
+    }
+
+    /// `layer` is this layer's index among the model's Gated DeltaNet layers (its recurrent-state slot).
+    pub fn forward(&self, be: &B, x: &B::Tensor, kv: &mut B::Kv, layer: usize, batch: &B::Batch) -> Result<B::Tensor> {
+        let qkv = be.linear(x, &self.in_proj_qkv, None)?;
+        let z = be.linear(x, &self.in_proj_z, None)?;
+        let b = be.linear(x, &self.in_proj_b, None)?;
+        let a = be.linear(x, &self.in_proj_a, None)?;
+        let qkv = be.causal_conv1d(&qkv, &self.conv1d, kv, layer, batch)?;
+        let core = be.gated_delta_rule(&qkv, &a, &b, &self.a_log, &self.dt_bias, kv, layer, batch, &self.params)?;
+        let normed = be.rms_norm(&core, &self.norm, self.params.v_head_dim, self.eps)?;
+        be.linear(&be.silu_mul(&z, &normed)?, &self.out_proj, None)
     }
 }
 
@@ -121,13 +265,7 @@ pub struct Mlp<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
-    pub fn load(
-        w: &WeightLoader<B>,
-        prefix: &str,
-        names: [&str; 3],
-        hidden: usize,
-        inter: usize,
-    ) -> Result<Self> {
+    pub fn load(w: &WeightLoader<B>, prefix: &str, names: [&str; 3], hidden: usize, inter: usize) -> Result<Self> {
         Ok(Mlp {
             gate: w.load(&format!("{prefix}.{}.weight", names[0]), &[inter, hidden])?,
             up: w.load(&format!("{prefix}.{}.weight", names[1]), &[inter, hidden])?,
@@ -135,11 +273,8 @@ impl<B: Backend> Mlp<B> {
         })
     }
 
-    pub fn forward(&self, be: &B, x: &B::Tensor) -> B::Tensor {
-        let act = be.silu_mul(
-            &be.linear(x, &self.gate, None),
-            &be.linear(x, &self.up, None),
-        );
+    pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let act = be.silu_mul(&be.linear(x, &self.gate, None)?, &be.linear(x, &self.up, None)?)?;
         be.linear(&act, &self.down, None)
     }
 }
@@ -153,7 +288,7 @@ pub struct MoeBlock<B: Backend> {
     router: B::Weight,
     router_kind: RouterKind,
     top_k: usize,
-    experts: Vec<ExpertWeights<B::Weight>>,
+    experts: B::Experts,
     shared: Option<SharedExpert<B>>,
 }
 
@@ -166,7 +301,7 @@ fn expert_tensors(
     naming: &ExpertNaming,
     moe: &MoeSpec,
     hidden: usize,
-) -> Result<Vec<[TensorRef; 3]>> {
+) -> Result<Vec<ExpertTensors>> {
     let (n, inter) = (moe.num_experts, moe.intermediate);
     let fused = format!("{block}.experts.gate_up_proj");
     if w.store.contains(&fused) {
@@ -175,11 +310,11 @@ fn expert_tensors(
         return (0..n)
             .map(|e| {
                 let pair = gate_up.select(e)?;
-                Ok([
-                    pair.rows(0, inter)?,
-                    pair.rows(inter, 2 * inter)?,
-                    down.select(e)?,
-                ])
+                Ok(ExpertTensors {
+                    gate: pair.rows(0, inter)?,
+                    up: pair.rows(inter, 2 * inter)?,
+                    down: down.select(e)?,
+                })
             })
             .collect();
     }
@@ -187,33 +322,21 @@ fn expert_tensors(
     (0..n)
         .map(|e| {
             let name = |proj: &str| format!("{block}.experts.{e}.{proj}.weight");
-            Ok([
-                w.tensor(&name(gate), &[inter, hidden])?,
-                w.tensor(&name(up), &[inter, hidden])?,
-                w.tensor(&name(down), &[hidden, inter])?,
-            ])
+            Ok(ExpertTensors {
+                gate: w.tensor(&name(gate), &[inter, hidden])?,
+                up: w.tensor(&name(up), &[inter, hidden])?,
+                down: w.tensor(&name(down), &[hidden, inter])?,
+            })
         })
         .collect()
 }
 
 impl<B: Backend> MoeBlock<B> {
-    pub fn load(
-        w: &WeightLoader<B>,
-        layer_prefix: &str,
-        moe: &MoeSpec,
-        hidden: usize,
-    ) -> Result<Self> {
+    pub fn load(w: &WeightLoader<B>, layer_prefix: &str, moe: &MoeSpec, hidden: usize) -> Result<Self> {
         let block = format!("{layer_prefix}.{}", moe.naming.block);
-        let experts = expert_tensors(w, &block, &moe.naming, moe, hidden)?
-            .into_iter()
-            .map(|[gate, up, down]| {
-                Ok(ExpertWeights {
-                    gate: w.backend.weight(gate)?,
-                    up: w.backend.weight(up)?,
-                    down: w.backend.weight(down)?,
-                })
-            })
-            .collect::<Result<_>>()?;
+        let experts = w
+            .backend
+            .experts(expert_tensors(w, &block, &moe.naming, moe, hidden)?)?;
         let shared = match moe.shared_expert_intermediate {
             Some(inter) => Some(SharedExpert {
                 mlp: Mlp::load(
@@ -236,19 +359,15 @@ impl<B: Backend> MoeBlock<B> {
         })
     }
 
-    pub fn forward(&self, be: &B, x: &B::Tensor) -> B::Tensor {
-        let routing = be.route(
-            &be.linear(x, &self.router, None),
-            self.top_k,
-            self.router_kind,
-        );
-        let mut out = be.moe_experts(x, &routing, &self.experts);
+    pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let routing = be.route(&be.linear(x, &self.router, None)?, self.top_k, self.router_kind)?;
+        let mut out = be.moe_experts(x, &routing, &self.experts)?;
         if let Some(shared) = &self.shared {
-            let mut y = shared.mlp.forward(be, x);
-            be.sigmoid_gate(&mut y, &be.linear(x, &shared.gate, None));
-            be.add_assign(&mut out, &y);
+            let mut y = shared.mlp.forward(be, x)?;
+            be.sigmoid_gate(&mut y, &be.linear(x, &shared.gate, None)?)?;
+            be.add_assign(&mut out, &y)?;
         }
-        out
+        Ok(out)
     }
 }
 
@@ -258,12 +377,7 @@ pub enum Ffn<B: Backend> {
 }
 
 impl<B: Backend> Ffn<B> {
-    pub fn load(
-        w: &WeightLoader<B>,
-        layer_prefix: &str,
-        kind: FfnKind,
-        spec: &ModelSpec,
-    ) -> Result<Self> {
+    pub fn load(w: &WeightLoader<B>, layer_prefix: &str, kind: FfnKind, spec: &ModelSpec) -> Result<Self> {
         match (kind, &spec.moe) {
             (FfnKind::Dense { intermediate }, _) => Ok(Ffn::Dense(Mlp::load(
                 w,
@@ -272,19 +386,12 @@ impl<B: Backend> Ffn<B> {
                 spec.hidden_size,
                 intermediate,
             )?)),
-            (FfnKind::Moe, Some(moe)) => Ok(Ffn::Moe(MoeBlock::load(
-                w,
-                layer_prefix,
-                moe,
-                spec.hidden_size,
-            )?)),
-            (FfnKind::Moe, None) => Err(crate::Error::Config(
-                "a MoE layer in a model without experts".into(),
-            )),
+            (FfnKind::Moe, Some(moe)) => Ok(Ffn::Moe(MoeBlock::load(w, layer_prefix, moe, spec.hidden_size)?)),
+            (FfnKind::Moe, None) => Err(crate::Error::Config("a MoE layer in a model without experts".into())),
         }
     }
 
-    pub fn forward(&self, be: &B, x: &B::Tensor) -> B::Tensor {
+    pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
         match self {
             Ffn::Dense(mlp) => mlp.forward(be, x),
             Ffn::Moe(moe) => moe.forward(be, x),

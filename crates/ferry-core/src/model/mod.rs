@@ -7,19 +7,29 @@ pub mod layers;
 mod mixtral;
 mod olmoe;
 mod qwen2_moe;
+mod qwen3_5_moe;
 mod qwen3_moe;
+mod qwen3_next;
 
-pub use config::{FfnKind, ModelSpec, MoeSpec, QkNorm};
+pub use config::{FfnKind, GatedDeltaNetSpec, Mixer, ModelSpec, MoeSpec, QkNorm};
 pub use info::ModelInfo;
 
 use crate::backend::{Backend, Rope, SeqSlice};
-use crate::kv::KvSpec;
+use crate::kv::{KvSpec, RecurrentSpec};
 use crate::loader::Checkpoint;
 use crate::{Error, Result};
-use layers::{Attention, Ffn, WeightLoader};
+use layers::{Attention, Ffn, GatedDeltaNet, WeightLoader};
 
 /// The `model_type`s ferry runs.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+];
 
 /// The spec of a checkpoint's model, from its `model_type` and config.
 pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpec> {
@@ -28,6 +38,8 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
         "qwen2_moe" => qwen2_moe::spec(config),
         "mixtral" => mixtral::spec(config),
         "olmoe" => olmoe::spec(config),
+        "qwen3_next" => qwen3_next::spec(config),
+        "qwen3_5_moe" | "qwen3_5_moe_text" => qwen3_5_moe::spec(config),
         other => Err(Error::Config(format!(
             "unsupported model_type \"{other}\"; supported: {}",
             SUPPORTED_MODEL_TYPES.join(", ")
@@ -35,9 +47,15 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
     }
 }
 
+/// A layer's token mixer, with its slot in what sequences keep: its KV layer, or its recurrent-state layer.
+enum TokenMixer<B: Backend> {
+    Attention { attention: Attention<B>, kv_layer: usize },
+    GatedDeltaNet { gdn: GatedDeltaNet<B>, state_layer: usize },
+}
+
 struct DecoderLayer<B: Backend> {
     input_norm: B::Weight,
-    attention: Attention<B>,
+    mixer: TokenMixer<B>,
     post_attention_norm: B::Weight,
     ffn: Ffn<B>,
 }
@@ -50,7 +68,7 @@ pub struct Model<B: Backend> {
     norm: B::Weight,
     /// None when the output head is tied to the embedding table.
     lm_head: Option<B::Weight>,
-    rope: Rope,
+    rope: B::RopeTable,
 }
 
 impl<B: Backend> Model<B> {
@@ -60,22 +78,48 @@ impl<B: Backend> Model<B> {
             backend,
             store: &checkpoint.weights,
         };
+        for (part, count) in checkpoint.weights.outside_text_model() {
+            let what = match part.as_str() {
+                "model.visual." => "the vision tower",
+                "mtp." => "the multi-token-prediction head",
+                _ => "not part of the text model",
+            };
+            tracing::info!("not loading {count} tensors under {part}: {what}, which text generation does not use");
+        }
         let h = spec.hidden_size;
-        let layers = spec
-            .ffn
-            .iter()
-            .enumerate()
-            .map(|(i, &kind)| {
-                let prefix = format!("model.layers.{i}");
-                Ok(DecoderLayer {
-                    input_norm: w.load(&format!("{prefix}.input_layernorm.weight"), &[h])?,
-                    attention: Attention::load(&w, &format!("{prefix}.self_attn"), &spec)?,
-                    post_attention_norm: w
-                        .load(&format!("{prefix}.post_attention_layernorm.weight"), &[h])?,
-                    ffn: Ffn::load(&w, &prefix, kind, &spec)?,
-                })
-            })
-            .collect::<Result<_>>()?;
+        let offset = spec.norm_weight_offset;
+        let (mut kv_layers, mut state_layers) = (0, 0);
+        let mut layers = Vec::with_capacity(spec.ffn.len());
+        for (i, (&kind, &mixer)) in spec.ffn.iter().zip(&spec.mixers).enumerate() {
+            let prefix = format!("model.layers.{i}");
+            let mixer = match (mixer, &spec.gated_delta_net) {
+                (Mixer::Attention, _) => {
+                    kv_layers += 1;
+                    TokenMixer::Attention {
+                        attention: Attention::load(&w, &format!("{prefix}.self_attn"), &spec)?,
+                        kv_layer: kv_layers - 1,
+                    }
+                }
+                (Mixer::GatedDeltaNet, Some(g)) => {
+                    state_layers += 1;
+                    TokenMixer::GatedDeltaNet {
+                        gdn: GatedDeltaNet::load(&w, &format!("{prefix}.linear_attn"), &spec, g)?,
+                        state_layer: state_layers - 1,
+                    }
+                }
+                (Mixer::GatedDeltaNet, None) => {
+                    return Err(Error::Config(
+                        "a Gated DeltaNet layer in a model without its settings".into(),
+                    ))
+                }
+            };
+            layers.push(DecoderLayer {
+                input_norm: w.norm(&format!("{prefix}.input_layernorm.weight"), h, offset)?,
+                mixer,
+                post_attention_norm: w.norm(&format!("{prefix}.post_attention_layernorm.weight"), h, offset)?,
+                ffn: Ffn::load(&w, &prefix, kind, &spec)?,
+            });
+        }
         let lm_head = match spec.tie_word_embeddings {
             true => None,
             false => Some(w.load("lm_head.weight", &[spec.vocab_size, h])?),
@@ -83,32 +127,28 @@ impl<B: Backend> Model<B> {
         Ok(Model {
             embed_tokens: w.load("model.embed_tokens.weight", &[spec.vocab_size, h])?,
             layers,
-            norm: w.load("model.norm.weight", &[h])?,
+            norm: w.norm("model.norm.weight", h, offset)?,
             lm_head,
-            rope: Rope::new(spec.rope_theta, spec.head_dim, spec.rotary_dim),
+            rope: backend.rope_table(&Rope::new(spec.rope_theta, spec.head_dim, spec.rotary_dim))?,
             spec,
         })
     }
 
-    /// The KV cache shape for `capacity_tokens` tokens across all sequences.
+    /// The KV cache shape for `capacity_tokens` tokens across all sequences: keys and values for the attention
+    /// layers and, in hybrid models, a recurrent-state slot per sequence.
     pub fn kv_spec(&self, capacity_tokens: usize) -> KvSpec {
         KvSpec {
-            num_layers: self.layers.len(),
+            num_layers: self.spec.num_attention_layers(),
             num_kv_heads: self.spec.num_kv_heads,
             head_dim: self.spec.head_dim,
             capacity_tokens,
+            recurrent: recurrent_spec(&self.spec),
         }
     }
 
     /// Runs the batch (`ids` are the rows of `batch`'s slices, in order), appending to each sequence's KV cache,
     /// and returns the logits `[slices, vocab]` of each slice's last token.
-    pub fn forward(
-        &self,
-        be: &B,
-        ids: &[u32],
-        batch: &[SeqSlice],
-        kv: &mut B::Kv,
-    ) -> Result<B::Tensor> {
+    pub fn forward(&self, be: &B, ids: &[u32], batch: &[SeqSlice], kv: &mut B::Kv) -> Result<B::Tensor> {
         let rows: usize = batch.iter().map(|s| s.len).sum();
         if rows != ids.len() || batch.iter().any(|s| s.len == 0) {
             return Err(Error::Request(format!(
@@ -123,21 +163,23 @@ impl<B: Backend> Model<B> {
                 self.spec.vocab_size
             )));
         }
-        let positions: Vec<u32> = batch
-            .iter()
-            .flat_map(|s| (s.start_pos..s.start_pos + s.len).map(|p| p as u32))
-            .collect();
+        let prepared = be.prepare_batch(kv, batch)?;
         let eps = self.spec.rms_norm_eps;
         let h = self.spec.hidden_size;
-        let mut x = be.embed(&self.embed_tokens, ids);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let normed = be.rms_norm(&x, &layer.input_norm, h, eps);
-            let attn = layer
-                .attention
-                .forward(be, &normed, &positions, &self.rope, kv, i, batch)?;
-            be.add_assign(&mut x, &attn);
-            let normed = be.rms_norm(&x, &layer.post_attention_norm, h, eps);
-            be.add_assign(&mut x, &layer.ffn.forward(be, &normed));
+        let mut x = be.embed(&self.embed_tokens, ids)?;
+        for layer in &self.layers {
+            let normed = be.rms_norm(&x, &layer.input_norm, h, eps)?;
+            let mixed = match &layer.mixer {
+                TokenMixer::Attention { attention, kv_layer } => {
+                    attention.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared)?
+                }
+                TokenMixer::GatedDeltaNet { gdn, state_layer } => {
+                    gdn.forward(be, &normed, kv, *state_layer, &prepared)?
+                }
+            };
+            be.add_assign(&mut x, &mixed)?;
+            let normed = be.rms_norm(&x, &layer.post_attention_norm, h, eps)?;
+            be.add_assign(&mut x, &layer.ffn.forward(be, &normed)?)?;
         }
         let last_rows: Vec<usize> = batch
             .iter()
@@ -146,11 +188,19 @@ impl<B: Backend> Model<B> {
                 Some(*end - 1)
             })
             .collect();
-        let last = be.rms_norm(&be.select_rows(&x, &last_rows), &self.norm, h, eps);
-        Ok(be.linear(
-            &last,
-            self.lm_head.as_ref().unwrap_or(&self.embed_tokens),
-            None,
-        ))
+        let last = be.rms_norm(&be.select_rows(&x, &last_rows)?, &self.norm, h, eps)?;
+        be.linear(&last, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
     }
+}
+
+/// Each sequence's recurrent state in a hybrid model; None for models without Gated DeltaNet layers.
+pub fn recurrent_spec(spec: &ModelSpec) -> Option<RecurrentSpec> {
+    spec.gated_delta_net.as_ref().map(|g| RecurrentSpec {
+        num_layers: spec.mixers.len() - spec.num_attention_layers(),
+        conv_channels: g.conv_dim(),
+        conv_kernel: g.conv_kernel,
+        num_heads: g.num_v_heads,
+        k_head_dim: g.k_head_dim,
+        v_head_dim: g.v_head_dim,
+    })
 }

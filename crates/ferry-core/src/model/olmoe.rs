@@ -23,9 +23,7 @@ struct OlmoeConfig {
 pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
     let c: OlmoeConfig = parse(config)?;
     if let Some(clip) = c.clip_qkv {
-        return Err(Error::Config(format!(
-            "clip_qkv ({clip}) is not supported for olmoe"
-        )));
+        return Err(Error::Config(format!("clip_qkv ({clip}) is not supported for olmoe")));
     }
     check_top_k(c.num_experts, c.num_experts_per_tok)?;
     let mut spec = c.base.spec("olmoe")?;

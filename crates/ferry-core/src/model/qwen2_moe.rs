@@ -3,9 +3,7 @@
 
 use serde::Deserialize;
 
-use super::config::{
-    check_top_k, parse, qwen_ffn_layers, BaseConfig, ModelSpec, MoeSpec, STANDARD_EXPERTS,
-};
+use super::config::{check_top_k, parse, qwen_ffn_layers, BaseConfig, ModelSpec, MoeSpec, STANDARD_EXPERTS};
 use crate::backend::RouterKind;
 use crate::{Error, Result};
 

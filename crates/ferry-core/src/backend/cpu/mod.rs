@@ -8,8 +8,8 @@ pub mod gemv;
 
 use rayon::prelude::*;
 
-use super::{AttentionParams, Backend, ExpertWeights, Rope, RouterKind, Routing, SeqSlice};
-use crate::kv::{HostKv, KvSpec};
+use super::{batch_positions, AttentionParams, Backend, DeltaRuleParams, ExpertTensors, Rope, RouterKind, SeqSlice};
+use crate::kv::{HostKv, KvSpec, RecurrentLayer};
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
 use gemv::WeightDType;
@@ -39,6 +39,20 @@ impl CpuTensor {
 #[derive(Default)]
 pub struct CpuBackend;
 
+/// A batch as the CPU ops see it: its slices and each row's position.
+pub struct CpuBatch {
+    slices: Vec<SeqSlice>,
+    positions: Vec<u32>,
+}
+
+/// Per-row routing decision of a MoE router: `top_k` expert ids and their combine weights, in router order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Routing {
+    pub top_k: usize,
+    pub ids: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
 fn weight_dtype(dtype: DType) -> WeightDType {
     match dtype {
         DType::F32 => WeightDType::F32,
@@ -63,8 +77,53 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// torch's softplus (beta 1, threshold 20): the identity above 20, where `ln(1 + e^x)` equals x in f32 anyway.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// `x / sqrt(sum x^2 + 1e-6)`, the l2 norm Gated DeltaNet applies to queries and keys (FLA's epsilon).
+fn l2_normalized(x: &[f32]) -> Vec<f32> {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+    x.iter().map(|v| v * inv).collect()
+}
+
+/// One value head's delta rule over `rows` tokens, token by token, updating its state `s` (`[dk, dv]`) in place;
+/// returns the head's outputs, `[rows, dv]`. `token(t)` gives row t's (normalised, scaled) query, normalised key,
+/// value, decay `exp(g)` and `beta`.
+fn delta_rule_head<'a>(
+    s: &mut [f32],
+    rows: usize,
+    dv: usize,
+    token: impl Fn(usize) -> (Vec<f32>, Vec<f32>, &'a [f32], f32, f32),
+) -> Vec<f32> {
+    let mut out = vec![0.0; rows * dv];
+    let mut delta = vec![0.0; dv];
+    for (t, o) in out.chunks_mut(dv).enumerate() {
+        let (q, k, v, decay, beta) = token(t);
+        s.iter_mut().for_each(|x| *x *= decay);
+        // delta = beta (v - S^T k): what the state predicts for this key, corrected towards the value.
+        delta.copy_from_slice(v);
+        for (row, &ki) in s.chunks(dv).zip(&k) {
+            delta.iter_mut().zip(row).for_each(|(d, &x)| *d -= x * ki);
+        }
+        delta.iter_mut().for_each(|d| *d *= beta);
+        for (row, (&ki, &qi)) in s.chunks_mut(dv).zip(k.iter().zip(&q)) {
+            row.iter_mut().zip(&delta).zip(o.iter_mut()).for_each(|((x, &d), o)| {
+                *x += ki * d;
+                *o += *x * qi;
+            });
+        }
+    }
+    out
+}
+
 /// One expert's SwiGLU over the rows of `x` (`[rows, hidden]`).
-fn expert_forward(x: &[f32], rows: usize, e: &ExpertWeights<TensorRef>) -> Vec<f32> {
+fn expert_forward(x: &[f32], rows: usize, e: &ExpertTensors) -> Vec<f32> {
     let gate = matmul(x, rows, &e.gate);
     let up = matmul(x, rows, &e.up);
     let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
@@ -74,38 +133,73 @@ fn expert_forward(x: &[f32], rows: usize, e: &ExpertWeights<TensorRef>) -> Vec<f
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = TensorRef;
+    type Experts = Vec<ExpertTensors>;
     type Kv = HostKv;
+    type Batch = CpuBatch;
+    type Routing = Routing;
+    type RopeTable = Rope;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
     }
 
     fn weight(&self, tensor: TensorRef) -> Result<TensorRef> {
         if tensor.shape.len() > 2 {
             return Err(Error::tensor(
                 &tensor.name,
-                format!(
-                    "expected a matrix or vector, found shape {:?}",
-                    tensor.shape
-                ),
+                format!("expected a matrix or vector, found shape {:?}", tensor.shape),
             ));
         }
         Ok(tensor)
+    }
+
+    fn experts(&self, experts: Vec<ExpertTensors>) -> Result<Vec<ExpertTensors>> {
+        Ok(experts)
+    }
+
+    fn rope_table(&self, rope: &Rope) -> Result<Rope> {
+        Ok(rope.clone())
     }
 
     fn new_kv(&self, spec: KvSpec) -> Result<HostKv> {
         Ok(HostKv::new(spec))
     }
 
-    fn to_host(&self, x: &CpuTensor) -> Vec<f32> {
-        x.data.clone()
+    fn prepare_batch(&self, kv: &mut HostKv, batch: &[SeqSlice]) -> Result<CpuBatch> {
+        kv.reserve(&batch.iter().map(|s| (s.seq, s.start_pos, s.len)).collect::<Vec<_>>())?;
+        Ok(CpuBatch {
+            slices: batch.to_vec(),
+            positions: batch_positions(batch),
+        })
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
+        if data.len() != rows * cols {
+            return Err(Error::Request(format!(
+                "{} values for a [{rows}, {cols}] tensor",
+                data.len()
+            )));
+        }
+        Ok(CpuTensor {
+            data: data.to_vec(),
+            rows,
+            cols,
+        })
+    }
+
+    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(x.data.clone())
     }
 
     fn shape(&self, x: &CpuTensor) -> (usize, usize) {
         (x.rows, x.cols)
     }
 
-    fn embed(&self, table: &TensorRef, ids: &[u32]) -> CpuTensor {
+    fn embed(&self, table: &TensorRef, ids: &[u32]) -> Result<CpuTensor> {
         let hidden = table.shape[1];
         let mut out = CpuTensor::zeros(ids.len(), hidden);
         for (row, &id) in out.data.chunks_mut(hidden).zip(ids) {
@@ -117,10 +211,10 @@ impl Backend for CpuBackend {
                     .to_f32_vec(),
             );
         }
-        out
+        Ok(out)
     }
 
-    fn rms_norm(&self, x: &CpuTensor, weight: &TensorRef, group: usize, eps: f32) -> CpuTensor {
+    fn rms_norm(&self, x: &CpuTensor, weight: &TensorRef, group: usize, eps: f32) -> Result<CpuTensor> {
         let w = weight.to_f32_vec();
         let mut out = x.clone();
         out.data.par_chunks_mut(group).for_each(|chunk| {
@@ -130,10 +224,10 @@ impl Backend for CpuBackend {
                 *v = *v * inv * g;
             }
         });
-        out
+        Ok(out)
     }
 
-    fn linear(&self, x: &CpuTensor, w: &TensorRef, bias: Option<&TensorRef>) -> CpuTensor {
+    fn linear(&self, x: &CpuTensor, w: &TensorRef, bias: Option<&TensorRef>) -> Result<CpuTensor> {
         let mut data = matmul(&x.data, x.rows, w);
         let n = w.shape[0];
         if let Some(bias) = bias {
@@ -142,44 +236,45 @@ impl Backend for CpuBackend {
                 row.iter_mut().zip(&b).for_each(|(v, b)| *v += b);
             }
         }
-        CpuTensor {
+        Ok(CpuTensor {
             data,
             rows: x.rows,
             cols: n,
-        }
+        })
     }
 
-    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) {
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        Ok(())
     }
 
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
-        CpuTensor {
-            data: gate
-                .data
-                .iter()
-                .zip(&up.data)
-                .map(|(&g, &u)| silu(g) * u)
-                .collect(),
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        Ok(CpuTensor {
+            data: gate.data.iter().zip(&up.data).map(|(&g, &u)| silu(g) * u).collect(),
             rows: gate.rows,
             cols: gate.cols,
-        }
+        })
     }
 
-    fn sigmoid_gate(&self, x: &mut CpuTensor, gate: &CpuTensor) {
+    fn sigmoid_gate(&self, x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {
         let cols = x.cols;
+        if gate.cols == cols {
+            x.data.iter_mut().zip(&gate.data).for_each(|(v, &g)| *v *= sigmoid(g));
+            return Ok(());
+        }
         for (row, g) in x.data.chunks_mut(cols).zip(&gate.data) {
             let s = sigmoid(*g);
             row.iter_mut().for_each(|v| *v *= s);
         }
+        Ok(())
     }
 
-    fn rope(&self, x: &mut CpuTensor, positions: &[u32], rope: &Rope) {
+    fn rope(&self, x: &mut CpuTensor, batch: &CpuBatch, rope: &Rope) -> Result<()> {
         let cols = x.cols;
         let half = rope.rotary_dim / 2;
         x.data
             .par_chunks_mut(cols)
-            .zip(positions)
+            .zip(&batch.positions)
             .for_each(|(row, &pos)| {
                 let (cos, sin): (Vec<f32>, Vec<f32>) = rope
                     .inv_freq
@@ -197,6 +292,7 @@ impl Backend for CpuBackend {
                     }
                 }
             });
+        Ok(())
     }
 
     fn attention(
@@ -206,14 +302,14 @@ impl Backend for CpuBackend {
         v: &CpuTensor,
         kv: &mut HostKv,
         layer: usize,
-        batch: &[SeqSlice],
+        batch: &CpuBatch,
         p: &AttentionParams,
     ) -> Result<CpuTensor> {
         let kv_width = p.num_kv_heads * p.head_dim;
         let group = p.num_heads / p.num_kv_heads;
         let mut out = CpuTensor::zeros(q.rows, q.cols);
         let mut row0 = 0;
-        for s in batch {
+        for s in &batch.slices {
             let rows = row0..row0 + s.len;
             kv.append(
                 s.seq,
@@ -224,36 +320,129 @@ impl Backend for CpuBackend {
             )?;
             let (keys, values) = kv.layer(s.seq, layer)?;
             let out_rows = &mut out.data[rows.start * q.cols..rows.end * q.cols];
-            out_rows
-                .par_chunks_mut(p.head_dim)
-                .enumerate()
-                .for_each(|(i, o)| {
-                    let (t, h) = (i / p.num_heads, i % p.num_heads);
-                    let pos = s.start_pos + t;
-                    let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    let kh = h / group;
-                    let qh = &q.row(row0 + t)[h * p.head_dim..(h + 1) * p.head_dim];
-                    let scores: Vec<f32> = (first..=pos)
-                        .map(|j| {
-                            let kj = &keys[j * kv_width + kh * p.head_dim..][..p.head_dim];
-                            qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * p.scale
-                        })
-                        .collect();
-                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-                    let total: f32 = exps.iter().sum();
-                    for (j, e) in (first..=pos).zip(&exps) {
-                        let vj = &values[j * kv_width + kh * p.head_dim..][..p.head_dim];
-                        let w = e / total;
-                        o.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
-                    }
-                });
+            out_rows.par_chunks_mut(p.head_dim).enumerate().for_each(|(i, o)| {
+                let (t, h) = (i / p.num_heads, i % p.num_heads);
+                let pos = s.start_pos + t;
+                let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let kh = h / group;
+                let qh = &q.row(row0 + t)[h * p.head_dim..(h + 1) * p.head_dim];
+                let scores: Vec<f32> = (first..=pos)
+                    .map(|j| {
+                        let kj = &keys[j * kv_width + kh * p.head_dim..][..p.head_dim];
+                        qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * p.scale
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f32 = exps.iter().sum();
+                for (j, e) in (first..=pos).zip(&exps) {
+                    let vj = &values[j * kv_width + kh * p.head_dim..][..p.head_dim];
+                    let w = e / total;
+                    o.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
+                }
+            });
             row0 = rows.end;
         }
         Ok(out)
     }
 
-    fn route(&self, logits: &CpuTensor, top_k: usize, kind: RouterKind) -> Routing {
+    fn causal_conv1d(
+        &self,
+        x: &CpuTensor,
+        weight: &TensorRef,
+        kv: &mut HostKv,
+        layer: usize,
+        batch: &CpuBatch,
+    ) -> Result<CpuTensor> {
+        let (channels, kernel) = (weight.shape[0], weight.shape[1]);
+        let w = weight.to_f32_vec();
+        let history = kernel - 1;
+        let mut out = CpuTensor::zeros(x.rows, channels);
+        let mut row0 = 0;
+        for s in &batch.slices {
+            let state = kv.recurrent(s.seq, layer)?;
+            RecurrentLayer::check_continues(state.conv_tokens, s.start_pos, "conv")?;
+            // The state's rows, then this slice's: row j of `window` is the input at position start - history + j.
+            let mut window = state.conv.clone();
+            window.extend_from_slice(&x.data[row0 * channels..(row0 + s.len) * channels]);
+            out.data[row0 * channels..(row0 + s.len) * channels]
+                .par_chunks_mut(channels)
+                .enumerate()
+                .for_each(|(t, y)| {
+                    for (c, y) in y.iter_mut().enumerate() {
+                        let taps = &w[c * kernel..(c + 1) * kernel];
+                        let sum: f32 = taps
+                            .iter()
+                            .enumerate()
+                            .map(|(j, &wj)| wj * window[(t + j) * channels + c])
+                            .sum();
+                        *y = silu(sum);
+                    }
+                });
+            state.conv = window[window.len() - history * channels..].to_vec();
+            state.conv_tokens += s.len;
+            row0 += s.len;
+        }
+        Ok(out)
+    }
+
+    /// Token by token, in parallel over value heads: the recurrent form is the CPU's reference for prefill as well
+    /// as decode. Per token and head it costs `4 dk dv` multiply-adds on a state of `dk dv` floats that stays in
+    /// cache (64 KiB for Qwen3.5's 128 x 128), a few percent of what the token's expert products cost, so the chunked
+    /// form (which trades the sequential scan for triangular solves and matrix products, a GPU's strength) would buy
+    /// the CPU nothing and add a second numerical path.
+    fn gated_delta_rule(
+        &self,
+        qkv: &CpuTensor,
+        a: &CpuTensor,
+        b: &CpuTensor,
+        a_log: &TensorRef,
+        dt_bias: &TensorRef,
+        kv: &mut HostKv,
+        layer: usize,
+        batch: &CpuBatch,
+        p: &DeltaRuleParams,
+    ) -> Result<CpuTensor> {
+        let (dk, dv, hv) = (p.k_head_dim, p.v_head_dim, p.num_v_heads);
+        let key_dim = p.num_k_heads * dk;
+        let per_key_head = hv / p.num_k_heads;
+        let scale = 1.0 / (dk as f32).sqrt();
+        let (a_log, dt_bias) = (a_log.to_f32_vec(), dt_bias.to_f32_vec());
+        let mut out = CpuTensor::zeros(qkv.rows, hv * dv);
+        let mut row0 = 0;
+        for s in &batch.slices {
+            let state = kv.recurrent(s.seq, layer)?;
+            RecurrentLayer::check_continues(state.delta_tokens, s.start_pos, "delta-rule")?;
+            let heads: Vec<Vec<f32>> = state
+                .delta
+                .par_chunks_mut(dk * dv)
+                .enumerate()
+                .map(|(h, state)| {
+                    let i = h / per_key_head;
+                    delta_rule_head(state, s.len, dv, |t| {
+                        let r = row0 + t;
+                        let row = qkv.row(r);
+                        let q = l2_normalized(&row[i * dk..(i + 1) * dk]);
+                        let k = l2_normalized(&row[key_dim + i * dk..key_dim + (i + 1) * dk]);
+                        let v = &row[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
+                        let g = -a_log[h].exp() * softplus(a.row(r)[h] + dt_bias[h]);
+                        let beta = sigmoid(b.row(r)[h]);
+                        (q.iter().map(|x| x * scale).collect(), k, v, g.exp(), beta)
+                    })
+                })
+                .collect();
+            for (h, head) in heads.iter().enumerate() {
+                for (t, o) in head.chunks(dv).enumerate() {
+                    out.data[(row0 + t) * hv * dv + h * dv..][..dv].copy_from_slice(o);
+                }
+            }
+            state.delta_tokens += s.len;
+            row0 += s.len;
+        }
+        Ok(out)
+    }
+
+    fn route(&self, logits: &CpuTensor, top_k: usize, kind: RouterKind) -> Result<Routing> {
         let RouterKind::SoftmaxTopK { renormalize } = kind;
         let mut routing = Routing {
             top_k,
@@ -276,15 +465,10 @@ impl Backend for CpuBackend {
                 routing.weights.push(if renormalize { p / kept } else { p });
             }
         }
-        routing
+        Ok(routing)
     }
 
-    fn moe_experts(
-        &self,
-        x: &CpuTensor,
-        routing: &Routing,
-        experts: &[ExpertWeights<TensorRef>],
-    ) -> CpuTensor {
+    fn moe_experts(&self, x: &CpuTensor, routing: &Routing, experts: &Vec<ExpertTensors>) -> Result<CpuTensor> {
         // Group the batch's rows by expert, so each expert's weights are read once for all rows routed to it.
         let mut rows_of: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];
         for (slot, &e) in routing.ids.iter().enumerate() {
@@ -315,23 +499,34 @@ impl Backend for CpuBackend {
             for k in 0..routing.top_k {
                 let slot = r * routing.top_k + k;
                 let w = routing.weights[slot];
-                row.iter_mut()
-                    .zip(by_slot[slot])
-                    .for_each(|(o, y)| *o += w * y);
+                row.iter_mut().zip(by_slot[slot]).for_each(|(o, y)| *o += w * y);
             }
         }
-        out
+        Ok(out)
     }
 
-    fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
-        let data = rows
-            .iter()
-            .flat_map(|&r| x.row(r).iter().copied())
-            .collect();
-        CpuTensor {
+    fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+        let data = rows.iter().flat_map(|&r| x.row(r).iter().copied()).collect();
+        Ok(CpuTensor {
             data,
             rows: rows.len(),
             cols: x.cols,
-        }
+        })
     }
+}
+
+/// Host memory read bandwidth in GB/s with rayon's threads: the best of a few parallel sums over `bytes`.
+pub fn measure_read_bandwidth(bytes: usize) -> f64 {
+    let words: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
+    (0..5)
+        .map(|_| {
+            let started = std::time::Instant::now();
+            let sum: u64 = words
+                .par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
+                .sum();
+            std::hint::black_box(sum);
+            bytes as f64 / started.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max)
 }

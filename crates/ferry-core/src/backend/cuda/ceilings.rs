@@ -1,0 +1,94 @@
+//! The machine's data-movement and compute ceilings, measured on the GPU (`ferry doctor`; `ferry bench` uses
+//! them for its bounds): pinned host-to-device and device-to-host copy bandwidth, device-to-device copy
+//! bandwidth (bytes read plus written: what HBM moves), and cuBLAS bf16 GEMM throughput.
+
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{sys, CudaSlice, DevicePtr};
+use serde::Serialize;
+
+use super::{blas_err, cuda_err, CudaBackend};
+use crate::Result;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuCeilings {
+    pub h2d_pinned_gb_s: f64,
+    pub d2h_pinned_gb_s: f64,
+    /// Bytes read plus bytes written per second.
+    pub d2d_copy_gb_s: f64,
+    pub bf16_gemm_tflop_s: f64,
+}
+
+const COPY_BYTES: usize = 1 << 30;
+const REPEATS: usize = 5;
+
+impl CudaBackend {
+    /// Median milliseconds of `REPEATS` runs of `work` on the backend's stream, timed with device events.
+    fn time_ms(&self, mut work: impl FnMut() -> Result<()>) -> Result<f64> {
+        work()?; // warm-up
+        let mut times = Vec::with_capacity(REPEATS);
+        for _ in 0..REPEATS {
+            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let start = self.ctx.new_event(flags).map_err(cuda_err("event"))?;
+            let end = self.ctx.new_event(flags).map_err(cuda_err("event"))?;
+            start.record(&self.stream).map_err(cuda_err("event record"))?;
+            work()?;
+            end.record(&self.stream).map_err(cuda_err("event record"))?;
+            end.synchronize().map_err(cuda_err("event sync"))?;
+            times.push(start.elapsed_ms(&end).map_err(cuda_err("event time"))? as f64);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[REPEATS / 2])
+    }
+
+    pub fn measure_ceilings(&self) -> Result<GpuCeilings> {
+        // Plain pinned memory (not write-combined): what an expert bank read by the CPU too would use.
+        let mut host = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(COPY_BYTES, 0) }.map_err(cuda_err("pinning"))?;
+        host.as_mut_slice().map_err(cuda_err("pinned memory"))?.fill(1);
+        let mut device: CudaSlice<u8> = self.alloc(COPY_BYTES)?;
+        let mut other: CudaSlice<u8> = self.alloc(COPY_BYTES)?;
+        let gb_s = |bytes: usize, ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
+
+        let h2d = self.time_ms(|| self.stream.memcpy_htod(&host, &mut device).map_err(cuda_err("H2D")))?;
+        let d2h = self.time_ms(|| self.stream.memcpy_dtoh(&device, &mut host).map_err(cuda_err("D2H")))?;
+        let d2d = self.time_ms(|| self.stream.memcpy_dtod(&device, &mut other).map_err(cuda_err("D2D")))?;
+
+        let n = 8192usize;
+        let a: CudaSlice<u16> =
+            self.copy_to_device(&(0..n * n).map(|i| 0x3c00 + (i % 61) as u16).collect::<Vec<_>>())?;
+        let c: CudaSlice<u16> = self.alloc(n * n)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (pa, pc) = (a.device_ptr(&self.stream).0, c.device_ptr(&self.stream).0);
+        let gemm = self.time_ms(|| {
+            unsafe {
+                blas::gemm_ex(
+                    *self.blas.handle(),
+                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    n as i32,
+                    n as i32,
+                    &alpha as *const f32 as *const _,
+                    pa as *const _,
+                    blas_sys::cudaDataType_t::CUDA_R_16BF,
+                    n as i32,
+                    pa as *const _,
+                    blas_sys::cudaDataType_t::CUDA_R_16BF,
+                    n as i32,
+                    &beta as *const f32 as *const _,
+                    pc as *mut _,
+                    blas_sys::cudaDataType_t::CUDA_R_16BF,
+                    n as i32,
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(blas_err)
+        })?;
+        Ok(GpuCeilings {
+            h2d_pinned_gb_s: gb_s(COPY_BYTES, h2d),
+            d2h_pinned_gb_s: gb_s(COPY_BYTES, d2h),
+            d2d_copy_gb_s: gb_s(2 * COPY_BYTES, d2d),
+            bf16_gemm_tflop_s: 2.0 * (n as f64).powi(3) / (gemm * 1e-3) / 1e12,
+        })
+    }
+}

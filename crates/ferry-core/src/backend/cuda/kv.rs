@@ -1,0 +1,192 @@
+//! The KV cache in device memory: per layer, a key pool and a value pool of `BLOCK_SIZE`-token blocks, handed
+//! to sequences by a [`BlockAllocator`] as they grow; and, for hybrid models, each sequence's recurrent state
+//! (one zeroed allocation per sequence, made when it starts: see gdn.cu for its layout).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use super::cuda_err;
+use crate::backend::SeqSlice;
+use crate::kv::{BlockAllocator, KvCache, KvSpec, RecurrentSpec, SeqId};
+use crate::{Error, Result};
+
+pub const BLOCK_SIZE: usize = 16;
+
+pub struct DeviceKv {
+    blocks: BlockAllocator,
+    keys: Vec<CudaSlice<f32>>,
+    values: Vec<CudaSlice<f32>>,
+    recurrent: Option<RecurrentSpec>,
+    /// By sequence id: the recurrent state of every Gated DeltaNet layer.
+    states: Vec<Option<CudaSlice<f32>>>,
+}
+
+/// Where one Gated DeltaNet layer's state sits inside a sequence's recurrent-state allocation (in floats).
+pub struct RecurrentOffsets {
+    pub conv: usize,
+    pub delta: usize,
+}
+
+/// The slices of a batch of a hybrid model, for the Gated DeltaNet kernels.
+pub struct RecurrentBatch {
+    pub(super) slices: usize,
+    pub(super) row_slice: CudaSlice<u32>,
+    pub(super) slice_start_row: CudaSlice<u32>,
+    pub(super) slice_len: CudaSlice<u32>,
+    /// Each slice's sequence's recurrent-state base address.
+    pub(super) slice_state: CudaSlice<u64>,
+}
+
+/// A batch's per-row metadata on the device, made once per forward pass and read by every layer.
+pub struct DeviceBatch {
+    pub(super) positions: CudaSlice<u32>,
+    /// The physical token slot each row's key and value go to.
+    pub(super) row_slot: CudaSlice<u32>,
+    /// Where in `block_tables` each row's sequence's block table starts.
+    pub(super) row_table: CudaSlice<u32>,
+    /// The block tables of the batch's sequences, one after another.
+    pub(super) block_tables: CudaSlice<u32>,
+    pub(super) recurrent: Option<RecurrentBatch>,
+}
+
+impl DeviceKv {
+    pub fn new(stream: &Arc<CudaStream>, spec: KvSpec) -> Result<Self> {
+        let num_blocks = spec.capacity_tokens.div_ceil(BLOCK_SIZE).max(1);
+        let pool_len = num_blocks * BLOCK_SIZE * spec.num_kv_heads * spec.head_dim;
+        let pool = || -> Result<CudaSlice<f32>> {
+            stream
+                .alloc_zeros::<f32>(pool_len)
+                .map_err(cuda_err("allocating the KV cache"))
+        };
+        Ok(DeviceKv {
+            blocks: BlockAllocator::new(BLOCK_SIZE, num_blocks),
+            keys: (0..spec.num_layers).map(|_| pool()).collect::<Result<_>>()?,
+            values: (0..spec.num_layers).map(|_| pool()).collect::<Result<_>>()?,
+            recurrent: spec.recurrent,
+            states: Vec::new(),
+        })
+    }
+
+    /// Gated DeltaNet layer `layer`'s conv and delta-rule state offsets in a sequence's recurrent state.
+    pub(super) fn recurrent_offsets(&self, layer: usize) -> Result<RecurrentOffsets> {
+        let r = self
+            .recurrent
+            .as_ref()
+            .ok_or_else(|| Error::Kv("this model keeps no recurrent state".into()))?;
+        let conv_len = (r.conv_kernel - 1) * r.conv_channels;
+        let per_layer = conv_len + r.num_heads * r.k_head_dim * r.v_head_dim;
+        Ok(RecurrentOffsets {
+            conv: layer * per_layer,
+            delta: layer * per_layer + conv_len,
+        })
+    }
+
+    /// The recurrent state of each slice's sequence, zeroed for sequences that start with this batch.
+    fn recurrent_batch(&mut self, stream: &Arc<CudaStream>, batch: &[SeqSlice]) -> Result<Option<RecurrentBatch>> {
+        let Some(r) = &self.recurrent else { return Ok(None) };
+        let len = r.bytes_per_seq() / 4;
+        let (mut row_slice, mut slice_start_row, mut slice_len, mut slice_state) = (vec![], vec![], vec![], vec![]);
+        for (i, s) in batch.iter().enumerate() {
+            let index = s.seq.0 as usize;
+            if self.states.len() <= index {
+                self.states.resize_with(index + 1, || None);
+            }
+            let state = match (&mut self.states[index], s.start_pos) {
+                (Some(state), 0) => {
+                    stream
+                        .memset_zeros(state)
+                        .map_err(cuda_err("resetting a recurrent state"))?;
+                    state
+                }
+                (Some(state), _) => state,
+                (slot @ None, _) => slot.insert(
+                    stream
+                        .alloc_zeros::<f32>(len)
+                        .map_err(cuda_err("allocating a recurrent state"))?,
+                ),
+            };
+            slice_state.push(state.device_ptr(stream).0);
+            slice_start_row.push(row_slice.len() as u32);
+            slice_len.push(s.len as u32);
+            row_slice.extend(std::iter::repeat_n(i as u32, s.len));
+        }
+        let upload = |v: &[u32]| stream.clone_htod(v).map_err(cuda_err("uploading batch metadata"));
+        Ok(Some(RecurrentBatch {
+            slices: batch.len(),
+            row_slice: upload(&row_slice)?,
+            slice_start_row: upload(&slice_start_row)?,
+            slice_len: upload(&slice_len)?,
+            slice_state: stream
+                .clone_htod(&slice_state)
+                .map_err(cuda_err("uploading batch metadata"))?,
+        }))
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.blocks.block_size()
+    }
+
+    pub(super) fn layer_pools(&self, layer: usize) -> (&CudaSlice<f32>, &CudaSlice<f32>) {
+        (&self.keys[layer], &self.values[layer])
+    }
+
+    /// Takes the blocks the batch's new tokens need (all or none) and uploads the batch's metadata.
+    pub fn prepare(&mut self, stream: &Arc<CudaStream>, batch: &[SeqSlice]) -> Result<DeviceBatch> {
+        let mut needed = 0;
+        for s in batch {
+            needed += self.blocks.blocks_needed(s.seq, s.start_pos, s.len)?;
+        }
+        if needed > self.blocks.free_blocks() {
+            return Err(Error::Kv(format!(
+                "full: the batch needs {needed} blocks of {BLOCK_SIZE} tokens, {} of {} are free",
+                self.blocks.free_blocks(),
+                self.blocks.num_blocks()
+            )));
+        }
+        let (mut positions, mut row_slot, mut row_table, mut block_tables) = (vec![], vec![], vec![], vec![]);
+        for s in batch {
+            self.blocks.extend(s.seq, s.start_pos, s.len)?;
+            let table_start = block_tables.len() as u32;
+            block_tables.extend_from_slice(self.blocks.blocks(s.seq)?);
+            for pos in s.start_pos..s.start_pos + s.len {
+                positions.push(pos as u32);
+                row_slot.push(self.blocks.slot(s.seq, pos)?);
+                row_table.push(table_start);
+            }
+        }
+        let upload = |v: &[u32]| stream.clone_htod(v).map_err(cuda_err("uploading batch metadata"));
+        Ok(DeviceBatch {
+            positions: upload(&positions)?,
+            row_slot: upload(&row_slot)?,
+            row_table: upload(&row_table)?,
+            block_tables: upload(&block_tables)?,
+            recurrent: self.recurrent_batch(stream, batch)?,
+        })
+    }
+}
+
+impl KvCache for DeviceKv {
+    fn alloc_seq(&mut self) -> SeqId {
+        self.blocks.alloc_seq()
+    }
+
+    fn free_seq(&mut self, seq: SeqId) {
+        self.blocks.free_seq(seq);
+        if let Some(state) = self.states.get_mut(seq.0 as usize) {
+            *state = None;
+        }
+    }
+
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.blocks.seq_len(seq)
+    }
+
+    fn used_tokens(&self) -> usize {
+        self.blocks.used_tokens()
+    }
+
+    fn capacity_tokens(&self) -> usize {
+        self.blocks.num_blocks() * BLOCK_SIZE
+    }
+}

@@ -1,0 +1,833 @@
+//! The CUDA backend: the same ops as the CPU backend on an NVIDIA GPU, with f32 activations and bf16 weights.
+//!
+//! Kernels come precompiled from ferry-kernels; the driver and cuBLAS are found and loaded at run time
+//! ([`libs`]). Decode-sized products (up to [`GEMV_MAX_ROWS`] rows) run as GEMV kernels that read each weight
+//! once; larger ones run on cuBLAS's bf16 tensor cores with the activations split into two bf16 halves
+//! (`x = hi + lo`), which keeps f32 accuracy. Routed experts sit in one slab per layer and are read through a
+//! per-layer table of device pointers, so an expert cache only has to rewrite the table.
+
+mod ceilings;
+mod gdn;
+mod kv;
+mod libs;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, Rope, RouterKind, SeqSlice};
+use crate::kv::KvSpec;
+use crate::loader::{DType, TensorRef};
+use crate::{Error, Result};
+pub use ceilings::GpuCeilings;
+pub use kv::{DeviceBatch, DeviceKv, BLOCK_SIZE as KV_BLOCK_SIZE};
+pub use libs::CudaLibraries;
+
+/// Products with at most this many rows use the GEMV kernels (gemv.cu's GEMV_MAX_TOKENS).
+pub const GEMV_MAX_ROWS: usize = 8;
+/// Rows of a batch up to which the MoE block runs its decode kernels (routing never leaves the device).
+const MOE_DECODE_MAX_ROWS: usize = GEMV_MAX_ROWS;
+const GEMV_WARPS: u32 = 8;
+/// Warps per (row, head) block of the attention kernel (attention.cu's ATTN_WARPS).
+const ATTENTION_WARPS: u32 = 8;
+
+fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Cuda(format!("{context}: {e}"))
+}
+
+fn blas_err(e: cudarc::cublas::result::CublasError) -> Error {
+    Error::Cuda(format!("cuBLAS: {e}"))
+}
+
+/// A `[rows, cols]` f32 tensor in device memory.
+pub struct CudaTensor {
+    data: CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+/// A weight on the device: a bf16 matrix `[rows, cols]`, or a vector widened to f32 (norms, biases).
+pub enum CudaWeight {
+    Matrix {
+        data: CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+    },
+    Vector(CudaSlice<f32>),
+}
+
+/// One layer's routed experts: a slab of equal blocks (gate, up, down, each bf16) and a device table of the
+/// blocks' addresses, indexed by expert id.
+pub struct CudaExperts {
+    _slab: CudaSlice<u8>,
+    table: CudaSlice<u64>,
+    addresses: Vec<u64>,
+    hidden: usize,
+    inter: usize,
+}
+
+/// RoPE frequencies on the device.
+pub struct CudaRope {
+    inv_freq: CudaSlice<f32>,
+    head_dim: usize,
+    rotary_dim: usize,
+}
+
+/// Routing kept on the device: `ids` and `weights` are `[rows, top_k]`.
+pub struct CudaRouting {
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    rows: usize,
+    top_k: usize,
+}
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    functions: HashMap<&'static str, CudaFunction>,
+    device: String,
+    pub libraries: CudaLibraries,
+}
+
+const KERNELS: &[(&str, &[&str])] = &[
+    (
+        "elementwise",
+        &[
+            "embed_bf16",
+            "rms_norm",
+            "add_assign",
+            "add_bias",
+            "silu_mul",
+            "sigmoid_gate",
+            "rope",
+            "select_rows",
+            "split_bf16",
+        ],
+    ),
+    ("gemv", &["gemv_bf16"]),
+    (
+        "gdn",
+        &[
+            "causal_conv1d",
+            "conv_state_update",
+            "gated_delta_rule",
+            "sigmoid_gate_elementwise",
+        ],
+    ),
+    ("attention", &["kv_append", "attention"]),
+    (
+        "moe",
+        &[
+            "route_softmax_topk",
+            "moe_gate_up",
+            "moe_down",
+            "gather_rows",
+            "scatter_rows",
+            "moe_combine",
+        ],
+    ),
+];
+
+fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(threads as usize).clamp(1, 65_535 * 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`: loads the driver and cuBLAS, creates a context and a stream, loads the kernels.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !ferry_kernels::available() {
+            return Err(Error::Cuda(
+                "this ferry binary was built without CUDA kernels (nvcc was not found at build time); run \
+                 scripts/install-cuda-toolchain.sh, then rebuild"
+                    .into(),
+            ));
+        }
+        let libraries = libs::load_cuda_libraries()?;
+        let count = CudaContext::device_count().map_err(cuda_err("no usable NVIDIA GPU (cuInit failed)"))?;
+        if count <= ordinal as i32 {
+            return Err(Error::Cuda(format!("no GPU {ordinal}: {count} found")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("creating a context"))?;
+        // ferry orders its work with its own streams and events; cudarc's per-buffer events would add a record
+        // and a wait to every launch.
+        unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory_pooled(&ctx)?;
+        let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(blas_err)?;
+        let mut functions = HashMap::new();
+        for (module, names) in KERNELS {
+            let image = ferry_kernels::module(module)
+                .ok_or_else(|| Error::Cuda(format!("kernel module {module} missing from this build")))?;
+            let loaded = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
+                .map_err(cuda_err(&format!(
+                    "loading kernel module {module} (does this GPU's architecture have code in the fatbin?)"
+                )))?;
+            for name in *names {
+                let f = loaded.load_function(name).map_err(cuda_err(name))?;
+                functions.insert(*name, f);
+            }
+        }
+        let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
+        let device = format!(
+            "{} (sm_{major}{minor}, {:.1} GiB)",
+            ctx.name().map_err(cuda_err("device name"))?,
+            ctx.total_mem().map_err(cuda_err("device memory"))? as f64 / (1u64 << 30) as f64
+        );
+        tracing::info!(
+            "CUDA: {device}; driver {}, cuBLAS {}, cuBLASLt {}",
+            libraries.driver,
+            libraries.cublas,
+            libraries.cublas_lt
+        );
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            blas,
+            functions,
+            device,
+            libraries,
+        })
+    }
+
+    /// The GPU's name, architecture and memory, as the log shows it.
+    pub fn device_name(&self) -> &str {
+        &self.device
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Bytes free and total on the device (cuMemGetInfo).
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(cuda_err("cuMemGetInfo"))
+    }
+
+    fn function(&self, name: &str) -> &CudaFunction {
+        &self.functions[name]
+    }
+
+    fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: every caller hands the buffer to a kernel or copy that writes all of it before it is read.
+        unsafe { self.stream.alloc::<T>(len.max(1)) }.map_err(cuda_err("allocating device memory"))
+    }
+
+    fn copy_to_device<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            return self.alloc(1);
+        }
+        self.stream.clone_htod(host).map_err(cuda_err("copy to device"))
+    }
+
+    fn address<T>(&self, slice: &CudaSlice<T>) -> u64 {
+        slice.device_ptr(&self.stream).0
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        Ok(CudaTensor {
+            data: self.alloc(rows * cols)?,
+            rows,
+            cols,
+        })
+    }
+
+    /// `out = x W^T` for a bf16 weight `[n, k]` at device address `w`.
+    fn matmul(&self, x: &CudaTensor, w: u64, n: usize, k: usize) -> Result<CudaTensor> {
+        if x.cols != k {
+            return Err(Error::Cuda(format!(
+                "matmul: input has {} features, weight expects {k}",
+                x.cols
+            )));
+        }
+        let out = self.tensor(x.rows, n)?;
+        if x.rows <= GEMV_MAX_ROWS {
+            let (rows, k32, n32) = (x.rows as i32, k as i32, n as i32);
+            let null = 0u64;
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(GEMV_WARPS as usize) as u32, 1, 1),
+                block_dim: (GEMV_WARPS * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            unsafe {
+                self.stream
+                    .launch_builder(self.function("gemv_bf16"))
+                    .arg(&x.data)
+                    .arg(&rows)
+                    .arg(&k32)
+                    .arg(&w)
+                    .arg(&n32)
+                    .arg(&null)
+                    .arg(&out.data)
+                    .launch(cfg)
+            }
+            .map_err(cuda_err("gemv_bf16"))?;
+            return Ok(out);
+        }
+        // x = hi + lo, both bf16; out = W hi + W lo, each an exact-product bf16 GEMM accumulated in f32.
+        let len = x.rows * k;
+        let hi: CudaSlice<u16> = self.alloc(len)?;
+        let lo: CudaSlice<u16> = self.alloc(len)?;
+        unsafe {
+            self.stream
+                .launch_builder(self.function("split_bf16"))
+                .arg(&x.data)
+                .arg(&hi)
+                .arg(&lo)
+                .arg(&len)
+                .launch(grid_1d(len, 256))
+        }
+        .map_err(cuda_err("split_bf16"))?;
+        let (alpha, zero, one) = (1.0f32, 0.0f32, 1.0f32);
+        let out_ptr = self.address(&out.data);
+        for (half, beta) in [(&hi, &zero), (&lo, &one)] {
+            // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W^T(k x n)^T x^T.
+            unsafe {
+                blas::gemm_ex(
+                    *self.blas.handle(),
+                    blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    x.rows as i32,
+                    k as i32,
+                    &alpha as *const f32 as *const _,
+                    w as *const _,
+                    blas_sys::cudaDataType_t::CUDA_R_16BF,
+                    k as i32,
+                    self.address(half) as *const _,
+                    blas_sys::cudaDataType_t::CUDA_R_16BF,
+                    k as i32,
+                    beta as *const f32 as *const _,
+                    out_ptr as *mut _,
+                    blas_sys::cudaDataType_t::CUDA_R_32F,
+                    n as i32,
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(blas_err)?;
+        }
+        Ok(out)
+    }
+
+    fn matrix<'a>(&self, w: &'a CudaWeight) -> Result<(&'a CudaSlice<u8>, usize, usize)> {
+        match w {
+            CudaWeight::Matrix { data, rows, cols } => Ok((data, *rows, *cols)),
+            CudaWeight::Vector(_) => Err(Error::Cuda("a vector weight used as a matrix".into())),
+        }
+    }
+
+    fn vector<'a>(&self, w: &'a CudaWeight) -> Result<&'a CudaSlice<f32>> {
+        match w {
+            CudaWeight::Vector(v) => Ok(v),
+            CudaWeight::Matrix { .. } => Err(Error::Cuda("a matrix weight used as a vector".into())),
+        }
+    }
+
+    /// The MoE block for a batch too large for the decode kernels: the routing comes to the host, each expert's
+    /// rows are gathered and run through cuBLAS, and the results are combined in router order.
+    fn moe_experts_grouped(&self, x: &CudaTensor, routing: &CudaRouting, experts: &CudaExperts) -> Result<CudaTensor> {
+        let ids = self
+            .stream
+            .clone_dtoh(&routing.ids)
+            .map_err(cuda_err("routing to host"))?;
+        let (hidden, inter) = (experts.hidden, experts.inter);
+        let mut slots_of: Vec<Vec<u32>> = vec![Vec::new(); experts.addresses.len()];
+        for (slot, &e) in ids.iter().enumerate().take(routing.rows * routing.top_k) {
+            slots_of[e as usize].push(slot as u32);
+        }
+        let y = self.tensor(routing.rows * routing.top_k, hidden)?;
+        for (e, slots) in slots_of.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
+            let rows: Vec<u32> = slots.iter().map(|s| s / routing.top_k as u32).collect();
+            let rows_dev = self.copy_to_device(&rows)?;
+            let gathered = self.tensor(rows.len(), hidden)?;
+            let cols = hidden as i32;
+            self.launch_rows("gather_rows", rows.len(), |b| {
+                b.arg(&x.data).arg(&rows_dev).arg(&gathered.data).arg(&cols);
+            })?;
+            let base = experts.addresses[e];
+            let expert_bytes = (inter * hidden * 2) as u64;
+            let gate = self.matmul(&gathered, base, inter, hidden)?;
+            let up = self.matmul(&gathered, base + expert_bytes, inter, hidden)?;
+            let act = self.silu_mul(&gate, &up)?;
+            let out = self.matmul(&act, base + 2 * expert_bytes, hidden, inter)?;
+            let slots_dev = self.copy_to_device(slots)?;
+            let cols = hidden as i32;
+            self.launch_rows("scatter_rows", slots.len(), |b| {
+                b.arg(&out.data).arg(&slots_dev).arg(&y.data).arg(&cols);
+            })?;
+        }
+        let out = self.tensor(routing.rows, hidden)?;
+        let (top_k, hidden32) = (routing.top_k as i32, hidden as i32);
+        unsafe {
+            self.stream
+                .launch_builder(self.function("moe_combine"))
+                .arg(&y.data)
+                .arg(&routing.weights)
+                .arg(&top_k)
+                .arg(&hidden32)
+                .arg(&out.data)
+                .launch(per_row(routing.rows, 256))
+        }
+        .map_err(cuda_err("moe_combine"))?;
+        Ok(out)
+    }
+
+    /// Launches a one-block-per-row kernel whose arguments `args` pushes.
+    fn launch_rows<'a>(
+        &'a self,
+        name: &str,
+        rows: usize,
+        args: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>),
+    ) -> Result<()> {
+        let mut builder = self.stream.launch_builder(self.function(name));
+        args(&mut builder);
+        unsafe { builder.launch(per_row(rows, 256)) }.map_err(cuda_err(name))?;
+        Ok(())
+    }
+}
+
+/// Freed device memory stays in the stream-ordered pool instead of going back to the driver at every
+/// synchronisation, so the per-step allocations of a forward pass cost no driver calls.
+fn keep_freed_memory_pooled(ctx: &CudaContext) -> Result<()> {
+    let mut pool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(cuda_err("default memory pool"))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut _,
+        )
+        .result()
+        .map_err(cuda_err("memory pool release threshold"))?;
+    }
+    Ok(())
+}
+
+/// The bytes of a bf16 matrix, as stored.
+fn bf16_bytes(t: &TensorRef) -> Result<&[u8]> {
+    if t.dtype != DType::BF16 {
+        return Err(Error::tensor(
+            &t.name,
+            format!("the CUDA backend runs bf16 weights; this one is {}", t.dtype.name()),
+        ));
+    }
+    Ok(t.bytes())
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+    type Experts = CudaExperts;
+    type Kv = DeviceKv;
+    type Batch = DeviceBatch;
+    type Routing = CudaRouting;
+    type RopeTable = CudaRope;
+
+    fn name(&self) -> String {
+        format!("cuda: {}", self.device)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(cuda_err("synchronize"))
+    }
+
+    fn weight(&self, tensor: TensorRef) -> Result<CudaWeight> {
+        match tensor.shape.len() {
+            1 => Ok(CudaWeight::Vector(self.copy_to_device(&tensor.to_f32_vec())?)),
+            2 => Ok(CudaWeight::Matrix {
+                data: self.copy_to_device(bf16_bytes(&tensor)?)?,
+                rows: tensor.shape[0],
+                cols: tensor.shape[1],
+            }),
+            _ => Err(Error::tensor(
+                &tensor.name,
+                format!("expected a matrix or vector, found {:?}", tensor.shape),
+            )),
+        }
+    }
+
+    fn experts(&self, experts: Vec<ExpertTensors>) -> Result<CudaExperts> {
+        let first = experts
+            .first()
+            .ok_or_else(|| Error::Cuda("a MoE layer without experts".into()))?;
+        let (inter, hidden) = (first.gate.shape[0], first.gate.shape[1]);
+        // One expert's gate, up and down, back to back, in bytes.
+        let block = 3 * inter * hidden * 2;
+        let mut slab: CudaSlice<u8> = self.alloc(block * experts.len())?;
+        for (e, expert) in experts.iter().enumerate() {
+            for (part, t) in [&expert.gate, &expert.up, &expert.down].into_iter().enumerate() {
+                let bytes = bf16_bytes(t)?;
+                let start = e * block + part * inter * hidden * 2;
+                let mut dst = slab.slice_mut(start..start + bytes.len());
+                self.stream
+                    .memcpy_htod(bytes, &mut dst)
+                    .map_err(cuda_err("uploading experts"))?;
+            }
+        }
+        let base = self.address(&slab);
+        let addresses: Vec<u64> = (0..experts.len()).map(|e| base + (e * block) as u64).collect();
+        Ok(CudaExperts {
+            table: self.copy_to_device(&addresses)?,
+            _slab: slab,
+            addresses,
+            hidden,
+            inter,
+        })
+    }
+
+    fn rope_table(&self, rope: &Rope) -> Result<CudaRope> {
+        Ok(CudaRope {
+            inv_freq: self.copy_to_device(&rope.inv_freq)?,
+            head_dim: rope.head_dim,
+            rotary_dim: rope.rotary_dim,
+        })
+    }
+
+    fn new_kv(&self, spec: KvSpec) -> Result<DeviceKv> {
+        DeviceKv::new(&self.stream, spec)
+    }
+
+    fn prepare_batch(&self, kv: &mut DeviceKv, batch: &[SeqSlice]) -> Result<DeviceBatch> {
+        kv.prepare(&self.stream, batch)
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
+        if data.len() != rows * cols {
+            return Err(Error::Request(format!(
+                "{} values for a [{rows}, {cols}] tensor",
+                data.len()
+            )));
+        }
+        Ok(CudaTensor {
+            data: self.copy_to_device(data)?,
+            rows,
+            cols,
+        })
+    }
+
+    fn to_host(&self, x: &CudaTensor) -> Result<Vec<f32>> {
+        self.stream.clone_dtoh(&x.data).map_err(cuda_err("copy to host"))
+    }
+
+    fn shape(&self, x: &CudaTensor) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
+        let (data, _, hidden) = self.matrix(table)?;
+        let ids_dev = self.copy_to_device(ids)?;
+        let out = self.tensor(ids.len(), hidden)?;
+        let cols = hidden as i32;
+        self.launch_rows("embed_bf16", ids.len(), |b| {
+            b.arg(data).arg(&ids_dev).arg(&out.data).arg(&cols);
+        })
+        .map(|_| out)
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaWeight, group: usize, eps: f32) -> Result<CudaTensor> {
+        let w = self.vector(weight)?;
+        let out = self.tensor(x.rows, x.cols)?;
+        let groups = x.rows * x.cols / group;
+        let group32 = group as i32;
+        let threads = (group.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        unsafe {
+            self.stream
+                .launch_builder(self.function("rms_norm"))
+                .arg(&x.data)
+                .arg(w)
+                .arg(&out.data)
+                .arg(&group32)
+                .arg(&eps)
+                .launch(per_row(groups, threads))
+        }
+        .map_err(cuda_err("rms_norm"))?;
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> Result<CudaTensor> {
+        let (data, n, k) = self.matrix(w)?;
+        let out = self.matmul(x, self.address(data), n, k)?;
+        if let Some(bias) = bias {
+            let b = self.vector(bias)?;
+            let (len, cols) = (out.rows * out.cols, out.cols as i32);
+            unsafe {
+                self.stream
+                    .launch_builder(self.function("add_bias"))
+                    .arg(&out.data)
+                    .arg(b)
+                    .arg(&len)
+                    .arg(&cols)
+                    .launch(grid_1d(len, 256))
+            }
+            .map_err(cuda_err("add_bias"))?;
+        }
+        Ok(out)
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        let len = x.rows * x.cols;
+        unsafe {
+            self.stream
+                .launch_builder(self.function("add_assign"))
+                .arg(&x.data)
+                .arg(&y.data)
+                .arg(&len)
+                .launch(grid_1d(len, 256))
+        }
+        .map_err(cuda_err("add_assign"))?;
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+        let out = self.tensor(gate.rows, gate.cols)?;
+        let len = gate.rows * gate.cols;
+        unsafe {
+            self.stream
+                .launch_builder(self.function("silu_mul"))
+                .arg(&gate.data)
+                .arg(&up.data)
+                .arg(&out.data)
+                .arg(&len)
+                .launch(grid_1d(len, 256))
+        }
+        .map_err(cuda_err("silu_mul"))?;
+        Ok(out)
+    }
+
+    fn sigmoid_gate(&self, x: &mut CudaTensor, gate: &CudaTensor) -> Result<()> {
+        if gate.cols == x.cols {
+            let len = x.rows * x.cols;
+            unsafe {
+                self.stream
+                    .launch_builder(self.function("sigmoid_gate_elementwise"))
+                    .arg(&x.data)
+                    .arg(&gate.data)
+                    .arg(&len)
+                    .launch(grid_1d(len, 256))
+            }
+            .map_err(cuda_err("sigmoid_gate_elementwise"))?;
+            return Ok(());
+        }
+        let cols = x.cols as i32;
+        self.launch_rows("sigmoid_gate", x.rows, |b| {
+            b.arg(&x.data).arg(&gate.data).arg(&cols);
+        })
+    }
+
+    fn causal_conv1d(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        kv: &mut DeviceKv,
+        layer: usize,
+        batch: &DeviceBatch,
+    ) -> Result<CudaTensor> {
+        self.causal_conv1d_on_device(x, weight, kv, layer, batch)
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &CudaTensor,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        a_log: &CudaWeight,
+        dt_bias: &CudaWeight,
+        kv: &mut DeviceKv,
+        layer: usize,
+        batch: &DeviceBatch,
+        params: &DeltaRuleParams,
+    ) -> Result<CudaTensor> {
+        self.gated_delta_rule_on_device(qkv, a, b, a_log, dt_bias, kv, layer, batch, params)
+    }
+
+    fn rope(&self, x: &mut CudaTensor, batch: &DeviceBatch, rope: &CudaRope) -> Result<()> {
+        let (cols, head_dim, rotary_dim) = (x.cols as i32, rope.head_dim as i32, rope.rotary_dim as i32);
+        unsafe {
+            self.stream
+                .launch_builder(self.function("rope"))
+                .arg(&x.data)
+                .arg(&batch.positions)
+                .arg(&rope.inv_freq)
+                .arg(&cols)
+                .arg(&head_dim)
+                .arg(&rotary_dim)
+                .launch(per_row(x.rows, 128))
+        }
+        .map_err(cuda_err("rope"))?;
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        kv: &mut DeviceKv,
+        layer: usize,
+        batch: &DeviceBatch,
+        p: &AttentionParams,
+    ) -> Result<CudaTensor> {
+        if p.head_dim > 256 {
+            return Err(Error::Cuda(format!(
+                "head_dim {} is over the attention kernel's 256",
+                p.head_dim
+            )));
+        }
+        let (k_pool, v_pool) = kv.layer_pools(layer);
+        let width = k.cols as i32;
+        unsafe {
+            self.stream
+                .launch_builder(self.function("kv_append"))
+                .arg(&k.data)
+                .arg(&v.data)
+                .arg(k_pool)
+                .arg(v_pool)
+                .arg(&batch.row_slot)
+                .arg(&width)
+                .launch(per_row(k.rows, 128))
+        }
+        .map_err(cuda_err("kv_append"))?;
+        let out = self.tensor(q.rows, q.cols)?;
+        let (heads, kv_heads, head_dim) = (p.num_heads as i32, p.num_kv_heads as i32, p.head_dim as i32);
+        let window = p.sliding_window.unwrap_or(0) as i32;
+        let block_size = kv.block_size() as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (q.rows as u32, p.num_heads as u32, 1),
+            block_dim: (ATTENTION_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe {
+            self.stream
+                .launch_builder(self.function("attention"))
+                .arg(&q.data)
+                .arg(k_pool)
+                .arg(v_pool)
+                .arg(&out.data)
+                .arg(&batch.positions)
+                .arg(&batch.row_table)
+                .arg(&batch.block_tables)
+                .arg(&heads)
+                .arg(&kv_heads)
+                .arg(&head_dim)
+                .arg(&p.scale)
+                .arg(&window)
+                .arg(&block_size)
+                .launch(cfg)
+        }
+        .map_err(cuda_err("attention"))?;
+        Ok(out)
+    }
+
+    fn route(&self, logits: &CudaTensor, top_k: usize, kind: RouterKind) -> Result<CudaRouting> {
+        let RouterKind::SoftmaxTopK { renormalize } = kind;
+        if logits.cols > 512 {
+            return Err(Error::Cuda(format!(
+                "{} experts is over the router kernel's 512",
+                logits.cols
+            )));
+        }
+        let ids: CudaSlice<i32> = self.alloc(logits.rows * top_k)?;
+        let weights: CudaSlice<f32> = self.alloc(logits.rows * top_k)?;
+        let (experts, k, renorm) = (logits.cols as i32, top_k as i32, renormalize as i32);
+        unsafe {
+            self.stream
+                .launch_builder(self.function("route_softmax_topk"))
+                .arg(&logits.data)
+                .arg(&experts)
+                .arg(&k)
+                .arg(&renorm)
+                .arg(&ids)
+                .arg(&weights)
+                .launch(per_row(logits.rows, 32))
+        }
+        .map_err(cuda_err("route_softmax_topk"))?;
+        Ok(CudaRouting {
+            ids,
+            weights,
+            rows: logits.rows,
+            top_k,
+        })
+    }
+
+    fn moe_experts(&self, x: &CudaTensor, routing: &CudaRouting, experts: &CudaExperts) -> Result<CudaTensor> {
+        if x.rows > MOE_DECODE_MAX_ROWS {
+            return self.moe_experts_grouped(x, routing, experts);
+        }
+        let (hidden, inter, top_k) = (experts.hidden as i32, experts.inter as i32, routing.top_k as i32);
+        let pairs = routing.rows * routing.top_k;
+        let act = self.tensor(pairs, experts.inter)?;
+        let block = (GEMV_WARPS * 32, 1, 1);
+        unsafe {
+            self.stream
+                .launch_builder(self.function("moe_gate_up"))
+                .arg(&x.data)
+                .arg(&hidden)
+                .arg(&inter)
+                .arg(&top_k)
+                .arg(&routing.ids)
+                .arg(&experts.table)
+                .arg(&act.data)
+                .launch(LaunchConfig {
+                    grid_dim: (experts.inter.div_ceil(GEMV_WARPS as usize) as u32, pairs as u32, 1),
+                    block_dim: block,
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("moe_gate_up"))?;
+        let out = self.tensor(routing.rows, experts.hidden)?;
+        unsafe {
+            self.stream
+                .launch_builder(self.function("moe_down"))
+                .arg(&act.data)
+                .arg(&hidden)
+                .arg(&inter)
+                .arg(&top_k)
+                .arg(&routing.ids)
+                .arg(&routing.weights)
+                .arg(&experts.table)
+                .arg(&out.data)
+                .launch(LaunchConfig {
+                    grid_dim: (
+                        experts.hidden.div_ceil(GEMV_WARPS as usize) as u32,
+                        routing.rows as u32,
+                        1,
+                    ),
+                    block_dim: block,
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("moe_down"))?;
+        Ok(out)
+    }
+
+    fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+        let rows32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let rows_dev = self.copy_to_device(&rows32)?;
+        let out = self.tensor(rows.len(), x.cols)?;
+        let cols = x.cols as i32;
+        self.launch_rows("select_rows", rows.len(), |b| {
+            b.arg(&x.data).arg(&rows_dev).arg(&out.data).arg(&cols);
+        })
+        .map(|_| out)
+    }
+}

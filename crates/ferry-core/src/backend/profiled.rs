@@ -1,0 +1,172 @@
+//! A backend wrapper that times every op: it waits for the device after each one and adds the wall time to the
+//! op's total. For finding where a forward pass spends its time (`ferry bench --profile`), never for serving:
+//! the waits serialise the host and the device.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, Rope, RouterKind, SeqSlice};
+use crate::kv::KvSpec;
+use crate::loader::TensorRef;
+use crate::Result;
+
+pub struct Profiled<'a, B> {
+    inner: &'a B,
+    totals: Mutex<BTreeMap<&'static str, (u64, Duration)>>,
+}
+
+/// One op's calls and total time.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct OpTime {
+    pub op: &'static str,
+    pub calls: u64,
+    pub seconds: f64,
+}
+
+impl<'a, B: Backend> Profiled<'a, B> {
+    pub fn new(inner: &'a B) -> Self {
+        Profiled {
+            inner,
+            totals: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn time<T>(&self, op: &'static str, run: impl FnOnce() -> Result<T>) -> Result<T> {
+        let started = Instant::now();
+        let out = run()?;
+        self.inner.synchronize()?;
+        let mut totals = self.totals.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = totals.entry(op).or_default();
+        entry.0 += 1;
+        entry.1 += started.elapsed();
+        Ok(out)
+    }
+
+    /// Every op's calls and time, the most expensive first.
+    pub fn report(&self) -> Vec<OpTime> {
+        let totals = self.totals.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ops: Vec<OpTime> = totals
+            .iter()
+            .map(|(&op, &(calls, time))| OpTime {
+                op,
+                calls,
+                seconds: time.as_secs_f64(),
+            })
+            .collect();
+        ops.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+        ops
+    }
+}
+
+impl<B: Backend> Backend for Profiled<'_, B> {
+    type Tensor = B::Tensor;
+    type Weight = B::Weight;
+    type Experts = B::Experts;
+    type Kv = B::Kv;
+    type Batch = B::Batch;
+    type Routing = B::Routing;
+    type RopeTable = B::RopeTable;
+
+    fn name(&self) -> String {
+        format!("{} (profiled)", self.inner.name())
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.inner.synchronize()
+    }
+    fn weight(&self, tensor: TensorRef) -> Result<Self::Weight> {
+        self.inner.weight(tensor)
+    }
+    fn experts(&self, experts: Vec<ExpertTensors>) -> Result<Self::Experts> {
+        self.inner.experts(experts)
+    }
+    fn rope_table(&self, rope: &Rope) -> Result<Self::RopeTable> {
+        self.inner.rope_table(rope)
+    }
+    fn new_kv(&self, spec: KvSpec) -> Result<Self::Kv> {
+        self.inner.new_kv(spec)
+    }
+    fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Result<Self::Batch> {
+        self.time("prepare_batch", || self.inner.prepare_batch(kv, batch))
+    }
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor> {
+        self.inner.upload(data, rows, cols)
+    }
+    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>> {
+        self.time("to_host", || self.inner.to_host(x))
+    }
+    fn shape(&self, x: &Self::Tensor) -> (usize, usize) {
+        self.inner.shape(x)
+    }
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor> {
+        self.time("embed", || self.inner.embed(table, ids))
+    }
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, group: usize, eps: f32) -> Result<Self::Tensor> {
+        self.time("rms_norm", || self.inner.rms_norm(x, weight, group, eps))
+    }
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>) -> Result<Self::Tensor> {
+        self.time("linear", || self.inner.linear(x, w, bias))
+    }
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()> {
+        self.time("add_assign", || self.inner.add_assign(x, y))
+    }
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
+        self.time("silu_mul", || self.inner.silu_mul(gate, up))
+    }
+    fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()> {
+        self.time("sigmoid_gate", || self.inner.sigmoid_gate(x, gate))
+    }
+    fn rope(&self, x: &mut Self::Tensor, batch: &Self::Batch, rope: &Self::RopeTable) -> Result<()> {
+        self.time("rope", || self.inner.rope(x, batch, rope))
+    }
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &Self::Batch,
+        params: &AttentionParams,
+    ) -> Result<Self::Tensor> {
+        self.time("attention", || self.inner.attention(q, k, v, kv, layer, batch, params))
+    }
+    fn causal_conv1d(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &Self::Batch,
+    ) -> Result<Self::Tensor> {
+        self.time("causal_conv1d", || {
+            self.inner.causal_conv1d(x, weight, kv, layer, batch)
+        })
+    }
+    fn gated_delta_rule(
+        &self,
+        qkv: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        a_log: &Self::Weight,
+        dt_bias: &Self::Weight,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &Self::Batch,
+        params: &DeltaRuleParams,
+    ) -> Result<Self::Tensor> {
+        self.time("gated_delta_rule", || {
+            self.inner
+                .gated_delta_rule(qkv, a, b, a_log, dt_bias, kv, layer, batch, params)
+        })
+    }
+    fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Result<Self::Routing> {
+        self.time("route", || self.inner.route(logits, top_k, kind))
+    }
+    fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor> {
+        self.time("moe_experts", || self.inner.moe_experts(x, routing, experts))
+    }
+    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor> {
+        self.time("select_rows", || self.inner.select_rows(x, rows))
+    }
+}

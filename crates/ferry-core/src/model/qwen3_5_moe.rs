@@ -1,0 +1,45 @@
+//! Qwen3.5 / Qwen3.6 MoE (Qwen3.5-35B-A3B, Qwen3.6-35B-A3B): the Qwen3-Next hybrid (three Gated DeltaNet layers to
+//! one gated-attention layer, (1 + w) RMSNorms, sigmoid-gated shared expert) with separate Gated DeltaNet
+//! projections (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), every layer MoE, and a router that always
+//! renormalises its top-k weights.
+//!
+//! Published as `qwen3_5_moe` (Qwen3_5MoeForConditionalGeneration): the text config under `text_config`, the text
+//! weights under `model.language_model.`, beside a vision tower (`model.visual.*`) and a multi-token-prediction
+//! head (`mtp.*`) that text generation does not load. `qwen3_5_moe_text` (Qwen3_5MoeForCausalLM) is the text model
+//! alone.
+
+use serde::Deserialize;
+
+use super::config::{
+    check_top_k, parse, BaseConfig, GdnProjections, HybridConfig, ModelSpec, MoeSpec, STANDARD_EXPERTS,
+};
+use crate::backend::RouterKind;
+use crate::Result;
+
+#[derive(Deserialize)]
+struct Qwen3_5MoeConfig {
+    #[serde(flatten)]
+    base: BaseConfig,
+    #[serde(flatten)]
+    hybrid: HybridConfig,
+    num_experts: usize,
+    num_experts_per_tok: usize,
+    moe_intermediate_size: usize,
+    shared_expert_intermediate_size: usize,
+}
+
+pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
+    let c: Qwen3_5MoeConfig = parse(config)?;
+    check_top_k(c.num_experts, c.num_experts_per_tok)?;
+    let mut spec = c.base.spec("qwen3_5_moe")?;
+    c.hybrid.apply(&mut spec, GdnProjections::Separate)?;
+    spec.moe = Some(MoeSpec {
+        num_experts: c.num_experts,
+        top_k: c.num_experts_per_tok,
+        intermediate: c.moe_intermediate_size,
+        router: RouterKind::SoftmaxTopK { renormalize: true },
+        shared_expert_intermediate: Some(c.shared_expert_intermediate_size),
+        naming: STANDARD_EXPERTS,
+    });
+    Ok(spec)
+}

@@ -1,0 +1,309 @@
+//! Every CUDA op against the CPU backend on fresh random inputs (the backend-ops check): the same function on
+//! any valid input, within f32-level relative error. Ignored unless asked for: they need an NVIDIA GPU and run
+//! on the GPU machine through scripts/device/gpu-tests.sh.
+
+use ferry_core::backend::cpu::CpuBackend;
+use ferry_core::backend::cuda::CudaBackend;
+use ferry_core::backend::{AttentionParams, Backend, ExpertTensors, Rope, RouterKind, SeqSlice};
+use ferry_core::kv::{KvCache, KvSpec};
+use ferry_core::loader::{DType, TensorRef};
+
+/// Relative error limit for ops computed in f32 on both sides (products with bf16 weights are exact in f32;
+/// what differs is the order of summation and the libm of each side).
+const F32_LIMIT: f32 = 2e-5;
+
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    fn unit(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn values(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.unit() * scale).collect()
+    }
+
+    fn bf16(&mut self, name: &str, shape: &[usize], scale: f32) -> TensorRef {
+        let n = shape.iter().product();
+        let bytes = self
+            .values(n, scale)
+            .into_iter()
+            .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+            .collect();
+        TensorRef::from_bytes(name, DType::BF16, shape.to_vec(), bytes).unwrap()
+    }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
+    let diff: f64 = got.iter().zip(want).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (diff.sqrt() / norm.sqrt().max(1e-30)) as f32
+}
+
+struct Pair {
+    cpu: CpuBackend,
+    gpu: CudaBackend,
+}
+
+fn pair() -> Pair {
+    Pair {
+        cpu: CpuBackend,
+        gpu: CudaBackend::new(0).expect("a CUDA GPU"),
+    }
+}
+
+fn check(what: &str, got: Vec<f32>, want: Vec<f32>, limit: f32) {
+    let err = rel_err(&got, &want);
+    println!("{what:<40} rel err {err:.2e}");
+    assert!(err <= limit, "{what}: relative error {err} over {limit}");
+}
+
+/// Runs `op` on both backends over the same host inputs and compares.
+macro_rules! same_on_both {
+    ($p:expr, $what:expr, $limit:expr, |$be:ident| $body:expr) => {{
+        let cpu = {
+            let $be = &$p.cpu;
+            $body
+        };
+        let gpu = {
+            let $be = &$p.gpu;
+            $body
+        };
+        check($what, gpu, cpu, $limit);
+    }};
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn linear_gemv_and_gemm_paths() {
+    let p = pair();
+    let mut rng = Rng::new(1);
+    let shapes = [
+        (1, 2048, 768, false),
+        (3, 64, 96, true),
+        (8, 515, 33, false),
+        (9, 256, 130, true),
+        (300, 1024, 512, false),
+    ];
+    for (rows, k, n, bias) in shapes {
+        let w = rng.bf16("w", &[n, k], 0.05);
+        let b = rng.bf16("b", &[n], 0.5);
+        let x = rng.values(rows * k, 1.0);
+        same_on_both!(p, &format!("linear {rows}x{k} -> {n} bias={bias}"), F32_LIMIT, |be| {
+            let bias_weight = be.weight(b.clone()).unwrap();
+            let out = be
+                .linear(
+                    &be.upload(&x, rows, k).unwrap(),
+                    &be.weight(w.clone()).unwrap(),
+                    bias.then_some(&bias_weight),
+                )
+                .unwrap();
+            be.to_host(&out).unwrap()
+        });
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn elementwise_ops() {
+    let p = pair();
+    let mut rng = Rng::new(2);
+    let (rows, cols, head_dim) = (5, 384, 128);
+    let x = rng.values(rows * cols, 2.0);
+    let y = rng.values(rows * cols, 2.0);
+    let gate = rng.values(rows, 3.0);
+    let norm = rng.bf16("norm", &[cols], 1.0);
+    let head_norm = rng.bf16("head_norm", &[head_dim], 1.0);
+    let table = rng.bf16("table", &[50, cols], 1.0);
+    same_on_both!(p, "rms_norm (row)", F32_LIMIT, |be| {
+        let t = be.upload(&x, rows, cols).unwrap();
+        be.to_host(&be.rms_norm(&t, &be.weight(norm.clone()).unwrap(), cols, 1e-6).unwrap())
+            .unwrap()
+    });
+    same_on_both!(p, "rms_norm (per head)", F32_LIMIT, |be| {
+        let t = be.upload(&x, rows, cols).unwrap();
+        be.to_host(
+            &be.rms_norm(&t, &be.weight(head_norm.clone()).unwrap(), head_dim, 1e-6)
+                .unwrap(),
+        )
+        .unwrap()
+    });
+    same_on_both!(p, "embed", 0.0, |be| {
+        be.to_host(&be.embed(&be.weight(table.clone()).unwrap(), &[3, 0, 49, 3]).unwrap())
+            .unwrap()
+    });
+    same_on_both!(p, "add_assign", 0.0, |be| {
+        let mut a = be.upload(&x, rows, cols).unwrap();
+        be.add_assign(&mut a, &be.upload(&y, rows, cols).unwrap()).unwrap();
+        be.to_host(&a).unwrap()
+    });
+    same_on_both!(p, "silu_mul", F32_LIMIT, |be| {
+        let out = be
+            .silu_mul(&be.upload(&x, rows, cols).unwrap(), &be.upload(&y, rows, cols).unwrap())
+            .unwrap();
+        be.to_host(&out).unwrap()
+    });
+    same_on_both!(p, "sigmoid_gate", F32_LIMIT, |be| {
+        let mut a = be.upload(&x, rows, cols).unwrap();
+        be.sigmoid_gate(&mut a, &be.upload(&gate, rows, 1).unwrap()).unwrap();
+        be.to_host(&a).unwrap()
+    });
+    same_on_both!(p, "select_rows", 0.0, |be| {
+        be.to_host(&be.select_rows(&be.upload(&x, rows, cols).unwrap(), &[4, 0, 2]).unwrap())
+            .unwrap()
+    });
+    for rotary_dim in [head_dim, head_dim / 4] {
+        let rope = Rope::new(1e6, head_dim, rotary_dim);
+        same_on_both!(p, &format!("rope (rotary_dim {rotary_dim})"), F32_LIMIT, |be| {
+            let mut kv = be
+                .new_kv(KvSpec {
+                    num_layers: 1,
+                    num_kv_heads: 1,
+                    head_dim,
+                    capacity_tokens: 4096,
+                    recurrent: None,
+                })
+                .unwrap();
+            let seq = kv.alloc_seq();
+            // Positions 3000.. so the angles are large, as in long contexts.
+            let warmup = SeqSlice {
+                seq,
+                start_pos: 0,
+                len: 3000,
+            };
+            be.prepare_batch(&mut kv, &[warmup]).unwrap();
+            let batch = be
+                .prepare_batch(
+                    &mut kv,
+                    &[SeqSlice {
+                        seq,
+                        start_pos: 3000,
+                        len: rows,
+                    }],
+                )
+                .unwrap();
+            let mut t = be.upload(&x, rows, cols).unwrap();
+            be.rope(&mut t, &batch, &be.rope_table(&rope).unwrap()).unwrap();
+            be.to_host(&t).unwrap()
+        });
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn attention_over_paged_cache_prefill_then_decode() {
+    let p = pair();
+    let mut rng = Rng::new(3);
+    for (heads, kv_heads, head_dim, window) in [(4, 2, 16, None), (32, 4, 128, None), (8, 8, 64, Some(7))] {
+        let params = AttentionParams {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            sliding_window: window,
+        };
+        let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
+        // Step 1: two sequences prefill 37 and 5 tokens; step 2: both decode one token.
+        let steps: [&[(usize, usize)]; 2] = [&[(0, 37), (0, 5)], &[(37, 1), (5, 1)]];
+        let inputs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = steps
+            .iter()
+            .map(|s| {
+                let rows: usize = s.iter().map(|(_, l)| l).sum();
+                (
+                    rng.values(rows * q_cols, 1.0),
+                    rng.values(rows * kv_cols, 1.0),
+                    rng.values(rows * kv_cols, 1.0),
+                )
+            })
+            .collect();
+        same_on_both!(
+            p,
+            &format!("attention h{heads}/{kv_heads} d{head_dim} w{window:?}"),
+            F32_LIMIT,
+            |be| {
+                let mut kv = be
+                    .new_kv(KvSpec {
+                        num_layers: 1,
+                        num_kv_heads: kv_heads,
+                        head_dim,
+                        capacity_tokens: 100,
+                        recurrent: None,
+                    })
+                    .unwrap();
+                let seqs = [kv.alloc_seq(), kv.alloc_seq()];
+                let mut outputs = Vec::new();
+                for (step, (q, k, v)) in steps.iter().zip(&inputs) {
+                    let slices: Vec<SeqSlice> = step
+                        .iter()
+                        .zip(seqs)
+                        .map(|(&(start_pos, len), seq)| SeqSlice { seq, start_pos, len })
+                        .collect();
+                    let rows: usize = step.iter().map(|(_, l)| l).sum();
+                    let batch = be.prepare_batch(&mut kv, &slices).unwrap();
+                    let out = be
+                        .attention(
+                            &be.upload(q, rows, q_cols).unwrap(),
+                            &be.upload(k, rows, kv_cols).unwrap(),
+                            &be.upload(v, rows, kv_cols).unwrap(),
+                            &mut kv,
+                            0,
+                            &batch,
+                            &params,
+                        )
+                        .unwrap();
+                    outputs.extend(be.to_host(&out).unwrap());
+                }
+                outputs
+            }
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn router_and_routed_experts() {
+    let p = pair();
+    let mut rng = Rng::new(4);
+    let (experts, top_k, hidden, inter) = (16, 4, 256, 96);
+    let bank: Vec<ExpertTensors> = (0..experts)
+        .map(|e| ExpertTensors {
+            gate: rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.1),
+            up: rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.1),
+            down: rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1),
+        })
+        .collect();
+    // 1, 4 and 8 rows take the decode kernels; 40 rows the grouped GEMM path.
+    for rows in [1, 4, 8, 40] {
+        let x = rng.values(rows * hidden, 1.0);
+        // Logits spread wide so the top-k choice is never a near tie between the two backends.
+        let logits = rng.values(rows * experts, 8.0);
+        for renormalize in [false, true] {
+            let kind = RouterKind::SoftmaxTopK { renormalize };
+            same_on_both!(
+                p,
+                &format!("route + moe_experts rows={rows} renorm={renormalize}"),
+                F32_LIMIT,
+                |be| {
+                    let set = be.experts(bank.clone()).unwrap();
+                    let routing = be
+                        .route(&be.upload(&logits, rows, experts).unwrap(), top_k, kind)
+                        .unwrap();
+                    be.to_host(
+                        &be.moe_experts(&be.upload(&x, rows, hidden).unwrap(), &routing, &set)
+                            .unwrap(),
+                    )
+                    .unwrap()
+                }
+            );
+        }
+    }
+}

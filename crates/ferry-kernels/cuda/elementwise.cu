@@ -1,0 +1,91 @@
+// Row-wise and elementwise ops on [rows, cols] f32 activations.
+#include "common.cuh"
+
+extern "C" __global__ void embed_bf16(const uint16_t* __restrict__ table, const uint32_t* __restrict__ ids,
+                                      float* __restrict__ out, int hidden) {
+    const uint16_t* row = table + static_cast<size_t>(ids[blockIdx.x]) * hidden;
+    float* o = out + static_cast<size_t>(blockIdx.x) * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = bf16_to_float(row[i]);
+}
+
+// One block per `group`-wide chunk: out = x / sqrt(mean(x^2) + eps) * weight.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
+                                    float* __restrict__ out, int group, float eps) {
+    const float* xg = x + static_cast<size_t>(blockIdx.x) * group;
+    float* og = out + static_cast<size_t>(blockIdx.x) * group;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) sum += xg[i] * xg[i];
+    const float inv = 1.0f / sqrtf(block_sum(sum) / group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) og[i] = xg[i] * inv * weight[i];
+}
+
+extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+        x[i] += y[i];
+}
+
+extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ bias, size_t n, int cols) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+        x[i] += bias[i % cols];
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+
+extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float* __restrict__ up,
+                                    float* __restrict__ out, size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+        out[i] = silu(gate[i]) * up[i];
+}
+
+// x[r, :] *= sigmoid(gate[r]); one block per row.
+extern "C" __global__ void sigmoid_gate(float* __restrict__ x, const float* __restrict__ gate, int cols) {
+    const float s = 1.0f / (1.0f + expf(-gate[blockIdx.x]));
+    float* row = x + static_cast<size_t>(blockIdx.x) * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) row[i] *= s;
+}
+
+// Rotate-half RoPE over the first rotary_dim features of every head; one block per row.
+extern "C" __global__ void rope(float* __restrict__ x, const uint32_t* __restrict__ positions,
+                                const float* __restrict__ inv_freq, int cols, int head_dim, int rotary_dim) {
+    const int half = rotary_dim / 2;
+    const float pos = static_cast<float>(positions[blockIdx.x]);
+    float* row = x + static_cast<size_t>(blockIdx.x) * cols;
+    const int heads = cols / head_dim;
+    for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
+        const int h = idx / half, i = idx % half;
+        const float angle = pos * inv_freq[i];
+        const float c = cosf(angle), s = sinf(angle);
+        float* head = row + h * head_dim;
+        const float a = head[i], b = head[i + half];
+        head[i] = a * c - b * s;
+        head[i + half] = b * c + a * s;
+    }
+}
+
+extern "C" __global__ void select_rows(const float* __restrict__ x, const uint32_t* __restrict__ rows,
+                                       float* __restrict__ out, int cols) {
+    const float* src = x + static_cast<size_t>(rows[blockIdx.x]) * cols;
+    float* dst = out + static_cast<size_t>(blockIdx.x) * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
+}
+
+// x = hi + lo with hi, lo bf16: products of bf16 are exact in f32, so two bf16 GEMMs (hi and lo) give
+// f32-accurate results on the tensor cores.
+extern "C" __global__ void split_bf16(const float* __restrict__ x, uint16_t* __restrict__ hi,
+                                      uint16_t* __restrict__ lo, size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const uint16_t h = float_to_bf16(x[i]);
+        hi[i] = h;
+        lo[i] = float_to_bf16(x[i] - bf16_to_float(h));
+    }
+}
+
+extern "C" __global__ void bf16_to_f32(const uint16_t* __restrict__ in, float* __restrict__ out, size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+        out[i] = bf16_to_float(in[i]);
+}
