@@ -46,6 +46,10 @@ pub struct ServeArgs {
     /// Prompt plus output tokens per request. Default: the model's context window.
     #[arg(long)]
     max_model_len: Option<usize>,
+    /// Tokens the KV cache holds across all requests (at least --max-model-len; a device backend allocates it
+    /// up front). Default: --max-model-len x --max-running-requests, so preemption is a last resort.
+    #[arg(long)]
+    kv_cache_tokens: Option<usize>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
 }
@@ -169,9 +173,14 @@ fn start_engine<B: Backend + 'static>(
         Some(n) => n,
         None => window,
     };
-    // Room for every running request at full length, so preemption is a last resort. The pool's blocks are the
-    // device cache's, so the cache holds whatever the pool grants.
-    let kv_tokens = max_model_len * args.max_running_requests;
+    let kv_tokens = match args.kv_cache_tokens {
+        Some(n) if n < max_model_len => {
+            bail!("--kv-cache-tokens {n} cannot hold one request of --max-model-len {max_model_len}")
+        }
+        Some(n) => n,
+        None => max_model_len * args.max_running_requests,
+    };
+    // The pool's blocks are the device cache's, so the cache holds whatever the pool grants.
     let blocks = BlockPool::new(KV_BLOCK_SIZE, kv_tokens.div_ceil(KV_BLOCK_SIZE));
     let kv = backend.new_kv(model.kv_spec(blocks.capacity_tokens()))?;
     tracing::info!(

@@ -264,7 +264,19 @@ fn bad_requests_get_openai_errors_naming_the_field() {
 
 #[test]
 fn a_full_queue_is_refused_and_a_client_that_hangs_up_frees_its_kv() {
-    let server = Server::start(&["--max-running-requests", "1", "--max-queued-requests", "0"]);
+    let server = Server::start(&[
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "0",
+        "--kv-cache-tokens",
+        "5000",
+    ]);
+    assert_eq!(
+        server.metric("ferry_kv_blocks_total"),
+        313.0,
+        "5000 tokens in blocks of 16"
+    );
     let long = chat("Go on and on.", json!({"max_tokens": 3000, "stream": true}));
     let stream = server.send("POST", "/v1/chat/completions", Some(&long.to_string()), Some(KEY));
     let mut reader = BufReader::new(stream);
@@ -300,4 +312,30 @@ fn a_full_queue_is_refused_and_a_client_that_hangs_up_frees_its_kv() {
             .0,
         200
     );
+}
+
+#[test]
+fn a_model_that_cannot_load_ends_the_server_with_the_reason() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+    for (extra, needle) in [
+        (
+            vec!["--kv-cache-tokens", "10"],
+            "--kv-cache-tokens 10 cannot hold one request",
+        ),
+        (
+            vec!["--max-model-len", "99999"],
+            "beyond the model's context window of 4096",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["serve", "--model", fixture.to_str().unwrap(), "--port", "0"])
+            .args(&extra)
+            .env("NO_COLOR", "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?}: {stderr}");
+        assert!(stderr.contains(needle), "{extra:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
 }
