@@ -74,8 +74,9 @@ struct BenchReport {
     decode_bound_tok_s: f64,
     decode_achieved_over_bound: f64,
     peak_gpu_memory_bytes: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    profile: Option<Vec<OpTime>>,
+    /// With --profile: per phase (prefill, decode_batch1, decode_concurrent), where the time went.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    profile: Vec<(&'static str, Vec<OpTime>)>,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -85,11 +86,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let ceiling = memory_ceiling(&backends)?;
         if args.profile {
             let profiled = Profiled::new(be);
-            let mut report = bench_on(&profiled, &checkpoint, &args, ceiling, || peak_gpu_memory(&backends))?;
-            report.profile = Some(profiled.report());
+            let phases = std::cell::RefCell::new(Vec::new());
+            let mut report = bench_on(&profiled, &checkpoint, &args, ceiling, || peak_gpu_memory(&backends), |phase| {
+                phases.borrow_mut().push((phase, profiled.take_report()))
+            })?;
+            report.profile = phases.into_inner();
             Ok::<_, anyhow::Error>(report)
         } else {
-            bench_on(be, &checkpoint, &args, ceiling, || peak_gpu_memory(&backends))
+            bench_on(be, &checkpoint, &args, ceiling, || peak_gpu_memory(&backends), |_| {})
         }
     })?;
     print_report(&report);
@@ -135,6 +139,7 @@ fn bench_on<B: Backend>(
     args: &BenchArgs,
     ceiling: MemoryCeiling,
     gpu_memory_used: impl Fn() -> Option<u64>,
+    phase_done: impl Fn(&'static str),
 ) -> Result<BenchReport> {
     let started = Instant::now();
     let model = Model::load(be, checkpoint)?;
@@ -177,6 +182,7 @@ fn bench_on<B: Backend>(
     let mut token = greedy(be, &logits)?[0];
     let ttft = started.elapsed().as_secs_f64();
     track(&mut peak);
+    phase_done("prefill");
 
     // Decode that sequence at batch 1.
     let started = Instant::now();
@@ -194,6 +200,7 @@ fn bench_on<B: Backend>(
     }
     let decode_batch1 = args.decode_tokens as f64 / started.elapsed().as_secs_f64();
     track(&mut peak);
+    phase_done("decode_batch1");
     kv.free_seq(seq);
 
     // Decode `concurrency` sequences together.
@@ -222,6 +229,7 @@ fn bench_on<B: Backend>(
     }
     let decode_aggregate = (args.decode_tokens * args.concurrency) as f64 / started.elapsed().as_secs_f64();
     track(&mut peak);
+    phase_done("decode_concurrent");
 
     let bytes_per_token = info.params_active_per_token * checkpoint.weight_dtype().size() as u64;
     let bound = ceiling.gb_s * 1e9 / bytes_per_token as f64;
@@ -245,7 +253,7 @@ fn bench_on<B: Backend>(
         decode_achieved_over_bound: decode_batch1 / bound,
         memory_ceiling: ceiling,
         peak_gpu_memory_bytes: peak,
-        profile: None,
+        profile: Vec::new(),
     })
 }
 
@@ -311,7 +319,10 @@ fn print_report(r: &BenchReport) {
     for (name, value) in rows {
         println!("{name:<26}{value}");
     }
-    for op in r.profile.iter().flatten() {
-        println!("  {:<24}{:>8} calls {:>10.3} s", op.op, op.calls, op.seconds);
+    for (phase, ops) in &r.profile {
+        println!("profile: {phase}");
+        for op in ops {
+            println!("  {:<24}{:>8} calls {:>10.3} ms", op.op, op.calls, op.seconds * 1e3);
+        }
     }
 }

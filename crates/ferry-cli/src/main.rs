@@ -1,6 +1,7 @@
 //! `ferry`: run Mixture-of-Experts models larger than the GPU.
 
 mod bench;
+mod cache_sim;
 mod device;
 mod doctor;
 mod generate;
@@ -33,6 +34,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Measure the machine's ceilings: memory and copy bandwidths, GEMM throughput.
     Doctor(doctor::DoctorArgs),
+    /// Replay a routing trace through an expert cache of N slots: hit rate per policy and layer.
+    CacheSim(cache_sim::CacheSimArgs),
     /// Serve the OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
 }
@@ -48,6 +51,7 @@ fn main() -> ExitCode {
         Command::Info(args) => info::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Doctor(args) => doctor::run(args),
+        Command::CacheSim(args) => cache_sim::run(args),
         Command::Serve(args) => serve::run(args),
     };
     match result {

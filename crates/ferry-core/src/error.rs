@@ -22,6 +22,8 @@ pub enum Error {
     Request(String),
     #[error("KV cache: {0}")]
     Kv(String),
+    #[error("expert cache: {0}")]
+    Cache(String),
     #[error("CUDA: {0}")]
     Cuda(String),
 }

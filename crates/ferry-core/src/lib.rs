@@ -8,6 +8,8 @@
 //! - [`kv`]: the key/value cache of running sequences, and its block accounting.
 //! - [`engine`]: sampling, stop rules, the generation loop, and the scheduler that serves many requests at once
 //!   (continuous batching, chunked prefill, preemption) on its own thread.
+//! - [`moe`]: the expert cache's pure logic: eviction policies, the planner of one slot pool shared by all MoE
+//!   layers, routing traces.
 //!
 //! Not here: HTTP serving (ferry-server), the command line (ferry-cli), GPU kernels (ferry-kernels).
 
@@ -17,5 +19,6 @@ pub mod error;
 pub mod kv;
 pub mod loader;
 pub mod model;
+pub mod moe;
 
 pub use error::{Error, Result};

@@ -200,7 +200,7 @@ macro_rules! parity_tests {
             #[test]
             fn hybrid_state_carries_across_calls_and_stays_per_sequence() {
                 for family in super::HYBRID_FAMILIES {
-                    super::check_state_across_calls(&super::CpuBackend, family);
+                    super::check_state_across_calls(&super::CpuBackend, family, super::SAME_PATH_TOLERANCE);
                 }
             }
         }
@@ -216,7 +216,7 @@ macro_rules! parity_tests {
             fn hybrid_state_carries_across_calls_and_stays_per_sequence() {
                 let backend = super::CudaBackend::new(0).unwrap();
                 for family in super::HYBRID_FAMILIES {
-                    super::check_state_across_calls(&backend, family);
+                    super::check_state_across_calls(&backend, family, super::SHAPE_DEPENDENT_TOLERANCE);
                 }
             }
         }
@@ -224,6 +224,14 @@ macro_rules! parity_tests {
 }
 
 const HYBRID_FAMILIES: &[&str] = &["qwen3_5_moe", "qwen3_next"];
+
+/// The CPU computes each row the same way whatever else is in the batch: chunked equals whole to rounding.
+const SAME_PATH_TOLERANCE: f32 = 1e-5;
+/// On the GPU, products of more than 8 rows run on cuBLAS, whose algorithm (and so summation order) depends on
+/// the row count, and fewer rows run on the GEMV kernels: splitting a prompt differently changes rounding at
+/// ~1e-6 relative (measured: 7.9e-5 on these logits). A recurrent state lost or leaked between calls or sequences
+/// moves the logits by 0.09 to 0.32, three orders of magnitude more.
+const SHAPE_DEPENDENT_TOLERANCE: f32 = 2e-4;
 
 parity_tests!(
     qwen3_moe,
@@ -239,7 +247,7 @@ parity_tests!(
 /// What the scheduler does with a hybrid model: a long prompt prefilled in chunks, each chunk batched with another
 /// sequence's work. Its last logits must equal one whole-prompt call, and the other sequence's must equal its own
 /// call alone: recurrent state carries across calls and never leaks between sequences.
-fn check_state_across_calls<B: Backend>(backend: &B, name: &str) {
+fn check_state_across_calls<B: Backend>(backend: &B, name: &str, tolerance: f32) {
     let checkpoint = Checkpoint::open(&fixtures().join(name)).unwrap();
     let model = Model::load(backend, &checkpoint).unwrap();
     let reference: Reference =
@@ -294,12 +302,12 @@ fn check_state_across_calls<B: Backend>(backend: &B, name: &str) {
     let differ = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     let long_diff = differ(&long_logits, &alone(long));
     assert!(
-        long_diff <= 1e-5,
+        long_diff <= tolerance,
         "{name}: chunked, batched prefill differs from one call by {long_diff}"
     );
     let short_diff = differ(&short_logits, &alone(short));
     assert!(
-        short_diff <= 1e-5,
+        short_diff <= tolerance,
         "{name}: a sequence batched with another differs from its own call by {short_diff}"
     );
 }

@@ -54,6 +54,8 @@ __device__ __forceinline__ void warp_row_dot(const uint16_t* __restrict__ w_row,
                          (x_stride & 3) == 0;
     int kk = 0;
     if (aligned) {
+        // Unrolled so several 16-byte loads per lane are in flight: a GEMV is bound by memory latency otherwise.
+#pragma unroll 4
         for (kk = lane * 8; kk + 8 <= k; kk += 32 * 8) {
             const uint4 packed = *reinterpret_cast<const uint4*>(w_row + kk);
             const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};

@@ -132,6 +132,14 @@ pub trait Backend: Send + Sync + Sized {
     /// `x W^T (+ bias)`.
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>) -> Result<Self::Tensor>;
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// `x += y`, then the RMSNorm of each row of `x` times `weight`: the residual add and the next norm in one op.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Tensor>;
     /// `silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// Scales `x` by the sigmoid of `gate`: per row (`gate` `[rows, 1]`: `x[r, c] *= sigmoid(gate[r, 0])`, the

@@ -43,9 +43,9 @@ impl<'a, B: Backend> Profiled<'a, B> {
         Ok(out)
     }
 
-    /// Every op's calls and time, the most expensive first.
-    pub fn report(&self) -> Vec<OpTime> {
-        let totals = self.totals.lock().unwrap_or_else(|e| e.into_inner());
+    /// Every op's calls and time since the last report, the most expensive first; starts counting afresh.
+    pub fn take_report(&self) -> Vec<OpTime> {
+        let totals = std::mem::take(&mut *self.totals.lock().unwrap_or_else(|e| e.into_inner()));
         let mut ops: Vec<OpTime> = totals
             .iter()
             .map(|(&op, &(calls, time))| OpTime {
@@ -109,6 +109,15 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     }
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()> {
         self.time("add_assign", || self.inner.add_assign(x, y))
+    }
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.time("add_rms_norm", || self.inner.add_rms_norm(x, y, weight, eps))
     }
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
         self.time("silu_mul", || self.inner.silu_mul(gate, up))

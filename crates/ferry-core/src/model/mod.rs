@@ -167,8 +167,11 @@ impl<B: Backend> Model<B> {
         let eps = self.spec.rms_norm_eps;
         let h = self.spec.hidden_size;
         let mut x = be.embed(&self.embed_tokens, ids)?;
-        for layer in &self.layers {
-            let normed = be.rms_norm(&x, &layer.input_norm, h, eps)?;
+        let mut normed = match self.layers.first() {
+            Some(first) => be.rms_norm(&x, &first.input_norm, h, eps)?,
+            None => return Err(Error::Config("a model without layers".into())),
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
             let mixed = match &layer.mixer {
                 TokenMixer::Attention { attention, kv_layer } => {
                     attention.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared)?
@@ -177,9 +180,14 @@ impl<B: Backend> Model<B> {
                     gdn.forward(be, &normed, kv, *state_layer, &prepared)?
                 }
             };
-            be.add_assign(&mut x, &mixed)?;
-            let normed = be.rms_norm(&x, &layer.post_attention_norm, h, eps)?;
-            be.add_assign(&mut x, &layer.ffn.forward(be, &normed)?)?;
+            normed = be.add_rms_norm(&mut x, &mixed, &layer.post_attention_norm, eps)?;
+            let out = layer.ffn.forward(be, &normed)?;
+            // The residual add fused with the next layer's input norm; after the last layer, a plain add (the final
+            // norm runs on each sequence's last row only).
+            match self.layers.get(i + 1) {
+                Some(next) => normed = be.add_rms_norm(&mut x, &out, &next.input_norm, eps)?,
+                None => be.add_assign(&mut x, &out)?,
+            }
         }
         let last_rows: Vec<usize> = batch
             .iter()

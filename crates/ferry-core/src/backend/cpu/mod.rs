@@ -248,6 +248,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn add_rms_norm(&self, x: &mut CpuTensor, y: &CpuTensor, weight: &TensorRef, eps: f32) -> Result<CpuTensor> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, weight, x.cols, eps)
+    }
+
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
         Ok(CpuTensor {
             data: gate.data.iter().zip(&up.data).map(|(&g, &u)| silu(g) * u).collect(),

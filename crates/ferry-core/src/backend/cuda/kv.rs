@@ -47,6 +47,8 @@ pub struct DeviceBatch {
     pub(super) row_table: CudaSlice<u32>,
     /// The block tables of the batch's sequences, one after another.
     pub(super) block_tables: CudaSlice<u32>,
+    /// The longest sequence of the batch, in tokens, after it.
+    pub(super) max_len: usize,
     pub(super) recurrent: Option<RecurrentBatch>,
 }
 
@@ -161,6 +163,7 @@ impl DeviceKv {
             row_slot: upload(&row_slot)?,
             row_table: upload(&row_table)?,
             block_tables: upload(&block_tables)?,
+            max_len: batch.iter().map(|s| s.start_pos + s.len).max().unwrap_or(0),
             recurrent: self.recurrent_batch(stream, batch)?,
         })
     }

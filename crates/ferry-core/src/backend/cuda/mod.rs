@@ -30,8 +30,10 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Rows of a batch up to which the MoE block runs its decode kernels (routing never leaves the device).
 const MOE_DECODE_MAX_ROWS: usize = GEMV_MAX_ROWS;
 const GEMV_WARPS: u32 = 8;
-/// Warps per (row, head) block of the attention kernel (attention.cu's ATTN_WARPS).
-const ATTENTION_WARPS: u32 = 8;
+/// Keys per shared-memory tile of the attention kernel (attention.cu's KEYS_PER_TILE).
+const ATTENTION_KEYS_PER_TILE: usize = 32;
+/// Dynamic shared memory the attention kernel may use (keys, values and the group's queries of one tile).
+const ATTENTION_MAX_SHARED_BYTES: usize = 160 * 1024;
 
 fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Cuda(format!("{context}: {e}"))
@@ -98,6 +100,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         &[
             "embed_bf16",
             "rms_norm",
+            "add_rms_norm",
             "add_assign",
             "add_bias",
             "silu_mul",
@@ -117,7 +120,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "sigmoid_gate_elementwise",
         ],
     ),
-    ("attention", &["kv_append", "attention"]),
+    ("attention", &["kv_append", "attention", "attention_combine"]),
     (
         "moe",
         &[
@@ -184,6 +187,12 @@ impl CudaBackend {
                 functions.insert(*name, f);
             }
         }
+        functions["attention"]
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                ATTENTION_MAX_SHARED_BYTES as i32,
+            )
+            .map_err(cuda_err("attention shared memory"))?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
         let device = format!(
             "{} (sm_{major}{minor}, {:.1} GiB)",
@@ -598,6 +607,26 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, weight: &CudaWeight, eps: f32) -> Result<CudaTensor> {
+        let w = self.vector(weight)?;
+        let out = self.tensor(x.rows, x.cols)?;
+        let cols = x.cols as i32;
+        let threads = (x.cols.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        unsafe {
+            self.stream
+                .launch_builder(self.function("add_rms_norm"))
+                .arg(&x.data)
+                .arg(&y.data)
+                .arg(w)
+                .arg(&out.data)
+                .arg(&cols)
+                .arg(&eps)
+                .launch(per_row(x.rows, threads))
+        }
+        .map_err(cuda_err("add_rms_norm"))?;
+        Ok(out)
+    }
+
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
         let out = self.tensor(gate.rows, gate.cols)?;
         let len = gate.rows * gate.cols;
@@ -708,13 +737,30 @@ impl Backend for CudaBackend {
         }
         .map_err(cuda_err("kv_append"))?;
         let out = self.tensor(q.rows, q.cols)?;
+        let group = p.num_heads / p.num_kv_heads;
+        let shared = (ATTENTION_KEYS_PER_TILE * (2 * p.head_dim + 1) + group * p.head_dim) * 4;
+        if group > 32 || shared > ATTENTION_MAX_SHARED_BYTES {
+            return Err(Error::Cuda(format!(
+                "attention with {group} query heads per kv head of dim {} is over the kernel's limits",
+                p.head_dim
+            )));
+        }
+        // Few rows (decode): split the keys so that enough blocks run; many rows (prefill): one split.
+        let blocks = q.rows * p.num_kv_heads;
+        let splits = 256usize.div_ceil(blocks).min(batch.max_len.div_ceil(64)).max(1);
+        let split_len = batch.max_len.div_ceil(splits).div_ceil(ATTENTION_KEYS_PER_TILE) * ATTENTION_KEYS_PER_TILE;
+        let partial: CudaSlice<f32> = self.alloc(if splits > 1 {
+            q.rows * p.num_heads * splits * (p.head_dim + 2)
+        } else {
+            1
+        })?;
         let (heads, kv_heads, head_dim) = (p.num_heads as i32, p.num_kv_heads as i32, p.head_dim as i32);
         let window = p.sliding_window.unwrap_or(0) as i32;
-        let block_size = kv.block_size() as i32;
+        let (block_size, split_len32, splits32) = (kv.block_size() as i32, split_len as i32, splits as i32);
         let cfg = LaunchConfig {
-            grid_dim: (q.rows as u32, p.num_heads as u32, 1),
-            block_dim: (ATTENTION_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: (q.rows as u32, p.num_kv_heads as u32, splits as u32),
+            block_dim: (group as u32 * 32, 1, 1),
+            shared_mem_bytes: shared as u32,
         };
         unsafe {
             self.stream
@@ -723,6 +769,7 @@ impl Backend for CudaBackend {
                 .arg(k_pool)
                 .arg(v_pool)
                 .arg(&out.data)
+                .arg(&partial)
                 .arg(&batch.positions)
                 .arg(&batch.row_table)
                 .arg(&batch.block_tables)
@@ -732,9 +779,28 @@ impl Backend for CudaBackend {
                 .arg(&p.scale)
                 .arg(&window)
                 .arg(&block_size)
+                .arg(&split_len32)
                 .launch(cfg)
         }
         .map_err(cuda_err("attention"))?;
+        if splits > 1 {
+            let cfg = LaunchConfig {
+                grid_dim: (q.rows as u32, p.num_heads as u32, 1),
+                block_dim: (p.head_dim.div_ceil(32) as u32 * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            unsafe {
+                self.stream
+                    .launch_builder(self.function("attention_combine"))
+                    .arg(&partial)
+                    .arg(&out.data)
+                    .arg(&heads)
+                    .arg(&head_dim)
+                    .arg(&splits32)
+                    .launch(cfg)
+            }
+            .map_err(cuda_err("attention_combine"))?;
+        }
         Ok(out)
     }
 

@@ -1,0 +1,11 @@
+//! The expert cache's pure logic: eviction policies, the per-layer planner over one slot pool shared by all MoE
+//! layers, and routing traces. The GPU side (host bank, device slab, copy stream) lives in `backend::cuda` and
+//! applies the plans made here; nothing in this module touches a device, so all of it is tested on the CPU.
+
+pub mod cache;
+pub mod policy;
+pub mod trace;
+
+pub use cache::{ExpertCache, LayerCounts, Plan};
+pub use policy::{Belady, EvictionPolicy, ExpertKey, Lru};
+pub use trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};
