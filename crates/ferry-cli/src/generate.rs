@@ -105,13 +105,13 @@ fn generate_on<B: Backend>(backend: &B, checkpoint: &Checkpoint, args: &Generate
     let seq = kv.alloc_seq();
 
     let tokenizer = checkpoint.tokenizer.as_ref();
-    let mut detokenizer = tokenizer.filter(|_| !args.json).map(Detokenizer::new);
+    let mut detokenizer = tokenizer.filter(|_| !args.json).map(|t| (t, Detokenizer::new()));
     let mut stdout = std::io::stdout().lock();
     let mut stream_error = None;
     let started = std::time::Instant::now();
     let generation = generate(backend, &model, &mut kv, seq, &request, |token, _| {
-        if let Some(detok) = detokenizer.as_mut() {
-            match detok.push(token) {
+        if let Some((tokenizer, detok)) = detokenizer.as_mut() {
+            match detok.push(*tokenizer, token) {
                 Ok(Some(piece)) => {
                     let _ = write!(stdout, "{piece}");
                     let _ = stdout.flush();

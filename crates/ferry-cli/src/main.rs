@@ -5,7 +5,9 @@ mod cache_sim;
 mod device;
 mod doctor;
 mod generate;
+mod hub;
 mod info;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -34,6 +36,8 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Replay a routing trace through an expert cache of N slots: hit rate per policy and layer.
     CacheSim(cache_sim::CacheSimArgs),
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +52,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(args),
         Command::Doctor(args) => doctor::run(args),
         Command::CacheSim(args) => cache_sim::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -14,14 +14,34 @@ fn streamed_pieces_never_split_a_character() {
         ids.len() > text.chars().count() / 2,
         "expected characters split across tokens"
     );
-    let mut detokenizer = Detokenizer::new(&tokenizer);
+    let mut detokenizer = Detokenizer::new();
     let mut streamed = String::new();
     for &id in &ids {
-        if let Some(piece) = detokenizer.push(id).unwrap() {
+        if let Some(piece) = detokenizer.push(&tokenizer, id).unwrap() {
             assert!(!piece.contains('\u{FFFD}'), "piece {piece:?} holds a broken character");
             streamed.push_str(&piece);
         }
     }
     assert_eq!(streamed, tokenizer.decode(&ids, true).unwrap());
     assert_eq!(streamed, text);
+}
+
+#[test]
+fn text_held_back_at_the_end_is_released_as_transformers_decodes_it() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+    let tokenizer = Tokenizer::load(&dir).unwrap().unwrap();
+    let ids = tokenizer.encode("🦀", false).unwrap();
+    assert!(ids.len() > 1, "the crab spans several byte tokens");
+    let cut = &ids[..ids.len() - 1];
+    let mut detokenizer = Detokenizer::new();
+    for &id in cut {
+        assert_eq!(
+            detokenizer.push(&tokenizer, id).unwrap(),
+            None,
+            "an incomplete character is held"
+        );
+    }
+    let rest = detokenizer.finish(&tokenizer).unwrap();
+    assert_eq!(rest, tokenizer.decode(cut, true).unwrap());
+    assert!(rest.contains('\u{FFFD}'));
 }

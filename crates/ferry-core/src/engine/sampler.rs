@@ -1,6 +1,8 @@
 //! Picks the next token from logits: greedy at temperature 0, otherwise temperature, top-k and top-p
 //! (nucleus) sampling from a seeded generator, so a given seed always gives the same continuation.
 
+use std::collections::HashMap;
+
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 #[derive(Clone, Debug, PartialEq)]
@@ -103,9 +105,30 @@ impl Sampler {
     }
 }
 
+/// OpenAI's presence and frequency penalties: each token already generated loses `presence` once and
+/// `frequency` per time it was generated.
+pub fn apply_penalties(logits: &mut [f32], generated_counts: &HashMap<u32, u32>, presence: f32, frequency: f32) {
+    if presence == 0.0 && frequency == 0.0 {
+        return;
+    }
+    for (&token, &count) in generated_counts {
+        if let Some(logit) = logits.get_mut(token as usize) {
+            *logit -= presence + frequency * count as f32;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn penalties_lower_generated_tokens_by_presence_and_count() {
+        let mut logits = [1.0, 1.0, 1.0];
+        let counts = HashMap::from([(0, 3), (2, 1)]);
+        apply_penalties(&mut logits, &counts, 0.5, 0.25);
+        assert_eq!(logits, [1.0 - 0.5 - 0.75, 1.0, 1.0 - 0.5 - 0.25]);
+    }
 
     fn params(temperature: f32, top_k: Option<usize>, top_p: f32, seed: u64) -> SamplingParams {
         SamplingParams {

@@ -3,11 +3,15 @@
 //!
 //! Sequences get a [`SeqId`] when they start and give it back when they end; their keys and values grow as they
 //! do, up to the cache's token capacity, after which appending fails with a clear error instead of growing. The
-//! recurrent state is allocated with the sequence and freed with it.
+//! recurrent state is allocated with the sequence and freed with it. [`BlockPool`] is the scheduler's budget of
+//! that capacity in blocks: it grows a sequence's blocks before each step, so the cache is never asked for more
+//! than it has (running out is a scheduling decision, not an error mid-forward).
 
+mod block_pool;
 mod blocks;
 pub mod recurrent;
 
+pub use block_pool::BlockPool;
 pub use blocks::BlockAllocator;
 pub use recurrent::{RecurrentLayer, RecurrentSpec};
 

@@ -98,6 +98,11 @@ impl Tokenizer {
         self.chat_template.is_some()
     }
 
+    /// Whether the chat template's source contains `text` (e.g. a reasoning tag it emits).
+    pub fn chat_template_mentions(&self, text: &str) -> bool {
+        self.chat_template.as_deref().is_some_and(|t| t.contains(text))
+    }
+
     /// Renders the chat template as transformers does (trim_blocks, lstrip_blocks, Python string methods,
     /// `raise_exception`, Python-style `tojson`). `extra` holds `chat_template_kwargs` (e.g. enable_thinking).
     pub fn apply_chat_template(
@@ -185,10 +190,21 @@ fn write_python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize,
     }
 }
 
+/// Token ids to text: what incremental detokenisation needs of a tokenizer (the engine's tests use a stand-in).
+pub trait TextDecoder: Send + Sync {
+    fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String>;
+}
+
+impl TextDecoder for Tokenizer {
+    fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        Tokenizer::decode(self, ids, skip_special_tokens)
+    }
+}
+
 /// Turns a growing list of token ids into text pieces without ever splitting a multi-byte character: text is
 /// released only once the tokens decode to complete characters.
-pub struct Detokenizer<'a> {
-    tokenizer: &'a Tokenizer,
+#[derive(Default)]
+pub struct Detokenizer {
     ids: Vec<u32>,
     /// Ids before this index are context only (a few tokens re-decoded so that spacing stays right).
     prefix_offset: usize,
@@ -196,24 +212,32 @@ pub struct Detokenizer<'a> {
     read_offset: usize,
 }
 
-impl<'a> Detokenizer<'a> {
-    pub fn new(tokenizer: &'a Tokenizer) -> Self {
-        Detokenizer {
-            tokenizer,
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-        }
+impl Detokenizer {
+    pub fn new() -> Self {
+        Self::default()
     }
 
     /// Adds a token; returns the new complete text it makes, if any.
-    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+    pub fn push(&mut self, decoder: &dyn TextDecoder, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let prefix = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
-        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], true)?;
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
+        self.release(decoder, false)
+    }
+
+    /// The text still held back at the end of generation (an incomplete character decodes as U+FFFD, as
+    /// transformers' decode gives it).
+    pub fn finish(&mut self, decoder: &dyn TextDecoder) -> Result<String> {
+        Ok(self.release(decoder, true)?.unwrap_or_default())
+    }
+
+    /// Text decoded since the last release; while `incomplete_ok` is false, none until it ends in a whole
+    /// character.
+    fn release(&mut self, decoder: &dyn TextDecoder, incomplete_ok: bool) -> Result<Option<String>> {
+        let prefix = decoder.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = decoder.decode(&self.ids[self.prefix_offset..], true)?;
+        if full.len() > prefix.len()
+            && (incomplete_ok || !full.ends_with('\u{FFFD}'))
+            && full.is_char_boundary(prefix.len())
+        {
             let piece = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.ids.len();

@@ -24,7 +24,7 @@ use crate::kv::KvSpec;
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
 pub use ceilings::GpuCeilings;
-pub use kv::{DeviceBatch, DeviceKv};
+pub use kv::{DeviceBatch, DeviceKv, BLOCK_SIZE as KV_BLOCK_SIZE};
 pub use libs::CudaLibraries;
 pub use offload::OffloadStats;
 

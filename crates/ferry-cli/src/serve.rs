@@ -1,0 +1,207 @@
+//! `ferry serve`: the OpenAI-compatible server. It binds first, so /health answers (503, with progress) while the
+//! checkpoint is fetched and loaded; then the engine thread starts and /health turns 200.
+
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use ferry_core::backend::cuda::KV_BLOCK_SIZE;
+use ferry_core::backend::Backend;
+use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig};
+use ferry_core::kv::BlockPool;
+use ferry_core::loader::{Checkpoint, Tokenizer};
+use ferry_core::model::Model;
+use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig};
+
+use crate::device::{open_backend, Backends, Device};
+use crate::hub::{self, HubAccess};
+/// Tokens one engine step runs at most: running decodes first, then prefill chunks. 2048 keeps a step's prefill
+/// chunk large enough to reuse each fetched expert across many tokens while decodes still advance every step.
+const STEP_TOKENS: usize = 2048;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// A Hugging Face checkpoint directory, or a hub repo id (owner/name) fetched into the Hugging Face cache.
+    #[arg(long)]
+    model: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the log says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model name clients send and /v1/models lists. Default: the --model argument.
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health.
+    #[arg(long, env = "FERRY_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Requests generating at once (the running batch).
+    #[arg(long, default_value_t = 4)]
+    max_running_requests: usize,
+    /// Requests waiting for a place in the batch; more are refused with 503.
+    #[arg(long, default_value_t = 64)]
+    max_queued_requests: usize,
+    /// Prompt plus output tokens per request. Default: the model's context window.
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Tokens the KV cache holds across all requests (at least --max-model-len; a device backend allocates it
+    /// up front). Default: --max-model-len x --max-running-requests, so preemption is a last resort.
+    #[arg(long)]
+    kv_cache_tokens: Option<usize>,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    if args.max_running_requests == 0 {
+        bail!("--max-running-requests must be at least 1");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args))
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let address = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&address)
+        .await
+        .with_context(|| format!("cannot listen on {address}"))?;
+    let bound: SocketAddr = listener.local_addr()?;
+    let state = AppState::new(ServerConfig {
+        served_model_name: args.served_model_name.clone().unwrap_or_else(|| args.model.clone()),
+        api_key: args.api_key.clone(),
+        max_in_flight: args.max_running_requests + args.max_queued_requests,
+    });
+    tracing::info!("listening on http://{bound} (loading {})", args.model);
+    let app = ferry_server::router(state.clone());
+    let server = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .into_future();
+    let loading = tokio::task::spawn_blocking({
+        let state = state.clone();
+        move || load(&args, &state).map(|model| state.set_ready(model))
+    });
+    tokio::pin!(server);
+    tokio::select! {
+        served = &mut server => return served.context("the server failed"),
+        loaded = loading => loaded.context("the loader panicked")??,
+    }
+    tracing::info!("ready on http://{bound}");
+    server.await.context("the server failed")
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(_) => return std::future::pending().await,
+        };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutting down");
+}
+
+/// Fetches (if a repo id) and loads the checkpoint, and starts the engine thread.
+fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
+    let dir = if PathBuf::from(&args.model).is_dir() || !hub::is_repo_id(&args.model) {
+        PathBuf::from(&args.model)
+    } else {
+        hub::fetch(&args.model, &HubAccess::from_env(), &mut |stage, progress| {
+            tracing::info!("{stage}");
+            state.set_loading(stage, progress);
+        })
+        .with_context(|| {
+            format!(
+                "{} is not a directory, so it was taken as a Hugging Face repo id",
+                args.model
+            )
+        })?
+    };
+    state.set_loading(format!("loading weights from {}", dir.display()), 0.0);
+    let mut checkpoint = Checkpoint::open(&dir)?;
+    let eos_token_ids = checkpoint.eos_token_ids();
+    let tokenizer = Arc::new(
+        checkpoint
+            .tokenizer
+            .take()
+            .context("the checkpoint has no tokenizer.json, which the server needs")?,
+    );
+    let (engine, max_model_len, vocab_size) = match open_backend(args.device)? {
+        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args)?,
+        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args)?,
+    };
+    let defaults = &checkpoint.generation;
+    Ok(LoadedModel {
+        engine,
+        eos_token_ids,
+        tokenizer,
+        max_model_len,
+        vocab_size,
+        defaults: SamplingDefaults {
+            temperature: defaults.temperature,
+            top_p: defaults.top_p,
+            top_k: defaults.top_k,
+        },
+    })
+}
+
+/// Loads the model on `backend` and starts the engine thread; returns it with the context length and vocabulary
+/// size the server validates requests against.
+fn start_engine<B: Backend + 'static>(
+    backend: B,
+    checkpoint: &Checkpoint,
+    tokenizer: Arc<Tokenizer>,
+    args: &ServeArgs,
+) -> Result<(EngineHandle, usize, usize)> {
+    let started = std::time::Instant::now();
+    let model = Model::load(&backend, checkpoint)?;
+    let window = model.spec.max_position_embeddings;
+    let max_model_len = match args.max_model_len {
+        Some(n) if n > window => bail!("--max-model-len {n} is beyond the model's context window of {window}"),
+        Some(n) if n < 2 => bail!("--max-model-len must leave room for a prompt token and an output token"),
+        Some(n) => n,
+        None => window,
+    };
+    let kv_tokens = match args.kv_cache_tokens {
+        Some(n) if n < max_model_len => {
+            bail!("--kv-cache-tokens {n} cannot hold one request of --max-model-len {max_model_len}")
+        }
+        Some(n) => n,
+        None => max_model_len * args.max_running_requests,
+    };
+    // The pool's blocks are the device cache's, so the cache holds whatever the pool grants.
+    let blocks = BlockPool::new(KV_BLOCK_SIZE, kv_tokens.div_ceil(KV_BLOCK_SIZE));
+    let kv = backend.new_kv(model.kv_spec(blocks.capacity_tokens()))?;
+    tracing::info!(
+        "loaded {} on {} in {:.2?}; context {max_model_len}, KV {} blocks of {KV_BLOCK_SIZE} tokens",
+        model.spec.model_type,
+        backend.name(),
+        started.elapsed(),
+        blocks.total()
+    );
+    let vocab_size = model.spec.vocab_size;
+    let scheduler = Scheduler::new(
+        SchedulerConfig {
+            max_running: args.max_running_requests,
+            max_queued: args.max_queued_requests,
+            step_tokens: STEP_TOKENS,
+            max_model_len,
+        },
+        ModelExecutor { backend, model, kv },
+        tokenizer,
+        blocks,
+    )?;
+    let engine = EngineHandle::spawn(scheduler).context("cannot start the engine thread")?;
+    Ok((engine, max_model_len, vocab_size))
+}

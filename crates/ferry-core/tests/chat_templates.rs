@@ -1,0 +1,74 @@
+//! The real chat templates of Qwen3, Qwen3.5 (as shipped with Qwen3.6), Mixtral-Instruct and OLMoE render what HF
+//! transformers' apply_chat_template renders: tests/fixtures/chat_templates/*.json hold transformers' output for a
+//! set of conversations (made by scripts/make_template_refs.py), and conversations a template refuses must be
+//! refused here too.
+
+use std::path::{Path, PathBuf};
+
+use ferry_core::loader::{ChatMessage, Tokenizer};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// The fixture's tokenizer, with the reference file's template when it names one.
+fn tokenizer_for(reference: &Value, scratch: &Path) -> Tokenizer {
+    let fixture = fixtures().join(reference["fixture"].as_str().unwrap());
+    let dir = match reference["template_file"].as_str() {
+        None => fixture,
+        Some(template) => {
+            for file in ["tokenizer.json", "tokenizer_config.json"] {
+                std::fs::copy(fixture.join(file), scratch.join(file)).unwrap();
+            }
+            let template_path = fixtures().join("..").join("..").join(template);
+            std::fs::copy(template_path, scratch.join("chat_template.jinja")).unwrap();
+            scratch.to_path_buf()
+        }
+    };
+    Tokenizer::load(&dir).unwrap().unwrap()
+}
+
+fn check_family(name: &str) {
+    let path = fixtures().join("chat_templates").join(format!("{name}.json"));
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let tokenizer = tokenizer_for(&reference, scratch.path());
+    let cases = reference["cases"].as_array().unwrap();
+    assert!(cases.len() >= 14, "{name}: too few cases");
+    for case in cases {
+        let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
+        let add_generation_prompt = case["add_generation_prompt"].as_bool().unwrap();
+        let kwargs = case["chat_template_kwargs"].as_object().unwrap();
+        let rendered = tokenizer.apply_chat_template(&messages, add_generation_prompt, kwargs);
+        let label = format!(
+            "{name} / {} / add_generation_prompt={add_generation_prompt} / {kwargs:?}",
+            case["conversation"]
+        );
+        match (&case["expected"], rendered) {
+            (Value::String(expected), Ok(text)) => assert_eq!(&text, expected, "{label}"),
+            (Value::Null, Err(_)) => {}
+            (expected, got) => panic!("{label}: expected {expected:?}, got {got:?}"),
+        }
+    }
+}
+
+#[test]
+fn qwen3_renders_as_transformers_does() {
+    check_family("qwen3");
+}
+
+#[test]
+fn qwen3_5_renders_as_transformers_does() {
+    check_family("qwen3_5");
+}
+
+#[test]
+fn mixtral_renders_as_transformers_does() {
+    check_family("mixtral");
+}
+
+#[test]
+fn olmoe_renders_as_transformers_does() {
+    check_family("olmoe");
+}

@@ -1,0 +1,203 @@
+//! ferry-server: the OpenAI-compatible HTTP API in front of ferry's engine.
+//!
+//! - `POST /v1/chat/completions` and `POST /v1/completions`, plain or streamed as server-sent events;
+//! - `GET /v1/models`, `GET /health` (503 with load progress until the model is ready), `GET /metrics` (Prometheus).
+//!
+//! The server binds before the model loads so that /health can report progress; [`AppState::set_ready`] hands it
+//! the engine. Requests are validated here (400 with the field named), rendered through the chat template,
+//! tokenized, and submitted to the engine thread ([`ferry_core::engine::EngineHandle`]); a request whose client goes
+//! away is cancelled and its KV freed.
+//!
+//! Not here: the model, the scheduler (ferry-core), argument parsing and model download (ferry-cli).
+
+mod error;
+mod metrics;
+mod openai;
+mod params;
+mod reasoning;
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use ferry_core::engine::EngineHandle;
+use ferry_core::loader::Tokenizer;
+
+pub use error::ApiError;
+
+/// What the operator chose on the command line.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub served_model_name: String,
+    /// Required as `Authorization: Bearer KEY` on everything but /health when set.
+    pub api_key: Option<String>,
+    /// Requests admitted at once: running plus queued; more get a 503.
+    pub max_in_flight: usize,
+}
+
+/// The checkpoint's sampling defaults (generation_config.json), used where a request sets none.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+}
+
+/// A model ready to serve.
+pub struct LoadedModel {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    pub eos_token_ids: Vec<u32>,
+    pub max_model_len: usize,
+    pub vocab_size: usize,
+    pub defaults: SamplingDefaults,
+}
+
+impl LoadedModel {
+    /// Qwen-style `<think>` reasoning: the tokenizer has the tags and the chat template uses them.
+    fn splits_reasoning(&self) -> bool {
+        self.tokenizer.token_id("<think>").is_some()
+            && self.tokenizer.token_id("</think>").is_some()
+            && self.tokenizer.chat_template_mentions("<think>")
+    }
+}
+
+enum LoadState {
+    Loading { stage: String, progress: f64 },
+    Ready(Arc<LoadedModel>),
+}
+
+struct Shared {
+    config: ServerConfig,
+    load: RwLock<LoadState>,
+    metrics: metrics::Metrics,
+    /// Requests admitted and not yet done.
+    in_flight: AtomicUsize,
+    started_at: u64,
+}
+
+/// The server's state, shared by every handler.
+#[derive(Clone)]
+pub struct AppState(Arc<Shared>);
+
+fn unix_seconds() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+impl AppState {
+    pub fn new(config: ServerConfig) -> Self {
+        AppState(Arc::new(Shared {
+            config,
+            load: RwLock::new(LoadState::Loading {
+                stage: "starting".into(),
+                progress: 0.0,
+            }),
+            metrics: metrics::Metrics::new(),
+            in_flight: AtomicUsize::new(0),
+            started_at: unix_seconds(),
+        }))
+    }
+
+    /// Reports load progress on /health: what is happening and how far along (0 to 1).
+    pub fn set_loading(&self, stage: impl Into<String>, progress: f64) {
+        *self.0.load.write().unwrap_or_else(|e| e.into_inner()) = LoadState::Loading {
+            stage: stage.into(),
+            progress,
+        };
+    }
+
+    pub fn set_ready(&self, model: LoadedModel) {
+        *self.0.load.write().unwrap_or_else(|e| e.into_inner()) = LoadState::Ready(Arc::new(model));
+    }
+
+    /// The loaded model, or a 503 while it loads.
+    fn model(&self) -> Result<Arc<LoadedModel>, ApiError> {
+        match &*self.0.load.read().unwrap_or_else(|e| e.into_inner()) {
+            LoadState::Ready(model) => Ok(model.clone()),
+            LoadState::Loading { stage, progress } => Err(ApiError::unavailable(
+                format!("the model is loading ({stage}, {:.0}%)", progress * 100.0),
+                "model_loading",
+            )),
+        }
+    }
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    match &*state.0.load.read().unwrap_or_else(|e| e.into_inner()) {
+        LoadState::Ready(_) => Json(serde_json::json!({"status": "ok"})).into_response(),
+        LoadState::Loading { stage, progress } => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "loading", "stage": stage, "progress": progress})),
+        )
+            .into_response(),
+    }
+}
+
+async fn models(State(state): State<AppState>) -> Response {
+    let max_model_len = state.model().ok().map(|m| m.max_model_len);
+    Json(serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": state.0.config.served_model_name,
+            "object": "model",
+            "created": state.0.started_at,
+            "owned_by": "ferry",
+            "max_model_len": max_model_len,
+        }],
+    }))
+    .into_response()
+}
+
+async fn prometheus(State(state): State<AppState>) -> Response {
+    let engine = state.model().ok().map(|m| m.engine.status());
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.0.metrics.render(engine),
+    )
+        .into_response()
+}
+
+async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.0.config.api_key {
+        let sent = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if sent != Some(key.as_str()) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+async fn not_found(request: Request) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!("no route for {} {}", request.method(), request.uri().path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("not_found"),
+    }
+}
+
+/// Every route; /health is the one that needs no API key.
+pub fn router(state: AppState) -> Router {
+    let guarded = Router::new()
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(prometheus))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .route("/health", get(health))
+        .merge(guarded)
+        .with_state(state)
+}

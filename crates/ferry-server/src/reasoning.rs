@@ -1,0 +1,128 @@
+//! Qwen-style reasoning: text between `<think>` and `</think>` goes to `reasoning_content`, the rest to `content`.
+//! Works on streamed pieces: a tag split across pieces is held back until it is whole.
+
+use ferry_core::engine::partial_match_len;
+
+const OPEN: &str = "<think>";
+const CLOSE: &str = "</think>";
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Split {
+    pub reasoning: String,
+    pub content: String,
+}
+
+#[derive(Debug)]
+pub struct ReasoningParser {
+    in_reasoning: bool,
+    /// Just after `</think>`: the newlines the model puts before its answer are dropped.
+    after_close: bool,
+    pending: String,
+}
+
+impl ReasoningParser {
+    /// `prompt` is the rendered prompt: templates that open `<think>` themselves (Qwen3.5) start generation inside
+    /// the reasoning.
+    pub fn new(prompt: &str) -> Self {
+        let opened = prompt.rfind(OPEN);
+        let closed = prompt.rfind(CLOSE);
+        ReasoningParser {
+            in_reasoning: opened.is_some() && opened > closed,
+            after_close: false,
+            pending: String::new(),
+        }
+    }
+
+    pub fn push(&mut self, piece: &str) -> Split {
+        self.pending.push_str(piece);
+        let mut out = Split::default();
+        loop {
+            let tag = if self.in_reasoning { CLOSE } else { OPEN };
+            if let Some(at) = self.pending.find(tag) {
+                let before: String = self.pending.drain(..at + tag.len()).collect();
+                self.emit(&before[..at], &mut out);
+                self.after_close = self.in_reasoning;
+                self.in_reasoning = !self.in_reasoning;
+                continue;
+            }
+            let held = partial_match_len(&self.pending, tag);
+            let ready: String = self.pending.drain(..self.pending.len() - held).collect();
+            self.emit(&ready, &mut out);
+            return out;
+        }
+    }
+
+    /// Whatever is held back, at the end of generation.
+    pub fn finish(&mut self) -> Split {
+        let rest = std::mem::take(&mut self.pending);
+        let mut out = Split::default();
+        self.emit(&rest, &mut out);
+        out
+    }
+
+    fn emit(&mut self, text: &str, out: &mut Split) {
+        if self.in_reasoning {
+            out.reasoning.push_str(text);
+            return;
+        }
+        let text = match self.after_close {
+            true => text.trim_start_matches('\n'),
+            false => text,
+        };
+        if !text.is_empty() {
+            self.after_close = false;
+        }
+        out.content.push_str(text);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split_all(prompt: &str, pieces: &[&str]) -> Split {
+        let mut parser = ReasoningParser::new(prompt);
+        let mut all = Split::default();
+        for piece in pieces.iter().copied() {
+            let s = parser.push(piece);
+            all.reasoning += &s.reasoning;
+            all.content += &s.content;
+        }
+        let s = parser.finish();
+        all.reasoning += &s.reasoning;
+        all.content += &s.content;
+        all
+    }
+
+    fn split(reasoning: &str, content: &str) -> Split {
+        Split {
+            reasoning: reasoning.into(),
+            content: content.into(),
+        }
+    }
+
+    #[test]
+    fn thinking_goes_to_reasoning_even_when_tags_are_split() {
+        let qwen3_prompt = "<|im_start|>assistant\n";
+        assert_eq!(
+            split_all(qwen3_prompt, &["<th", "ink>\nhmm", " ok\n</", "think>\n\nHi", "!"]),
+            split("\nhmm ok\n", "Hi!")
+        );
+        assert_eq!(
+            split_all(qwen3_prompt, &["plain ", "answer"]),
+            split("", "plain answer")
+        );
+        assert_eq!(split_all(qwen3_prompt, &["a <thi"]), split("", "a <thi"));
+    }
+
+    #[test]
+    fn templates_that_open_or_close_thinking_set_the_start() {
+        let qwen3_5 = "<|im_start|>assistant\n<think>\n";
+        assert_eq!(
+            split_all(qwen3_5, &["why", "</think>", "\n\nbecause"]),
+            split("why", "because")
+        );
+        let thinking_off = "<|im_start|>assistant\n<think>\n\n</think>\n\n";
+        assert_eq!(split_all(thinking_off, &["answer"]), split("", "answer"));
+    }
+}

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""The official `openai` Python package as a real client of `ferry serve` on the bundled tiny checkpoint.
+
+Checks what a user of the SDK relies on: plain and streamed results are equal at temperature 0, 8 concurrent
+requests each get what they get alone, a client that hangs up mid-stream frees its KV (seen on /metrics), stop
+strings and seeds work, and every error case comes back as the SDK's typed error with the right status.
+Run by scripts/test.sh after the Rust tests: python scripts/openai_client_test.py path/to/ferry
+"""
+
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import httpx
+import openai
+from openai import OpenAI
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+FIXTURE = os.path.join(ROOT, "tests/fixtures/qwen3_moe")
+KEY = "sdk-test-key"
+MODEL = "tiny"
+
+
+class Server:
+    """A `ferry serve` process on a free port."""
+
+    def __init__(self, ferry, *extra):
+        self.process = subprocess.Popen(
+            [ferry, "serve", "--model", FIXTURE, "--port", "0", "--served-model-name", MODEL, "--api-key", KEY, *extra],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+        self.log = []
+        address = None
+        deadline = time.time() + 60
+        while address is None and time.time() < deadline:
+            line = self.process.stderr.readline()
+            if not line:
+                break
+            self.log.append(line)
+            match = re.search(r"listening on http://(\S+)", line)
+            address = match and match.group(1)
+        if address is None:
+            raise RuntimeError("ferry serve did not start:\n" + "".join(self.log))
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.base = f"http://{address}"
+        while httpx.get(self.base + "/health").status_code != 200:
+            if time.time() > deadline:
+                raise RuntimeError("ferry serve never became ready")
+            time.sleep(0.02)
+        self.client = OpenAI(base_url=self.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def _drain(self):
+        for line in self.process.stderr:
+            self.log.append(line)
+
+    def metric(self, name, default=None):
+        """A sample from /metrics (`name` with its labels); `default` when a counter was never incremented."""
+        text = httpx.get(self.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        if default is None:
+            raise AssertionError(f"no {name} in /metrics")
+        return default
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def chat(content):
+    return [{"role": "user", "content": content}]
+
+
+def streamed_chat(client, **kwargs):
+    """Content, reasoning, finish reason and usage gathered from a streamed chat completion."""
+    content, reasoning, finish, usage = "", "", None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            finish = choice.finish_reason or finish
+    return content, reasoning, finish, usage
+
+
+def test_plain_and_streamed_chat_agree(server):
+    kwargs = dict(model=MODEL, messages=chat("Tell me about ferries."), max_tokens=32, temperature=0)
+    whole = server.client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    content, reasoning, finish, usage = streamed_chat(server.client, **kwargs)
+    assert content == (message.content or ""), (content, message.content)
+    assert reasoning == ((message.model_extra or {}).get("reasoning_content") or "")
+    assert finish == whole.choices[0].finish_reason == "length"
+    assert usage.completion_tokens == whole.usage.completion_tokens == 32
+    assert usage.prompt_tokens == whole.usage.prompt_tokens > 0
+
+
+def test_plain_and_streamed_text_completions_agree(server):
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0)
+    whole = server.client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(stream=True, **kwargs) if c.choices)
+    assert streamed == whole.choices[0].text
+    assert whole.usage.completion_tokens == 16
+
+
+def test_eight_concurrent_requests_get_what_they_get_alone(server):
+    prompts = [f"Question number {i}: what is {i} + {i}?" for i in range(8)]
+
+    def ask(prompt):
+        r = server.client.chat.completions.create(model=MODEL, messages=chat(prompt), max_tokens=24, temperature=0)
+        return r.choices[0].message.content
+
+    alone = [ask(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == alone
+
+
+def test_a_client_that_hangs_up_frees_its_kv(server):
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=chat("Go on and on."), max_tokens=3000, temperature=0, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    deadline = time.time() + 20
+    while server.metric("ferry_kv_blocks_used") == 0 or server.metric("ferry_decode_tokens_per_second") == 0:
+        assert time.time() < deadline, "no KV in use or no decode speed while streaming"
+        time.sleep(0.01)
+    stream.close()
+    while server.metric("ferry_kv_blocks_used") > 0:
+        assert time.time() < deadline, "KV not freed after the client hung up"
+        time.sleep(0.02)
+    assert server.metric("ferry_running_requests") == 0
+    assert server.metric("ferry_decode_tokens_per_second") == 0, "an idle engine decodes nothing"
+
+
+def test_a_client_that_times_out_on_a_plain_request_frees_its_kv_too(server):
+    cancelled = 'ferry_requests_total{outcome="cancelled"}'
+    cancelled_before = server.metric(cancelled, default=0)
+    impatient = OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=0.5)
+    try:
+        impatient.chat.completions.create(
+            model=MODEL, messages=chat("Go on and on."), max_tokens=3000, temperature=0, extra_body={"ignore_eos": True}
+        )
+        raise AssertionError("3000 tokens in half a second")
+    except openai.APITimeoutError:
+        pass
+    deadline = time.time() + 20
+    while server.metric("ferry_kv_blocks_used") > 0 or server.metric("ferry_running_requests") > 0:
+        assert time.time() < deadline, "KV not freed after the client gave up"
+        time.sleep(0.02)
+    assert server.metric(cancelled) == cancelled_before + 1, "the request ran on instead of being cancelled"
+
+
+def test_stop_strings_cut_the_output(server):
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0)
+    full = server.client.completions.create(**kwargs).choices[0].text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    cut = server.client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[: full.index(stop)], (cut.text, full, stop)
+
+
+def test_a_seed_repeats_a_sampled_answer(server):
+    kwargs = dict(model=MODEL, messages=chat("Surprise me."), max_tokens=16, temperature=1.0, top_p=0.9, extra_body={"top_k": 50})
+    first = server.client.chat.completions.create(seed=7, **kwargs).choices[0].message.content
+    again = server.client.chat.completions.create(seed=7, **kwargs).choices[0].message.content
+    assert first == again
+
+
+def test_penalties_and_template_kwargs_are_accepted(server):
+    r = server.client.chat.completions.create(
+        model=MODEL,
+        messages=chat("hi"),
+        max_tokens=8,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=1.5,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert not (r.choices[0].message.model_extra or {}).get("reasoning_content")
+
+
+def expect_error(status, call, param=None, code=None):
+    try:
+        call()
+    except openai.APIStatusError as e:
+        assert e.status_code == status, (e.status_code, e.body)
+        assert isinstance(e.body, dict) and e.body.get("message"), e.body
+        if param is not None:
+            assert e.body.get("param") == param, e.body
+        if code is not None:
+            assert e.body.get("code") == code, e.body
+        return e
+    raise AssertionError(f"expected an error {status}")
+
+
+def test_every_bad_request_is_an_openai_error(server):
+    c = server.client.chat.completions
+    ok = dict(model=MODEL, messages=chat("hi"))
+    expect_error(400, lambda: c.create(n=2, **ok), param="n")
+    expect_error(400, lambda: c.create(max_tokens=-1, **ok), param="max_tokens")
+    expect_error(400, lambda: c.create(max_completion_tokens=0, **ok), param="max_completion_tokens")
+    expect_error(400, lambda: c.create(temperature=-0.5, **ok), param="temperature")
+    expect_error(400, lambda: c.create(top_p=1.5, **ok), param="top_p")
+    expect_error(400, lambda: c.create(frequency_penalty=3, **ok), param="frequency_penalty")
+    expect_error(400, lambda: c.create(model=MODEL, messages=[]), param="messages")
+    expect_error(400, lambda: c.create(model=MODEL, messages=[{"role": "user", "content": 5}]), param="messages[0].content")
+    expect_error(400, lambda: c.create(extra_body={"temperature": "warm"}, **ok), param="temperature")
+    long = expect_error(400, lambda: c.create(model=MODEL, messages=chat("ferry " * 5000)), code="context_length_exceeded")
+    assert "4096" in long.body["message"], long.body
+    expect_error(404, lambda: c.create(model="gpt-4", messages=chat("hi")), code="model_not_found")
+    wrong_key = OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0)
+    expect_error(401, lambda: wrong_key.chat.completions.create(**ok))
+    raw = httpx.post(server.base + "/v1/chat/completions", content=b'{"messages": [', headers={"Authorization": f"Bearer {KEY}"})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error", raw.text
+    assert httpx.get(server.base + "/health").status_code == 200, "still serving"
+
+
+def test_a_full_queue_is_a_503(ferry):
+    server = Server(ferry, "--max-running-requests", "1", "--max-queued-requests", "0")
+    try:
+        stream = server.client.chat.completions.create(
+            model=MODEL, messages=chat("Go on."), max_tokens=3000, temperature=0, stream=True
+        )
+        next(iter(stream))
+        expect_error(503, lambda: server.client.chat.completions.create(model=MODEL, messages=chat("me too")), code="queue_full")
+        stream.close()
+    finally:
+        server.stop()
+
+
+def main():
+    ferry = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target/debug/ferry")
+    print(f"openai {openai.__version__} against {ferry}")
+    passed, failed = 0, 0
+    server = Server(ferry)
+    tests = [(name, fn) for name, fn in globals().items() if name.startswith("test_")]
+    try:
+        for name, fn in tests:
+            started = time.time()
+            try:
+                fn(ferry if name == "test_a_full_queue_is_a_503" else server)
+                passed += 1
+                print(f"ok     {name} ({time.time() - started:.1f} s)")
+            except Exception:
+                failed += 1
+                print(f"FAILED {name}\n{traceback.format_exc()}")
+    finally:
+        server.stop()
+    if failed:
+        print("server log:\n" + "".join(server.log[-40:]))
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
