@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/ferry-gpu-tests}
 mkdir -p "$out"
-export FERRY_FIXTURES=$PWD/tests/fixtures
+export FERRY_FIXTURES=$PWD/tests/fixtures FERRY_BENCH_DIR=$PWD/bench
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 status=0
 for test in .stage/tests/*; do

@@ -1,25 +1,27 @@
 //! `ferry bench`: prefill and decode speed of a model on a backend, against the bound the machine's measured
 //! ceilings allow. Prints a table and writes the results as JSON.
 //!
-//! Workload: one prompt of `--prompt-tokens` random tokens (prefill tok/s, time to first token), then
-//! `--decode-tokens` greedy steps of that sequence (decode at batch 1), then `--concurrency` sequences decoding
-//! together (aggregate tok/s). The decode bound at batch 1 is the memory bandwidth over the bytes one token
-//! reads (dense weights and the routed experts of every MoE layer).
+//! Workload: one prompt of `--prompt-tokens` random tokens, prefilled in chunks (prefill tok/s, time to first
+//! token), then `--decode-tokens` greedy steps of that sequence (decode at batch 1), then `--concurrency` sequences
+//! decoding together (aggregate tok/s). Bounds at batch 1: all resident, the memory bandwidth over the bytes one
+//! token reads; under expert offload, the measured host-to-device bandwidth over the expert bytes one token misses.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use ferry_core::backend::cuda::OffloadStats;
 use ferry_core::backend::profiled::{OpTime, Profiled};
 use ferry_core::backend::{Backend, SeqSlice};
-use ferry_core::engine::argmax;
+use ferry_core::engine::{argmax, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{Model, ModelInfo};
+use ferry_core::moe::{MemoryPlan, RoutingTap, RoutingTrace, TraceHeader, TraceRecorder, TraceReplayer};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::device::{open_backend, Device, ModelArgs};
+use crate::device::{open_backend, Backends, Device, ModelArgs, OffloadArgs};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -27,6 +29,8 @@ pub struct BenchArgs {
     model: ModelArgs,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    #[command(flatten)]
+    offload: OffloadArgs,
     /// Tokens of the prefill prompt.
     #[arg(long, default_value_t = 4096)]
     prompt_tokens: usize,
@@ -36,6 +40,13 @@ pub struct BenchArgs {
     /// Sequences decoding together in the batched measurement.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
+    /// Route as this trace did (token by token, round and round) instead of the router: real locality on
+    /// synthetic weights. Replayed routes are weighted uniformly.
+    #[arg(long, conflicts_with = "record_routing")]
+    routing_trace: Option<PathBuf>,
+    /// Write the router's choices during the batch-1 decode as a routing trace (for `ferry cache-sim`).
+    #[arg(long)]
+    record_routing: Option<PathBuf>,
     /// Write the results as JSON here (e.g. bench/results/q30-resident.json).
     #[arg(long)]
     output: Option<PathBuf>,
@@ -44,11 +55,27 @@ pub struct BenchArgs {
     profile: bool,
 }
 
-/// The memory the bound is computed against.
+/// The memory the all-resident bound is computed against.
 #[derive(Clone, Debug, Serialize)]
 pub struct MemoryCeiling {
     pub what: String,
     pub gb_s: f64,
+}
+
+/// Expert offload during the batch-1 decode.
+#[derive(Debug, Serialize)]
+struct OffloadReport {
+    slots: usize,
+    hit_rate: f64,
+    /// Expert bytes copied over PCIe per decoded token.
+    bytes_missed_per_token: f64,
+    achieved_pcie_gb_s: f64,
+    measured_h2d_gb_s: f64,
+    /// Measured host-to-device bandwidth over the bytes missed per token.
+    pcie_bound_tok_s: f64,
+    achieved_over_pcie_bound: f64,
+    layer_hit_rates: Vec<f64>,
+    bank_pinned: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -58,6 +85,8 @@ struct BenchReport {
     backend: String,
     model: String,
     model_info: ModelInfo,
+    memory_plan: Option<MemoryPlan>,
+    routing: String,
     load_seconds: f64,
     prompt_tokens: usize,
     prefill_tok_s: f64,
@@ -73,29 +102,75 @@ struct BenchReport {
     memory_ceiling: MemoryCeiling,
     decode_bound_tok_s: f64,
     decode_achieved_over_bound: f64,
+    offload: Option<OffloadReport>,
     peak_gpu_memory_bytes: Option<u64>,
     /// With --profile: per phase (prefill, decode_batch1, decode_concurrent), where the time went.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     profile: Vec<(&'static str, Vec<OpTime>)>,
 }
 
+/// What the backend-independent part of the bench needs from the machine.
+struct Machine<'a> {
+    backends: &'a Backends,
+    h2d_gb_s: Option<f64>,
+}
+
+impl Machine<'_> {
+    fn gpu_memory_used(&self) -> Option<u64> {
+        match self.backends {
+            Backends::Cuda(cuda) => cuda.memory_info().ok().map(|(free, total)| (total - free) as u64),
+            Backends::Cpu(_) => None,
+        }
+    }
+
+    fn offload_stats(&self) -> Option<OffloadStats> {
+        match self.backends {
+            Backends::Cuda(cuda) => cuda.offload_stats(),
+            Backends::Cpu(_) => None,
+        }
+    }
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
     let checkpoint = args.model.open()?;
-    let backends = open_backend(args.device)?;
-    let report = crate::with_backend!(backends, be => {
-        let ceiling = memory_ceiling(&backends)?;
+    let (backends, plan) = open_backend(args.device, &args.offload, &checkpoint)?;
+    let (ceiling, h2d_gb_s) = match &backends {
+        Backends::Cuda(cuda) => {
+            let c = cuda.measure_ceilings()?;
+            (
+                MemoryCeiling {
+                    what: "device copy bandwidth (read + write), measured".into(),
+                    gb_s: c.d2d_copy_gb_s,
+                },
+                Some(c.h2d_pinned_gb_s),
+            )
+        }
+        Backends::Cpu(_) => (
+            MemoryCeiling {
+                what: "host memory read bandwidth, measured".into(),
+                gb_s: ferry_core::backend::cpu::measure_read_bandwidth(1 << 30),
+            },
+            None,
+        ),
+    };
+    let machine = Machine {
+        backends: &backends,
+        h2d_gb_s,
+    };
+    let mut report = crate::with_backend!(backends, be => {
         if args.profile {
             let profiled = Profiled::new(be);
             let phases = std::cell::RefCell::new(Vec::new());
-            let mut report = bench_on(&profiled, &checkpoint, &args, ceiling, || peak_gpu_memory(&backends), |phase| {
+            let mut report = bench_on(&profiled, &checkpoint, &args, &machine, &ceiling, |phase| {
                 phases.borrow_mut().push((phase, profiled.take_report()))
             })?;
             report.profile = phases.into_inner();
             Ok::<_, anyhow::Error>(report)
         } else {
-            bench_on(be, &checkpoint, &args, ceiling, || peak_gpu_memory(&backends), |_| {})
+            bench_on(be, &checkpoint, &args, &machine, &ceiling, |_| {})
         }
     })?;
+    report.memory_plan = plan;
     print_report(&report);
     if let Some(path) = &args.output {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
@@ -104,24 +179,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn memory_ceiling(backends: &crate::device::Backends) -> Result<MemoryCeiling> {
-    Ok(match backends {
-        crate::device::Backends::Cuda(cuda) => MemoryCeiling {
-            what: "device copy bandwidth (read + write), measured".into(),
-            gb_s: cuda.measure_ceilings()?.d2d_copy_gb_s,
-        },
-        crate::device::Backends::Cpu(_) => MemoryCeiling {
-            what: "host memory read bandwidth, measured".into(),
-            gb_s: ferry_core::backend::cpu::measure_read_bandwidth(1 << 30),
-        },
-    })
-}
-
-fn peak_gpu_memory(backends: &crate::device::Backends) -> Option<u64> {
-    match backends {
-        crate::device::Backends::Cuda(cuda) => cuda.memory_info().ok().map(|(free, total)| (total - free) as u64),
-        crate::device::Backends::Cpu(_) => None,
-    }
+fn replaying(replay: &mut Option<TraceReplayer>) -> Option<&mut dyn RoutingTap> {
+    replay.as_mut().map(|r| r as &mut dyn RoutingTap)
 }
 
 /// Logits of each slice's last token -> its greedy next token.
@@ -137,8 +196,8 @@ fn bench_on<B: Backend>(
     be: &B,
     checkpoint: &Checkpoint,
     args: &BenchArgs,
-    ceiling: MemoryCeiling,
-    gpu_memory_used: impl Fn() -> Option<u64>,
+    machine: &Machine,
+    ceiling: &MemoryCeiling,
     phase_done: impl Fn(&'static str),
 ) -> Result<BenchReport> {
     let started = Instant::now();
@@ -147,12 +206,22 @@ fn bench_on<B: Backend>(
     let spec = &model.spec;
     let info = ModelInfo::new(spec, checkpoint.weight_dtype());
     tracing::info!("loaded {} on {} in {load_seconds:.1} s", spec.model_type, be.name());
-    let mut peak = gpu_memory_used();
+    let mut peak = machine.gpu_memory_used();
     let track = |peak: &mut Option<u64>| {
-        if let Some(used) = gpu_memory_used() {
+        if let Some(used) = machine.gpu_memory_used() {
             *peak = Some(peak.map_or(used, |p| p.max(used)));
         }
     };
+    let header = TraceHeader {
+        num_layers: info.num_moe_layers as u32,
+        num_experts: info.num_experts as u32,
+        top_k: info.experts_per_token as u32,
+    };
+    let mut replay = args
+        .routing_trace
+        .as_ref()
+        .map(|p| TraceReplayer::new(RoutingTrace::read(p)?))
+        .transpose()?;
 
     let short_prompt = 16;
     let capacity =
@@ -165,26 +234,31 @@ fn bench_on<B: Backend>(
             .collect::<Vec<u32>>()
     };
 
-    // Prefill one long prompt; the first token comes with it.
+    // Prefill one long prompt in chunks; the first token comes with it.
     let seq = kv.alloc_seq();
     let prompt = random_ids(args.prompt_tokens);
     let started = Instant::now();
-    let logits = model.forward(
-        be,
-        &prompt,
-        &[SeqSlice {
+    let mut logits = None;
+    for (i, chunk) in prompt.chunks(MAX_BATCH_TOKENS).enumerate() {
+        let slice = SeqSlice {
             seq,
-            start_pos: 0,
-            len: prompt.len(),
-        }],
-        &mut kv,
-    )?;
-    let mut token = greedy(be, &logits)?[0];
+            start_pos: i * MAX_BATCH_TOKENS,
+            len: chunk.len(),
+        };
+        logits = Some(model.forward_routed(be, chunk, &[slice], &mut kv, replaying(&mut replay))?);
+    }
+    let mut token = greedy(be, &logits.context("an empty prompt")?)?[0];
     let ttft = started.elapsed().as_secs_f64();
     track(&mut peak);
     phase_done("prefill");
 
     // Decode that sequence at batch 1.
+    let mut recorder = args
+        .record_routing
+        .as_ref()
+        .map(|p| TraceRecorder::create(p, header))
+        .transpose()?;
+    let before = machine.offload_stats();
     let started = Instant::now();
     let mut host = std::time::Duration::ZERO;
     for pos in prompt.len()..prompt.len() + args.decode_tokens {
@@ -194,11 +268,28 @@ fn bench_on<B: Backend>(
             len: 1,
         };
         let issued = Instant::now();
-        let logits = model.forward(be, &[token], &[slice], &mut kv)?;
+        let tap: Option<&mut dyn RoutingTap> = match (&mut recorder, &mut replay) {
+            (Some(r), _) => Some(r),
+            (None, Some(r)) => Some(r),
+            (None, None) => None,
+        };
+        let logits = model.forward_routed(be, &[token], &[slice], &mut kv, tap)?;
         host += issued.elapsed();
         token = greedy(be, &logits)?[0];
     }
-    let decode_batch1 = args.decode_tokens as f64 / started.elapsed().as_secs_f64();
+    let decode_seconds = started.elapsed().as_secs_f64();
+    let decode_batch1 = args.decode_tokens as f64 / decode_seconds;
+    let offload = offload_report(
+        before,
+        machine.offload_stats(),
+        args.decode_tokens,
+        decode_seconds,
+        decode_batch1,
+        machine.h2d_gb_s,
+    );
+    if let Some(recorder) = recorder {
+        recorder.finish()?;
+    }
     track(&mut peak);
     phase_done("decode_batch1");
     kv.free_seq(seq);
@@ -214,7 +305,10 @@ fn bench_on<B: Backend>(
             len: short_prompt,
         })
         .collect();
-    let mut tokens = greedy(be, &model.forward(be, &prompts, &slices, &mut kv)?)?;
+    let mut tokens = greedy(
+        be,
+        &model.forward_routed(be, &prompts, &slices, &mut kv, replaying(&mut replay))?,
+    )?;
     let started = Instant::now();
     for step in 0..args.decode_tokens {
         let slices: Vec<SeqSlice> = seqs
@@ -225,7 +319,10 @@ fn bench_on<B: Backend>(
                 len: 1,
             })
             .collect();
-        tokens = greedy(be, &model.forward(be, &tokens, &slices, &mut kv)?)?;
+        tokens = greedy(
+            be,
+            &model.forward_routed(be, &tokens, &slices, &mut kv, replaying(&mut replay))?,
+        )?;
     }
     let decode_aggregate = (args.decode_tokens * args.concurrency) as f64 / started.elapsed().as_secs_f64();
     track(&mut peak);
@@ -235,10 +332,15 @@ fn bench_on<B: Backend>(
     let bound = ceiling.gb_s * 1e9 / bytes_per_token as f64;
     Ok(BenchReport {
         ferry_commit: env!("FERRY_GIT_COMMIT"),
-        date: chrono_free_date(),
+        date: civil_date(),
         backend: be.name(),
         model: checkpoint.dir.display().to_string(),
         model_info: info,
+        memory_plan: None,
+        routing: match &args.routing_trace {
+            Some(p) => format!("replayed from {}", p.display()),
+            None => "the model's router".into(),
+        },
         load_seconds,
         prompt_tokens: args.prompt_tokens,
         prefill_tok_s: args.prompt_tokens as f64 / ttft,
@@ -251,18 +353,58 @@ fn bench_on<B: Backend>(
         bytes_per_token,
         decode_bound_tok_s: bound,
         decode_achieved_over_bound: decode_batch1 / bound,
-        memory_ceiling: ceiling,
+        memory_ceiling: ceiling.clone(),
+        offload,
         peak_gpu_memory_bytes: peak,
         profile: Vec::new(),
     })
 }
 
-/// Today's date (UTC) as YYYY-MM-DD, from the system clock.
-fn chrono_free_date() -> String {
+/// The offload counters' change over a decode of `tokens` tokens in `seconds`, against the PCIe bound.
+fn offload_report(
+    before: Option<OffloadStats>,
+    after: Option<OffloadStats>,
+    tokens: usize,
+    seconds: f64,
+    tok_s: f64,
+    h2d_gb_s: Option<f64>,
+) -> Option<OffloadReport> {
+    let (before, after, h2d) = (before?, after?, h2d_gb_s?);
+    let delta = |a: &[u64], b: &[u64]| -> Vec<u64> {
+        a.iter()
+            .zip(b.iter().chain(std::iter::repeat(&0)))
+            .map(|(x, y)| x - y)
+            .collect()
+    };
+    let hits = delta(&after.layer_hits, &before.layer_hits);
+    let misses = delta(&after.layer_misses, &before.layer_misses);
+    let all_hits: u64 = hits.iter().sum();
+    let all = all_hits + misses.iter().sum::<u64>();
+    let bytes = (after.bytes_copied - before.bytes_copied) as f64;
+    let bytes_missed_per_token = bytes / tokens as f64;
+    let pcie_bound = h2d * 1e9 / bytes_missed_per_token.max(1.0);
+    Some(OffloadReport {
+        slots: after.slots,
+        hit_rate: if all == 0 { 0.0 } else { all_hits as f64 / all as f64 },
+        bytes_missed_per_token,
+        achieved_pcie_gb_s: bytes / seconds / 1e9,
+        measured_h2d_gb_s: h2d,
+        pcie_bound_tok_s: pcie_bound,
+        achieved_over_pcie_bound: tok_s / pcie_bound,
+        layer_hit_rates: hits
+            .iter()
+            .zip(&misses)
+            .map(|(&h, &m)| if h + m == 0 { 0.0 } else { h as f64 / (h + m) as f64 })
+            .collect(),
+        bank_pinned: after.bank_pinned,
+    })
+}
+
+/// Today's date (UTC) as YYYY-MM-DD, from the system clock (Howard Hinnant's civil-from-days).
+fn civil_date() -> String {
     let days = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() / 86_400);
-    // Civil-from-days (Howard Hinnant's algorithm).
     let z = days as i64 + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z.rem_euclid(146_097);
@@ -276,9 +418,11 @@ fn chrono_free_date() -> String {
 }
 
 fn print_report(r: &BenchReport) {
-    let rows = [
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    let mut rows = vec![
         ("backend", r.backend.clone()),
         ("model", format!("{} ({})", r.model, r.model_info.model_type)),
+        ("routing", r.routing.clone()),
         ("load", format!("{:.1} s", r.load_seconds)),
         (
             "prefill",
@@ -305,17 +449,51 @@ fn print_report(r: &BenchReport) {
             "memory ceiling",
             format!("{:.0} GB/s ({})", r.memory_ceiling.gb_s, r.memory_ceiling.what),
         ),
-        ("decode bound, batch 1", format!("{:.1} tok/s", r.decode_bound_tok_s)),
         (
-            "achieved / bound",
-            format!("{:.1} %", 100.0 * r.decode_achieved_over_bound),
-        ),
-        (
-            "peak GPU memory",
-            r.peak_gpu_memory_bytes
-                .map_or("-".into(), |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)),
+            "resident bound, batch 1",
+            format!(
+                "{:.1} tok/s ({:.1} % achieved)",
+                r.decode_bound_tok_s,
+                100.0 * r.decode_achieved_over_bound
+            ),
         ),
     ];
+    if let Some(p) = &r.memory_plan {
+        rows.push((
+            "GPU memory plan",
+            format!(
+                "dense {}, workspace {}, experts {}, KV {} ({} tokens)",
+                gib(p.dense_bytes),
+                gib(p.workspace_bytes),
+                gib(p.expert_bytes),
+                gib(p.kv_bytes),
+                p.kv_tokens
+            ),
+        ));
+    }
+    if let Some(o) = &r.offload {
+        rows.push((
+            "expert cache",
+            format!("{} slots, hit rate {:.1} %", o.slots, 100.0 * o.hit_rate),
+        ));
+        rows.push(("missed per token", format!("{:.2} GB", o.bytes_missed_per_token / 1e9)));
+        rows.push((
+            "PCIe",
+            format!(
+                "{:.1} GB/s achieved, {:.1} GB/s measured H2D",
+                o.achieved_pcie_gb_s, o.measured_h2d_gb_s
+            ),
+        ));
+        rows.push((
+            "PCIe bound, batch 1",
+            format!(
+                "{:.1} tok/s ({:.1} % achieved)",
+                o.pcie_bound_tok_s,
+                100.0 * o.achieved_over_pcie_bound
+            ),
+        ));
+    }
+    rows.push(("peak GPU memory", r.peak_gpu_memory_bytes.map_or("-".into(), gib)));
     for (name, value) in rows {
         println!("{name:<26}{value}");
     }

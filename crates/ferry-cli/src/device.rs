@@ -3,11 +3,14 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::CudaBackend;
+use ferry_core::engine::MAX_BATCH_TOKENS;
 use ferry_core::loader::Checkpoint;
+use ferry_core::model::{spec_for, ModelInfo};
+use ferry_core::moe::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode};
 
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -24,27 +27,134 @@ pub enum Backends {
     Cuda(Box<CudaBackend>),
 }
 
-pub fn open_backend(device: Device) -> Result<Backends> {
-    match device {
-        Device::Cpu => Ok(Backends::Cpu(CpuBackend)),
-        Device::Cuda => Ok(Backends::Cuda(Box::new(CudaBackend::new(0).context("--device cuda")?))),
-        Device::Auto => match CudaBackend::new(0) {
-            Ok(cuda) => Ok(Backends::Cuda(Box::new(cuda))),
-            Err(e) => {
-                tracing::info!("running on the CPU: {e}");
-                Ok(Backends::Cpu(CpuBackend))
+/// Where routed experts live (`--offload`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OffloadChoice {
+    /// Everything on the GPU.
+    None,
+    /// Routed experts in host RAM, the hot ones in a GPU cache.
+    Experts,
+    /// `none` when the whole model fits the budget, else `experts`.
+    Auto,
+}
+
+/// GPU memory and expert offload settings (named as FreeToken names them where it has them).
+#[derive(clap::Args, Clone, Debug)]
+pub struct OffloadArgs {
+    /// Everything ferry allocates on the GPU stays under this, e.g. 22.3GiB. Default: the GPU's free memory.
+    #[arg(long)]
+    pub gpu_memory_budget: Option<String>,
+    #[arg(long, value_enum, default_value_t = OffloadChoice::Auto)]
+    pub offload: OffloadChoice,
+    /// Offload the experts and size their GPU cache from the budget: dense weights and workspace first, then the
+    /// KV floor, then cache slots, the rest to KV.
+    #[arg(long, conflicts_with = "moe_cache_slots")]
+    pub moe_cache_auto: bool,
+    /// Offload the experts with exactly this many GPU cache slots (the rest of the budget goes to KV).
+    #[arg(long)]
+    pub moe_cache_slots: Option<usize>,
+    /// KV tokens kept before expert cache slots are sized.
+    #[arg(long, default_value_t = 8192)]
+    pub kv_reserve_tokens: usize,
+}
+
+impl OffloadArgs {
+    fn mode(&self) -> Result<OffloadMode> {
+        let wants_cache = self.moe_cache_auto || self.moe_cache_slots.is_some();
+        Ok(match self.offload {
+            OffloadChoice::None if wants_cache => {
+                bail!("--offload none contradicts --moe-cache-auto/--moe-cache-slots")
             }
-        },
+            OffloadChoice::None => OffloadMode::None,
+            OffloadChoice::Experts => OffloadMode::Experts,
+            OffloadChoice::Auto if wants_cache => OffloadMode::Experts,
+            OffloadChoice::Auto => OffloadMode::Auto,
+        })
     }
+
+    fn is_default(&self) -> bool {
+        self.gpu_memory_budget.is_none()
+            && self.offload == OffloadChoice::Auto
+            && !self.moe_cache_auto
+            && self.moe_cache_slots.is_none()
+    }
+
+    /// The plan for `checkpoint` under a budget of `budget_bytes`.
+    pub fn plan(&self, checkpoint: &Checkpoint, budget_bytes: u64) -> Result<MemoryPlan> {
+        let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
+        let info = ModelInfo::new(&spec, checkpoint.weight_dtype());
+        let request = BudgetRequest {
+            budget_bytes,
+            mode: self.mode()?,
+            slots: self.moe_cache_slots,
+            kv_reserve_tokens: self.kv_reserve_tokens,
+            max_batch_tokens: MAX_BATCH_TOKENS,
+        };
+        Ok(plan_memory(&info, &spec, &request)?)
+    }
+
+    pub fn budget_bytes(&self) -> Result<Option<u64>> {
+        self.gpu_memory_budget
+            .as_deref()
+            .map(|b| Ok(parse_size(b)?))
+            .transpose()
+    }
+}
+
+/// Opens the backend; on a GPU, divides its memory budget for `checkpoint` and turns on expert offload when the
+/// plan says so. Returns the plan (None on the CPU).
+pub fn open_backend(
+    device: Device,
+    offload: &OffloadArgs,
+    checkpoint: &Checkpoint,
+) -> Result<(Backends, Option<MemoryPlan>)> {
+    let cuda = match device {
+        Device::Cpu => None,
+        Device::Cuda => Some(CudaBackend::new(0).context("--device cuda")?),
+        Device::Auto => CudaBackend::new(0)
+            .map_err(|e| tracing::info!("running on the CPU: {e}"))
+            .ok(),
+    };
+    let Some(mut cuda) = cuda else {
+        if !offload.is_default() {
+            bail!("--gpu-memory-budget and the offload flags need a GPU (this run is on the CPU)");
+        }
+        return Ok((Backends::Cpu(CpuBackend), None));
+    };
+    let budget = match offload.budget_bytes()? {
+        Some(b) => b,
+        // Leave a little for the CUDA context's own growth and other processes.
+        None => (cuda.memory_info()?.0 as u64).saturating_sub(1 << 30),
+    };
+    let plan = offload.plan(checkpoint, budget)?;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    tracing::info!(
+        "GPU budget {:.2} GiB: dense {:.2}, workspace {:.2}, experts {:.2} ({}), KV {:.2} GiB ({} tokens)",
+        gib(budget),
+        gib(plan.dense_bytes),
+        gib(plan.workspace_bytes),
+        gib(plan.expert_bytes),
+        if plan.offload {
+            format!("offloaded, {} cache slots", plan.slots)
+        } else {
+            "all resident".into()
+        },
+        gib(plan.kv_bytes),
+        plan.kv_tokens
+    );
+    if plan.offload {
+        cuda.enable_offload(plan.slots)?;
+    }
+    Ok((Backends::Cuda(Box::new(cuda)), Some(plan)))
 }
 
 /// Runs `$body` with `$be` bound to whichever backend `$backends` holds.
 #[macro_export]
 macro_rules! with_backend {
     ($backends:expr, $be:ident => $body:expr) => {
-        match $backends {
-            $crate::device::Backends::Cpu(ref $be) => $body,
-            $crate::device::Backends::Cuda(ref $be) => {
+        match &$backends {
+            $crate::device::Backends::Cpu($be) => $body,
+            $crate::device::Backends::Cuda($be) => {
                 let $be = &**$be;
                 $body
             }

@@ -4,12 +4,13 @@ use std::io::Write;
 
 use anyhow::{bail, Context, Result};
 use ferry_core::backend::Backend;
-use ferry_core::engine::{generate, GenerateRequest, SamplingParams, StopRules};
+use ferry_core::engine::{generate_routed, GenerateRequest, SamplingParams, StopRules};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{ChatMessage, Checkpoint, Detokenizer};
-use ferry_core::model::Model;
+use ferry_core::model::{Model, ModelInfo};
+use ferry_core::moe::{RoutingTap, TraceHeader, TraceRecorder};
 
-use crate::device::{open_backend, Device, ModelArgs};
+use crate::device::{open_backend, Device, ModelArgs, OffloadArgs};
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
@@ -42,14 +43,19 @@ pub struct GenerateArgs {
     ignore_eos: bool,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    #[command(flatten)]
+    offload: OffloadArgs,
     /// Print one JSON object (token_ids, text, prompt_tokens, completion_tokens, finish_reason).
     #[arg(long)]
     json: bool,
+    /// Write every token's routed experts, per MoE layer, as a routing trace (for `ferry cache-sim`).
+    #[arg(long)]
+    record_routing: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let checkpoint = args.model.open()?;
-    let backends = open_backend(args.device)?;
+    let (backends, _) = open_backend(args.device, &args.offload, &checkpoint)?;
     crate::with_backend!(backends, be => generate_on(be, &checkpoint, &args))
 }
 
@@ -109,7 +115,20 @@ fn generate_on<B: Backend>(backend: &B, checkpoint: &Checkpoint, args: &Generate
     let mut stdout = std::io::stdout().lock();
     let mut stream_error = None;
     let started = std::time::Instant::now();
-    let generation = generate(backend, &model, &mut kv, seq, &request, |token, _| {
+    let mut recorder = match &args.record_routing {
+        Some(path) => {
+            let info = ModelInfo::new(&model.spec, checkpoint.weight_dtype());
+            let header = TraceHeader {
+                num_layers: info.num_moe_layers as u32,
+                num_experts: info.num_experts as u32,
+                top_k: info.experts_per_token as u32,
+            };
+            Some(TraceRecorder::create(path, header)?)
+        }
+        None => None,
+    };
+    let tap = recorder.as_mut().map(|r| r as &mut dyn RoutingTap);
+    let generation = generate_routed(backend, &model, &mut kv, seq, &request, tap, |token, _| {
         if let Some((tokenizer, detok)) = detokenizer.as_mut() {
             match detok.push(*tokenizer, token) {
                 Ok(Some(piece)) => {
@@ -123,6 +142,9 @@ fn generate_on<B: Backend>(backend: &B, checkpoint: &Checkpoint, args: &Generate
     })?;
     if let Some(e) = stream_error {
         return Err(e.into());
+    }
+    if let Some(recorder) = recorder {
+        recorder.finish()?;
     }
     let elapsed = started.elapsed().as_secs_f64();
     tracing::info!(

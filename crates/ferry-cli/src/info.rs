@@ -3,7 +3,7 @@
 use anyhow::Result;
 use ferry_core::model::{spec_for, ModelInfo};
 
-use crate::device::ModelArgs;
+use crate::device::{ModelArgs, OffloadArgs};
 
 #[derive(clap::Args)]
 pub struct InfoArgs {
@@ -12,6 +12,9 @@ pub struct InfoArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// With --gpu-memory-budget: how that budget would be divided, and how much of the bank the cache holds.
+    #[command(flatten)]
+    offload: OffloadArgs,
 }
 
 /// Bytes in the largest binary unit that keeps the number at least 1.
@@ -35,8 +38,18 @@ pub fn run(args: InfoArgs) -> Result<()> {
     let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
     let dtype = checkpoint.weight_dtype();
     let info = ModelInfo::new(&spec, dtype);
+    let plan = args
+        .offload
+        .budget_bytes()?
+        .map(|budget| args.offload.plan(&checkpoint, budget))
+        .transpose()?;
     if args.json {
-        println!("{}", serde_json::to_string(&info)?);
+        let mut out = serde_json::to_value(&info)?;
+        if let Some(plan) = &plan {
+            out["memory_plan"] = serde_json::to_value(plan)?;
+            out["cached_share_of_bank"] = (plan.expert_bytes as f64 / info.expert_bank_bytes.max(1) as f64).into();
+        }
+        println!("{out}");
         return Ok(());
     }
     let mut rows = vec![
@@ -78,6 +91,30 @@ pub fn run(args: InfoArgs) -> Result<()> {
     }
     for (name, value) in rows {
         println!("{name:<28}{value}");
+    }
+    if let Some(p) = plan {
+        let share = 100.0 * p.expert_bytes as f64 / info.expert_bank_bytes.max(1) as f64;
+        let experts = match p.offload {
+            true => format!(
+                "{} cache slots ({}, {share:.1} % of the bank)",
+                p.slots,
+                bytes(p.expert_bytes)
+            ),
+            false => format!("all resident ({})", bytes(p.expert_bytes)),
+        };
+        println!("{:<28}{experts}", "experts under the budget");
+        println!(
+            "{:<28}{} ({} tokens)",
+            "KV under the budget",
+            bytes(p.kv_bytes),
+            p.kv_tokens
+        );
+        println!(
+            "{:<28}dense {}, workspace {}",
+            "also on the GPU",
+            bytes(p.dense_bytes),
+            bytes(p.workspace_bytes)
+        );
     }
     Ok(())
 }

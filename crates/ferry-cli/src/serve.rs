@@ -15,7 +15,7 @@ use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
 use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig};
 
-use crate::device::{open_backend, Backends, Device};
+use crate::device::{open_backend, Backends, Device, OffloadArgs};
 use crate::hub::{self, HubAccess};
 /// Tokens one engine step runs at most: running decodes first, then prefill chunks. 2048 keeps a step's prefill
 /// chunk large enough to reuse each fetched expert across many tokens while decodes still advance every step.
@@ -47,11 +47,14 @@ pub struct ServeArgs {
     #[arg(long)]
     max_model_len: Option<usize>,
     /// Tokens the KV cache holds across all requests (at least --max-model-len; a device backend allocates it
-    /// up front). Default: --max-model-len x --max-running-requests, so preemption is a last resort.
+    /// up front). Default on a GPU: what the memory budget leaves for KV; on the CPU: --max-model-len x
+    /// --max-running-requests, so preemption is a last resort.
     #[arg(long)]
     kv_cache_tokens: Option<usize>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    #[command(flatten)]
+    offload: OffloadArgs,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -137,9 +140,12 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
             .take()
             .context("the checkpoint has no tokenizer.json, which the server needs")?,
     );
-    let (engine, max_model_len, vocab_size) = match open_backend(args.device)? {
-        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args)?,
-        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args)?,
+    let (backends, plan) = open_backend(args.device, &args.offload, &checkpoint)?;
+    // On a GPU the budget's KV share sizes the cache unless --kv-cache-tokens says otherwise.
+    let planned_kv_tokens = plan.map(|p| p.kv_tokens);
+    let (engine, max_model_len, vocab_size) = match backends {
+        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, planned_kv_tokens)?,
+        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, planned_kv_tokens)?,
     };
     let defaults = &checkpoint.generation;
     Ok(LoadedModel {
@@ -163,6 +169,7 @@ fn start_engine<B: Backend + 'static>(
     checkpoint: &Checkpoint,
     tokenizer: Arc<Tokenizer>,
     args: &ServeArgs,
+    planned_kv_tokens: Option<usize>,
 ) -> Result<(EngineHandle, usize, usize)> {
     let started = std::time::Instant::now();
     let model = Model::load(&backend, checkpoint)?;
@@ -178,7 +185,7 @@ fn start_engine<B: Backend + 'static>(
             bail!("--kv-cache-tokens {n} cannot hold one request of --max-model-len {max_model_len}")
         }
         Some(n) => n,
-        None => max_model_len * args.max_running_requests,
+        None => planned_kv_tokens.unwrap_or(max_model_len * args.max_running_requests),
     };
     // The pool's blocks are the device cache's, so the cache holds whatever the pool grants.
     let blocks = BlockPool::new(KV_BLOCK_SIZE, kv_tokens.div_ceil(KV_BLOCK_SIZE));

@@ -204,6 +204,10 @@ pub trait Backend: Send + Sync + Sized {
     ) -> Result<Self::Tensor>;
     /// Router logits `[rows, experts]` to each row's top-k experts and weights.
     fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Result<Self::Routing>;
+    /// The routed expert ids, `[rows * top_k]`, on the host (to record a routing trace).
+    fn routing_to_host(&self, routing: &Self::Routing) -> Result<Vec<u32>>;
+    /// A routing from the host: `ids` and `weights` are `[rows * top_k]` (to replay a routing trace).
+    fn routing_from_host(&self, ids: &[u32], weights: &[f32], top_k: usize) -> Result<Self::Routing>;
     /// `sum_k weight_k * expert_k(x)` for each row, summed in router order: the routed part of a MoE block.
     fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor>;
     /// The rows `rows` of `x`, in that order.

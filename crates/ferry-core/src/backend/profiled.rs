@@ -172,6 +172,14 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Result<Self::Routing> {
         self.time("route", || self.inner.route(logits, top_k, kind))
     }
+    fn routing_to_host(&self, routing: &Self::Routing) -> Result<Vec<u32>> {
+        self.time("routing_to_host", || self.inner.routing_to_host(routing))
+    }
+    fn routing_from_host(&self, ids: &[u32], weights: &[f32], top_k: usize) -> Result<Self::Routing> {
+        self.time("routing_from_host", || {
+            self.inner.routing_from_host(ids, weights, top_k)
+        })
+    }
     fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor> {
         self.time("moe_experts", || self.inner.moe_experts(x, routing, experts))
     }

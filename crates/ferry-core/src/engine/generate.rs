@@ -3,6 +3,7 @@
 use super::sampler::{Sampler, SamplingParams};
 use crate::backend::{Backend, SeqSlice};
 use crate::model::Model;
+use crate::moe::RoutingTap;
 use crate::{Error, Result};
 
 #[derive(Clone, Debug, Default)]
@@ -51,6 +52,19 @@ pub fn generate<B: Backend>(
     kv: &mut B::Kv,
     seq: crate::kv::SeqId,
     request: &GenerateRequest,
+    on_step: impl FnMut(u32, &[f32]),
+) -> Result<Generation> {
+    generate_routed(be, model, kv, seq, request, None, on_step)
+}
+
+/// [`generate`], with `tap` seeing every MoE layer's routing (to record a routing trace).
+pub fn generate_routed<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    kv: &mut B::Kv,
+    seq: crate::kv::SeqId,
+    request: &GenerateRequest,
+    mut tap: Option<&mut dyn RoutingTap>,
     mut on_step: impl FnMut(u32, &[f32]),
 ) -> Result<Generation> {
     request.sampling.validate().map_err(Error::Request)?;
@@ -68,16 +82,18 @@ pub fn generate<B: Backend>(
     let max_tokens = request.max_tokens.min(window - prompt.len());
     let mut sampler = Sampler::new(request.sampling.clone());
     let mut tokens = Vec::with_capacity(max_tokens);
-    let mut input = prompt.clone();
-    let mut pos = 0;
-    while tokens.len() < max_tokens {
+    // Prefill in chunks of at most MAX_BATCH_TOKENS; then one token at a time.
+    let mut logits = Vec::new();
+    for (i, chunk) in prompt.chunks(super::MAX_BATCH_TOKENS).enumerate() {
         let slice = SeqSlice {
             seq,
-            start_pos: pos,
-            len: input.len(),
+            start_pos: i * super::MAX_BATCH_TOKENS,
+            len: chunk.len(),
         };
-        let logits = be.to_host(&model.forward(be, &input, &[slice], kv)?)?;
-        pos += input.len();
+        logits = be.to_host(&model.forward_routed(be, chunk, &[slice], kv, tap.as_deref_mut())?)?;
+    }
+    let mut pos = prompt.len();
+    while tokens.len() < max_tokens {
         let token = sampler.sample(&logits);
         tokens.push(token);
         on_step(token, &logits);
@@ -87,7 +103,16 @@ pub fn generate<B: Backend>(
                 finish_reason: FinishReason::Stop,
             });
         }
-        input = vec![token];
+        if tokens.len() == max_tokens {
+            break;
+        }
+        let slice = SeqSlice {
+            seq,
+            start_pos: pos,
+            len: 1,
+        };
+        logits = be.to_host(&model.forward_routed(be, &[token], &[slice], kv, tap.as_deref_mut())?)?;
+        pos += 1;
     }
     Ok(Generation {
         token_ids: tokens,

@@ -9,8 +9,12 @@ mod service;
 mod stop;
 
 pub use executor::{Executor, ModelExecutor};
-pub use generate::{generate, FinishReason, GenerateRequest, Generation, StopRules};
+pub use generate::{generate, generate_routed, FinishReason, GenerateRequest, Generation, StopRules};
 pub use sampler::{apply_penalties, argmax, Sampler, SamplingParams};
 pub use scheduler::{Event, EventSink, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats, StepReport};
 pub use service::{EngineHandle, EngineStatus};
 pub use stop::{partial_match_len, StopStrings};
+
+/// The most tokens one forward pass carries: long prompts are prefilled in chunks of this many (which also bounds
+/// the activation workspace a budget must hold).
+pub const MAX_BATCH_TOKENS: usize = 2048;

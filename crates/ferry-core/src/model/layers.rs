@@ -7,6 +7,7 @@ use std::ops::Range;
 use super::config::{ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm};
 use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, RouterKind};
 use crate::loader::{TensorRef, WeightStore};
+use crate::moe::RoutingTap;
 use crate::Result;
 
 /// Loads weights by name, checks their shapes, and hands them to the backend.
@@ -359,8 +360,27 @@ impl<B: Backend> MoeBlock<B> {
         })
     }
 
-    pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let routing = be.route(&be.linear(x, &self.router, None)?, self.top_k, self.router_kind)?;
+    /// `moe_layer` is this block's index among the model's MoE layers; `tap` sees (and may replace) its routing.
+    pub fn forward(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        moe_layer: usize,
+        tap: Option<&mut (dyn RoutingTap + '_)>,
+    ) -> Result<B::Tensor> {
+        let mut routing = be.route(&be.linear(x, &self.router, None)?, self.top_k, self.router_kind)?;
+        if let Some(tap) = tap {
+            let routed = match tap.wants_router_choice() {
+                true => Some(be.routing_to_host(&routing)?),
+                false => None,
+            };
+            let rows = be.shape(x).0;
+            if let Some(ids) = tap.routed(moe_layer, rows, self.top_k, routed.as_deref())? {
+                // A replayed choice, weighted uniformly: the trace records which experts, not how much.
+                let weights = vec![1.0 / self.top_k as f32; ids.len()];
+                routing = be.routing_from_host(&ids, &weights, self.top_k)?;
+            }
+        }
         let mut out = be.moe_experts(x, &routing, &self.experts)?;
         if let Some(shared) = &self.shared {
             let mut y = shared.mlp.forward(be, x)?;
@@ -391,10 +411,16 @@ impl<B: Backend> Ffn<B> {
         }
     }
 
-    pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+    pub fn forward(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        moe_layer: usize,
+        tap: Option<&mut (dyn RoutingTap + '_)>,
+    ) -> Result<B::Tensor> {
         match self {
             Ffn::Dense(mlp) => mlp.forward(be, x),
-            Ffn::Moe(moe) => moe.forward(be, x),
+            Ffn::Moe(moe) => moe.forward(be, x, moe_layer, tap),
         }
     }
 }

@@ -17,6 +17,7 @@ pub use info::ModelInfo;
 use crate::backend::{Backend, Rope, SeqSlice};
 use crate::kv::{KvSpec, RecurrentSpec};
 use crate::loader::Checkpoint;
+use crate::moe::RoutingTap;
 use crate::{Error, Result};
 use layers::{Attention, Ffn, GatedDeltaNet, WeightLoader};
 
@@ -149,6 +150,18 @@ impl<B: Backend> Model<B> {
     /// Runs the batch (`ids` are the rows of `batch`'s slices, in order), appending to each sequence's KV cache,
     /// and returns the logits `[slices, vocab]` of each slice's last token.
     pub fn forward(&self, be: &B, ids: &[u32], batch: &[SeqSlice], kv: &mut B::Kv) -> Result<B::Tensor> {
+        self.forward_routed(be, ids, batch, kv, None)
+    }
+
+    /// [`forward`](Self::forward), with `tap` seeing every MoE layer's routing (to record or replay traces).
+    pub fn forward_routed(
+        &self,
+        be: &B,
+        ids: &[u32],
+        batch: &[SeqSlice],
+        kv: &mut B::Kv,
+        mut tap: Option<&mut (dyn RoutingTap + '_)>,
+    ) -> Result<B::Tensor> {
         let rows: usize = batch.iter().map(|s| s.len).sum();
         if rows != ids.len() || batch.iter().any(|s| s.len == 0) {
             return Err(Error::Request(format!(
@@ -171,6 +184,7 @@ impl<B: Backend> Model<B> {
             Some(first) => be.rms_norm(&x, &first.input_norm, h, eps)?,
             None => return Err(Error::Config("a model without layers".into())),
         };
+        let mut moe_layer = 0;
         for (i, layer) in self.layers.iter().enumerate() {
             let mixed = match &layer.mixer {
                 TokenMixer::Attention { attention, kv_layer } => {
@@ -181,7 +195,8 @@ impl<B: Backend> Model<B> {
                 }
             };
             normed = be.add_rms_norm(&mut x, &mixed, &layer.post_attention_norm, eps)?;
-            let out = layer.ffn.forward(be, &normed)?;
+            let out = layer.ffn.forward(be, &normed, moe_layer, tap.as_deref_mut())?;
+            moe_layer += matches!(layer.ffn, Ffn::Moe(_)) as usize;
             // The residual add fused with the next layer's input norm; after the last layer, a plain add (the final
             // norm runs on each sequence's last row only).
             match self.layers.get(i + 1) {

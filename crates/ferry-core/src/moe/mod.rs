@@ -5,9 +5,11 @@
 pub mod budget;
 pub mod cache;
 pub mod policy;
+pub mod tap;
 pub mod trace;
 
 pub use budget::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode};
 pub use cache::{ExpertCache, LayerCounts, Plan};
 pub use policy::{Belady, EvictionPolicy, ExpertKey, Lru};
+pub use tap::{RoutingTap, TraceRecorder, TraceReplayer};
 pub use trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};

@@ -473,6 +473,18 @@ impl Backend for CpuBackend {
         Ok(routing)
     }
 
+    fn routing_to_host(&self, routing: &Routing) -> Result<Vec<u32>> {
+        Ok(routing.ids.clone())
+    }
+
+    fn routing_from_host(&self, ids: &[u32], weights: &[f32], top_k: usize) -> Result<Routing> {
+        Ok(Routing {
+            top_k,
+            ids: ids.to_vec(),
+            weights: weights.to_vec(),
+        })
+    }
+
     fn moe_experts(&self, x: &CpuTensor, routing: &Routing, experts: &Vec<ExpertTensors>) -> Result<CpuTensor> {
         // Group the batch's rows by expert, so each expert's weights are read once for all rows routed to it.
         let mut rows_of: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];

@@ -84,6 +84,9 @@ impl CudaBackend {
             }
             .map_err(blas_err)
         })?;
+        drop((host, device, other, a, c));
+        // Give the measurement's buffers back to the driver: they are no part of what a model needs.
+        super::keep_freed_memory_pooled(&self.ctx)?;
         Ok(GpuCeilings {
             h2d_pinned_gb_s: gb_s(COPY_BYTES, h2d),
             d2h_pinned_gb_s: gb_s(COPY_BYTES, d2h),

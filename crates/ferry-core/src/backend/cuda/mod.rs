@@ -457,7 +457,8 @@ impl CudaBackend {
 }
 
 /// Freed device memory stays in the stream-ordered pool instead of going back to the driver at every
-/// synchronisation, so the per-step allocations of a forward pass cost no driver calls.
+/// synchronisation, so the per-step allocations of a forward pass cost no driver calls. What earlier backends of
+/// this process left in the pool is released first, so that cuMemGetInfo shows what this one allocates.
 fn keep_freed_memory_pooled(ctx: &CudaContext) -> Result<()> {
     let mut pool = std::ptr::null_mut();
     let mut threshold = u64::MAX;
@@ -465,6 +466,10 @@ fn keep_freed_memory_pooled(ctx: &CudaContext) -> Result<()> {
         sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
             .result()
             .map_err(cuda_err("default memory pool"))?;
+        ctx.synchronize().map_err(cuda_err("synchronize"))?;
+        sys::cuMemPoolTrimTo(pool, 0)
+            .result()
+            .map_err(cuda_err("trimming the memory pool"))?;
         sys::cuMemPoolSetAttribute(
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -891,6 +896,28 @@ impl Backend for CudaBackend {
             ids,
             weights,
             rows: logits.rows,
+            top_k,
+        })
+    }
+
+    fn routing_to_host(&self, routing: &CudaRouting) -> Result<Vec<u32>> {
+        let ids = self
+            .stream
+            .clone_dtoh(&routing.ids)
+            .map_err(cuda_err("routing to host"))?;
+        Ok(ids
+            .into_iter()
+            .take(routing.rows * routing.top_k)
+            .map(|e| e as u32)
+            .collect())
+    }
+
+    fn routing_from_host(&self, ids: &[u32], weights: &[f32], top_k: usize) -> Result<CudaRouting> {
+        let signed: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
+        Ok(CudaRouting {
+            ids: self.copy_to_device(&signed)?,
+            weights: self.copy_to_device(weights)?,
+            rows: ids.len() / top_k.max(1),
             top_k,
         })
     }
