@@ -18,7 +18,8 @@ for line in sys.stdin:
 '
 # Only test binaries with GPU tests travel, without debug info: the device tool carries 64 MiB at most.
 for test in .stage/tests/*; do
-    "$test" --list --ignored 2>/dev/null | grep -q ': test$' || rm "$test"
+    listed=$("$test" --list --ignored 2>/dev/null || true)
+    grep -q ': test$' <<<"$listed" || rm "$test"
 done
 strip --strip-debug .stage/ferry .stage/tests/*
 du -sh .stage/ferry .stage/tests/*

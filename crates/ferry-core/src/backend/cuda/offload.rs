@@ -145,8 +145,9 @@ impl Offload {
         let Some(host) = self.routed_host.as_mut() else {
             return Err(Error::Cuda("no routing buffer".into()));
         };
-        compute
-            .memcpy_dtoh(&routing.ids, host)
+        let ids_address = routing.ids.device_ptr(compute).0;
+        let dst = &mut host.as_mut_slice().map_err(cuda_err("routing buffer"))?[..routed];
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, ids_address, compute.cu_stream()) }
             .map_err(cuda_err("routing to the host"))?;
         // The host needs the ids to plan; every earlier kernel has finished too, so no slot is still being read.
         compute.synchronize().map_err(cuda_err("waiting for the router"))?;
