@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The CUDA kernels are compiled in every build (a kernel that does not compile fails CI); nvcc comes from PyPI.
+command -v nvcc >/dev/null || [ -x .cuda-toolchain/nvidia/cu13/bin/nvcc ] || scripts/install-cuda-toolchain.sh
+
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace

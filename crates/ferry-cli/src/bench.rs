@@ -252,6 +252,11 @@ fn bench_on<B: Backend>(
     track(&mut peak);
     phase_done("prefill");
 
+    // Random weights fall into a loop under greedy decoding (the same token, the same experts, every step), which
+    // would measure a cache that always hits. On synthetic weights each step's input is a fresh random token
+    // instead: routing then varies as real text makes it.
+    let synthetic = args.model.synthetic.is_some();
+
     // Decode that sequence at batch 1.
     let mut recorder = args
         .record_routing
@@ -275,7 +280,8 @@ fn bench_on<B: Backend>(
         };
         let logits = model.forward_routed(be, &[token], &[slice], &mut kv, tap)?;
         host += issued.elapsed();
-        token = greedy(be, &logits)?[0];
+        let greedy_token = greedy(be, &logits)?[0];
+        token = if synthetic { random_ids(1)[0] } else { greedy_token };
     }
     let decode_seconds = started.elapsed().as_secs_f64();
     let decode_batch1 = args.decode_tokens as f64 / decode_seconds;
@@ -319,10 +325,15 @@ fn bench_on<B: Backend>(
                 len: 1,
             })
             .collect();
-        tokens = greedy(
+        let greedy_tokens = greedy(
             be,
             &model.forward_routed(be, &tokens, &slices, &mut kv, replaying(&mut replay))?,
         )?;
+        tokens = if synthetic {
+            random_ids(args.concurrency)
+        } else {
+            greedy_tokens
+        };
     }
     let decode_aggregate = (args.decode_tokens * args.concurrency) as f64 / started.elapsed().as_secs_f64();
     track(&mut peak);

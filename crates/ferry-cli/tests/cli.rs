@@ -445,3 +445,45 @@ fn synthetic_models_need_no_files() {
         "seeded weights give the same continuation"
     );
 }
+
+#[test]
+fn recorded_routing_replays_in_the_cache_simulator() {
+    let model = fixture(FIXTURE);
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("routing.jsonl");
+    let out = ferry(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--json",
+        "--record-routing",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(header["top_k"], 2);
+    // One line per forwarded token: the 5 prompt tokens and the 3 generated tokens fed back.
+    assert_eq!(text.lines().count(), 1 + 5 + 3);
+    let sim = ferry(&[
+        "cache-sim",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--slots",
+        "8",
+        "--policy",
+        "belady",
+        "--json",
+    ]);
+    assert!(sim.status.success(), "{}", String::from_utf8_lossy(&sim.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&sim.stdout).unwrap();
+    let layers = header["num_layers"].as_u64().unwrap();
+    assert_eq!(report["accesses"].as_u64().unwrap(), 8 * layers * 2);
+}

@@ -325,8 +325,11 @@ impl WeightStore {
     }
 }
 
-/// Seeded bf16 values, uniform with the standard deviation of 1/sqrt(fan-in) (norm vectors: ones). Each
-/// 64 Ki-element chunk has its own generator keyed by (seed, name, chunk), so the result does not depend on threads.
+/// Seeded bf16 values, uniform with the standard deviation of 1/sqrt(fan-in) (norm vectors: ones; the embedding
+/// table: one, so each token's embedding stays the largest part of the residual stream and routing varies from
+/// token to token as a trained model's does; smaller embeddings let the attention's average over a long context
+/// dominate, and every token then routes to the same experts). Each 64 Ki-element chunk has its own generator keyed
+/// by (seed, name, chunk), so the result does not depend on threads.
 fn synthetic_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<TensorRef> {
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 16;
@@ -336,7 +339,11 @@ fn synthetic_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<TensorRef>
         let one = half::bf16::ONE.to_le_bytes();
         bytes.chunks_exact_mut(2).for_each(|b| b.copy_from_slice(&one));
     } else {
-        let fan_in = *shape.last().unwrap_or(&1) as f32;
+        let fan_in = if name.ends_with("embed_tokens.weight") {
+            1.0
+        } else {
+            *shape.last().unwrap_or(&1) as f32
+        };
         let bound = 3f32.sqrt() / fan_in.sqrt();
         let key = name.bytes().fold(seed ^ 0x9e37_79b9_7f4a_7c15, |h, b| {
             (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
