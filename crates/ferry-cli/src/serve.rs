@@ -24,8 +24,15 @@ const STEP_TOKENS: usize = 2048;
 #[derive(clap::Args)]
 pub struct ServeArgs {
     /// A Hugging Face checkpoint directory, or a hub repo id (owner/name) fetched into the Hugging Face cache.
-    #[arg(long)]
-    model: String,
+    #[arg(long, required_unless_present = "synthetic", conflicts_with = "synthetic")]
+    model: Option<String>,
+    /// Serve the model a config.json describes with seeded random weights (no files): full-size serving
+    /// benchmarks without a download. Needs --tokenizer.
+    #[arg(long, requires = "tokenizer")]
+    synthetic: Option<PathBuf>,
+    /// A directory whose tokenizer.json (and tokenizer_config.json) serves a --synthetic model.
+    #[arg(long, requires = "synthetic")]
+    tokenizer: Option<PathBuf>,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// 0 picks a free port (the log says which).
@@ -57,6 +64,17 @@ pub struct ServeArgs {
     offload: OffloadArgs,
 }
 
+impl ServeArgs {
+    /// What the model is called in the log and, by default, on the API.
+    fn model_label(&self) -> String {
+        match (&self.model, &self.synthetic) {
+            (Some(model), _) => model.clone(),
+            (None, Some(config)) => config.display().to_string(),
+            (None, None) => String::new(),
+        }
+    }
+}
+
 pub fn run(args: ServeArgs) -> Result<()> {
     if args.max_running_requests == 0 {
         bail!("--max-running-requests must be at least 1");
@@ -75,11 +93,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("cannot listen on {address}"))?;
     let bound: SocketAddr = listener.local_addr()?;
     let state = AppState::new(ServerConfig {
-        served_model_name: args.served_model_name.clone().unwrap_or_else(|| args.model.clone()),
+        served_model_name: args.served_model_name.clone().unwrap_or_else(|| args.model_label()),
         api_key: args.api_key.clone(),
         max_in_flight: args.max_running_requests + args.max_queued_requests,
     });
-    tracing::info!("listening on http://{bound} (loading {})", args.model);
+    tracing::info!("listening on http://{bound} (loading {})", args.model_label());
     let app = ferry_server::router(state.clone());
     let server = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
@@ -117,22 +135,31 @@ async fn shutdown_signal() {
 
 /// Fetches (if a repo id) and loads the checkpoint, and starts the engine thread.
 fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
-    let dir = if PathBuf::from(&args.model).is_dir() || !hub::is_repo_id(&args.model) {
-        PathBuf::from(&args.model)
-    } else {
-        hub::fetch(&args.model, &HubAccess::from_env(), &mut |stage, progress| {
-            tracing::info!("{stage}");
-            state.set_loading(stage, progress);
-        })
-        .with_context(|| {
-            format!(
-                "{} is not a directory, so it was taken as a Hugging Face repo id",
-                args.model
-            )
-        })?
+    let mut checkpoint = match (&args.model, &args.synthetic, &args.tokenizer) {
+        (Some(model), _, _) => {
+            let dir = if PathBuf::from(model).is_dir() || !hub::is_repo_id(model) {
+                PathBuf::from(model)
+            } else {
+                hub::fetch(model, &HubAccess::from_env(), &mut |stage, progress| {
+                    tracing::info!("{stage}");
+                    state.set_loading(stage, progress);
+                })
+                .with_context(|| format!("{model} is not a directory, so it was taken as a Hugging Face repo id"))?
+            };
+            state.set_loading(format!("loading weights from {}", dir.display()), 0.0);
+            Checkpoint::open(&dir)?
+        }
+        (None, Some(config), Some(tokenizer_dir)) => {
+            state.set_loading(format!("making synthetic weights for {}", config.display()), 0.0);
+            let mut checkpoint = Checkpoint::synthetic(config, 0)?;
+            checkpoint.tokenizer = Some(
+                Tokenizer::load(tokenizer_dir)?
+                    .with_context(|| format!("no tokenizer.json in {}", tokenizer_dir.display()))?,
+            );
+            checkpoint
+        }
+        _ => bail!("give --model, or --synthetic with --tokenizer"),
     };
-    state.set_loading(format!("loading weights from {}", dir.display()), 0.0);
-    let mut checkpoint = Checkpoint::open(&dir)?;
     let eos_token_ids = checkpoint.eos_token_ids();
     let tokenizer = Arc::new(
         checkpoint

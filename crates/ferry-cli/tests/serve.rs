@@ -23,10 +23,15 @@ struct Server {
 impl Server {
     fn start(extra: &[&str]) -> Server {
         let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+        Server::start_serving(&[&["--model", fixture.to_str().unwrap()], extra].concat())
+    }
+
+    /// `ferry serve` with these model arguments (and options).
+    fn start_serving(model: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
-            .args(["serve", "--model", fixture.to_str().unwrap(), "--port", "0"])
+            .args(["serve", "--port", "0"])
+            .args(model)
             .args(["--served-model-name", "tiny", "--api-key", KEY])
-            .args(extra)
             .env("NO_COLOR", "1")
             .stderr(Stdio::piped())
             .spawn()
@@ -338,4 +343,22 @@ fn a_model_that_cannot_load_ends_the_server_with_the_reason() {
         assert!(stderr.contains(needle), "{extra:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+}
+
+#[test]
+fn a_synthetic_model_serves_with_a_borrowed_tokenizer() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+    let config = fixture.join("config.json");
+    let server = Server::start_serving(&[
+        "--synthetic",
+        config.to_str().unwrap(),
+        "--tokenizer",
+        fixture.to_str().unwrap(),
+    ]);
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &chat("Hi", json!({"max_tokens": 8, "temperature": 0})),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(body["usage"]["completion_tokens"].as_u64().unwrap() >= 1, "{body}");
 }
