@@ -289,6 +289,7 @@ pub struct MoeBlock<B: Backend> {
     router: B::Weight,
     router_kind: RouterKind,
     top_k: usize,
+    num_experts: usize,
     experts: B::Experts,
     shared: Option<SharedExpert<B>>,
 }
@@ -354,6 +355,7 @@ impl<B: Backend> MoeBlock<B> {
         Ok(MoeBlock {
             router: w.load(&format!("{block}.gate.weight"), &[moe.num_experts, hidden])?,
             router_kind: moe.router,
+            num_experts: moe.num_experts,
             top_k: moe.top_k,
             experts,
             shared,
@@ -376,6 +378,12 @@ impl<B: Backend> MoeBlock<B> {
             };
             let rows = be.shape(x).0;
             if let Some(ids) = tap.routed(moe_layer, rows, self.top_k, routed.as_deref())? {
+                if let Some(&bad) = ids.iter().find(|&&e| e as usize >= self.num_experts) {
+                    return Err(crate::Error::Cache(format!(
+                        "a replayed route names expert {bad}; this model's layers have {}",
+                        self.num_experts
+                    )));
+                }
                 // A replayed choice, weighted uniformly: the trace records which experts, not how much.
                 let weights = vec![1.0 / self.top_k as f32; ids.len()];
                 routing = be.routing_from_host(&ids, &weights, self.top_k)?;

@@ -204,12 +204,7 @@ impl Backend for CpuBackend {
         let mut out = CpuTensor::zeros(ids.len(), hidden);
         for (row, &id) in out.data.chunks_mut(hidden).zip(ids) {
             let id = id as usize;
-            row.copy_from_slice(
-                &table
-                    .rows(id, id + 1)
-                    .expect("token id checked against the vocabulary")
-                    .to_f32_vec(),
-            );
+            row.copy_from_slice(&table.rows(id, id + 1)?.to_f32_vec());
         }
         Ok(out)
     }
