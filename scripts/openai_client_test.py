@@ -8,6 +8,7 @@ Run by scripts/test.sh after the Rust tests: python scripts/openai_client_test.p
 """
 
 import concurrent.futures
+import json
 import os
 import re
 import subprocess
@@ -16,9 +17,27 @@ import threading
 import time
 import traceback
 
-import httpx
+import urllib.error
+import urllib.request
+
 import openai
 from openai import OpenAI
+
+def http(method, url, body=None, key=None):
+    """(status, body text) of a plain HTTP request: the standard library, so the test needs only the SDK."""
+    request = urllib.request.Request(url, data=body, method=method)
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    if body is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+    except urllib.error.URLError:
+        return None, ""
+
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIXTURE = os.path.join(ROOT, "tests/fixtures/qwen3_moe")
@@ -50,7 +69,7 @@ class Server:
             raise RuntimeError("ferry serve did not start:\n" + "".join(self.log))
         threading.Thread(target=self._drain, daemon=True).start()
         self.base = f"http://{address}"
-        while httpx.get(self.base + "/health").status_code != 200:
+        while http("GET", self.base + "/health")[0] != 200:
             if time.time() > deadline:
                 raise RuntimeError("ferry serve never became ready")
             time.sleep(0.02)
@@ -62,7 +81,7 @@ class Server:
 
     def metric(self, name, default=None):
         """A sample from /metrics (`name` with its labels); `default` when a counter was never incremented."""
-        text = httpx.get(self.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        text = http("GET", self.base + "/metrics", key=KEY)[1]
         for line in text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
@@ -227,9 +246,9 @@ def test_every_bad_request_is_an_openai_error(server):
     expect_error(404, lambda: c.create(model="gpt-4", messages=chat("hi")), code="model_not_found")
     wrong_key = OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0)
     expect_error(401, lambda: wrong_key.chat.completions.create(**ok))
-    raw = httpx.post(server.base + "/v1/chat/completions", content=b'{"messages": [', headers={"Authorization": f"Bearer {KEY}"})
-    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error", raw.text
-    assert httpx.get(server.base + "/health").status_code == 200, "still serving"
+    status, text = http("POST", server.base + "/v1/chat/completions", body=b'{"messages": [', key=KEY)
+    assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error", text
+    assert http("GET", server.base + "/health")[0] == 200, "still serving"
 
 
 def test_a_full_queue_is_a_503(ferry):
