@@ -487,3 +487,41 @@ fn recorded_routing_replays_in_the_cache_simulator() {
     let layers = header["num_layers"].as_u64().unwrap();
     assert_eq!(report["accesses"].as_u64().unwrap(), 8 * layers * 2);
 }
+
+#[test]
+fn info_divides_a_gpu_memory_budget() {
+    let model = fixture(FIXTURE);
+    let plan_for = |extra: &[&str]| {
+        let mut args = vec![
+            "info",
+            "--model",
+            model.to_str().unwrap(),
+            "--json",
+            "--gpu-memory-budget",
+            "1GiB",
+        ];
+        args.extend(extra);
+        let out = ferry(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let fits = plan_for(&[]);
+    assert_eq!(fits["memory_plan"]["offload"], false, "a tiny model fits 1 GiB whole");
+    assert_eq!(fits["memory_plan"]["expert_bytes"], fits["expert_bank_bytes"]);
+    let cached = plan_for(&["--moe-cache-slots", "8"]);
+    assert_eq!(cached["memory_plan"]["offload"], true);
+    assert_eq!(cached["memory_plan"]["slots"], 8);
+    let bank_share = cached["cached_share_of_bank"].as_f64().unwrap();
+    assert!(
+        (bank_share - 8.0 / 16.0).abs() < 1e-9,
+        "8 slots of 2 MoE layers x 8 experts: {bank_share}"
+    );
+    let out = ferry(&[
+        "info",
+        "--model",
+        model.to_str().unwrap(),
+        "--gpu-memory-budget",
+        "lots",
+    ]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("lots"));
+}
