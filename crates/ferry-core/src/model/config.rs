@@ -219,6 +219,66 @@ pub fn parse<T: serde::de::DeserializeOwned>(config: &serde_json::Value) -> Resu
     serde_json::from_value(config.clone()).map_err(|e| Error::Config(format!("config.json: {e}")))
 }
 
+/// The MoE settings Qwen2-MoE and Qwen3-MoE share.
+#[derive(Clone, Debug, Deserialize)]
+pub struct QwenMoeConfig {
+    /// transformers 5 writes `num_local_experts`.
+    #[serde(alias = "num_local_experts")]
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub intermediate_size: usize,
+    #[serde(default = "one")]
+    pub decoder_sparse_step: usize,
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl QwenMoeConfig {
+    /// The spec of a Qwen MoE family: `base`'s attention, dense layers by Qwen's rule, a softmax top-k router and
+    /// standard expert names, with a sigmoid-gated shared expert of `shared_expert_intermediate` if any.
+    pub fn spec(
+        &self,
+        base: &BaseConfig,
+        model_type: &'static str,
+        shared_expert_intermediate: Option<usize>,
+    ) -> Result<ModelSpec> {
+        if self.use_sliding_window {
+            return Err(Error::Config(format!(
+                "use_sliding_window is not supported for {model_type}"
+            )));
+        }
+        check_top_k(self.num_experts, self.num_experts_per_tok)?;
+        let mut spec = base.spec(model_type)?;
+        spec.ffn = qwen_ffn_layers(
+            base.num_hidden_layers,
+            self.num_experts,
+            self.decoder_sparse_step,
+            &self.mlp_only_layers,
+            self.intermediate_size,
+        );
+        spec.moe = Some(MoeSpec {
+            num_experts: self.num_experts,
+            top_k: self.num_experts_per_tok,
+            intermediate: self.moe_intermediate_size,
+            router: RouterKind::SoftmaxTopK {
+                renormalize: self.norm_topk_prob,
+            },
+            shared_expert_intermediate,
+            naming: STANDARD_EXPERTS,
+        });
+        Ok(spec)
+    }
+}
+
 /// Qwen's rule for which layers are MoE: not listed in `mlp_only_layers`, and every `decoder_sparse_step`-th.
 pub fn qwen_ffn_layers(
     num_layers: usize,
