@@ -60,6 +60,11 @@ impl Metrics {
             gauge!("ferry_kv_blocks_total").set(s.kv_blocks_total as f64);
             gauge!("ferry_decode_tokens_per_second").set(status.decode_tokens_per_s);
             counter!("ferry_preemptions_total").absolute(s.preemptions);
+            if let Some(cache) = status.expert_cache {
+                counter!("ferry_expert_cache_hits_total").absolute(cache.hits);
+                counter!("ferry_expert_cache_misses_total").absolute(cache.misses);
+                counter!("ferry_expert_cache_bytes_copied_total").absolute(cache.bytes_copied);
+            }
         });
         self.handle.render()
     }
@@ -68,5 +73,34 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::moe::ExpertCacheCounters;
+
+    #[test]
+    fn expert_cache_counters_appear_only_under_offload() {
+        let metrics = Metrics::new();
+        let resident = metrics.render(Some(EngineStatus::default()));
+        assert!(!resident.contains("ferry_expert_cache"), "{resident}");
+        let cache = ExpertCacheCounters {
+            hits: 30,
+            misses: 10,
+            bytes_copied: 4096,
+        };
+        let offloaded = metrics.render(Some(EngineStatus {
+            expert_cache: Some(cache),
+            ..EngineStatus::default()
+        }));
+        for line in [
+            "ferry_expert_cache_hits_total 30",
+            "ferry_expert_cache_misses_total 10",
+            "ferry_expert_cache_bytes_copied_total 4096",
+        ] {
+            assert!(offloaded.contains(line), "no {line:?} in\n{offloaded}");
+        }
     }
 }

@@ -13,6 +13,7 @@ pub mod profiled;
 
 use crate::kv::{KvCache, KvSpec, SeqId};
 use crate::loader::TensorRef;
+use crate::moe::ExpertCacheCounters;
 use crate::Result;
 
 /// A run of `len` consecutive batch rows belonging to sequence `seq`, at positions `start_pos..start_pos + len`.
@@ -108,6 +109,10 @@ pub trait Backend: Send + Sync + Sized {
     fn name(&self) -> String;
     /// Waits until every op issued so far has finished (a no-op where ops finish before they return).
     fn synchronize(&self) -> Result<()>;
+    /// The expert cache's running totals, when this backend offloads experts.
+    fn expert_cache_counters(&self) -> Option<ExpertCacheCounters> {
+        None
+    }
 
     /// A weight matrix `[out, in]` (also embedding tables `[vocab, hidden]`) or vector.
     fn weight(&self, tensor: TensorRef) -> Result<Self::Weight>;

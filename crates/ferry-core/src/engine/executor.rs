@@ -4,6 +4,7 @@
 use crate::backend::{Backend, SeqSlice};
 use crate::kv::{KvCache, SeqId};
 use crate::model::Model;
+use crate::moe::ExpertCacheCounters;
 use crate::Result;
 
 pub trait Executor: Send {
@@ -13,6 +14,10 @@ pub trait Executor: Send {
     /// Runs one batch (`ids` are the rows of `batch`'s slices, in order) and returns the logits of each slice's
     /// last token, `batch.len()` rows of `vocab_size()` values one after another.
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>>;
+    /// The expert cache's running totals, when experts are offloaded.
+    fn expert_cache_counters(&self) -> Option<ExpertCacheCounters> {
+        None
+    }
 }
 
 /// A [`Model`] on its backend with the KV cache of every running sequence.
@@ -23,6 +28,10 @@ pub struct ModelExecutor<B: Backend> {
 }
 
 impl<B: Backend> Executor for ModelExecutor<B> {
+    fn expert_cache_counters(&self) -> Option<ExpertCacheCounters> {
+        self.backend.expert_cache_counters()
+    }
+
     fn vocab_size(&self) -> usize {
         self.model.spec.vocab_size
     }

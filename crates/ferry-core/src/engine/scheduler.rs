@@ -196,6 +196,11 @@ impl<E: Executor> Scheduler<E> {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
+    /// The expert cache's running totals, when the executor offloads experts.
+    pub fn expert_cache_counters(&self) -> Option<crate::moe::ExpertCacheCounters> {
+        self.executor.expert_cache_counters()
+    }
+
     pub fn stats(&self) -> SchedulerStats {
         SchedulerStats {
             running: self.running.len(),

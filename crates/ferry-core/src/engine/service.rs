@@ -25,6 +25,8 @@ pub struct EngineStatus {
     pub scheduler: SchedulerStats,
     /// Decode tokens per second over recent steps (smoothed); 0 while the engine is idle.
     pub decode_tokens_per_s: f64,
+    /// Expert cache hits, misses and bytes copied, when experts are offloaded.
+    pub expert_cache: Option<crate::moe::ExpertCacheCounters>,
 }
 
 /// A handle to the engine thread; cloning shares the same engine. The thread ends once every handle is dropped
@@ -42,6 +44,7 @@ impl EngineHandle {
         let status = Arc::new(Mutex::new(EngineStatus {
             scheduler: scheduler.stats(),
             decode_tokens_per_s: 0.0,
+            expert_cache: scheduler.expert_cache_counters(),
         }));
         let shared = status.clone();
         std::thread::Builder::new()
@@ -120,6 +123,7 @@ fn run<E: Executor>(mut scheduler: Scheduler<E>, commands: Receiver<Command>, st
         *status.lock().unwrap_or_else(|e| e.into_inner()) = EngineStatus {
             scheduler: scheduler.stats(),
             decode_tokens_per_s: decode_rate,
+            expert_cache: scheduler.expert_cache_counters(),
         };
     }
 }

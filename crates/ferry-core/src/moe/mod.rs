@@ -9,7 +9,7 @@ pub mod tap;
 pub mod trace;
 
 pub use budget::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode};
-pub use cache::{ExpertCache, LayerCounts, Plan};
+pub use cache::{ExpertCache, ExpertCacheCounters, LayerCounts, Plan};
 pub use policy::{Belady, EvictionPolicy, ExpertKey, Lru};
 pub use tap::{RoutingTap, TraceRecorder, TraceReplayer};
 pub use trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};

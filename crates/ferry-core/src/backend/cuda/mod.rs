@@ -509,6 +509,14 @@ impl Backend for CudaBackend {
         self.stream.synchronize().map_err(cuda_err("synchronize"))
     }
 
+    fn expert_cache_counters(&self) -> Option<crate::moe::ExpertCacheCounters> {
+        self.offload_stats().map(|s| crate::moe::ExpertCacheCounters {
+            hits: s.layer_hits.iter().sum(),
+            misses: s.layer_misses.iter().sum(),
+            bytes_copied: s.bytes_copied,
+        })
+    }
+
     fn weight(&self, tensor: TensorRef) -> Result<CudaWeight> {
         match tensor.shape.len() {
             1 => Ok(CudaWeight::Vector(self.copy_to_device(&tensor.to_f32_vec())?)),
