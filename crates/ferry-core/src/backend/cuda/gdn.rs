@@ -4,7 +4,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::kv::{DeviceBatch, DeviceKv, RecurrentBatch};
-use super::{cuda_err, CudaBackend, CudaTensor, CudaWeight};
+use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::DeltaRuleParams;
 use crate::{Error, Result};
 
@@ -33,42 +33,44 @@ impl CudaBackend {
         let y = self.tensor(x.rows, channels)?;
         let (channels32, kernel32) = (channels as i32, kernel as i32);
         let blocks = channels.div_ceil(256) as u32;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("causal_conv1d"))
-                .arg(&x.data)
-                .arg(w)
-                .arg(&y.data)
-                .arg(&r.row_slice)
-                .arg(&r.slice_start_row)
-                .arg(&r.slice_state)
-                .arg(&conv_offset)
-                .arg(&channels32)
-                .arg(&kernel32)
-                .launch(LaunchConfig {
-                    grid_dim: (blocks, x.rows as u32, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-        }
-        .map_err(cuda_err("causal_conv1d"))?;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("conv_state_update"))
-                .arg(&x.data)
-                .arg(&r.slice_start_row)
-                .arg(&r.slice_len)
-                .arg(&r.slice_state)
-                .arg(&conv_offset)
-                .arg(&channels32)
-                .arg(&kernel32)
-                .launch(LaunchConfig {
-                    grid_dim: (blocks, r.slices as u32, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-        }
-        .map_err(cuda_err("conv_state_update"))?;
+        self.launch(
+            "causal_conv1d",
+            LaunchConfig {
+                grid_dim: (blocks, x.rows as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            |kernel| {
+                kernel
+                    .arg(&x.data)
+                    .arg(w)
+                    .arg(&y.data)
+                    .arg(&r.row_slice)
+                    .arg(&r.slice_start_row)
+                    .arg(&r.slice_state)
+                    .arg(&conv_offset)
+                    .arg(&channels32)
+                    .arg(&kernel32);
+            },
+        )?;
+        self.launch(
+            "conv_state_update",
+            LaunchConfig {
+                grid_dim: (blocks, r.slices as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            |kernel| {
+                kernel
+                    .arg(&x.data)
+                    .arg(&r.slice_start_row)
+                    .arg(&r.slice_len)
+                    .arg(&r.slice_state)
+                    .arg(&conv_offset)
+                    .arg(&channels32)
+                    .arg(&kernel32);
+            },
+        )?;
         Ok(y)
     }
 
@@ -93,6 +95,7 @@ impl CudaBackend {
         }
         let r = recurrent(batch)?;
         let delta_offset = kv.recurrent_offsets(layer)?.delta;
+        let (a_log, dt_bias) = (self.vector(a_log)?, self.vector(dt_bias)?);
         let out = self.tensor(qkv.rows, p.num_v_heads * p.v_head_dim)?;
         let (k_heads, v_heads, dk, dv) = (
             p.num_k_heads as i32,
@@ -102,30 +105,31 @@ impl CudaBackend {
         );
         // Threads: one per state column, and at least the 65 that normalise q and k and compute the gates.
         let threads = p.v_head_dim.max(65).div_ceil(32) as u32 * 32;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("gated_delta_rule"))
-                .arg(&qkv.data)
-                .arg(&a.data)
-                .arg(&b.data)
-                .arg(self.vector(a_log)?)
-                .arg(self.vector(dt_bias)?)
-                .arg(&out.data)
-                .arg(&r.slice_start_row)
-                .arg(&r.slice_len)
-                .arg(&r.slice_state)
-                .arg(&delta_offset)
-                .arg(&k_heads)
-                .arg(&v_heads)
-                .arg(&dk)
-                .arg(&dv)
-                .launch(LaunchConfig {
-                    grid_dim: (r.slices as u32, p.num_v_heads as u32, 1),
-                    block_dim: (threads, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-        }
-        .map_err(cuda_err("gated_delta_rule"))?;
+        self.launch(
+            "gated_delta_rule",
+            LaunchConfig {
+                grid_dim: (r.slices as u32, p.num_v_heads as u32, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            |kernel| {
+                kernel
+                    .arg(&qkv.data)
+                    .arg(&a.data)
+                    .arg(&b.data)
+                    .arg(a_log)
+                    .arg(dt_bias)
+                    .arg(&out.data)
+                    .arg(&r.slice_start_row)
+                    .arg(&r.slice_len)
+                    .arg(&r.slice_state)
+                    .arg(&delta_offset)
+                    .arg(&k_heads)
+                    .arg(&v_heads)
+                    .arg(&dk)
+                    .arg(&dv);
+            },
+        )?;
         Ok(out)
     }
 }

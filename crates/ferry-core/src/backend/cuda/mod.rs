@@ -312,35 +312,25 @@ impl CudaBackend {
                 block_dim: (GEMV_WARPS * 32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            unsafe {
-                self.stream
-                    .launch_builder(self.function("gemv_bf16"))
+            self.launch("gemv_bf16", cfg, |kernel| {
+                kernel
                     .arg(&x.data)
                     .arg(&rows)
                     .arg(&k32)
                     .arg(&w)
                     .arg(&n32)
                     .arg(&null)
-                    .arg(&out.data)
-                    .launch(cfg)
-            }
-            .map_err(cuda_err("gemv_bf16"))?;
+                    .arg(&out.data);
+            })?;
             return Ok(out);
         }
         // x = hi + lo, both bf16; out = W hi + W lo, each an exact-product bf16 GEMM accumulated in f32.
         let len = x.rows * k;
         let hi: CudaSlice<u16> = self.alloc(len)?;
         let lo: CudaSlice<u16> = self.alloc(len)?;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("split_bf16"))
-                .arg(&x.data)
-                .arg(&hi)
-                .arg(&lo)
-                .arg(&len)
-                .launch(grid_1d(len, 256))
-        }
-        .map_err(cuda_err("split_bf16"))?;
+        self.launch("split_bf16", grid_1d(len, 256), |kernel| {
+            kernel.arg(&x.data).arg(&hi).arg(&lo).arg(&len);
+        })?;
         let (alpha, zero, one) = (1.0f32, 0.0f32, 1.0f32);
         let out_ptr = self.address(&out.data);
         for (half, beta) in [(&hi, &zero), (&lo, &one)] {
@@ -411,8 +401,8 @@ impl CudaBackend {
             let rows_dev = self.copy_to_device(&rows)?;
             let gathered = self.tensor(rows.len(), hidden)?;
             let cols = hidden as i32;
-            self.launch_rows("gather_rows", rows.len(), |b| {
-                b.arg(&x.data).arg(&rows_dev).arg(&gathered.data).arg(&cols);
+            self.launch_rows("gather_rows", rows.len(), |kernel| {
+                kernel.arg(&x.data).arg(&rows_dev).arg(&gathered.data).arg(&cols);
             })?;
             let base = addresses[e];
             let expert_bytes = (inter * hidden * 2) as u64;
@@ -422,24 +412,36 @@ impl CudaBackend {
             let out = self.matmul(&act, base + 2 * expert_bytes, hidden, inter)?;
             let slots_dev = self.copy_to_device(slots)?;
             let cols = hidden as i32;
-            self.launch_rows("scatter_rows", slots.len(), |b| {
-                b.arg(&out.data).arg(&slots_dev).arg(&y.data).arg(&cols);
+            self.launch_rows("scatter_rows", slots.len(), |kernel| {
+                kernel.arg(&out.data).arg(&slots_dev).arg(&y.data).arg(&cols);
             })?;
         }
         let out = self.tensor(routing.rows, hidden)?;
         let (top_k, hidden32) = (routing.top_k as i32, hidden as i32);
-        unsafe {
-            self.stream
-                .launch_builder(self.function("moe_combine"))
+        self.launch("moe_combine", per_row(routing.rows, 256), |kernel| {
+            kernel
                 .arg(&y.data)
                 .arg(&routing.weights)
                 .arg(&top_k)
                 .arg(&hidden32)
-                .arg(&out.data)
-                .launch(per_row(routing.rows, 256))
-        }
-        .map_err(cuda_err("moe_combine"))?;
+                .arg(&out.data);
+        })?;
         Ok(out)
+    }
+
+    /// Launches kernel `name` with `cfg` on the compute stream, its arguments pushed by `args` in the kernel's
+    /// parameter order.
+    fn launch<'a>(
+        &'a self,
+        name: &str,
+        cfg: LaunchConfig,
+        args: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>),
+    ) -> Result<()> {
+        let mut builder = self.stream.launch_builder(self.function(name));
+        args(&mut builder);
+        // SAFETY: every caller pushes the kernel's parameters in order, with the types its .cu signature names.
+        unsafe { builder.launch(cfg) }.map_err(cuda_err(name))?;
+        Ok(())
     }
 
     /// Launches a one-block-per-row kernel whose arguments `args` pushes.
@@ -449,10 +451,7 @@ impl CudaBackend {
         rows: usize,
         args: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>),
     ) -> Result<()> {
-        let mut builder = self.stream.launch_builder(self.function(name));
-        args(&mut builder);
-        unsafe { builder.launch(per_row(rows, 256)) }.map_err(cuda_err(name))?;
-        Ok(())
+        self.launch(name, per_row(rows, 256), args)
     }
 }
 
@@ -620,8 +619,8 @@ impl Backend for CudaBackend {
         let ids_dev = self.copy_to_device(ids)?;
         let out = self.tensor(ids.len(), hidden)?;
         let cols = hidden as i32;
-        self.launch_rows("embed_bf16", ids.len(), |b| {
-            b.arg(data).arg(&ids_dev).arg(&out.data).arg(&cols);
+        self.launch_rows("embed_bf16", ids.len(), |kernel| {
+            kernel.arg(data).arg(&ids_dev).arg(&out.data).arg(&cols);
         })
         .map(|_| out)
     }
@@ -632,17 +631,9 @@ impl Backend for CudaBackend {
         let groups = x.rows * x.cols / group;
         let group32 = group as i32;
         let threads = (group.div_ceil(32) * 32).clamp(32, 1024) as u32;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("rms_norm"))
-                .arg(&x.data)
-                .arg(w)
-                .arg(&out.data)
-                .arg(&group32)
-                .arg(&eps)
-                .launch(per_row(groups, threads))
-        }
-        .map_err(cuda_err("rms_norm"))?;
+        self.launch("rms_norm", per_row(groups, threads), |kernel| {
+            kernel.arg(&x.data).arg(w).arg(&out.data).arg(&group32).arg(&eps);
+        })?;
         Ok(out)
     }
 
@@ -652,31 +643,18 @@ impl Backend for CudaBackend {
         if let Some(bias) = bias {
             let b = self.vector(bias)?;
             let (len, cols) = (out.rows * out.cols, out.cols as i32);
-            unsafe {
-                self.stream
-                    .launch_builder(self.function("add_bias"))
-                    .arg(&out.data)
-                    .arg(b)
-                    .arg(&len)
-                    .arg(&cols)
-                    .launch(grid_1d(len, 256))
-            }
-            .map_err(cuda_err("add_bias"))?;
+            self.launch("add_bias", grid_1d(len, 256), |kernel| {
+                kernel.arg(&out.data).arg(b).arg(&len).arg(&cols);
+            })?;
         }
         Ok(out)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
         let len = x.rows * x.cols;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("add_assign"))
-                .arg(&x.data)
-                .arg(&y.data)
-                .arg(&len)
-                .launch(grid_1d(len, 256))
-        }
-        .map_err(cuda_err("add_assign"))?;
+        self.launch("add_assign", grid_1d(len, 256), |kernel| {
+            kernel.arg(&x.data).arg(&y.data).arg(&len);
+        })?;
         Ok(())
     }
 
@@ -685,54 +663,38 @@ impl Backend for CudaBackend {
         let out = self.tensor(x.rows, x.cols)?;
         let cols = x.cols as i32;
         let threads = (x.cols.div_ceil(32) * 32).clamp(32, 1024) as u32;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("add_rms_norm"))
+        self.launch("add_rms_norm", per_row(x.rows, threads), |kernel| {
+            kernel
                 .arg(&x.data)
                 .arg(&y.data)
                 .arg(w)
                 .arg(&out.data)
                 .arg(&cols)
-                .arg(&eps)
-                .launch(per_row(x.rows, threads))
-        }
-        .map_err(cuda_err("add_rms_norm"))?;
+                .arg(&eps);
+        })?;
         Ok(out)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
         let out = self.tensor(gate.rows, gate.cols)?;
         let len = gate.rows * gate.cols;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("silu_mul"))
-                .arg(&gate.data)
-                .arg(&up.data)
-                .arg(&out.data)
-                .arg(&len)
-                .launch(grid_1d(len, 256))
-        }
-        .map_err(cuda_err("silu_mul"))?;
+        self.launch("silu_mul", grid_1d(len, 256), |kernel| {
+            kernel.arg(&gate.data).arg(&up.data).arg(&out.data).arg(&len);
+        })?;
         Ok(out)
     }
 
     fn sigmoid_gate(&self, x: &mut CudaTensor, gate: &CudaTensor) -> Result<()> {
         if gate.cols == x.cols {
             let len = x.rows * x.cols;
-            unsafe {
-                self.stream
-                    .launch_builder(self.function("sigmoid_gate_elementwise"))
-                    .arg(&x.data)
-                    .arg(&gate.data)
-                    .arg(&len)
-                    .launch(grid_1d(len, 256))
-            }
-            .map_err(cuda_err("sigmoid_gate_elementwise"))?;
+            self.launch("sigmoid_gate_elementwise", grid_1d(len, 256), |kernel| {
+                kernel.arg(&x.data).arg(&gate.data).arg(&len);
+            })?;
             return Ok(());
         }
         let cols = x.cols as i32;
-        self.launch_rows("sigmoid_gate", x.rows, |b| {
-            b.arg(&x.data).arg(&gate.data).arg(&cols);
+        self.launch_rows("sigmoid_gate", x.rows, |kernel| {
+            kernel.arg(&x.data).arg(&gate.data).arg(&cols);
         })
     }
 
@@ -764,18 +726,15 @@ impl Backend for CudaBackend {
 
     fn rope(&self, x: &mut CudaTensor, batch: &DeviceBatch, rope: &CudaRope) -> Result<()> {
         let (cols, head_dim, rotary_dim) = (x.cols as i32, rope.head_dim as i32, rope.rotary_dim as i32);
-        unsafe {
-            self.stream
-                .launch_builder(self.function("rope"))
+        self.launch("rope", per_row(x.rows, 128), |kernel| {
+            kernel
                 .arg(&x.data)
                 .arg(&batch.positions)
                 .arg(&rope.inv_freq)
                 .arg(&cols)
                 .arg(&head_dim)
-                .arg(&rotary_dim)
-                .launch(per_row(x.rows, 128))
-        }
-        .map_err(cuda_err("rope"))?;
+                .arg(&rotary_dim);
+        })?;
         Ok(())
     }
 
@@ -797,18 +756,15 @@ impl Backend for CudaBackend {
         }
         let (k_pool, v_pool) = kv.layer_pools(layer);
         let width = k.cols as i32;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("kv_append"))
+        self.launch("kv_append", per_row(k.rows, 128), |kernel| {
+            kernel
                 .arg(&k.data)
                 .arg(&v.data)
                 .arg(k_pool)
                 .arg(v_pool)
                 .arg(&batch.row_slot)
-                .arg(&width)
-                .launch(per_row(k.rows, 128))
-        }
-        .map_err(cuda_err("kv_append"))?;
+                .arg(&width);
+        })?;
         let out = self.tensor(q.rows, q.cols)?;
         let group = p.num_heads / p.num_kv_heads;
         let shared = (ATTENTION_KEYS_PER_TILE * (2 * p.head_dim + 1) + group * p.head_dim) * 4;
@@ -835,9 +791,8 @@ impl Backend for CudaBackend {
             block_dim: (group as u32 * 32, 1, 1),
             shared_mem_bytes: shared as u32,
         };
-        unsafe {
-            self.stream
-                .launch_builder(self.function("attention"))
+        self.launch("attention", cfg, |kernel| {
+            kernel
                 .arg(&q.data)
                 .arg(k_pool)
                 .arg(v_pool)
@@ -852,27 +807,22 @@ impl Backend for CudaBackend {
                 .arg(&p.scale)
                 .arg(&window)
                 .arg(&block_size)
-                .arg(&split_len32)
-                .launch(cfg)
-        }
-        .map_err(cuda_err("attention"))?;
+                .arg(&split_len32);
+        })?;
         if splits > 1 {
             let cfg = LaunchConfig {
                 grid_dim: (q.rows as u32, p.num_heads as u32, 1),
                 block_dim: (p.head_dim.div_ceil(32) as u32 * 32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            unsafe {
-                self.stream
-                    .launch_builder(self.function("attention_combine"))
+            self.launch("attention_combine", cfg, |kernel| {
+                kernel
                     .arg(&partial)
                     .arg(&out.data)
                     .arg(&heads)
                     .arg(&head_dim)
-                    .arg(&splits32)
-                    .launch(cfg)
-            }
-            .map_err(cuda_err("attention_combine"))?;
+                    .arg(&splits32);
+            })?;
         }
         Ok(out)
     }
@@ -888,18 +838,15 @@ impl Backend for CudaBackend {
         let ids: CudaSlice<i32> = self.alloc(logits.rows * top_k)?;
         let weights: CudaSlice<f32> = self.alloc(logits.rows * top_k)?;
         let (experts, k, renorm) = (logits.cols as i32, top_k as i32, renormalize as i32);
-        unsafe {
-            self.stream
-                .launch_builder(self.function("route_softmax_topk"))
+        self.launch("route_softmax_topk", per_row(logits.rows, 32), |kernel| {
+            kernel
                 .arg(&logits.data)
                 .arg(&experts)
                 .arg(&k)
                 .arg(&renorm)
                 .arg(&ids)
-                .arg(&weights)
-                .launch(per_row(logits.rows, 32))
-        }
-        .map_err(cuda_err("route_softmax_topk"))?;
+                .arg(&weights);
+        })?;
         Ok(CudaRouting {
             ids,
             weights,
@@ -955,42 +902,44 @@ impl Backend for CudaBackend {
         let pairs = routing.rows * routing.top_k;
         let act = self.tensor(pairs, inter)?;
         let block = (GEMV_WARPS * 32, 1, 1);
-        unsafe {
-            self.stream
-                .launch_builder(self.function("moe_gate_up"))
-                .arg(&x.data)
-                .arg(&hidden32)
-                .arg(&inter32)
-                .arg(&top_k)
-                .arg(&routing.ids)
-                .arg(table)
-                .arg(&act.data)
-                .launch(LaunchConfig {
-                    grid_dim: (inter.div_ceil(GEMV_WARPS as usize) as u32, pairs as u32, 1),
-                    block_dim: block,
-                    shared_mem_bytes: 0,
-                })
-        }
-        .map_err(cuda_err("moe_gate_up"))?;
+        self.launch(
+            "moe_gate_up",
+            LaunchConfig {
+                grid_dim: (inter.div_ceil(GEMV_WARPS as usize) as u32, pairs as u32, 1),
+                block_dim: block,
+                shared_mem_bytes: 0,
+            },
+            |kernel| {
+                kernel
+                    .arg(&x.data)
+                    .arg(&hidden32)
+                    .arg(&inter32)
+                    .arg(&top_k)
+                    .arg(&routing.ids)
+                    .arg(table)
+                    .arg(&act.data);
+            },
+        )?;
         let out = self.tensor(routing.rows, hidden)?;
-        unsafe {
-            self.stream
-                .launch_builder(self.function("moe_down"))
-                .arg(&act.data)
-                .arg(&hidden32)
-                .arg(&inter32)
-                .arg(&top_k)
-                .arg(&routing.ids)
-                .arg(&routing.weights)
-                .arg(table)
-                .arg(&out.data)
-                .launch(LaunchConfig {
-                    grid_dim: (hidden.div_ceil(GEMV_WARPS as usize) as u32, routing.rows as u32, 1),
-                    block_dim: block,
-                    shared_mem_bytes: 0,
-                })
-        }
-        .map_err(cuda_err("moe_down"))?;
+        self.launch(
+            "moe_down",
+            LaunchConfig {
+                grid_dim: (hidden.div_ceil(GEMV_WARPS as usize) as u32, routing.rows as u32, 1),
+                block_dim: block,
+                shared_mem_bytes: 0,
+            },
+            |kernel| {
+                kernel
+                    .arg(&act.data)
+                    .arg(&hidden32)
+                    .arg(&inter32)
+                    .arg(&top_k)
+                    .arg(&routing.ids)
+                    .arg(&routing.weights)
+                    .arg(table)
+                    .arg(&out.data);
+            },
+        )?;
         Ok(out)
     }
 
@@ -999,8 +948,8 @@ impl Backend for CudaBackend {
         let rows_dev = self.copy_to_device(&rows32)?;
         let out = self.tensor(rows.len(), x.cols)?;
         let cols = x.cols as i32;
-        self.launch_rows("select_rows", rows.len(), |b| {
-            b.arg(&x.data).arg(&rows_dev).arg(&out.data).arg(&cols);
+        self.launch_rows("select_rows", rows.len(), |kernel| {
+            kernel.arg(&x.data).arg(&rows_dev).arg(&out.data).arg(&cols);
         })
         .map(|_| out)
     }
