@@ -4,8 +4,8 @@
 
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::CudaBackend;
-use ferry_core::backend::{AttentionParams, Backend, ExpertTensors, Rope, RouterKind, SeqSlice};
-use ferry_core::kv::{KvCache, KvSpec};
+use ferry_core::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, Rope, RouterKind, SeqSlice};
+use ferry_core::kv::{KvCache, KvSpec, RecurrentSpec};
 use ferry_core::loader::{DType, TensorRef};
 
 /// Relative error limit for ops computed in f32 on both sides (products with bf16 weights are exact in f32;
@@ -306,4 +306,137 @@ fn router_and_routed_experts() {
             );
         }
     }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn fused_residual_norm_elementwise_gate_and_routing_round_trip() {
+    let p = pair();
+    let mut rng = Rng::new(5);
+    let (rows, cols) = (3, 2048);
+    let x = rng.values(rows * cols, 2.0);
+    let y = rng.values(rows * cols, 2.0);
+    let gate = rng.values(rows * cols, 3.0);
+    let norm = rng.bf16("norm", &[cols], 1.0);
+    same_on_both!(p, "add_rms_norm (sum and norm)", F32_LIMIT, |be| {
+        let mut a = be.upload(&x, rows, cols).unwrap();
+        let normed = be
+            .add_rms_norm(
+                &mut a,
+                &be.upload(&y, rows, cols).unwrap(),
+                &be.weight(norm.clone()).unwrap(),
+                1e-6,
+            )
+            .unwrap();
+        [be.to_host(&a).unwrap(), be.to_host(&normed).unwrap()].concat()
+    });
+    same_on_both!(p, "sigmoid_gate (per element)", F32_LIMIT, |be| {
+        let mut a = be.upload(&x, rows, cols).unwrap();
+        be.sigmoid_gate(&mut a, &be.upload(&gate, rows, cols).unwrap()).unwrap();
+        be.to_host(&a).unwrap()
+    });
+    // A routing made on the host comes back as it went, and drives the experts as the router's own would.
+    let (experts, top_k, hidden, inter) = (8, 2, 64, 32);
+    let bank: Vec<ExpertTensors> = (0..experts)
+        .map(|e| ExpertTensors {
+            gate: rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.2),
+            up: rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.2),
+            down: rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.2),
+        })
+        .collect();
+    let ids = [3u32, 5, 0, 7, 5, 1];
+    let weights = [0.75f32, 0.25, 0.5, 0.5, 0.9, 0.1];
+    let hidden_in = rng.values(3 * hidden, 1.0);
+    assert_eq!(
+        p.gpu
+            .routing_to_host(&p.gpu.routing_from_host(&ids, &weights, top_k).unwrap())
+            .unwrap(),
+        ids
+    );
+    same_on_both!(p, "moe_experts on a host-made routing", F32_LIMIT, |be| {
+        let set = be.experts(bank.clone()).unwrap();
+        let routing = be.routing_from_host(&ids, &weights, top_k).unwrap();
+        be.to_host(
+            &be.moe_experts(&be.upload(&hidden_in, 3, hidden).unwrap(), &routing, &set)
+                .unwrap(),
+        )
+        .unwrap()
+    });
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn gated_deltanet_ops_carry_state_across_calls_and_sequences() {
+    let p = pair();
+    let mut rng = Rng::new(6);
+    let (k_heads, v_heads, dk, dv, kernel) = (2, 4, 32, 48, 4);
+    let channels = 2 * k_heads * dk + v_heads * dv;
+    let params = DeltaRuleParams {
+        num_k_heads: k_heads,
+        num_v_heads: v_heads,
+        k_head_dim: dk,
+        v_head_dim: dv,
+    };
+    let conv = rng.bf16("conv1d", &[channels, kernel], 0.5);
+    let a_log = rng.bf16("A_log", &[v_heads], 1.0);
+    let dt_bias = rng.bf16("dt_bias", &[v_heads], 1.0);
+    let spec = || KvSpec {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 2,
+        capacity_tokens: 256,
+        recurrent: Some(RecurrentSpec {
+            num_layers: 1,
+            conv_channels: channels,
+            conv_kernel: kernel,
+            num_heads: v_heads,
+            k_head_dim: dk,
+            v_head_dim: dv,
+        }),
+    };
+    // Two calls: sequence A prefills 21 tokens with B's 2; then A decodes 1 and B continues with 3.
+    let steps: [&[(usize, usize)]; 2] = [&[(0, 21), (0, 2)], &[(21, 1), (2, 3)]];
+    let inputs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = steps
+        .iter()
+        .map(|s| {
+            let rows: usize = s.iter().map(|(_, l)| l).sum();
+            (
+                rng.values(rows * channels, 1.0),
+                rng.values(rows * v_heads, 2.0),
+                rng.values(rows * v_heads, 2.0),
+            )
+        })
+        .collect();
+    same_on_both!(p, "causal_conv1d + gated_delta_rule, two calls", F32_LIMIT, |be| {
+        let mut kv = be.new_kv(spec()).unwrap();
+        let seqs = [kv.alloc_seq(), kv.alloc_seq()];
+        let (conv_w, a_log_w, dt_w) = (
+            be.weight(conv.clone()).unwrap(),
+            be.weight(a_log.clone()).unwrap(),
+            be.weight(dt_bias.clone()).unwrap(),
+        );
+        let mut outputs = Vec::new();
+        for (step, (x, a, b)) in steps.iter().zip(&inputs) {
+            let slices: Vec<SeqSlice> = step
+                .iter()
+                .zip(seqs)
+                .map(|(&(start_pos, len), seq)| SeqSlice { seq, start_pos, len })
+                .collect();
+            let rows: usize = step.iter().map(|(_, l)| l).sum();
+            let batch = be.prepare_batch(&mut kv, &slices).unwrap();
+            let mixed = be
+                .causal_conv1d(&be.upload(x, rows, channels).unwrap(), &conv_w, &mut kv, 0, &batch)
+                .unwrap();
+            let (a, b) = (
+                be.upload(a, rows, v_heads).unwrap(),
+                be.upload(b, rows, v_heads).unwrap(),
+            );
+            let out = be
+                .gated_delta_rule(&mixed, &a, &b, &a_log_w, &dt_w, &mut kv, 0, &batch, &params)
+                .unwrap();
+            outputs.extend(be.to_host(&mixed).unwrap());
+            outputs.extend(be.to_host(&out).unwrap());
+        }
+        outputs
+    });
 }
