@@ -410,38 +410,28 @@ fn bench_on_the_cpu_reports_speeds_and_the_bound() {
 #[test]
 fn synthetic_models_need_no_files() {
     let config = fixture(FIXTURE).join("config.json");
-    let out = ferry(&[
-        "generate",
-        "--synthetic",
-        config.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2,3",
-        "--max-tokens",
-        "3",
-        "--ignore-eos",
-        "--json",
-        "--device",
-        "cpu",
-    ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let first: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let continuation = || {
+        let out = ferry(&[
+            "generate",
+            "--synthetic",
+            config.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "3",
+            "--ignore-eos",
+            "--json",
+            "--device",
+            "cpu",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let first = continuation();
     assert_eq!(first["completion_tokens"], 3);
-    let again = ferry(&[
-        "generate",
-        "--synthetic",
-        config.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2,3",
-        "--max-tokens",
-        "3",
-        "--ignore-eos",
-        "--json",
-        "--device",
-        "cpu",
-    ]);
-    let second: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(
-        first["token_ids"], second["token_ids"],
+        first["token_ids"],
+        continuation()["token_ids"],
         "seeded weights give the same continuation"
     );
 }

@@ -13,6 +13,7 @@ mod kv;
 mod libs;
 mod offload;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -879,7 +880,8 @@ impl Backend for CudaBackend {
 
     fn moe_experts(&self, x: &CudaTensor, routing: &CudaRouting, experts: &CudaExperts) -> Result<CudaTensor> {
         let (table, addresses) = match experts {
-            CudaExperts::Resident { table, addresses, .. } => (table, addresses.clone()),
+            // Borrowed: the decode path never reads the addresses, only the grouped prefill path does.
+            CudaExperts::Resident { table, addresses, .. } => (table, Cow::Borrowed(addresses.as_slice())),
             CudaExperts::Offloaded { layer, table, .. } => {
                 let offload = self
                     .offload
@@ -891,7 +893,7 @@ impl Backend for CudaBackend {
                     routing,
                     table,
                 )?;
-                (table, addresses)
+                (table, Cow::Owned(addresses))
             }
         };
         let (hidden, inter) = experts.shape();
