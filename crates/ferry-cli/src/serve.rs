@@ -167,7 +167,12 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
             .take()
             .context("the checkpoint has no tokenizer.json, which the server needs")?,
     );
-    let (backends, plan) = open_backend(args.device, &args.offload, &checkpoint)?;
+    // One request of --max-model-len tokens must fit the KV cache, so the budget keeps at least that much for it.
+    let mut offload = args.offload.clone();
+    if let Some(n) = args.max_model_len {
+        offload.kv_reserve_tokens = offload.kv_reserve_tokens.max(n);
+    }
+    let (backends, plan) = open_backend(args.device, &offload, &checkpoint)?;
     // On a GPU the budget's KV share sizes the cache unless --kv-cache-tokens says otherwise.
     let planned_kv_tokens = plan.map(|p| p.kv_tokens);
     let (engine, max_model_len, vocab_size) = match backends {
@@ -205,7 +210,17 @@ fn start_engine<B: Backend + 'static>(
         Some(n) if n > window => bail!("--max-model-len {n} is beyond the model's context window of {window}"),
         Some(n) if n < 2 => bail!("--max-model-len must leave room for a prompt token and an output token"),
         Some(n) => n,
-        None => window,
+        // Unasked, the context is what the KV cache can hold, up to the model's window.
+        None => match args.kv_cache_tokens.or(planned_kv_tokens) {
+            Some(kv) if kv < window => {
+                tracing::warn!(
+                    "the KV cache holds {kv} tokens, so requests get a context of {kv} of the model's {window}; \
+                     --max-model-len (with a larger --gpu-memory-budget or --kv-reserve-tokens) asks for more"
+                );
+                kv
+            }
+            _ => window,
+        },
     };
     let kv_tokens = match args.kv_cache_tokens {
         Some(n) if n < max_model_len => {

@@ -324,7 +324,7 @@ fn a_model_that_cannot_load_ends_the_server_with_the_reason() {
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
     for (extra, needle) in [
         (
-            vec!["--kv-cache-tokens", "10"],
+            vec!["--kv-cache-tokens", "10", "--max-model-len", "64"],
             "--kv-cache-tokens 10 cannot hold one request",
         ),
         (
@@ -343,6 +343,25 @@ fn a_model_that_cannot_load_ends_the_server_with_the_reason() {
         assert!(stderr.contains(needle), "{extra:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+}
+
+#[test]
+fn without_max_model_len_the_context_is_what_the_kv_cache_holds() {
+    let server = Server::start(&["--kv-cache-tokens", "48"]);
+    assert!(
+        server.log().contains("requests get a context of 48"),
+        "{}",
+        server.log()
+    );
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "river ".repeat(60), "max_tokens": 2}),
+    );
+    assert_eq!(status, 400, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("maximum context length is 48 tokens"), "{message}");
+    let (status, body) = server.post("/v1/completions", &json!({"prompt": "river", "max_tokens": 4}));
+    assert_eq!(status, 200, "{body}");
 }
 
 #[test]
