@@ -6,7 +6,8 @@ Phases:
   1. warm-up: one request of 256 tokens, then 4 concurrent requests of 128;
   2. decode: 3 sequential streamed requests of 512 tokens at temperature 0. TTFT is taken at the first content or
      reasoning token; established decode = completion tokens / (total time - TTFT);
-  3. prefill: a ~4K-token prompt with 1 output token (prefill tok/s = prompt tokens / request time);
+  3. prefill: a ~4K-token prompt with 1 output token (prefill tok/s = prompt tokens / request time), sized with
+     the server's own token counts of two shorter prompts;
   4. concurrency: 4 concurrent streamed requests of 512 tokens (aggregate tok/s = all completion tokens / wall time).
 
 Every prompt starts with a distinct nonce so that prefix caches cannot serve it. Requests ask for `ignore_eos`
@@ -137,7 +138,12 @@ def main():
     parser.add_argument("--model", default=None, help="default: the first model /v1/models lists")
     parser.add_argument("--out", default="serve_bench.json", help="where the JSON results go")
     parser.add_argument("--decode-tokens", type=int, default=512)
-    parser.add_argument("--prefill-words", type=int, default=3000, help="about 4K tokens for most tokenizers")
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=4096,
+        help="size of the prefill prompt; its word count comes from the tokens per word the earlier requests used",
+    )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--label", default="", help="free text stored in the JSON (machine, budget, ...)")
     args = parser.parse_args()
@@ -155,8 +161,13 @@ def main():
 
     print("3 sequential requests ...", file=sys.stderr)
     sequential = [client.chat_stream(model, prompt(), args.decode_tokens) for _ in range(3)]
-    print("~4K-token prefill ...", file=sys.stderr)
-    prefill = client.chat_stream(model, prompt(args.prefill_words), 1)
+    # Tokenizers differ in tokens per word; two measured prompt sizes give the chat template's overhead and the
+    # words that make a prompt of about --prefill-tokens.
+    small, large = client.chat_stream(model, prompt(40), 1), client.chat_stream(model, prompt(400), 1)
+    per_word = (large["prompt_tokens"] - small["prompt_tokens"]) / 360
+    words = max(1, round((args.prefill_tokens - small["prompt_tokens"]) / per_word) + 40)
+    print(f"~{args.prefill_tokens}-token prefill ({words} words) ...", file=sys.stderr)
+    prefill = client.chat_stream(model, prompt(words), 1)
     prefill["prefill_tok_s"] = prefill["prompt_tokens"] / prefill["total_s"] if prefill["prompt_tokens"] else None
     print("4 concurrent requests ...", file=sys.stderr)
     concurrent = concurrent_run(client, model, [prompt() for _ in range(4)], args.decode_tokens)
