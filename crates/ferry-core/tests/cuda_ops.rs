@@ -4,7 +4,9 @@
 
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::CudaBackend;
-use ferry_core::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, Rope, RouterKind, SeqSlice};
+use ferry_core::backend::{
+    AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice,
+};
 use ferry_core::kv::{KvCache, KvSpec, RecurrentSpec};
 use ferry_core::loader::{DType, TensorRef};
 
@@ -161,41 +163,6 @@ fn elementwise_ops() {
         be.to_host(&be.select_rows(&be.upload(&x, rows, cols).unwrap(), &[4, 0, 2]).unwrap())
             .unwrap()
     });
-    for rotary_dim in [head_dim, head_dim / 4] {
-        let rope = Rope::new(1e6, head_dim, rotary_dim);
-        same_on_both!(p, &format!("rope (rotary_dim {rotary_dim})"), F32_LIMIT, |be| {
-            let mut kv = be
-                .new_kv(KvSpec {
-                    num_layers: 1,
-                    num_kv_heads: 1,
-                    head_dim,
-                    capacity_tokens: 4096,
-                    recurrent: None,
-                })
-                .unwrap();
-            let seq = kv.alloc_seq();
-            // Positions 3000.. so the angles are large, as in long contexts.
-            let warmup = SeqSlice {
-                seq,
-                start_pos: 0,
-                len: 3000,
-            };
-            be.prepare_batch(&mut kv, &[warmup]).unwrap();
-            let batch = be
-                .prepare_batch(
-                    &mut kv,
-                    &[SeqSlice {
-                        seq,
-                        start_pos: 3000,
-                        len: rows,
-                    }],
-                )
-                .unwrap();
-            let mut t = be.upload(&x, rows, cols).unwrap();
-            be.rope(&mut t, &batch, &be.rope_table(&rope).unwrap()).unwrap();
-            be.to_host(&t).unwrap()
-        });
-    }
 }
 
 #[test]
@@ -203,7 +170,12 @@ fn elementwise_ops() {
 fn attention_over_paged_cache_prefill_then_decode() {
     let p = pair();
     let mut rng = Rng::new(3);
-    for (heads, kv_heads, head_dim, window) in [(4, 2, 16, None), (32, 4, 128, None), (8, 8, 64, Some(7))] {
+    // (heads, kv heads, head_dim, sliding window, q/k norm: None, per head or over all heads, rotary features)
+    for (heads, kv_heads, head_dim, window, norm, rotary_dim) in [
+        (4, 2, 16, None, None, 16),
+        (32, 4, 128, None, Some(true), 128),
+        (8, 8, 64, Some(7), Some(false), 16),
+    ] {
         let params = AttentionParams {
             num_heads: heads,
             num_kv_heads: kv_heads,
@@ -211,23 +183,28 @@ fn attention_over_paged_cache_prefill_then_decode() {
             scale: 1.0 / (head_dim as f32).sqrt(),
             sliding_window: window,
         };
+        let rope = Rope::new(1e6, head_dim, rotary_dim);
         let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
-        // Step 1: two sequences prefill 37 and 5 tokens; step 2: both decode one token.
-        let steps: [&[(usize, usize)]; 2] = [&[(0, 37), (0, 5)], &[(37, 1), (5, 1)]];
-        let inputs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = steps
+        let qkv_cols = q_cols + 2 * kv_cols;
+        let norm_scales = norm.map(|per_head: bool| {
+            let (q_width, k_width) = if per_head {
+                (head_dim, head_dim)
+            } else {
+                (q_cols, kv_cols)
+            };
+            let scales = |rng: &mut Rng, width| rng.values(width, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<f32>>();
+            (scales(&mut rng, q_width), scales(&mut rng, k_width), per_head)
+        });
+        // Step 1: two sequences prefill 300 and 5 tokens (positions far enough for large rotation angles);
+        // step 2: both decode one token.
+        let steps: [&[(usize, usize)]; 2] = [&[(0, 300), (0, 5)], &[(300, 1), (5, 1)]];
+        let inputs: Vec<Vec<f32>> = steps
             .iter()
-            .map(|s| {
-                let rows: usize = s.iter().map(|(_, l)| l).sum();
-                (
-                    rng.values(rows * q_cols, 1.0),
-                    rng.values(rows * kv_cols, 1.0),
-                    rng.values(rows * kv_cols, 1.0),
-                )
-            })
+            .map(|s| rng.values(s.iter().map(|(_, l)| l).sum::<usize>() * qkv_cols, 1.0))
             .collect();
         same_on_both!(
             p,
-            &format!("attention h{heads}/{kv_heads} d{head_dim} w{window:?}"),
+            &format!("attention h{heads}/{kv_heads} d{head_dim} w{window:?} norm {norm:?} rot {rotary_dim}"),
             F32_LIMIT,
             |be| {
                 let mut kv = be
@@ -235,13 +212,18 @@ fn attention_over_paged_cache_prefill_then_decode() {
                         num_layers: 1,
                         num_kv_heads: kv_heads,
                         head_dim,
-                        capacity_tokens: 100,
+                        capacity_tokens: 400,
                         recurrent: None,
                     })
                     .unwrap();
+                let rope_table = be.rope_table(&rope).unwrap();
+                let scales = norm_scales.as_ref().map(|(q, k, per_head)| {
+                    let weight = |v: &Vec<f32>| be.weight(TensorRef::from_f32("norm", vec![v.len()], v).unwrap());
+                    (weight(q).unwrap(), weight(k).unwrap(), *per_head)
+                });
                 let seqs = [kv.alloc_seq(), kv.alloc_seq()];
                 let mut outputs = Vec::new();
-                for (step, (q, k, v)) in steps.iter().zip(&inputs) {
+                for (step, qkv) in steps.iter().zip(&inputs) {
                     let slices: Vec<SeqSlice> = step
                         .iter()
                         .zip(seqs)
@@ -249,11 +231,17 @@ fn attention_over_paged_cache_prefill_then_decode() {
                         .collect();
                     let rows: usize = step.iter().map(|(_, l)| l).sum();
                     let batch = be.prepare_batch(&mut kv, &slices).unwrap();
+                    let qk_norm = scales.as_ref().map(|(q, k, per_head)| QkNormWeights {
+                        q,
+                        k,
+                        per_head: *per_head,
+                        eps: 1e-6,
+                    });
                     let out = be
                         .attention(
-                            &be.upload(q, rows, q_cols).unwrap(),
-                            &be.upload(k, rows, kv_cols).unwrap(),
-                            &be.upload(v, rows, kv_cols).unwrap(),
+                            &be.upload(qkv, rows, qkv_cols).unwrap(),
+                            qk_norm,
+                            &rope_table,
                             &mut kv,
                             0,
                             &batch,

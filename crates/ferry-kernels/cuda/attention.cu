@@ -5,18 +5,6 @@
 
 constexpr int MAX_DIMS_PER_LANE = 8;  // head_dim <= 256
 
-// Copies each batch row's new key and value into its slot (slot = block * block_size + offset).
-extern "C" __global__ void kv_append(const float* __restrict__ k, const float* __restrict__ v,
-                                     float* __restrict__ k_pool, float* __restrict__ v_pool,
-                                     const uint32_t* __restrict__ row_slot, int width) {
-    const size_t src = static_cast<size_t>(blockIdx.x) * width;
-    const size_t dst = static_cast<size_t>(row_slot[blockIdx.x]) * width;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        k_pool[dst + i] = k[src + i];
-        v_pool[dst + i] = v[src + i];
-    }
-}
-
 constexpr int KEYS_PER_TILE = 32;
 
 // Causal attention, split along the keys: block (row r, kv head g, split s) takes the query heads that share kv

@@ -65,24 +65,6 @@ extern "C" __global__ void sigmoid_gate(float* __restrict__ x, const float* __re
     for (int i = threadIdx.x; i < cols; i += blockDim.x) row[i] *= s;
 }
 
-// Rotate-half RoPE over the first rotary_dim features of every head; one block per row.
-extern "C" __global__ void rope(float* __restrict__ x, const uint32_t* __restrict__ positions,
-                                const float* __restrict__ inv_freq, int cols, int head_dim, int rotary_dim) {
-    const int half = rotary_dim / 2;
-    const float pos = static_cast<float>(positions[blockIdx.x]);
-    float* row = x + static_cast<size_t>(blockIdx.x) * cols;
-    const int heads = cols / head_dim;
-    for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
-        const int h = idx / half, i = idx % half;
-        const float angle = pos * inv_freq[i];
-        const float c = cosf(angle), s = sinf(angle);
-        float* head = row + h * head_dim;
-        const float a = head[i], b = head[i + half];
-        head[i] = a * c - b * s;
-        head[i + half] = b * c + a * s;
-    }
-}
-
 extern "C" __global__ void select_rows(const float* __restrict__ x, const uint32_t* __restrict__ rows,
                                        float* __restrict__ out, int cols) {
     const float* src = x + static_cast<size_t>(rows[blockIdx.x]) * cols;

@@ -64,6 +64,16 @@ pub struct AttentionParams {
     pub sliding_window: Option<usize>,
 }
 
+/// The q/k RMSNorm some families apply before RoPE (Qwen3, OLMoE): scales for the queries and the keys, each
+/// normalised per head (`per_head`, scales of `head_dim`) or over all its heads at once (scales of the full width).
+#[derive(Clone, Copy, Debug)]
+pub struct QkNormWeights<'a, W> {
+    pub q: &'a W,
+    pub k: &'a W,
+    pub per_head: bool,
+    pub eps: f32,
+}
+
 /// The shape of a Gated DeltaNet layer's delta rule (see [`Backend::gated_delta_rule`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeltaRuleParams {
@@ -151,15 +161,17 @@ pub trait Backend: Send + Sync + Sized {
     /// shared expert's gate) or per element (`gate` the shape of `x`: `x[r, c] *= sigmoid(gate[r, c])`, gated
     /// attention's output gate).
     fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()>;
-    /// Rotates `x` (`[rows, heads * head_dim]`) in place, each row at its position in the batch.
-    fn rope(&self, x: &mut Self::Tensor, batch: &Self::Batch, rope: &Self::RopeTable) -> Result<()>;
-    /// Writes k and v of the batch into the cache of `layer`, then causal attention of q over each sequence.
+    /// Attention of one layer from its fused projection `qkv` (`[rows, (num_heads + 2 * num_kv_heads) * head_dim]`:
+    /// each row's queries, then keys, then values): q and k are normalised (`qk_norm`) and rotated at each row's
+    /// position (RoPE over the first `rotary_dim` features of each head, halves rotated against each other), k and
+    /// v are written into the cache of `layer`, then causal attention of q over each sequence.
+    /// Returns `[rows, num_heads * head_dim]`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
-        q: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
+        qkv: &Self::Tensor,
+        qk_norm: Option<QkNormWeights<'_, Self::Weight>>,
+        rope: &Self::RopeTable,
         kv: &mut Self::Kv,
         layer: usize,
         batch: &Self::Batch,

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, Rope, RouterKind, SeqSlice};
+use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice};
 use crate::kv::KvSpec;
 use crate::loader::TensorRef;
 use crate::Result;
@@ -128,20 +128,19 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()> {
         self.time("sigmoid_gate", || self.inner.sigmoid_gate(x, gate))
     }
-    fn rope(&self, x: &mut Self::Tensor, batch: &Self::Batch, rope: &Self::RopeTable) -> Result<()> {
-        self.time("rope", || self.inner.rope(x, batch, rope))
-    }
     fn attention(
         &self,
-        q: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
+        qkv: &Self::Tensor,
+        qk_norm: Option<QkNormWeights<'_, Self::Weight>>,
+        rope: &Self::RopeTable,
         kv: &mut Self::Kv,
         layer: usize,
         batch: &Self::Batch,
         params: &AttentionParams,
     ) -> Result<Self::Tensor> {
-        self.time("attention", || self.inner.attention(q, k, v, kv, layer, batch, params))
+        self.time("attention", || {
+            self.inner.attention(qkv, qk_norm, rope, kv, layer, batch, params)
+        })
     }
     fn causal_conv1d(
         &self,

@@ -185,6 +185,24 @@ impl TensorRef {
         Self::from_bytes(&format!("{}[gathered]", self.name), self.dtype, shape, bytes)
     }
 
+    /// The rows of `parts`, one after the other, copied into one new tensor: projections that read the same input
+    /// fused into one product at load. The parts must agree in dtype and in every dimension but the first.
+    pub fn concat_rows(name: &str, parts: &[TensorRef]) -> Result<TensorRef> {
+        let Some(first) = parts.first() else {
+            return Err(Error::tensor(name, "nothing to concatenate".to_string()));
+        };
+        let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.len).sum());
+        for part in parts {
+            if part.dtype != first.dtype || part.shape.get(1..) != first.shape.get(1..) {
+                return Err(Error::tensor(name, format!("cannot stack {part:?} under {first:?}")));
+            }
+            bytes.extend_from_slice(part.bytes());
+        }
+        let mut shape = first.shape.clone();
+        shape[0] = parts.iter().map(|p| p.shape[0]).sum();
+        Self::from_bytes(name, first.dtype, shape, bytes)
+    }
+
     /// The same bytes seen with another shape of as many elements (a conv1d weight `[C, 1, K]` as `[C, K]`).
     pub fn reshape(self, shape: Vec<usize>) -> Result<TensorRef> {
         if shape.iter().product::<usize>() != self.numel() {

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::config::{ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm};
-use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, RouterKind};
+use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, RouterKind};
 use crate::loader::{TensorRef, WeightStore};
 use crate::moe::RoutingTap;
 use crate::Result;
@@ -54,19 +54,16 @@ fn group_rows(groups: usize, group: usize, start: usize, len: usize) -> Vec<Rang
 }
 
 pub struct Attention<B: Backend> {
-    q_proj: B::Weight,
+    /// The q, k and v projections stacked into one product, `[(heads + 2 * kv_heads) * head_dim, hidden]`, and
+    /// their biases (zeros for a part without one) when the family has any.
+    qkv_proj: B::Weight,
+    qkv_bias: Option<B::Weight>,
     /// Gated attention's output gate projection (and bias): split out of q_proj, whose rows hold each head's query
     /// then its gate.
     output_gate: Option<(B::Weight, Option<B::Weight>)>,
-    k_proj: B::Weight,
-    v_proj: B::Weight,
     o_proj: B::Weight,
-    q_bias: Option<B::Weight>,
-    k_bias: Option<B::Weight>,
-    v_bias: Option<B::Weight>,
-    q_norm: Option<B::Weight>,
-    k_norm: Option<B::Weight>,
-    norm_group: usize,
+    /// q_norm and k_norm scales, and whether they apply per head.
+    qk_norm: Option<(B::Weight, B::Weight, bool)>,
     eps: f32,
     params: AttentionParams,
 }
@@ -75,52 +72,76 @@ impl<B: Backend> Attention<B> {
     pub fn load(w: &WeightLoader<B>, prefix: &str, spec: &ModelSpec) -> Result<Self> {
         let (h, d) = (spec.hidden_size, spec.head_dim);
         let (q_width, kv_width) = (spec.num_heads * d, spec.num_kv_heads * d);
-        let (q_norm_width, k_norm_width, norm_group) = match spec.qk_norm {
-            QkNorm::None | QkNorm::PerHead => (d, d, d),
-            QkNorm::Full => (q_width, kv_width, 0),
-        };
-        let has_norm = spec.qk_norm != QkNorm::None;
-        let norm = |name: &str, width: usize| -> Result<Option<B::Weight>> {
-            has_norm
-                .then(|| w.norm(&format!("{prefix}.{name}.weight"), width, spec.norm_weight_offset))
-                .transpose()
+        let name = |n: &str| format!("{prefix}.{n}");
+        let optional = |n: &str, width: usize| -> Result<Option<TensorRef>> {
+            w.store.find(&name(n)).map(|t| t.expect_shape(&[width])).transpose()
         };
         let (q_proj, q_bias, output_gate) = if spec.attention_output_gate {
             let heads = spec.num_heads;
-            let split = |t: TensorRef| -> Result<(B::Weight, B::Weight)> {
+            let split = |t: TensorRef| -> Result<(TensorRef, TensorRef)> {
                 Ok((
-                    w.backend.weight(t.gather_rows(&group_rows(heads, 2 * d, 0, d))?)?,
-                    w.backend.weight(t.gather_rows(&group_rows(heads, 2 * d, d, d))?)?,
+                    t.gather_rows(&group_rows(heads, 2 * d, 0, d))?,
+                    t.gather_rows(&group_rows(heads, 2 * d, d, d))?,
                 ))
             };
-            let (query, gate) = split(w.tensor(&format!("{prefix}.q_proj.weight"), &[2 * q_width, h])?)?;
-            let (query_bias, gate_bias) = match w.store.find(&format!("{prefix}.q_proj.bias")) {
+            let (query, gate) = split(w.tensor(&name("q_proj.weight"), &[2 * q_width, h])?)?;
+            let (query_bias, gate_bias) = match optional("q_proj.bias", 2 * q_width)? {
                 Some(t) => {
-                    let (q, g) = split(t.expect_shape(&[2 * q_width])?)?;
-                    (Some(q), Some(g))
+                    let (q, g) = split(t)?;
+                    (Some(q), Some(w.backend.weight(g)?))
                 }
                 None => (None, None),
             };
-            (query, query_bias, Some((gate, gate_bias)))
+            (query, query_bias, Some((w.backend.weight(gate)?, gate_bias)))
         } else {
             (
-                w.load(&format!("{prefix}.q_proj.weight"), &[q_width, h])?,
-                w.optional(&format!("{prefix}.q_proj.bias"), &[q_width])?,
+                w.tensor(&name("q_proj.weight"), &[q_width, h])?,
+                optional("q_proj.bias", q_width)?,
                 None,
             )
         };
+        let qkv_proj = TensorRef::concat_rows(
+            &name("qkv_proj.weight"),
+            &[
+                q_proj,
+                w.tensor(&name("k_proj.weight"), &[kv_width, h])?,
+                w.tensor(&name("v_proj.weight"), &[kv_width, h])?,
+            ],
+        )?;
+        let biases = [
+            (q_bias, q_width),
+            (optional("k_proj.bias", kv_width)?, kv_width),
+            (optional("v_proj.bias", kv_width)?, kv_width),
+        ];
+        let qkv_bias = if biases.iter().any(|(b, _)| b.is_some()) {
+            let values: Vec<f32> = biases
+                .iter()
+                .flat_map(|(b, width)| b.as_ref().map_or_else(|| vec![0.0; *width], |b| b.to_f32_vec()))
+                .collect();
+            let bias = TensorRef::from_f32(&name("qkv_proj.bias"), vec![values.len()], &values)?;
+            Some(w.backend.weight(bias)?)
+        } else {
+            None
+        };
+        let qk_norm = match spec.qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead | QkNorm::Full => {
+                let per_head = spec.qk_norm == QkNorm::PerHead;
+                let (q_norm_width, k_norm_width) = if per_head { (d, d) } else { (q_width, kv_width) };
+                let norm = |n: &str, width| w.norm(&name(n), width, spec.norm_weight_offset);
+                Some((
+                    norm("q_norm.weight", q_norm_width)?,
+                    norm("k_norm.weight", k_norm_width)?,
+                    per_head,
+                ))
+            }
+        };
         Ok(Attention {
-            q_proj,
+            qkv_proj: w.backend.weight(qkv_proj)?,
+            qkv_bias,
             output_gate,
-            k_proj: w.load(&format!("{prefix}.k_proj.weight"), &[kv_width, h])?,
-            v_proj: w.load(&format!("{prefix}.v_proj.weight"), &[kv_width, h])?,
-            o_proj: w.load(&format!("{prefix}.o_proj.weight"), &[h, q_width])?,
-            q_bias,
-            k_bias: w.optional(&format!("{prefix}.k_proj.bias"), &[kv_width])?,
-            v_bias: w.optional(&format!("{prefix}.v_proj.bias"), &[kv_width])?,
-            q_norm: norm("q_norm", q_norm_width)?,
-            k_norm: norm("k_norm", k_norm_width)?,
-            norm_group,
+            o_proj: w.load(&name("o_proj.weight"), &[h, q_width])?,
+            qk_norm,
             eps: spec.rms_norm_eps,
             params: AttentionParams {
                 num_heads: spec.num_heads,
@@ -142,28 +163,19 @@ impl<B: Backend> Attention<B> {
         layer: usize,
         batch: &B::Batch,
     ) -> Result<B::Tensor> {
-        let mut q = be.linear(x, &self.q_proj, self.q_bias.as_ref())?;
-        let mut k = be.linear(x, &self.k_proj, self.k_bias.as_ref())?;
-        let v = be.linear(x, &self.v_proj, self.v_bias.as_ref())?;
+        let qkv = be.linear(x, &self.qkv_proj, self.qkv_bias.as_ref())?;
         let gate = self
             .output_gate
             .as_ref()
             .map(|(w, bias)| be.linear(x, w, bias.as_ref()))
             .transpose()?;
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            let group = |t: &B::Tensor| {
-                if self.norm_group == 0 {
-                    be.shape(t).1
-                } else {
-                    self.norm_group
-                }
-            };
-            q = be.rms_norm(&q, qn, group(&q), self.eps)?;
-            k = be.rms_norm(&k, kn, group(&k), self.eps)?;
-        }
-        be.rope(&mut q, batch, rope)?;
-        be.rope(&mut k, batch, rope)?;
-        let mut out = be.attention(&q, &k, &v, kv, layer, batch, &self.params)?;
+        let qk_norm = self.qk_norm.as_ref().map(|(q, k, per_head)| QkNormWeights {
+            q,
+            k,
+            per_head: *per_head,
+            eps: self.eps,
+        });
+        let mut out = be.attention(&qkv, qk_norm, rope, kv, layer, batch, &self.params)?;
         if let Some(gate) = &gate {
             be.sigmoid_gate(&mut out, gate)?;
         }

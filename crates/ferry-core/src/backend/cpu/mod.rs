@@ -8,7 +8,10 @@ pub mod gemv;
 
 use rayon::prelude::*;
 
-use super::{batch_positions, AttentionParams, Backend, DeltaRuleParams, ExpertTensors, Rope, RouterKind, SeqSlice};
+use super::{
+    batch_positions, AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind,
+    SeqSlice,
+};
 use crate::kv::{HostKv, KvSpec, RecurrentLayer};
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
@@ -34,6 +37,44 @@ impl CpuTensor {
     fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
     }
+
+    /// Columns `cols` of every row, as a tensor of their own.
+    fn columns(&self, cols: std::ops::Range<usize>) -> CpuTensor {
+        let data = self
+            .data
+            .chunks(self.cols)
+            .flat_map(|row| &row[cols.clone()])
+            .copied()
+            .collect();
+        CpuTensor {
+            data,
+            rows: self.rows,
+            cols: cols.len(),
+        }
+    }
+}
+
+/// Rotates `x` (`[rows, heads * head_dim]`) in place, each row at its position.
+fn rope(x: &mut CpuTensor, positions: &[u32], rope: &Rope) {
+    let cols = x.cols;
+    let half = rope.rotary_dim / 2;
+    x.data.par_chunks_mut(cols).zip(positions).for_each(|(row, &pos)| {
+        let (cos, sin): (Vec<f32>, Vec<f32>) = rope
+            .inv_freq
+            .iter()
+            .map(|&f| {
+                let angle = pos as f32 * f;
+                (angle.cos(), angle.sin())
+            })
+            .unzip();
+        for head in row.chunks_mut(rope.head_dim) {
+            for i in 0..half {
+                let (a, b) = (head[i], head[i + half]);
+                head[i] = a * cos[i] - b * sin[i];
+                head[i + half] = b * cos[i] + a * sin[i];
+            }
+        }
+    });
 }
 
 #[derive(Default)]
@@ -269,43 +310,34 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn rope(&self, x: &mut CpuTensor, batch: &CpuBatch, rope: &Rope) -> Result<()> {
-        let cols = x.cols;
-        let half = rope.rotary_dim / 2;
-        x.data
-            .par_chunks_mut(cols)
-            .zip(&batch.positions)
-            .for_each(|(row, &pos)| {
-                let (cos, sin): (Vec<f32>, Vec<f32>) = rope
-                    .inv_freq
-                    .iter()
-                    .map(|&f| {
-                        let angle = pos as f32 * f;
-                        (angle.cos(), angle.sin())
-                    })
-                    .unzip();
-                for head in row.chunks_mut(rope.head_dim) {
-                    for i in 0..half {
-                        let (a, b) = (head[i], head[i + half]);
-                        head[i] = a * cos[i] - b * sin[i];
-                        head[i + half] = b * cos[i] + a * sin[i];
-                    }
-                }
-            });
-        Ok(())
-    }
-
     fn attention(
         &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
+        qkv: &CpuTensor,
+        qk_norm: Option<QkNormWeights<'_, TensorRef>>,
+        rope_table: &Rope,
         kv: &mut HostKv,
         layer: usize,
         batch: &CpuBatch,
         p: &AttentionParams,
     ) -> Result<CpuTensor> {
-        let kv_width = p.num_kv_heads * p.head_dim;
+        let (q_width, kv_width) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
+        if qkv.cols != q_width + 2 * kv_width {
+            return Err(Error::Request(format!(
+                "attention: {} projected features, expected {}",
+                qkv.cols,
+                q_width + 2 * kv_width
+            )));
+        }
+        let mut q = qkv.columns(0..q_width);
+        let mut k = qkv.columns(q_width..q_width + kv_width);
+        let v = qkv.columns(q_width + kv_width..qkv.cols);
+        if let Some(n) = qk_norm {
+            let group = |width| if n.per_head { p.head_dim } else { width };
+            q = self.rms_norm(&q, n.q, group(q_width), n.eps)?;
+            k = self.rms_norm(&k, n.k, group(kv_width), n.eps)?;
+        }
+        rope(&mut q, &batch.positions, rope_table);
+        rope(&mut k, &batch.positions, rope_table);
         let group = p.num_heads / p.num_kv_heads;
         let mut out = CpuTensor::zeros(q.rows, q.cols);
         let mut row0 = 0;

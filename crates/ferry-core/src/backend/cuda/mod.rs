@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, Rope, RouterKind, SeqSlice};
+use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice};
 use crate::kv::KvSpec;
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
@@ -96,7 +96,6 @@ impl CudaExperts {
 /// RoPE frequencies on the device.
 pub struct CudaRope {
     inv_freq: CudaSlice<f32>,
-    head_dim: usize,
     rotary_dim: usize,
 }
 
@@ -130,7 +129,6 @@ const KERNELS: &[(&str, &[&str])] = &[
             "add_bias",
             "silu_mul",
             "sigmoid_gate",
-            "rope",
             "select_rows",
             "split_bf16",
         ],
@@ -145,7 +143,8 @@ const KERNELS: &[(&str, &[&str])] = &[
             "sigmoid_gate_elementwise",
         ],
     ),
-    ("attention", &["kv_append", "attention", "attention_combine"]),
+    ("attention", &["attention", "attention_combine"]),
+    ("qkv", &["qkv_rope_kv_append"]),
     (
         "moe",
         &[
@@ -580,7 +579,6 @@ impl Backend for CudaBackend {
     fn rope_table(&self, rope: &Rope) -> Result<CudaRope> {
         Ok(CudaRope {
             inv_freq: self.copy_to_device(&rope.inv_freq)?,
-            head_dim: rope.head_dim,
             rotary_dim: rope.rotary_dim,
         })
     }
@@ -725,25 +723,11 @@ impl Backend for CudaBackend {
         self.gated_delta_rule_on_device(qkv, a, b, a_log, dt_bias, kv, layer, batch, params)
     }
 
-    fn rope(&self, x: &mut CudaTensor, batch: &DeviceBatch, rope: &CudaRope) -> Result<()> {
-        let (cols, head_dim, rotary_dim) = (x.cols as i32, rope.head_dim as i32, rope.rotary_dim as i32);
-        self.launch("rope", per_row(x.rows, 128), |kernel| {
-            kernel
-                .arg(&x.data)
-                .arg(&batch.positions)
-                .arg(&rope.inv_freq)
-                .arg(&cols)
-                .arg(&head_dim)
-                .arg(&rotary_dim);
-        })?;
-        Ok(())
-    }
-
     fn attention(
         &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
+        qkv: &CudaTensor,
+        qk_norm: Option<QkNormWeights<'_, CudaWeight>>,
+        rope: &CudaRope,
         kv: &mut DeviceKv,
         layer: usize,
         batch: &DeviceBatch,
@@ -755,16 +739,46 @@ impl Backend for CudaBackend {
                 p.head_dim
             )));
         }
+        let (q_width, kv_width) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
+        if qkv.cols != q_width + 2 * kv_width {
+            return Err(Error::Cuda(format!(
+                "attention: {} projected features, expected {}",
+                qkv.cols,
+                q_width + 2 * kv_width
+            )));
+        }
+        let q = self.tensor(qkv.rows, q_width)?;
         let (k_pool, v_pool) = kv.layer_pools(layer);
-        let width = k.cols as i32;
-        self.launch("kv_append", per_row(k.rows, 128), |kernel| {
+        let null = 0u64;
+        let (q_norm, k_norm) = match &qk_norm {
+            Some(n) => (self.address(self.vector(n.q)?), self.address(self.vector(n.k)?)),
+            None => (null, null),
+        };
+        let (per_head, eps) = qk_norm.map_or((1, 0.0f32), |n| (n.per_head as i32, n.eps));
+        let (heads, kv_heads, head_dim) = (p.num_heads as i32, p.num_kv_heads as i32, p.head_dim as i32);
+        let rotary_dim = rope.rotary_dim as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (qkv.rows as u32, (p.num_heads + p.num_kv_heads) as u32, 1),
+            block_dim: (p.head_dim.div_ceil(32) as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("qkv_rope_kv_append", cfg, |kernel| {
             kernel
-                .arg(&k.data)
-                .arg(&v.data)
-                .arg(k_pool)
-                .arg(v_pool)
+                .arg(&qkv.data)
+                .arg(&heads)
+                .arg(&kv_heads)
+                .arg(&head_dim)
+                .arg(&q_norm)
+                .arg(&k_norm)
+                .arg(&per_head)
+                .arg(&eps)
+                .arg(&batch.positions)
+                .arg(&rope.inv_freq)
+                .arg(&rotary_dim)
                 .arg(&batch.row_slot)
-                .arg(&width);
+                .arg(&q.data)
+                .arg(k_pool)
+                .arg(v_pool);
         })?;
         let out = self.tensor(q.rows, q.cols)?;
         let group = p.num_heads / p.num_kv_heads;
