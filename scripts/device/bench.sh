@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Runs, on the GPU machine, the benchmarks docs/perf.md records, with the staged binary (scripts/device/stage.sh):
+#   scripts/device/bench.sh WORKLOAD...
+# WORKLOAD: q30-resident | q30-1536 (the model's routing and a uniform trace, 1536 slots, KV for 16384 tokens) |
+# q30-15.8 | q36-22.3 | q36-15.8 (4K and 32K prompts) | serve-q30 | serve-q36 (bench/serve_bench.py against
+# `ferry serve`). Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-/tmp/ferry-bench}
+mkdir -p "$out"
+ferry=.stage/ferry
+q30="--synthetic bench/q30.json --device cuda"
+q36="--synthetic bench/q36.json --device cuda"
+bench() {
+    local name=$1
+    shift
+    echo "== $name: ferry bench $*"
+    "$ferry" bench "$@" --output "$out/$name.json" >"$out/$name.log" 2>&1 || echo "$name failed (rc $?)"
+    grep -v INFO "$out/$name.log" | tail -25
+}
+status=0
+for workload in "$@"; do
+    case $workload in
+    q30-resident) bench q30-resident $q30 --decode-tokens 64 ;;
+    q30-1536)
+        bench q30-22.3GiB-1536 $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 --kv-reserve-tokens 16384 \
+            --decode-tokens 64
+        python3 bench/uniform_trace.py --config bench/q30.json --tokens 8192 --out "$out/q30-uniform.jsonl"
+        bench q30-22.3GiB-1536-uniform $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 \
+            --kv-reserve-tokens 16384 --decode-tokens 32 --routing-trace "$out/q30-uniform.jsonl"
+        rm -f "$out/q30-uniform.jsonl"
+        ;;
+    q30-15.8) bench q30-15.8GiB $q30 --gpu-memory-budget 15.8GiB --decode-tokens 64 ;;
+    q36-22.3 | q36-15.8)
+        budget=${workload#q36-}GiB
+        bench "q36-$budget" $q36 --gpu-memory-budget "$budget" --decode-tokens 64
+        bench "q36-$budget-32K" $q36 --gpu-memory-budget "$budget" --kv-reserve-tokens 33000 \
+            --prompt-tokens 32768 --decode-tokens 16 --concurrency 1
+        ;;
+    serve-q30)
+        bench/serve_and_bench.sh "$out/serve-q30-22.3GiB.json" "H200, q30, --gpu-memory-budget 22.3GiB" \
+            $q30 --tokenizer tests/fixtures/qwen3_moe --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 ;;
+    serve-q36)
+        bench/serve_and_bench.sh "$out/serve-q36-15.8GiB.json" "H200, q36, --gpu-memory-budget 15.8GiB" \
+            $q36 --tokenizer tests/fixtures/qwen3_5_moe --gpu-memory-budget 15.8GiB ;;
+    *)
+        echo "unknown workload $workload" >&2
+        status=1
+        ;;
+    esac
+done
+exit $status
