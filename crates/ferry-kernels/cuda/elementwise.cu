@@ -58,6 +58,16 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
         out[i] = silu(gate[i]) * up[i];
 }
 
+// out[r, i] = silu(x[r, i]) * x[r, half + i] for rows of [gate | up] (a fused gate/up product), out [rows, half].
+extern "C" __global__ void silu_mul_halves(const float* __restrict__ x, int half, float* __restrict__ out,
+                                           size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const size_t r = i / half, c = i % half;
+        out[i] = silu(x[r * 2 * half + c]) * x[r * 2 * half + half + c];
+    }
+}
+
 // x[r, :] *= sigmoid(gate[r]); one block per row.
 extern "C" __global__ void sigmoid_gate(float* __restrict__ x, const float* __restrict__ gate, int cols) {
     const float s = 1.0f / (1.0f + expf(-gate[blockIdx.x]));

@@ -128,6 +128,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "add_assign",
             "add_bias",
             "silu_mul",
+            "silu_mul_halves",
             "sigmoid_gate",
             "select_rows",
             "split_bf16",
@@ -324,16 +325,41 @@ impl CudaBackend {
             })?;
             return Ok(out);
         }
-        // x = hi + lo, both bf16; out = W hi + W lo, each an exact-product bf16 GEMM accumulated in f32.
-        let len = x.rows * k;
+        let (hi, lo) = self.split_bf16(x)?;
+        self.gemm_split(&hi, &lo, 0, x.rows, w, n, k, &out)?;
+        Ok(out)
+    }
+
+    /// `x = hi + lo`, both bf16: products of bf16 are exact in f32, so a GEMM of each half, summed in f32, keeps
+    /// f32 accuracy on the bf16 tensor cores.
+    fn split_bf16(&self, x: &CudaTensor) -> Result<(CudaSlice<u16>, CudaSlice<u16>)> {
+        let len = x.rows * x.cols;
         let hi: CudaSlice<u16> = self.alloc(len)?;
         let lo: CudaSlice<u16> = self.alloc(len)?;
         self.launch("split_bf16", grid_1d(len, 256), |kernel| {
             kernel.arg(&x.data).arg(&hi).arg(&lo).arg(&len);
         })?;
+        Ok((hi, lo))
+    }
+
+    /// `out[rows, n] = (hi + lo)[rows, k] W^T` for the bf16 weight `[n, k]` at `w`, where hi, lo and out start
+    /// `first_row` rows into their buffers: two bf16 tensor-core GEMMs accumulated in f32.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_split(
+        &self,
+        hi: &CudaSlice<u16>,
+        lo: &CudaSlice<u16>,
+        first_row: usize,
+        rows: usize,
+        w: u64,
+        n: usize,
+        k: usize,
+        out: &CudaTensor,
+    ) -> Result<()> {
         let (alpha, zero, one) = (1.0f32, 0.0f32, 1.0f32);
-        let out_ptr = self.address(&out.data);
-        for (half, beta) in [(&hi, &zero), (&lo, &one)] {
+        let out_ptr = self.address(&out.data) + (first_row * out.cols * 4) as u64;
+        for (half, beta) in [(hi, &zero), (lo, &one)] {
+            let input = self.address(half) + (first_row * k * 2) as u64;
             // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W^T(k x n)^T x^T.
             unsafe {
                 blas::gemm_ex(
@@ -341,26 +367,26 @@ impl CudaBackend {
                     blas_sys::cublasOperation_t::CUBLAS_OP_T,
                     blas_sys::cublasOperation_t::CUBLAS_OP_N,
                     n as i32,
-                    x.rows as i32,
+                    rows as i32,
                     k as i32,
                     &alpha as *const f32 as *const _,
                     w as *const _,
                     blas_sys::cudaDataType_t::CUDA_R_16BF,
                     k as i32,
-                    self.address(half) as *const _,
+                    input as *const _,
                     blas_sys::cudaDataType_t::CUDA_R_16BF,
                     k as i32,
                     beta as *const f32 as *const _,
                     out_ptr as *mut _,
                     blas_sys::cudaDataType_t::CUDA_R_32F,
-                    n as i32,
+                    out.cols as i32,
                     blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             }
             .map_err(blas_err)?;
         }
-        Ok(out)
+        Ok(())
     }
 
     fn matrix<'a>(&self, w: &'a CudaWeight) -> Result<(&'a CudaSlice<u8>, usize, usize)> {
@@ -387,37 +413,58 @@ impl CudaBackend {
         hidden: usize,
         inter: usize,
     ) -> Result<CudaTensor> {
+        let pairs = routing.rows * routing.top_k;
         let ids = self
             .stream
             .clone_dtoh(&routing.ids)
             .map_err(cuda_err("routing to host"))?;
-        let mut slots_of: Vec<Vec<u32>> = vec![Vec::new(); addresses.len()];
-        for (slot, &e) in ids.iter().enumerate().take(routing.rows * routing.top_k) {
-            slots_of[e as usize].push(slot as u32);
+        // The (row, k) pairs ordered by expert (stably, so rows keep their order): each expert's pairs are one
+        // contiguous run, which its GEMMs read and write in place.
+        let mut order: Vec<u32> = (0..pairs as u32).collect();
+        order.sort_by_key(|&pair| ids[pair as usize]);
+        let source_rows: Vec<u32> = order.iter().map(|&pair| pair / routing.top_k as u32).collect();
+        let (order_dev, source_rows_dev) = (self.copy_to_device(&order)?, self.copy_to_device(&source_rows)?);
+        let gathered = self.tensor(pairs, hidden)?;
+        let hidden32 = hidden as i32;
+        self.launch_rows("gather_rows", pairs, |kernel| {
+            kernel
+                .arg(&x.data)
+                .arg(&source_rows_dev)
+                .arg(&gathered.data)
+                .arg(&hidden32);
+        })?;
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new(); // (expert, first pair, pairs)
+        for (i, &pair) in order.iter().enumerate() {
+            let e = ids[pair as usize] as usize;
+            match runs.last_mut() {
+                Some((last, _, len)) if *last == e => *len += 1,
+                _ => runs.push((e, i, 1)),
+            }
         }
-        let y = self.tensor(routing.rows * routing.top_k, hidden)?;
-        for (e, slots) in slots_of.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
-            let rows: Vec<u32> = slots.iter().map(|s| s / routing.top_k as u32).collect();
-            let rows_dev = self.copy_to_device(&rows)?;
-            let gathered = self.tensor(rows.len(), hidden)?;
-            let cols = hidden as i32;
-            self.launch_rows("gather_rows", rows.len(), |kernel| {
-                kernel.arg(&x.data).arg(&rows_dev).arg(&gathered.data).arg(&cols);
-            })?;
-            let base = addresses[e];
-            let expert_bytes = (inter * hidden * 2) as u64;
-            let gate = self.matmul(&gathered, base, inter, hidden)?;
-            let up = self.matmul(&gathered, base + expert_bytes, inter, hidden)?;
-            let act = self.silu_mul(&gate, &up)?;
-            let out = self.matmul(&act, base + 2 * expert_bytes, hidden, inter)?;
-            let slots_dev = self.copy_to_device(slots)?;
-            let cols = hidden as i32;
-            self.launch_rows("scatter_rows", slots.len(), |kernel| {
-                kernel.arg(&out.data).arg(&slots_dev).arg(&y.data).arg(&cols);
-            })?;
+        let expert_bytes = (inter * hidden * 2) as u64;
+        // Gate and up are adjacent in an expert's block: one [2 * inter, hidden] product.
+        let gate_up = self.tensor(pairs, 2 * inter)?;
+        let (hi, lo) = self.split_bf16(&gathered)?;
+        for &(e, first, len) in &runs {
+            self.gemm_split(&hi, &lo, first, len, addresses[e], 2 * inter, hidden, &gate_up)?;
         }
+        let act = self.tensor(pairs, inter)?;
+        let (len, inter32) = (pairs * inter, inter as i32);
+        self.launch("silu_mul_halves", grid_1d(len, 256), |kernel| {
+            kernel.arg(&gate_up.data).arg(&inter32).arg(&act.data).arg(&len);
+        })?;
+        let (hi, lo) = self.split_bf16(&act)?;
+        let by_expert = self.tensor(pairs, hidden)?;
+        for &(e, first, len) in &runs {
+            let down = addresses[e] + 2 * expert_bytes;
+            self.gemm_split(&hi, &lo, first, len, down, hidden, inter, &by_expert)?;
+        }
+        let y = self.tensor(pairs, hidden)?;
+        self.launch_rows("scatter_rows", pairs, |kernel| {
+            kernel.arg(&by_expert.data).arg(&order_dev).arg(&y.data).arg(&hidden32);
+        })?;
         let out = self.tensor(routing.rows, hidden)?;
-        let (top_k, hidden32) = (routing.top_k as i32, hidden as i32);
+        let top_k = routing.top_k as i32;
         self.launch("moe_combine", per_row(routing.rows, 256), |kernel| {
             kernel
                 .arg(&y.data)
