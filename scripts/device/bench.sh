@@ -33,9 +33,8 @@ for workload in "$@"; do
     q30-15.8) bench q30-15.8GiB $q30 --gpu-memory-budget 15.8GiB --decode-tokens 64 ;;
     q36-22.3 | q36-15.8)
         budget=${workload#q36-}GiB
-        bench "q36-$budget" $q36 --gpu-memory-budget "$budget" --decode-tokens 64
-        bench "q36-$budget-32K" $q36 --gpu-memory-budget "$budget" --kv-reserve-tokens 33000 \
-            --prompt-tokens 32768 --decode-tokens 16 --concurrency 1
+        bench "q36-$budget" $q36 --gpu-memory-budget "$budget" --kv-reserve-tokens 33000 --decode-tokens 64 \
+            --long-prompt-tokens 32768
         ;;
     serve-q30)
         bench/serve_and_bench.sh "$out/serve-q30-22.3GiB.json" "H200, q30, --gpu-memory-budget 22.3GiB" \

@@ -14,7 +14,7 @@ use ferry_core::backend::cuda::OffloadStats;
 use ferry_core::backend::profiled::{OpTime, Profiled};
 use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::{argmax, MAX_BATCH_TOKENS};
-use ferry_core::kv::KvCache;
+use ferry_core::kv::{KvCache, SeqId};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{Model, ModelInfo};
 use ferry_core::moe::{MemoryPlan, RoutingTap, RoutingTrace, TraceHeader, TraceRecorder, TraceReplayer};
@@ -34,6 +34,10 @@ pub struct BenchArgs {
     /// Tokens of the prefill prompt.
     #[arg(long, default_value_t = 4096)]
     prompt_tokens: usize,
+    /// A longer prompt (e.g. 32768) prefilled once more at the end, on its own sequence: prefill speed and time
+    /// to first token at long context. Its KV must fit too (`--kv-reserve-tokens` under a GPU budget).
+    #[arg(long)]
+    long_prompt_tokens: Option<usize>,
     /// Greedy decode steps, at batch 1 and again with `--concurrency` sequences.
     #[arg(long, default_value_t = 128)]
     decode_tokens: usize,
@@ -91,6 +95,8 @@ struct BenchReport {
     prompt_tokens: usize,
     prefill_tok_s: f64,
     ttft_seconds: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    long_prefill: Option<Prefill>,
     decode_tokens: usize,
     decode_tok_s_batch1: f64,
     /// Seconds the host spends issuing one batch-1 decode step (the rest of the step is waiting for the device).
@@ -107,6 +113,14 @@ struct BenchReport {
     /// With --profile: per phase (prefill, decode_batch1, decode_concurrent), where the time went.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     profile: Vec<(&'static str, Vec<OpTime>)>,
+}
+
+/// One prompt's prefill, up to its first token.
+#[derive(Debug, Serialize)]
+struct Prefill {
+    prompt_tokens: usize,
+    prefill_tok_s: f64,
+    ttft_seconds: f64,
 }
 
 /// What the backend-independent part of the bench needs from the machine.
@@ -192,6 +206,37 @@ fn greedy<B: Backend>(be: &B, logits: &B::Tensor) -> Result<Vec<u32>> {
         .collect())
 }
 
+/// Prefills `prompt` into `seq` in chunks of [`MAX_BATCH_TOKENS`]; returns its first token and how long that took.
+fn prefill<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    kv: &mut B::Kv,
+    seq: SeqId,
+    prompt: &[u32],
+    replay: &mut Option<TraceReplayer>,
+) -> Result<(u32, Prefill)> {
+    let started = Instant::now();
+    let mut logits = None;
+    for (i, chunk) in prompt.chunks(MAX_BATCH_TOKENS).enumerate() {
+        let slice = SeqSlice {
+            seq,
+            start_pos: i * MAX_BATCH_TOKENS,
+            len: chunk.len(),
+        };
+        logits = Some(model.forward_routed(be, chunk, &[slice], kv, replaying(replay))?);
+    }
+    let token = greedy(be, &logits.context("an empty prompt")?)?[0];
+    let ttft = started.elapsed().as_secs_f64();
+    Ok((
+        token,
+        Prefill {
+            prompt_tokens: prompt.len(),
+            prefill_tok_s: prompt.len() as f64 / ttft,
+            ttft_seconds: ttft,
+        },
+    ))
+}
+
 fn bench_on<B: Backend>(
     be: &B,
     checkpoint: &Checkpoint,
@@ -224,8 +269,10 @@ fn bench_on<B: Backend>(
         .transpose()?;
 
     let short_prompt = 16;
-    let capacity =
-        args.prompt_tokens + args.decode_tokens + args.concurrency * (short_prompt + args.decode_tokens) + 64;
+    // The long prompt runs after the others have freed their KV.
+    let capacity = (args.prompt_tokens + args.decode_tokens + args.concurrency * (short_prompt + args.decode_tokens))
+        .max(args.long_prompt_tokens.unwrap_or(0))
+        + 64;
     let mut kv = be.new_kv(model.kv_spec(capacity))?;
     let mut rng = StdRng::seed_from_u64(0);
     let mut random_ids = |n: usize| {
@@ -237,18 +284,7 @@ fn bench_on<B: Backend>(
     // Prefill one long prompt in chunks; the first token comes with it.
     let seq = kv.alloc_seq();
     let prompt = random_ids(args.prompt_tokens);
-    let started = Instant::now();
-    let mut logits = None;
-    for (i, chunk) in prompt.chunks(MAX_BATCH_TOKENS).enumerate() {
-        let slice = SeqSlice {
-            seq,
-            start_pos: i * MAX_BATCH_TOKENS,
-            len: chunk.len(),
-        };
-        logits = Some(model.forward_routed(be, chunk, &[slice], &mut kv, replaying(&mut replay))?);
-    }
-    let mut token = greedy(be, &logits.context("an empty prompt")?)?[0];
-    let ttft = started.elapsed().as_secs_f64();
+    let (mut token, first_prefill) = prefill(be, &model, &mut kv, seq, &prompt, &mut replay)?;
     track(&mut peak);
     phase_done("prefill");
 
@@ -338,6 +374,21 @@ fn bench_on<B: Backend>(
     let decode_aggregate = (args.decode_tokens * args.concurrency) as f64 / started.elapsed().as_secs_f64();
     track(&mut peak);
     phase_done("decode_concurrent");
+    for seq in seqs {
+        kv.free_seq(seq);
+    }
+
+    let long_prefill = match args.long_prompt_tokens {
+        Some(tokens) => {
+            let seq = kv.alloc_seq();
+            let (_, long) = prefill(be, &model, &mut kv, seq, &random_ids(tokens), &mut replay)?;
+            kv.free_seq(seq);
+            track(&mut peak);
+            phase_done("long_prefill");
+            Some(long)
+        }
+        None => None,
+    };
 
     let bytes_per_token = info.params_active_per_token * checkpoint.weight_dtype().size() as u64;
     let bound = ceiling.gb_s * 1e9 / bytes_per_token as f64;
@@ -353,9 +404,10 @@ fn bench_on<B: Backend>(
             None => "the model's router".into(),
         },
         load_seconds,
-        prompt_tokens: args.prompt_tokens,
-        prefill_tok_s: args.prompt_tokens as f64 / ttft,
-        ttft_seconds: ttft,
+        prompt_tokens: first_prefill.prompt_tokens,
+        prefill_tok_s: first_prefill.prefill_tok_s,
+        ttft_seconds: first_prefill.ttft_seconds,
+        long_prefill,
         decode_tokens: args.decode_tokens,
         decode_tok_s_batch1: decode_batch1,
         decode_host_seconds_per_token: host.as_secs_f64() / args.decode_tokens as f64,
@@ -440,6 +492,17 @@ fn print_report(r: &BenchReport) {
             format!("{:.0} tok/s ({} tokens)", r.prefill_tok_s, r.prompt_tokens),
         ),
         ("time to first token", format!("{:.3} s", r.ttft_seconds)),
+    ];
+    if let Some(long) = &r.long_prefill {
+        rows.push((
+            "prefill, long prompt",
+            format!(
+                "{:.0} tok/s ({} tokens; first token after {:.2} s)",
+                long.prefill_tok_s, long.prompt_tokens, long.ttft_seconds
+            ),
+        ));
+    }
+    rows.extend([
         (
             "decode, batch 1",
             format!(
@@ -468,7 +531,7 @@ fn print_report(r: &BenchReport) {
                 100.0 * r.decode_achieved_over_bound
             ),
         ),
-    ];
+    ]);
     if let Some(p) = &r.memory_plan {
         rows.push((
             "GPU memory plan",

@@ -384,11 +384,18 @@ fn bench_on_the_cpu_reports_speeds_and_the_bound() {
         "3",
         "--concurrency",
         "2",
+        "--long-prompt-tokens",
+        "70",
         "--output",
         output.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
+    assert_eq!(report["long_prefill"]["prompt_tokens"], 70, "{report}");
+    assert!(
+        report["long_prefill"]["ttft_seconds"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
     for field in [
         "prefill_tok_s",
         "ttft_seconds",
