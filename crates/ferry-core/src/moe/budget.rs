@@ -65,7 +65,8 @@ pub fn workspace_bytes(spec: &ModelSpec, rows: usize) -> u64 {
     let per_row = 6 * spec.hidden_size
         + 3 * q_width
         + 4 * kv_width
-        + top_k * (2 * inter + spec.hidden_size)
+        // the grouped MoE path, per (row, expert) pair (cuda/mod.rs)
+        + top_k * 2 * (spec.hidden_size + inter)
         + 3 * widest_mlp
         + gdn
         // split-bf16 halves of the widest GEMM input

@@ -441,24 +441,31 @@ impl CudaBackend {
                 _ => runs.push((e, i, 1)),
             }
         }
+        // Each buffer is dropped (freed in stream order) once read, so that at most 2 * (hidden + inter) floats per
+        // pair are alive at once (budget.rs's workspace estimate counts on it).
         let expert_bytes = (inter * hidden * 2) as u64;
         // Gate and up are adjacent in an expert's block: one [2 * inter, hidden] product.
         let gate_up = self.tensor(pairs, 2 * inter)?;
         let (hi, lo) = self.split_bf16(&gathered)?;
+        drop(gathered);
         for &(e, first, len) in &runs {
             self.gemm_split(&hi, &lo, first, len, addresses[e], 2 * inter, hidden, &gate_up)?;
         }
+        drop((hi, lo));
         let act = self.tensor(pairs, inter)?;
         let (len, inter32) = (pairs * inter, inter as i32);
         self.launch("silu_mul_halves", grid_1d(len, 256), |kernel| {
             kernel.arg(&gate_up.data).arg(&inter32).arg(&act.data).arg(&len);
         })?;
+        drop(gate_up);
         let (hi, lo) = self.split_bf16(&act)?;
+        drop(act);
         let by_expert = self.tensor(pairs, hidden)?;
         for &(e, first, len) in &runs {
             let down = addresses[e] + 2 * expert_bytes;
             self.gemm_split(&hi, &lo, first, len, down, hidden, inter, &by_expert)?;
         }
+        drop((hi, lo));
         let y = self.tensor(pairs, hidden)?;
         self.launch_rows("scatter_rows", pairs, |kernel| {
             kernel.arg(&by_expert.data).arg(&order_dev).arg(&y.data).arg(&hidden32);
