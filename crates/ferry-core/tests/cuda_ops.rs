@@ -198,12 +198,121 @@ fn elementwise_ops() {
     }
 }
 
+/// One attention call: its slices as (sequence, start position, rows).
+struct AttentionCall {
+    slices: &'static [(usize, usize, usize)],
+    /// Each row attends to its own key alone: fills a long context at little cost to the CPU side (the cache gets
+    /// the same keys and values either way).
+    fill: bool,
+}
+
+/// Runs `calls` on `be` over one fresh cache of `sequences` sequences; returns each call's output.
+fn attention_calls<B: Backend>(
+    be: &B,
+    params: &AttentionParams,
+    calls: &[AttentionCall],
+    inputs: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+    sequences: usize,
+) -> Vec<Vec<f32>> {
+    let (q_cols, kv_cols) = (
+        params.num_heads * params.head_dim,
+        params.num_kv_heads * params.head_dim,
+    );
+    let tokens: usize = calls.iter().flat_map(|c| c.slices).map(|&(_, _, len)| len).sum();
+    let mut kv = be
+        .new_kv(KvSpec {
+            num_layers: 1,
+            num_kv_heads: params.num_kv_heads,
+            head_dim: params.head_dim,
+            capacity_tokens: tokens + 16 * sequences,
+            recurrent: None,
+        })
+        .unwrap();
+    let seqs: Vec<_> = (0..sequences).map(|_| kv.alloc_seq()).collect();
+    let fill = AttentionParams {
+        sliding_window: Some(1),
+        ..params.clone()
+    };
+    calls
+        .iter()
+        .zip(inputs)
+        .map(|(call, (q, k, v))| {
+            let slices: Vec<SeqSlice> = call
+                .slices
+                .iter()
+                .map(|&(s, start_pos, len)| SeqSlice {
+                    seq: seqs[s],
+                    start_pos,
+                    len,
+                })
+                .collect();
+            let rows = q.len() / q_cols;
+            let batch = be.prepare_batch(&mut kv, &slices).unwrap();
+            let out = be
+                .attention(
+                    &be.upload(q, rows, q_cols).unwrap(),
+                    &be.upload(k, rows, kv_cols).unwrap(),
+                    &be.upload(v, rows, kv_cols).unwrap(),
+                    &mut kv,
+                    0,
+                    &batch,
+                    if call.fill { &fill } else { params },
+                )
+                .unwrap();
+            be.to_host(&out).unwrap()
+        })
+        .collect()
+}
+
+/// Paged attention against the CPU backend, row by row (a long context's output is small next to a short one's,
+/// so a whole call's error would hide it). Shapes: groups of 1 to 32 query heads per kv head (1, 2, 4 and 8 per
+/// warp, and a warp with repeated heads: 6), head_dim 16 to 256 (one and two value chunks per lane), sliding
+/// windows, the three- and two-stage copy pipelines (32 heads of 256 per kv head take two). Calls: prefill then
+/// decode of short sequences; and a 4K-token context with a batch of decode rows of different lengths (one at
+/// position 0), whose keys are split over many blocks, then a prefill chunk batched with decode rows.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn attention_over_paged_cache_prefill_then_decode() {
     let p = pair();
     let mut rng = Rng::new(3);
-    for (heads, kv_heads, head_dim, window) in [(4, 2, 16, None), (32, 4, 128, None), (8, 8, 64, Some(7))] {
+    let short: &[AttentionCall] = &[
+        AttentionCall {
+            slices: &[(0, 0, 37), (1, 0, 5)],
+            fill: false,
+        },
+        AttentionCall {
+            slices: &[(0, 37, 1), (1, 5, 1)],
+            fill: false,
+        },
+    ];
+    let long: &[AttentionCall] = &[
+        AttentionCall {
+            slices: &[(0, 0, 4095), (1, 0, 1000), (2, 0, 37), (3, 0, 5)],
+            fill: true,
+        },
+        AttentionCall {
+            slices: &[(0, 4095, 1), (1, 1000, 1), (2, 37, 1), (3, 5, 1), (4, 0, 1)],
+            fill: false,
+        },
+        AttentionCall {
+            slices: &[(2, 38, 40), (0, 4096, 1), (1, 1001, 1)],
+            fill: false,
+        },
+    ];
+    let short_shapes = [(4, 2, 16, None), (32, 4, 128, None), (8, 8, 64, Some(7))];
+    let long_shapes = [
+        (32, 4, 128, None),
+        (16, 4, 64, None),
+        (16, 2, 256, Some(1500)),
+        (8, 8, 128, Some(1000)),
+        (12, 2, 64, None),
+        (32, 1, 256, None),
+    ];
+    let cases = short_shapes
+        .into_iter()
+        .map(|shape| ("short", short, shape))
+        .chain(long_shapes.into_iter().map(|shape| ("long", long, shape)));
+    for (name, calls, (heads, kv_heads, head_dim, window)) in cases {
         let params = AttentionParams {
             num_heads: heads,
             num_kv_heads: kv_heads,
@@ -212,59 +321,40 @@ fn attention_over_paged_cache_prefill_then_decode() {
             sliding_window: window,
         };
         let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
-        // Step 1: two sequences prefill 37 and 5 tokens; step 2: both decode one token.
-        let steps: [&[(usize, usize)]; 2] = [&[(0, 37), (0, 5)], &[(37, 1), (5, 1)]];
-        let inputs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = steps
+        let sequences = calls
             .iter()
-            .map(|s| {
-                let rows: usize = s.iter().map(|(_, l)| l).sum();
+            .flat_map(|c| c.slices)
+            .map(|&(s, _, _)| s + 1)
+            .max()
+            .unwrap();
+        // Queries scaled up so that the softmax has clear peaks, not a near-uniform average.
+        let inputs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = calls
+            .iter()
+            .map(|c| {
+                let rows: usize = c.slices.iter().map(|&(_, _, len)| len).sum();
                 (
-                    rng.values(rows * q_cols, 1.0),
+                    rng.values(rows * q_cols, 3.0),
                     rng.values(rows * kv_cols, 1.0),
                     rng.values(rows * kv_cols, 1.0),
                 )
             })
             .collect();
-        same_on_both!(
-            p,
-            &format!("attention h{heads}/{kv_heads} d{head_dim} w{window:?}"),
-            F32_LIMIT,
-            |be| {
-                let mut kv = be
-                    .new_kv(KvSpec {
-                        num_layers: 1,
-                        num_kv_heads: kv_heads,
-                        head_dim,
-                        capacity_tokens: 100,
-                        recurrent: None,
-                    })
-                    .unwrap();
-                let seqs = [kv.alloc_seq(), kv.alloc_seq()];
-                let mut outputs = Vec::new();
-                for (step, (q, k, v)) in steps.iter().zip(&inputs) {
-                    let slices: Vec<SeqSlice> = step
-                        .iter()
-                        .zip(seqs)
-                        .map(|(&(start_pos, len), seq)| SeqSlice { seq, start_pos, len })
-                        .collect();
-                    let rows: usize = step.iter().map(|(_, l)| l).sum();
-                    let batch = be.prepare_batch(&mut kv, &slices).unwrap();
-                    let out = be
-                        .attention(
-                            &be.upload(q, rows, q_cols).unwrap(),
-                            &be.upload(k, rows, kv_cols).unwrap(),
-                            &be.upload(v, rows, kv_cols).unwrap(),
-                            &mut kv,
-                            0,
-                            &batch,
-                            &params,
-                        )
-                        .unwrap();
-                    outputs.extend(be.to_host(&out).unwrap());
-                }
-                outputs
-            }
-        );
+        let want = attention_calls(&p.cpu, &params, calls, &inputs, sequences);
+        let got = attention_calls(&p.gpu, &params, calls, &inputs, sequences);
+        for (call, (got, want)) in got.iter().zip(&want).enumerate() {
+            let rows: Vec<(&[f32], &[f32])> = got.chunks(q_cols).zip(want.chunks(q_cols)).collect();
+            let (row, &(g, w)) = rows
+                .iter()
+                .enumerate()
+                .max_by(|a, b| rel_err(a.1 .0, a.1 .1).total_cmp(&rel_err(b.1 .0, b.1 .1)))
+                .unwrap();
+            check(
+                &format!("attention {name} h{heads}/{kv_heads} d{head_dim} w{window:?} call {call} row {row}"),
+                g.to_vec(),
+                w.to_vec(),
+                F32_LIMIT,
+            );
+        }
     }
 }
 
