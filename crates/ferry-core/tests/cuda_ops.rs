@@ -165,17 +165,144 @@ fn elementwise_ops() {
     });
 }
 
+/// One attention call: its slices as (sequence, start position, rows).
+struct AttentionCall {
+    slices: &'static [(usize, usize, usize)],
+    /// Each row attends to its own key alone: fills a long context at little cost to the CPU side (the cache gets
+    /// the same keys and values either way).
+    fill: bool,
+}
+
+/// The q/k norm of a case: query and key scales, and whether they apply per head.
+type NormScales = (Vec<f32>, Vec<f32>, bool);
+
+/// Runs `calls` on `be` over one fresh cache of `sequences` sequences, each call's input its rows' fused q/k/v
+/// projection; returns each call's output.
+fn attention_calls<B: Backend>(
+    be: &B,
+    params: &AttentionParams,
+    rope: &Rope,
+    norm: Option<&NormScales>,
+    calls: &[AttentionCall],
+    inputs: &[Vec<f32>],
+    sequences: usize,
+) -> Vec<Vec<f32>> {
+    let qkv_cols = (params.num_heads + 2 * params.num_kv_heads) * params.head_dim;
+    let tokens: usize = calls.iter().flat_map(|c| c.slices).map(|&(_, _, len)| len).sum();
+    let mut kv = be
+        .new_kv(KvSpec {
+            num_layers: 1,
+            num_kv_heads: params.num_kv_heads,
+            head_dim: params.head_dim,
+            capacity_tokens: tokens + 16 * sequences,
+            recurrent: None,
+        })
+        .unwrap();
+    let rope_table = be.rope_table(rope).unwrap();
+    let scales = norm.map(|(q, k, per_head)| {
+        let weight = |v: &Vec<f32>| {
+            be.weight(TensorRef::from_f32("norm", vec![v.len()], v).unwrap())
+                .unwrap()
+        };
+        (weight(q), weight(k), *per_head)
+    });
+    let seqs: Vec<_> = (0..sequences).map(|_| kv.alloc_seq()).collect();
+    let fill = AttentionParams {
+        sliding_window: Some(1),
+        ..params.clone()
+    };
+    calls
+        .iter()
+        .zip(inputs)
+        .map(|(call, qkv)| {
+            let slices: Vec<SeqSlice> = call
+                .slices
+                .iter()
+                .map(|&(s, start_pos, len)| SeqSlice {
+                    seq: seqs[s],
+                    start_pos,
+                    len,
+                })
+                .collect();
+            let rows = qkv.len() / qkv_cols;
+            let batch = be.prepare_batch(&mut kv, &slices).unwrap();
+            let qk_norm = scales.as_ref().map(|(q, k, per_head)| QkNormWeights {
+                q,
+                k,
+                per_head: *per_head,
+                eps: 1e-6,
+            });
+            let out = be
+                .attention(
+                    &be.upload(qkv, rows, qkv_cols).unwrap(),
+                    qk_norm,
+                    &rope_table,
+                    &mut kv,
+                    0,
+                    &batch,
+                    if call.fill { &fill } else { params },
+                )
+                .unwrap();
+            be.to_host(&out).unwrap()
+        })
+        .collect()
+}
+
+/// Paged attention against the CPU backend, row by row (a long context's output is small next to a short one's,
+/// so a whole call's error would hide it). Shapes: groups of 1 to 32 query heads per kv head (1, 2, 4 and 8 per
+/// warp, and a warp with repeated heads: 6), head_dim 16 to 256 (one and two value chunks per lane), sliding
+/// windows, the three- and two-stage copy pipelines (32 heads of 256 per kv head take two). Calls: prefill then
+/// decode of short sequences; and a 4K-token context with a batch of decode rows of different lengths (one at
+/// position 0), whose keys are split over many blocks, then a prefill chunk batched with decode rows.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn attention_over_paged_cache_prefill_then_decode() {
     let p = pair();
     let mut rng = Rng::new(3);
-    // (heads, kv heads, head_dim, sliding window, q/k norm: None, per head or over all heads, rotary features)
-    for (heads, kv_heads, head_dim, window, norm, rotary_dim) in [
+    let short: &[AttentionCall] = &[
+        AttentionCall {
+            slices: &[(0, 0, 37), (1, 0, 5)],
+            fill: false,
+        },
+        AttentionCall {
+            slices: &[(0, 37, 1), (1, 5, 1)],
+            fill: false,
+        },
+    ];
+    let long: &[AttentionCall] = &[
+        AttentionCall {
+            slices: &[(0, 0, 4095), (1, 0, 1000), (2, 0, 37), (3, 0, 5)],
+            fill: true,
+        },
+        AttentionCall {
+            slices: &[(0, 4095, 1), (1, 1000, 1), (2, 37, 1), (3, 5, 1), (4, 0, 1)],
+            fill: false,
+        },
+        AttentionCall {
+            slices: &[(2, 38, 40), (0, 4096, 1), (1, 1001, 1)],
+            fill: false,
+        },
+    ];
+    // (heads, kv heads, head_dim, sliding window, q/k norm: none, per head (true) or over all heads, rotary features)
+    type Shape = (usize, usize, usize, Option<usize>, Option<bool>, usize);
+    let short_shapes: [Shape; 3] = [
         (4, 2, 16, None, None, 16),
         (32, 4, 128, None, Some(true), 128),
         (8, 8, 64, Some(7), Some(false), 16),
-    ] {
+    ];
+    let long_shapes: [Shape; 6] = [
+        (32, 4, 128, None, Some(true), 128),
+        (16, 4, 64, None, None, 64),
+        (16, 2, 256, Some(1500), Some(true), 64),
+        (8, 8, 128, Some(1000), None, 128),
+        (12, 2, 64, None, Some(false), 32),
+        (32, 1, 256, None, None, 256),
+    ];
+    let cases = short_shapes
+        .into_iter()
+        .map(|shape| ("short", short, shape))
+        .chain(long_shapes.into_iter().map(|shape| ("long", long, shape)));
+    for (name, calls, (heads, kv_heads, head_dim, window, norm, rotary_dim)) in cases {
         let params = AttentionParams {
             num_heads: heads,
             num_kv_heads: kv_heads,
@@ -185,74 +312,51 @@ fn attention_over_paged_cache_prefill_then_decode() {
         };
         let rope = Rope::new(1e6, head_dim, rotary_dim);
         let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
-        let qkv_cols = q_cols + 2 * kv_cols;
-        let norm_scales = norm.map(|per_head: bool| {
+        let norm_scales: Option<NormScales> = norm.map(|per_head| {
             let (q_width, k_width) = if per_head {
                 (head_dim, head_dim)
             } else {
                 (q_cols, kv_cols)
             };
-            let scales = |rng: &mut Rng, width| rng.values(width, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<f32>>();
-            (scales(&mut rng, q_width), scales(&mut rng, k_width), per_head)
+            let mut scales = |width| rng.values(width, 0.5).iter().map(|v| 1.0 + v).collect::<Vec<f32>>();
+            (scales(q_width), scales(k_width), per_head)
         });
-        // Step 1: two sequences prefill 300 and 5 tokens (positions far enough for large rotation angles);
-        // step 2: both decode one token.
-        let steps: [&[(usize, usize)]; 2] = [&[(0, 300), (0, 5)], &[(300, 1), (5, 1)]];
-        let inputs: Vec<Vec<f32>> = steps
+        let sequences = calls
             .iter()
-            .map(|s| rng.values(s.iter().map(|(_, l)| l).sum::<usize>() * qkv_cols, 1.0))
+            .flat_map(|c| c.slices)
+            .map(|&(s, _, _)| s + 1)
+            .max()
+            .unwrap();
+        // Queries scaled up so that the softmax has clear peaks, not a near-uniform average.
+        let inputs: Vec<Vec<f32>> = calls
+            .iter()
+            .map(|c| {
+                let rows: usize = c.slices.iter().map(|&(_, _, len)| len).sum();
+                (0..rows)
+                    .flat_map(|_| [rng.values(q_cols, 3.0), rng.values(2 * kv_cols, 1.0)].concat())
+                    .collect()
+            })
             .collect();
-        same_on_both!(
-            p,
-            &format!("attention h{heads}/{kv_heads} d{head_dim} w{window:?} norm {norm:?} rot {rotary_dim}"),
-            F32_LIMIT,
-            |be| {
-                let mut kv = be
-                    .new_kv(KvSpec {
-                        num_layers: 1,
-                        num_kv_heads: kv_heads,
-                        head_dim,
-                        capacity_tokens: 400,
-                        recurrent: None,
-                    })
-                    .unwrap();
-                let rope_table = be.rope_table(&rope).unwrap();
-                let scales = norm_scales.as_ref().map(|(q, k, per_head)| {
-                    let weight = |v: &Vec<f32>| be.weight(TensorRef::from_f32("norm", vec![v.len()], v).unwrap());
-                    (weight(q).unwrap(), weight(k).unwrap(), *per_head)
-                });
-                let seqs = [kv.alloc_seq(), kv.alloc_seq()];
-                let mut outputs = Vec::new();
-                for (step, qkv) in steps.iter().zip(&inputs) {
-                    let slices: Vec<SeqSlice> = step
-                        .iter()
-                        .zip(seqs)
-                        .map(|(&(start_pos, len), seq)| SeqSlice { seq, start_pos, len })
-                        .collect();
-                    let rows: usize = step.iter().map(|(_, l)| l).sum();
-                    let batch = be.prepare_batch(&mut kv, &slices).unwrap();
-                    let qk_norm = scales.as_ref().map(|(q, k, per_head)| QkNormWeights {
-                        q,
-                        k,
-                        per_head: *per_head,
-                        eps: 1e-6,
-                    });
-                    let out = be
-                        .attention(
-                            &be.upload(qkv, rows, qkv_cols).unwrap(),
-                            qk_norm,
-                            &rope_table,
-                            &mut kv,
-                            0,
-                            &batch,
-                            &params,
-                        )
-                        .unwrap();
-                    outputs.extend(be.to_host(&out).unwrap());
-                }
-                outputs
-            }
-        );
+        let norm = norm_scales.as_ref();
+        let want = attention_calls(&p.cpu, &params, &rope, norm, calls, &inputs, sequences);
+        let got = attention_calls(&p.gpu, &params, &rope, norm, calls, &inputs, sequences);
+        for (call, (got, want)) in got.iter().zip(&want).enumerate() {
+            let rows: Vec<(&[f32], &[f32])> = got.chunks(q_cols).zip(want.chunks(q_cols)).collect();
+            let (row, &(g, w)) = rows
+                .iter()
+                .enumerate()
+                .max_by(|a, b| rel_err(a.1 .0, a.1 .1).total_cmp(&rel_err(b.1 .0, b.1 .1)))
+                .unwrap();
+            check(
+                &format!(
+                    "attention {name} h{heads}/{kv_heads} d{head_dim} w{window:?} norm {norm:?} rot {rotary_dim} \
+                     call {call} row {row}"
+                ),
+                g.to_vec(),
+                w.to_vec(),
+                F32_LIMIT,
+            );
+        }
     }
 }
 

@@ -6,6 +6,7 @@
 //! (`x = hi + lo`), which keeps f32 accuracy. Routed experts sit in one slab per layer and are read through a
 //! per-layer table of device pointers, so an expert cache only has to rewrite the table.
 
+mod attention;
 mod bank;
 mod ceilings;
 mod gdn;
@@ -34,10 +35,6 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Rows of a batch up to which the MoE block runs its decode kernels (routing never leaves the device).
 const MOE_DECODE_MAX_ROWS: usize = GEMV_MAX_ROWS;
 const GEMV_WARPS: u32 = 8;
-/// Keys per shared-memory tile of the attention kernel (attention.cu's KEYS_PER_TILE).
-const ATTENTION_KEYS_PER_TILE: usize = 32;
-/// Dynamic shared memory the attention kernel may use (keys, values and the group's queries of one tile).
-const ATTENTION_MAX_SHARED_BYTES: usize = 160 * 1024;
 
 fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Cuda(format!("{context}: {e}"))
@@ -115,6 +112,10 @@ pub struct CudaBackend {
     /// Set by [`CudaBackend::enable_offload`] before a model is loaded.
     offload: Option<Mutex<offload::Offload>>,
     device: String,
+    /// Streaming multiprocessors: decode attention splits its keys so as to fill them.
+    multiprocessors: usize,
+    /// The most shared memory a block may opt into (the attention kernel's pipeline depth depends on it).
+    max_shared_per_block: usize,
     pub libraries: CudaLibraries,
 }
 
@@ -212,10 +213,19 @@ impl CudaBackend {
                 functions.insert(*name, f);
             }
         }
+        let attribute = |a, what| ctx.attribute(a).map(|v| v as usize).map_err(cuda_err(what));
+        let multiprocessors = attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            "multiprocessor count",
+        )?;
+        let max_shared_per_block = attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            "shared memory per block",
+        )?;
         functions["attention"]
             .set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                ATTENTION_MAX_SHARED_BYTES as i32,
+                max_shared_per_block as i32,
             )
             .map_err(cuda_err("attention shared memory"))?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
@@ -237,6 +247,8 @@ impl CudaBackend {
             functions,
             offload: None,
             device,
+            multiprocessors,
+            max_shared_per_block,
             libraries,
         })
     }
@@ -834,66 +846,7 @@ impl Backend for CudaBackend {
                 .arg(k_pool)
                 .arg(v_pool);
         })?;
-        let out = self.tensor(q.rows, q.cols)?;
-        let group = p.num_heads / p.num_kv_heads;
-        let shared = (ATTENTION_KEYS_PER_TILE * (2 * p.head_dim + 1) + group * p.head_dim) * 4;
-        if group > 32 || shared > ATTENTION_MAX_SHARED_BYTES {
-            return Err(Error::Cuda(format!(
-                "attention with {group} query heads per kv head of dim {} is over the kernel's limits",
-                p.head_dim
-            )));
-        }
-        // Few rows (decode): split the keys so that enough blocks run; many rows (prefill): one split.
-        let blocks = q.rows * p.num_kv_heads;
-        let splits = 256usize.div_ceil(blocks).min(batch.max_len.div_ceil(64)).max(1);
-        let split_len = batch.max_len.div_ceil(splits).div_ceil(ATTENTION_KEYS_PER_TILE) * ATTENTION_KEYS_PER_TILE;
-        let partial: CudaSlice<f32> = self.alloc(if splits > 1 {
-            q.rows * p.num_heads * splits * (p.head_dim + 2)
-        } else {
-            1
-        })?;
-        let (heads, kv_heads, head_dim) = (p.num_heads as i32, p.num_kv_heads as i32, p.head_dim as i32);
-        let window = p.sliding_window.unwrap_or(0) as i32;
-        let (block_size, split_len32, splits32) = (kv.block_size() as i32, split_len as i32, splits as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (q.rows as u32, p.num_kv_heads as u32, splits as u32),
-            block_dim: (group as u32 * 32, 1, 1),
-            shared_mem_bytes: shared as u32,
-        };
-        self.launch("attention", cfg, |kernel| {
-            kernel
-                .arg(&q.data)
-                .arg(k_pool)
-                .arg(v_pool)
-                .arg(&out.data)
-                .arg(&partial)
-                .arg(&batch.positions)
-                .arg(&batch.row_table)
-                .arg(&batch.block_tables)
-                .arg(&heads)
-                .arg(&kv_heads)
-                .arg(&head_dim)
-                .arg(&p.scale)
-                .arg(&window)
-                .arg(&block_size)
-                .arg(&split_len32);
-        })?;
-        if splits > 1 {
-            let cfg = LaunchConfig {
-                grid_dim: (q.rows as u32, p.num_heads as u32, 1),
-                block_dim: (p.head_dim.div_ceil(32) as u32 * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch("attention_combine", cfg, |kernel| {
-                kernel
-                    .arg(&partial)
-                    .arg(&out.data)
-                    .arg(&heads)
-                    .arg(&head_dim)
-                    .arg(&splits32);
-            })?;
-        }
-        Ok(out)
+        self.attend(&q, kv, layer, batch, p)
     }
 
     fn route(&self, logits: &CudaTensor, top_k: usize, kind: RouterKind) -> Result<CudaRouting> {

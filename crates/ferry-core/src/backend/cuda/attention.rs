@@ -1,0 +1,260 @@
+//! Attention over the paged KV cache on the GPU (attention.cu): how a call is laid out (warps per block, depth
+//! of the copy pipeline, how many splits of the keys) and the launches of `attention` and, when the keys are
+//! split, `attention_combine`.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::kv::{DeviceBatch, DeviceKv, BLOCK_SIZE};
+use super::{cuda_err, CudaBackend, CudaTensor};
+use crate::backend::AttentionParams;
+use crate::{Error, Result};
+
+/// attention.cu's KEYS_PER_TILE: keys per shared-memory tile, one per lane when scoring.
+const KEYS_PER_TILE: usize = 32;
+/// attention.cu's MAX_WARPS.
+const MAX_WARPS: usize = 4;
+/// attention.cu's MAX_STAGES: tiles in the copy pipeline.
+const MAX_STAGES: usize = 3;
+/// attention.cu's MAX_SPLITS.
+const MAX_SPLITS: usize = 256;
+/// attention.cu's COMBINE_THREADS.
+const COMBINE_THREADS: u32 = 128;
+/// A lane holds at most two float4 chunks of a value row.
+const MAX_HEAD_DIM: usize = 256;
+/// A split takes at least this many tiles, so that its block has loads of several tiles in flight at once.
+const MIN_TILES_PER_SPLIT: usize = 2;
+
+// attention.cu's KV_BLOCK_TOKENS.
+const _: () = assert!(BLOCK_SIZE == 16);
+
+/// A block of the `attention` kernel: one query row's group of heads (those sharing a kv head).
+#[derive(Debug, PartialEq, Eq)]
+struct BlockShape {
+    warps: usize,
+    heads_per_warp: usize,
+    stages: usize,
+    shared_bytes: usize,
+}
+
+impl BlockShape {
+    /// The block for `group` query heads per kv head of `head_dim`, with the deepest copy pipeline that fits in
+    /// `max_shared_bytes`.
+    fn new(group: usize, head_dim: usize, max_shared_bytes: usize) -> Result<Self> {
+        // A warp reads each tile from shared memory once for all its heads: four heads per warp read it a quarter
+        // as often as one; eight where four would need more than MAX_WARPS warps.
+        let heads_per_warp = match group {
+            0..=4 => group.next_power_of_two(),
+            5..=16 => 4,
+            _ => 8,
+        };
+        let warps = group.div_ceil(heads_per_warp);
+        if group == 0 || warps > MAX_WARPS || !head_dim.is_multiple_of(4) || head_dim > MAX_HEAD_DIM {
+            return Err(Error::Cuda(format!(
+                "attention with {group} query heads per kv head of dim {head_dim} is outside the kernel's limits \
+                 (1 to {} heads per kv head, head_dim a multiple of 4 up to {MAX_HEAD_DIM})",
+                MAX_WARPS * 8
+            )));
+        }
+        let shared_bytes = |stages: usize| {
+            4 * (stages * 2 * KEYS_PER_TILE * (head_dim + 4)
+                + group * head_dim
+                + warps * heads_per_warp * KEYS_PER_TILE)
+        };
+        let stages = (2..=MAX_STAGES)
+            .rev()
+            .find(|&s| shared_bytes(s) <= max_shared_bytes)
+            .ok_or_else(|| {
+                Error::Cuda(format!(
+                    "attention with {group} query heads per kv head of dim {head_dim} needs {} bytes of shared \
+                     memory per block; this GPU has {max_shared_bytes}",
+                    shared_bytes(2)
+                ))
+            })?;
+        Ok(BlockShape {
+            warps,
+            heads_per_warp,
+            stages,
+            shared_bytes: shared_bytes(stages),
+        })
+    }
+}
+
+/// How each row's keys are divided among blocks: `count` splits of `len` keys.
+#[derive(Debug, PartialEq, Eq)]
+struct Splits {
+    count: usize,
+    len: usize,
+}
+
+/// Splits rows of up to `max_keys` keys so that the `row_blocks` blocks of one split each (rows x kv heads) become
+/// about `resident_blocks`, what the GPU runs at once: decode fills the GPU in one wave, each block with its
+/// tiles all in flight; prefill, with blocks enough, takes one split and needs no combine.
+fn split_keys(row_blocks: usize, max_keys: usize, resident_blocks: usize) -> Splits {
+    let tiles = max_keys.div_ceil(KEYS_PER_TILE).max(1);
+    let wanted = resident_blocks.div_ceil(row_blocks.max(1));
+    let count = wanted.min(tiles.div_ceil(MIN_TILES_PER_SPLIT)).clamp(1, MAX_SPLITS);
+    let len = tiles.div_ceil(count) * KEYS_PER_TILE;
+    Splits {
+        count: max_keys.div_ceil(len).max(1),
+        len,
+    }
+}
+
+impl CudaBackend {
+    /// Causal attention of `q` (`[rows, num_heads * head_dim]`) over layer `layer` of the cache, which already
+    /// holds the keys and values of the batch's rows: [`crate::backend::Backend::attention`] without the append.
+    pub(super) fn attend(
+        &self,
+        q: &CudaTensor,
+        kv: &DeviceKv,
+        layer: usize,
+        batch: &DeviceBatch,
+        p: &AttentionParams,
+    ) -> Result<CudaTensor> {
+        if p.num_kv_heads == 0 || !p.num_heads.is_multiple_of(p.num_kv_heads) || q.cols != p.num_heads * p.head_dim {
+            return Err(Error::Cuda(format!(
+                "attention: q [{}, {}] is not {} heads of {} sharing {} kv heads",
+                q.rows, q.cols, p.num_heads, p.head_dim, p.num_kv_heads
+            )));
+        }
+        let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, self.max_shared_per_block)?;
+        let threads = (shape.warps * 32) as u32;
+        // The occupancy query, unlike a launch, does not make the context current itself.
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+        let per_multiprocessor = self
+            .function("attention")
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shape.shared_bytes, None)
+            .map_err(cuda_err("attention occupancy"))? as usize;
+        let max_keys = match p.sliding_window {
+            Some(window) if window > 0 => window.min(batch.max_len),
+            _ => batch.max_len,
+        };
+        let splits = split_keys(
+            q.rows * p.num_kv_heads,
+            max_keys,
+            per_multiprocessor.max(1) * self.multiprocessors,
+        );
+        let out = self.tensor(q.rows, q.cols)?;
+        let partials = if splits.count > 1 {
+            q.rows * p.num_heads * splits.count
+        } else {
+            0
+        };
+        let partial_out: CudaSlice<f32> = self.alloc(partials * p.head_dim)?;
+        let partial_stats: CudaSlice<f32> = self.alloc(partials * 2)?;
+        let (k_pool, v_pool) = kv.layer_pools(layer);
+        let (heads, kv_heads, head_dim) = (p.num_heads as i32, p.num_kv_heads as i32, p.head_dim as i32);
+        let window = p.sliding_window.unwrap_or(0) as i32;
+        let (split_len, splits_count) = (splits.len as i32, splits.count as i32);
+        let (heads_per_warp, stages) = (shape.heads_per_warp as i32, shape.stages as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (q.rows as u32, p.num_kv_heads as u32, splits.count as u32),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: shape.shared_bytes as u32,
+        };
+        self.launch("attention", cfg, |kernel| {
+            kernel
+                .arg(&q.data)
+                .arg(k_pool)
+                .arg(v_pool)
+                .arg(&out.data)
+                .arg(&partial_out)
+                .arg(&partial_stats)
+                .arg(&batch.positions)
+                .arg(&batch.row_table)
+                .arg(&batch.block_tables)
+                .arg(&heads)
+                .arg(&kv_heads)
+                .arg(&head_dim)
+                .arg(&p.scale)
+                .arg(&window)
+                .arg(&split_len)
+                .arg(&heads_per_warp)
+                .arg(&stages);
+        })?;
+        if splits.count > 1 {
+            let cfg = LaunchConfig {
+                grid_dim: (q.rows as u32, p.num_heads as u32, 1),
+                block_dim: (COMBINE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("attention_combine", cfg, |kernel| {
+                kernel
+                    .arg(&partial_out)
+                    .arg(&partial_stats)
+                    .arg(&out.data)
+                    .arg(&heads)
+                    .arg(&head_dim)
+                    .arg(&splits_count);
+            })?;
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The opt-in shared memory per block of an H200 (sm_90) and of an sm_86/89/120 GPU.
+    const HOPPER_SHARED: usize = 227 * 1024;
+    const SMALL_SHARED: usize = 99 * 1024;
+
+    #[test]
+    fn every_head_of_a_group_has_a_warp_and_every_warp_a_head() {
+        for group in 1..=32 {
+            let shape = BlockShape::new(group, 128, HOPPER_SHARED).unwrap();
+            assert!([1, 2, 4, 8].contains(&shape.heads_per_warp), "group {group}: {shape:?}");
+            assert!(shape.warps <= MAX_WARPS, "group {group}: {shape:?}");
+            assert!(shape.warps * shape.heads_per_warp >= group, "group {group}: {shape:?}");
+            assert!(
+                (shape.warps - 1) * shape.heads_per_warp < group,
+                "group {group}: {shape:?}"
+            );
+        }
+        assert!(BlockShape::new(33, 128, HOPPER_SHARED).is_err());
+        assert!(BlockShape::new(0, 128, HOPPER_SHARED).is_err());
+        assert!(BlockShape::new(8, 130, HOPPER_SHARED).is_err());
+        assert!(BlockShape::new(8, 260, HOPPER_SHARED).is_err());
+    }
+
+    #[test]
+    fn the_pipeline_is_as_deep_as_shared_memory_allows() {
+        // Qwen3-30B-A3B: three stages, two blocks per multiprocessor on an H200.
+        let qwen3 = BlockShape::new(8, 128, HOPPER_SHARED).unwrap();
+        assert_eq!(
+            qwen3,
+            BlockShape {
+                warps: 2,
+                heads_per_warp: 4,
+                stages: 3,
+                shared_bytes: 4 * (3 * 64 * 132 + 8 * 128 + 8 * 32),
+            }
+        );
+        assert!(2 * qwen3.shared_bytes <= 228 * 1024);
+        // 32 heads of 256 per kv head (in the GPU tests): only two stages fit, even on an H200.
+        assert_eq!(BlockShape::new(32, 256, HOPPER_SHARED).unwrap().stages, 2);
+        assert_eq!(BlockShape::new(8, 256, HOPPER_SHARED).unwrap().stages, 3);
+        assert_eq!(BlockShape::new(8, 128, SMALL_SHARED).unwrap().stages, 2);
+        assert!(BlockShape::new(8, 256, SMALL_SHARED).is_err());
+    }
+
+    #[test]
+    fn decode_splits_fill_the_gpu_and_prefill_takes_one_split() {
+        // Decode at a 4K context, 4 kv heads, 132 multiprocessors with 2 blocks each: 64 splits of 2 tiles.
+        assert_eq!(split_keys(4, 4096, 264), Splits { count: 64, len: 64 });
+        // Prefill: more blocks than the GPU holds.
+        assert_eq!(split_keys(2048 * 4, 4096, 264), Splits { count: 1, len: 4096 });
+        assert_eq!(split_keys(4, 5, 264), Splits { count: 1, len: 32 });
+        for row_blocks in [1, 3, 4, 20, 100, 263, 264, 10_000] {
+            for max_keys in [1, 31, 32, 33, 100, 1000, 4097, 100_000, 1_000_000] {
+                let s = split_keys(row_blocks, max_keys, 264);
+                assert!(s.count >= 1 && s.count <= MAX_SPLITS, "{s:?}");
+                assert!(s.len.is_multiple_of(KEYS_PER_TILE), "{s:?}");
+                // Every key has a split and no split is empty for the longest row.
+                assert!(s.count * s.len >= max_keys && (s.count - 1) * s.len < max_keys, "{s:?}");
+                assert!(s.count == 1 || row_blocks * s.count <= 264 + row_blocks, "{s:?}");
+            }
+        }
+    }
+}
