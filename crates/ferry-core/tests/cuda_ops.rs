@@ -3,7 +3,7 @@
 //! on the GPU machine through scripts/device/gpu-tests.sh.
 
 use ferry_core::backend::cpu::CpuBackend;
-use ferry_core::backend::cuda::CudaBackend;
+use ferry_core::backend::cuda::{CudaBackend, GEMV_MAX_ROWS};
 use ferry_core::backend::{
     AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice,
 };
@@ -89,28 +89,40 @@ macro_rules! same_on_both {
 fn linear_gemv_and_gemm_paths() {
     let p = pair();
     let mut rng = Rng::new(1);
-    let shapes = [
-        (1, 2048, 768, false),
-        (3, 64, 96, true),
-        (8, 515, 33, false),
-        (9, 256, 130, true),
-        (300, 1024, 512, false),
+    // (rows, k, n, bias). Every GEMV shape runs with each row count up to GEMV_MAX_ROWS (one kernel per count);
+    // together they reach each path of the GEMV kernels. 9 and 300 rows take the cuBLAS path.
+    let gemv_rows: Vec<usize> = (1..=GEMV_MAX_ROWS).collect();
+    let shapes: [(&[usize], usize, usize, bool); 7] = [
+        // Router-sized: k split across all 8 warps of a block, one k-step each.
+        (&gemv_rows, 2048, 128, false),
+        // k = 3 * 256 + 8: k split 4 ways (2 at 2 rows), the last warp's k-step partial.
+        (&gemv_rows, 776, 200, true),
+        // k not a multiple of 8: the unaligned scalar path, k split 2 ways.
+        (&gemv_rows, 515, 33, true),
+        // k shorter than one k-step.
+        (&gemv_rows, 64, 96, false),
+        // Many blocks, the last one partial; several staged chunks per warp, then a partial k-step.
+        (&gemv_rows, 2312, 12003, true),
+        (&[9], 256, 130, true),
+        (&[300], 1024, 512, false),
     ];
-    for (rows, k, n, bias) in shapes {
+    for (row_counts, k, n, bias) in shapes {
         let w = rng.bf16("w", &[n, k], 0.05);
         let b = rng.bf16("b", &[n], 0.5);
-        let x = rng.values(rows * k, 1.0);
-        same_on_both!(p, &format!("linear {rows}x{k} -> {n} bias={bias}"), F32_LIMIT, |be| {
-            let bias_weight = be.weight(b.clone()).unwrap();
-            let out = be
-                .linear(
-                    &be.upload(&x, rows, k).unwrap(),
-                    &be.weight(w.clone()).unwrap(),
-                    bias.then_some(&bias_weight),
-                )
-                .unwrap();
-            be.to_host(&out).unwrap()
-        });
+        for &rows in row_counts {
+            let x = rng.values(rows * k, 1.0);
+            same_on_both!(p, &format!("linear {rows}x{k} -> {n} bias={bias}"), F32_LIMIT, |be| {
+                let bias_weight = be.weight(b.clone()).unwrap();
+                let out = be
+                    .linear(
+                        &be.upload(&x, rows, k).unwrap(),
+                        &be.weight(w.clone()).unwrap(),
+                        bias.then_some(&bias_weight),
+                    )
+                    .unwrap();
+                be.to_host(&out).unwrap()
+            });
+        }
     }
 }
 
@@ -365,37 +377,49 @@ fn attention_over_paged_cache_prefill_then_decode() {
 fn router_and_routed_experts() {
     let p = pair();
     let mut rng = Rng::new(4);
-    let (experts, top_k, hidden, inter) = (16, 4, 256, 96);
-    let bank: Vec<ExpertTensors> = (0..experts)
-        .map(|e| ExpertTensors {
-            gate: rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.1),
-            up: rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.1),
-            down: rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1),
-        })
-        .collect();
-    // 1, 4 and 8 rows take the decode kernels; 40 rows the grouped GEMM path.
-    for rows in [1, 4, 8, 40] {
-        let x = rng.values(rows * hidden, 1.0);
-        // Logits spread wide so the top-k choice is never a near tie between the two backends.
-        let logits = rng.values(rows * experts, 8.0);
-        for renormalize in [false, true] {
-            let kind = RouterKind::SoftmaxTopK { renormalize };
-            same_on_both!(
-                p,
-                &format!("route + moe_experts rows={rows} renorm={renormalize}"),
-                F32_LIMIT,
-                |be| {
-                    let set = be.experts(bank.clone()).unwrap();
-                    let routing = be
-                        .route(&be.upload(&logits, rows, experts).unwrap(), top_k, kind)
-                        .unwrap();
-                    be.to_host(
-                        &be.moe_experts(&be.upload(&x, rows, hidden).unwrap(), &routing, &set)
-                            .unwrap(),
-                    )
-                    .unwrap()
-                }
-            );
+    // (experts, top_k, hidden, inter), each reaching other paths of the decode kernels: a Qwen3-30B-A3B-sized
+    // expert (several staged chunks per warp); top_k 4 and 2 (moe_down's warps share a row's experts with 2 and 4
+    // feature groups), top_k 10 (more experts than warps); inter = 100 (down rows not 16-byte aligned: scalar
+    // path); hidden = 520 (a partial k-step in gate/up, a partial last block in down).
+    for (experts, top_k, hidden, inter) in [
+        (16, 8, 2048, 768),
+        (16, 4, 256, 96),
+        (12, 10, 520, 100),
+        (8, 2, 520, 64),
+    ] {
+        let bank: Vec<ExpertTensors> = (0..experts)
+            .map(|e| ExpertTensors {
+                gate: rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.1),
+                up: rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.1),
+                down: rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1),
+            })
+            .collect();
+        // 1, 3 and 8 rows take the decode kernels; 40 rows the grouped GEMM path.
+        for rows in [1, 3, 8, 40] {
+            let x = rng.values(rows * hidden, 1.0);
+            // Logits spread wide so the top-k choice is never a near tie between the two backends.
+            let logits = rng.values(rows * experts, 8.0);
+            for renormalize in [false, true] {
+                let kind = RouterKind::SoftmaxTopK { renormalize };
+                same_on_both!(
+                    p,
+                    &format!(
+                        "route + moe_experts e{experts} k{top_k} {hidden}x{inter} rows={rows} renorm={renormalize}"
+                    ),
+                    F32_LIMIT,
+                    |be| {
+                        let set = be.experts(bank.clone()).unwrap();
+                        let routing = be
+                            .route(&be.upload(&logits, rows, experts).unwrap(), top_k, kind)
+                            .unwrap();
+                        be.to_host(
+                            &be.moe_experts(&be.upload(&x, rows, hidden).unwrap(), &routing, &set)
+                                .unwrap(),
+                        )
+                        .unwrap()
+                    }
+                );
+            }
         }
     }
 }

@@ -5,6 +5,8 @@
 
 constexpr int MAX_EXPERTS_PER_LANE = 16;  // num_experts <= 512
 constexpr int MOE_WARPS = 8;
+// Output features per (expert, group) item of moe_down. Mirrored by the CUDA backend's MOE_DOWN_ROWS.
+constexpr int MOE_DOWN_ROWS = 4;
 
 // One warp per row: softmax over the experts, then the top_k largest in order (ties to the lower id), with
 // weights renormalised over the chosen ones when asked.
@@ -65,40 +67,65 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
 }
 
 // act[(r * top_k + k), i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), e = ids[r * top_k + k].
-// Grid: (ceil(inter / MOE_WARPS), rows * top_k); one warp per output feature.
-extern "C" __global__ void moe_gate_up(const float* __restrict__ x, int hidden, int inter, int top_k,
-                                       const int* __restrict__ ids, const uint16_t* const* __restrict__ experts,
-                                       float* __restrict__ act) {
-    const int i = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+// Grid: (ceil(inter / MOE_WARPS), rows * top_k); one warp per output feature, its gate and up rows read together.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_gate_up(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
+                const uint16_t* const* __restrict__ experts, float* __restrict__ act) {
+    __shared__ WarpStaging staging[MOE_WARPS];
+    const int warp = threadIdx.x >> 5;
+    const int i = blockIdx.x * MOE_WARPS + warp;
     const int pair = blockIdx.y;
     if (i >= inter) return;
     const uint16_t* block = experts[ids[pair]];
-    const float* xr = x + static_cast<size_t>(pair / top_k) * hidden;
-    float g[1] = {0.0f}, u[1] = {0.0f};
-    warp_row_dot<1>(block + static_cast<size_t>(i) * hidden, xr, hidden, hidden, 1, g);
-    warp_row_dot<1>(block + static_cast<size_t>(inter + i) * hidden, xr, hidden, hidden, 1, u);
-    const float gs = warp_sum(g[0]), us = warp_sum(u[0]);
+    const uint16_t* rows[2] = {block + static_cast<size_t>(i) * hidden,
+                               block + static_cast<size_t>(inter + i) * hidden};
+    float acc[2][1] = {};
+    warp_rows_dot<2, 1>(rows, x + static_cast<size_t>(pair / top_k) * hidden, hidden, hidden, 0, 1, staging[warp], acc);
+    const float gs = warp_sum(acc[0][0]), us = warp_sum(acc[1][0]);
     if ((threadIdx.x & 31) == 0) act[static_cast<size_t>(pair) * inter + i] = gs / (1.0f + expf(-gs)) * us;
 }
 
 // out[r, h] = sum_k w[r, k] * (down_e[h] . act[r * top_k + k]), summed in router order.
-// Grid: (ceil(hidden / MOE_WARPS), rows); one warp per output feature.
-extern "C" __global__ void moe_down(const float* __restrict__ act, int hidden, int inter, int top_k,
-                                    const int* __restrict__ ids, const float* __restrict__ weights,
-                                    const uint16_t* const* __restrict__ experts, float* __restrict__ out) {
-    const int h = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
-    const int r = blockIdx.y;
-    if (h >= hidden) return;
-    float sum = 0.0f;
-    for (int k = 0; k < top_k; ++k) {
+// Grid: (ceil(hidden / (feature_groups * MOE_DOWN_ROWS)), rows); dynamic shared memory: top_k * feature_groups *
+// MOE_DOWN_ROWS floats. A block's features form feature_groups groups of MOE_DOWN_ROWS rows; its warps take the
+// (expert, group) items in turn, so the experts of a row are read in parallel rather than one after another, and
+// the block sums their products in router order (deterministic). feature_groups = MOE_WARPS / top_k (at least 1)
+// keeps every warp busy when top_k is small.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
+             const float* __restrict__ weights, const uint16_t* const* __restrict__ experts, int feature_groups,
+             float* __restrict__ out) {
+    __shared__ WarpStaging staging[MOE_WARPS];
+    extern __shared__ float products[];  // [top_k][block_features]
+    const int warp = threadIdx.x >> 5, r = blockIdx.y;
+    const int block_features = feature_groups * MOE_DOWN_ROWS;
+    const int first = blockIdx.x * block_features;
+    for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
+        const int k = item / feature_groups, group = item % feature_groups;
         const int pair = r * top_k + k;
         const uint16_t* down = experts[ids[pair]] + 2 * static_cast<size_t>(inter) * hidden;
-        float d[1] = {0.0f};
-        warp_row_dot<1>(down + static_cast<size_t>(h) * inter, act + static_cast<size_t>(pair) * inter, inter, inter,
-                        1, d);
-        sum += weights[pair] * warp_sum(d[0]);
+        // Features past hidden (the last block) repeat feature hidden - 1 and are not stored.
+        const uint16_t* rows[MOE_DOWN_ROWS];
+#pragma unroll
+        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+            rows[j] = down + static_cast<size_t>(min(first + group * MOE_DOWN_ROWS + j, hidden - 1)) * inter;
+        float acc[MOE_DOWN_ROWS][1] = {};
+        warp_rows_dot<MOE_DOWN_ROWS, 1>(rows, act + static_cast<size_t>(pair) * inter, inter, inter, 0, 1,
+                                        staging[warp], acc);
+#pragma unroll
+        for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
+            const float s = warp_sum(acc[j][0]);
+            if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = s;
+        }
     }
-    if ((threadIdx.x & 31) == 0) out[static_cast<size_t>(r) * hidden + h] = sum;
+    __syncthreads();
+    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
+        const int h = first + j;
+        if (h >= hidden) continue;
+        float sum = 0.0f;
+        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
+        out[static_cast<size_t>(r) * hidden + h] = sum;
+    }
 }
 
 // Gathers rows of x: out[i] = x[rows[i]] (the tokens routed to one expert, for its GEMMs in prefill).

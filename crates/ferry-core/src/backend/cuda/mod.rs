@@ -30,11 +30,32 @@ pub use kv::{DeviceBatch, DeviceKv, BLOCK_SIZE as KV_BLOCK_SIZE};
 pub use libs::CudaLibraries;
 pub use offload::OffloadStats;
 
-/// Products with at most this many rows use the GEMV kernels (gemv.cu's GEMV_MAX_TOKENS).
+/// Products with at most this many rows use the GEMV kernels, one per row count.
 pub const GEMV_MAX_ROWS: usize = 8;
+/// gemv.cu's kernel for products of `r` rows is `GEMV_KERNELS[r - 1]`.
+const GEMV_KERNELS: [&str; GEMV_MAX_ROWS] = [
+    "gemv_bf16_1",
+    "gemv_bf16_2",
+    "gemv_bf16_3",
+    "gemv_bf16_4",
+    "gemv_bf16_5",
+    "gemv_bf16_6",
+    "gemv_bf16_7",
+    "gemv_bf16_8",
+];
+/// Weight rows one warp of `GEMV_KERNELS[r - 1]` sums at once (gemv.cu's gemv_rows_per_warp).
+const GEMV_ROWS_PER_WARP: [usize; GEMV_MAX_ROWS] = [1, 2, 4, 4, 4, 4, 4, 4];
+/// Warps per block of the GEMV and MoE decode kernels (gemv.cu's GEMV_WARPS, moe.cu's MOE_WARPS).
+const GEMV_WARPS: usize = 8;
+/// Columns one warp covers per k-step (common.cuh's WARP_STEP_COLS).
+const WARP_STEP_COLS: usize = 256;
+/// Blocks a GEMV launch should have at least, so that every SM of a large GPU gets work: products with fewer rows
+/// split k between the warps of a block until they do.
+const GEMV_MIN_BLOCKS: usize = 256;
+/// Output features per work item of moe_down (moe.cu's MOE_DOWN_ROWS).
+const MOE_DOWN_ROWS: usize = 4;
 /// Rows of a batch up to which the MoE block runs its decode kernels (routing never leaves the device).
 const MOE_DECODE_MAX_ROWS: usize = GEMV_MAX_ROWS;
-const GEMV_WARPS: u32 = 8;
 
 fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Cuda(format!("{context}: {e}"))
@@ -135,7 +156,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "split_bf16",
         ],
     ),
-    ("gemv", &["gemv_bf16"]),
+    ("gemv", &GEMV_KERNELS),
     (
         "gdn",
         &[
@@ -175,6 +196,21 @@ fn per_row(rows: usize, threads: u32) -> LaunchConfig {
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Warps of a GEMV block that split each weight row's k-steps between them (1, 2, 4 or 8): more when n is small,
+/// until the launch has `GEMV_MIN_BLOCKS` blocks or each warp is down to one k-step.
+fn gemv_k_slices(rows: usize, n: usize, k: usize) -> usize {
+    let rows_per_warp = GEMV_ROWS_PER_WARP[rows - 1];
+    let steps = k.div_ceil(WARP_STEP_COLS);
+    let mut slices = 1;
+    while slices < GEMV_WARPS
+        && n.div_ceil(GEMV_WARPS / slices * rows_per_warp) < GEMV_MIN_BLOCKS
+        && steps >= 2 * slices
+    {
+        slices *= 2;
+    }
+    slices
 }
 
 impl CudaBackend {
@@ -308,8 +344,8 @@ impl CudaBackend {
         })
     }
 
-    /// `out = x W^T` for a bf16 weight `[n, k]` at device address `w`.
-    fn matmul(&self, x: &CudaTensor, w: u64, n: usize, k: usize) -> Result<CudaTensor> {
+    /// `out = x W^T (+ bias)` for a bf16 weight `[n, k]` at device address `w`.
+    fn matmul(&self, x: &CudaTensor, w: u64, n: usize, k: usize, bias: Option<&CudaSlice<f32>>) -> Result<CudaTensor> {
         if x.cols != k {
             return Err(Error::Cuda(format!(
                 "matmul: input has {} features, weight expects {k}",
@@ -317,28 +353,39 @@ impl CudaBackend {
             )));
         }
         let out = self.tensor(x.rows, n)?;
+        if x.rows == 0 {
+            return Ok(out);
+        }
         if x.rows <= GEMV_MAX_ROWS {
-            let (rows, k32, n32) = (x.rows as i32, k as i32, n as i32);
-            let null = 0u64;
+            let slices = gemv_k_slices(x.rows, n, k);
+            let block_rows = GEMV_WARPS / slices * GEMV_ROWS_PER_WARP[x.rows - 1];
+            let (k32, n32, slices32) = (k as i32, n as i32, slices as i32);
+            let bias = bias.map_or(0, |b| self.address(b));
             let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(GEMV_WARPS as usize) as u32, 1, 1),
-                block_dim: (GEMV_WARPS * 32, 1, 1),
+                grid_dim: (n.div_ceil(block_rows) as u32, 1, 1),
+                block_dim: (GEMV_WARPS as u32 * 32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            self.launch("gemv_bf16", cfg, |kernel| {
+            self.launch(GEMV_KERNELS[x.rows - 1], cfg, |kernel| {
                 kernel
                     .arg(&x.data)
-                    .arg(&rows)
                     .arg(&k32)
                     .arg(&w)
                     .arg(&n32)
-                    .arg(&null)
+                    .arg(&slices32)
+                    .arg(&bias)
                     .arg(&out.data);
             })?;
             return Ok(out);
         }
         let (hi, lo) = self.split_bf16(x)?;
         self.gemm_split(&hi, &lo, 0, x.rows, w, n, k, &out)?;
+        if let Some(b) = bias {
+            let (len, cols) = (out.rows * out.cols, out.cols as i32);
+            self.launch("add_bias", grid_1d(len, 256), |kernel| {
+                kernel.arg(&out.data).arg(b).arg(&len).arg(&cols);
+            })?;
+        }
         Ok(out)
     }
 
@@ -704,15 +751,8 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> Result<CudaTensor> {
         let (data, n, k) = self.matrix(w)?;
-        let out = self.matmul(x, self.address(data), n, k)?;
-        if let Some(bias) = bias {
-            let b = self.vector(bias)?;
-            let (len, cols) = (out.rows * out.cols, out.cols as i32);
-            self.launch("add_bias", grid_1d(len, 256), |kernel| {
-                kernel.arg(&out.data).arg(b).arg(&len).arg(&cols);
-            })?;
-        }
-        Ok(out)
+        let bias = bias.map(|b| self.vector(b)).transpose()?;
+        self.matmul(x, self.address(data), n, k, bias)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
@@ -924,11 +964,11 @@ impl Backend for CudaBackend {
         let (hidden32, inter32, top_k) = (hidden as i32, inter as i32, routing.top_k as i32);
         let pairs = routing.rows * routing.top_k;
         let act = self.tensor(pairs, inter)?;
-        let block = (GEMV_WARPS * 32, 1, 1);
+        let block = (GEMV_WARPS as u32 * 32, 1, 1);
         self.launch(
             "moe_gate_up",
             LaunchConfig {
-                grid_dim: (inter.div_ceil(GEMV_WARPS as usize) as u32, pairs as u32, 1),
+                grid_dim: (inter.div_ceil(GEMV_WARPS) as u32, pairs as u32, 1),
                 block_dim: block,
                 shared_mem_bytes: 0,
             },
@@ -944,12 +984,17 @@ impl Backend for CudaBackend {
             },
         )?;
         let out = self.tensor(routing.rows, hidden)?;
+        // Each warp takes (expert, feature group) items: with few experts per row, more feature groups per block
+        // keep every warp busy.
+        let feature_groups = (GEMV_WARPS / routing.top_k).max(1);
+        let block_features = feature_groups * MOE_DOWN_ROWS;
+        let groups32 = feature_groups as i32;
         self.launch(
             "moe_down",
             LaunchConfig {
-                grid_dim: (hidden.div_ceil(GEMV_WARPS as usize) as u32, routing.rows as u32, 1),
+                grid_dim: (hidden.div_ceil(block_features) as u32, routing.rows as u32, 1),
                 block_dim: block,
-                shared_mem_bytes: 0,
+                shared_mem_bytes: (routing.top_k * block_features * std::mem::size_of::<f32>()) as u32,
             },
             |kernel| {
                 kernel
@@ -960,6 +1005,7 @@ impl Backend for CudaBackend {
                     .arg(&routing.ids)
                     .arg(&routing.weights)
                     .arg(table)
+                    .arg(&groups32)
                     .arg(&out.data);
             },
         )?;
