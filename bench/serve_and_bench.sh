@@ -22,5 +22,6 @@ for _ in $(seq 1 600); do
     [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health")" = 200 ] && break
     sleep 1
 done
-python3 bench/serve_bench.py --base-url "http://127.0.0.1:$port" --out "$out" --label "$label"
+# SERVE_BENCH_ARGS: more arguments for serve_bench.py (e.g. "--decode-tokens 256").
+python3 bench/serve_bench.py --base-url "http://127.0.0.1:$port" --out "$out" --label "$label" ${SERVE_BENCH_ARGS:-}
 curl -s "http://127.0.0.1:$port/metrics" >"${out%.json}.metrics.txt"

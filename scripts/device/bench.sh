@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs, on the GPU machine, the benchmarks docs/perf.md records, with the staged binary (scripts/device/stage.sh):
 #   scripts/device/bench.sh WORKLOAD...
-# WORKLOAD: q30-resident | q30-1536 (the model's routing and a uniform trace, 1536 slots, KV for 16384 tokens) |
-# q30-15.8 | q36-22.3 | q36-15.8 (4K and 32K prompts) | serve-q30 | serve-q36 (bench/serve_bench.py against
-# `ferry serve`). Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
+# WORKLOAD: q30-resident | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
+# q30-1536-uniform (the same under a uniformly random routing trace) | q30-15.8 | q36-22.3 | q36-15.8 (4K and 32K
+# prompts) | serve-q30 | serve-q36 (bench/serve_bench.py against `ferry serve`; SERVE_BENCH_ARGS passes more
+# arguments to it). Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/ferry-bench}
@@ -25,6 +26,8 @@ for workload in "$@"; do
     q30-1536)
         bench q30-22.3GiB-1536 $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 --kv-reserve-tokens 16384 \
             --decode-tokens 64
+        ;;
+    q30-1536-uniform)
         python3 bench/uniform_trace.py --config bench/q30.json --tokens 8192 --out "$out/q30-uniform.jsonl"
         bench q30-22.3GiB-1536-uniform $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 \
             --kv-reserve-tokens 16384 --decode-tokens 32 --routing-trace "$out/q30-uniform.jsonl"
@@ -33,7 +36,7 @@ for workload in "$@"; do
     q30-15.8) bench q30-15.8GiB $q30 --gpu-memory-budget 15.8GiB --decode-tokens 64 ;;
     q36-22.3 | q36-15.8)
         budget=${workload#q36-}GiB
-        bench "q36-$budget" $q36 --gpu-memory-budget "$budget" --kv-reserve-tokens 33000 --decode-tokens 64 \
+        bench "q36-$budget" $q36 --gpu-memory-budget "$budget" --kv-reserve-tokens 33000 --decode-tokens 32 \
             --long-prompt-tokens 32768
         ;;
     serve-q30)
