@@ -200,7 +200,7 @@ macro_rules! parity_tests {
             #[test]
             fn hybrid_state_carries_across_calls_and_stays_per_sequence() {
                 for family in super::HYBRID_FAMILIES {
-                    super::check_state_across_calls(&super::CpuBackend, family, super::SAME_PATH_TOLERANCE);
+                    super::check_state_across_calls(&super::CpuBackend, family, super::CPU_SPLIT_TOLERANCE);
                 }
             }
         }
@@ -225,12 +225,16 @@ macro_rules! parity_tests {
 
 const HYBRID_FAMILIES: &[&str] = &["qwen3_5_moe", "qwen3_next"];
 
-/// The CPU computes each row the same way whatever else is in the batch: chunked equals whole to rounding.
-const SAME_PATH_TOLERANCE: f32 = 1e-5;
-/// On the GPU, products of more than 8 rows run on cuBLAS, whose algorithm (and so summation order) depends on
-/// the row count, and fewer rows run on the GEMV kernels: splitting a prompt differently changes rounding at
-/// ~1e-6 relative (measured: 7.9e-5 on these logits). A recurrent state lost or leaked between calls or sequences
-/// moves the logits by 0.09 to 0.32, three orders of magnitude more.
+/// The CPU computes each row the same way whatever else is in the batch, except the chunked delta rule, whose
+/// chunks start where each call's slice does: splitting the long prompt into calls moves these logits (up to 11)
+/// by 2.2e-5 (measured), about what the chunked form differs from the token-by-token one by on the whole prompt
+/// (up to 1.6e-5).
+const CPU_SPLIT_TOLERANCE: f32 = 1e-4;
+/// On the GPU, besides the chunked delta rule as on the CPU, products of more than 8 rows run on cuBLAS, whose
+/// algorithm (and so summation order) depends on the row count, and fewer rows run on the GEMV kernels: splitting
+/// a prompt differently changes rounding at ~1e-6 relative (measured before the chunked delta rule: 7.9e-5 on
+/// these logits). A recurrent state lost or leaked between calls or sequences moves the logits by 0.09 to 0.32,
+/// three orders of magnitude more than either tolerance.
 const SHAPE_DEPENDENT_TOLERANCE: f32 = 2e-4;
 
 parity_tests!(

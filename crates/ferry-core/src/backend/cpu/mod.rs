@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use super::{
     batch_positions, AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind,
-    SeqSlice,
+    SeqSlice, DELTA_RULE_CHUNK, DELTA_RULE_CHUNKED_MIN_LEN,
 };
 use crate::kv::{HostKv, KvSpec, RecurrentLayer};
 use crate::loader::{DType, TensorRef};
@@ -133,24 +133,40 @@ fn l2_normalized(x: &[f32]) -> Vec<f32> {
     x.iter().map(|v| v * inv).collect()
 }
 
+/// One token of one value head as the delta rule reads it.
+struct DeltaToken<'a> {
+    /// The l2-normalised query, scaled by `1 / sqrt(dk)`.
+    q: Vec<f32>,
+    /// The l2-normalised key.
+    k: Vec<f32>,
+    v: &'a [f32],
+    /// The log of the state's decay, `g <= 0`.
+    g: f32,
+    beta: f32,
+}
+
+fn dot(x: &[f32], y: &[f32]) -> f32 {
+    x.iter().zip(y).map(|(a, b)| a * b).sum()
+}
+
+/// `y += c x`.
+fn add_scaled(y: &mut [f32], c: f32, x: &[f32]) {
+    y.iter_mut().zip(x).for_each(|(y, &x)| *y += c * x);
+}
+
 /// One value head's delta rule over `rows` tokens, token by token, updating its state `s` (`[dk, dv]`) in place;
-/// returns the head's outputs, `[rows, dv]`. `token(t)` gives row t's (normalised, scaled) query, normalised key,
-/// value, decay `exp(g)` and `beta`.
-fn delta_rule_head<'a>(
-    s: &mut [f32],
-    rows: usize,
-    dv: usize,
-    token: impl Fn(usize) -> (Vec<f32>, Vec<f32>, &'a [f32], f32, f32),
-) -> Vec<f32> {
+/// returns the head's outputs, `[rows, dv]`. `token(t)` gives row t.
+fn delta_rule_head<'a>(s: &mut [f32], rows: usize, dv: usize, token: impl Fn(usize) -> DeltaToken<'a>) -> Vec<f32> {
     let mut out = vec![0.0; rows * dv];
     let mut delta = vec![0.0; dv];
     for (t, o) in out.chunks_mut(dv).enumerate() {
-        let (q, k, v, decay, beta) = token(t);
+        let DeltaToken { q, k, v, g, beta } = token(t);
+        let decay = g.exp();
         s.iter_mut().for_each(|x| *x *= decay);
         // delta = beta (v - S^T k): what the state predicts for this key, corrected towards the value.
         delta.copy_from_slice(v);
         for (row, &ki) in s.chunks(dv).zip(&k) {
-            delta.iter_mut().zip(row).for_each(|(d, &x)| *d -= x * ki);
+            add_scaled(&mut delta, -ki, row);
         }
         delta.iter_mut().for_each(|d| *d *= beta);
         for (row, (&ki, &qi)) in s.chunks_mut(dv).zip(k.iter().zip(&q)) {
@@ -158,6 +174,68 @@ fn delta_rule_head<'a>(
                 *x += ki * d;
                 *o += *x * qi;
             });
+        }
+    }
+    out
+}
+
+/// The same recurrence as [`delta_rule_head`], [`DELTA_RULE_CHUNK`] tokens at a time in the WY form that gdn.cu's
+/// chunked kernel (and HF's `torch_chunk_gated_delta_rule`) use, so that the GPU's chunked path has a reference
+/// computed the same way. With S the state at the chunk's start and `G_i` the sum of `g` over the chunk up to
+/// token i, unrolling the recurrence gives each token's correction `u_i` (what `k_i u_i^T` adds to the state) by
+/// forward substitution, `u_i = beta_i (v_i - e^G_i S^T k_i - sum_{j<i} (k_i . k_j) e^(G_i - G_j) u_j)`, the
+/// outputs `o_i = e^G_i S^T q_i + sum_{j<=i} (q_i . k_j) e^(G_i - G_j) u_j`, and the next chunk's state
+/// `e^G_last S + sum_j e^(G_last - G_j) k_j u_j^T`. Only differences of G within the chunk are exponentiated
+/// (each one <= 0, like G itself), so nothing overflows however strong the decays.
+fn delta_rule_head_chunked<'a>(
+    s: &mut [f32],
+    rows: usize,
+    dv: usize,
+    token: impl Fn(usize) -> DeltaToken<'a>,
+) -> Vec<f32> {
+    let mut out = vec![0.0; rows * dv];
+    for (chunk, out) in out.chunks_mut(DELTA_RULE_CHUNK * dv).enumerate() {
+        let tokens: Vec<DeltaToken> = (0..out.len() / dv)
+            .map(|i| token(chunk * DELTA_RULE_CHUNK + i))
+            .collect();
+        let g_cum: Vec<f32> = tokens
+            .iter()
+            .scan(0.0, |sum, t| {
+                *sum += t.g;
+                Some(*sum)
+            })
+            .collect();
+        let mut u = vec![0.0; tokens.len() * dv];
+        for (i, t) in tokens.iter().enumerate() {
+            let (earlier, rest) = u.split_at_mut(i * dv);
+            let ui = &mut rest[..dv];
+            ui.copy_from_slice(t.v);
+            let decay = g_cum[i].exp();
+            for (row, &kd) in s.chunks(dv).zip(&t.k) {
+                add_scaled(ui, -kd * decay, row);
+            }
+            for (j, uj) in earlier.chunks(dv).enumerate() {
+                add_scaled(ui, -dot(&t.k, &tokens[j].k) * (g_cum[i] - g_cum[j]).exp(), uj);
+            }
+            ui.iter_mut().for_each(|x| *x *= t.beta);
+        }
+        for (i, (t, o)) in tokens.iter().zip(out.chunks_mut(dv)).enumerate() {
+            let decay = g_cum[i].exp();
+            for (row, &qd) in s.chunks(dv).zip(&t.q) {
+                add_scaled(o, qd * decay, row);
+            }
+            for (j, uj) in u.chunks(dv).take(i + 1).enumerate() {
+                add_scaled(o, dot(&t.q, &tokens[j].k) * (g_cum[i] - g_cum[j]).exp(), uj);
+            }
+        }
+        let g_last = g_cum[tokens.len() - 1];
+        let decay = g_last.exp();
+        s.iter_mut().for_each(|x| *x *= decay);
+        for (j, (t, uj)) in tokens.iter().zip(u.chunks(dv)).enumerate() {
+            let to_end = (g_last - g_cum[j]).exp();
+            for (row, &kd) in s.chunks_mut(dv).zip(&t.k) {
+                add_scaled(row, kd * to_end, uj);
+            }
         }
     }
     out
@@ -361,7 +439,7 @@ impl Backend for CpuBackend {
                 let scores: Vec<f32> = (first..=pos)
                     .map(|j| {
                         let kj = &keys[j * kv_width + kh * p.head_dim..][..p.head_dim];
-                        qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * p.scale
+                        dot(qh, kj) * p.scale
                     })
                     .collect();
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -418,11 +496,9 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    /// Token by token, in parallel over value heads: the recurrent form is the CPU's reference for prefill as well
-    /// as decode. Per token and head it costs `4 dk dv` multiply-adds on a state of `dk dv` floats that stays in
-    /// cache (64 KiB for Qwen3.5's 128 x 128), a few percent of what the token's expert products cost, so the chunked
-    /// form (which trades the sequential scan for triangular solves and matrix products, a GPU's strength) would buy
-    /// the CPU nothing and add a second numerical path.
+    /// In parallel over value heads; per slice token by token, or in chunks from [`DELTA_RULE_CHUNKED_MIN_LEN`]
+    /// tokens on (prefill), as the GPU does. The two forms cost the CPU about the same multiply-adds (`4 dk dv` per
+    /// token and head, on a state that stays in cache); the chunked one is here to be the GPU's reference.
     fn gated_delta_rule(
         &self,
         qkv: &CpuTensor,
@@ -451,16 +527,23 @@ impl Backend for CpuBackend {
                 .enumerate()
                 .map(|(h, state)| {
                     let i = h / per_key_head;
-                    delta_rule_head(state, s.len, dv, |t| {
+                    let token = |t| {
                         let r = row0 + t;
                         let row = qkv.row(r);
                         let q = l2_normalized(&row[i * dk..(i + 1) * dk]);
-                        let k = l2_normalized(&row[key_dim + i * dk..key_dim + (i + 1) * dk]);
-                        let v = &row[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
-                        let g = -a_log[h].exp() * softplus(a.row(r)[h] + dt_bias[h]);
-                        let beta = sigmoid(b.row(r)[h]);
-                        (q.iter().map(|x| x * scale).collect(), k, v, g.exp(), beta)
-                    })
+                        DeltaToken {
+                            q: q.iter().map(|x| x * scale).collect(),
+                            k: l2_normalized(&row[key_dim + i * dk..key_dim + (i + 1) * dk]),
+                            v: &row[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv],
+                            g: -a_log[h].exp() * softplus(a.row(r)[h] + dt_bias[h]),
+                            beta: sigmoid(b.row(r)[h]),
+                        }
+                    };
+                    if s.len >= DELTA_RULE_CHUNKED_MIN_LEN {
+                        delta_rule_head_chunked(state, s.len, dv, token)
+                    } else {
+                        delta_rule_head(state, s.len, dv, token)
+                    }
                 })
                 .collect();
             for (h, head) in heads.iter().enumerate() {
@@ -573,4 +656,66 @@ pub fn measure_read_bandwidth(bytes: usize) -> f64 {
             bytes as f64 / started.elapsed().as_secs_f64() / 1e9
         })
         .fold(0.0, f64::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    use super::*;
+
+    fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+        let diff: f64 = got.iter().zip(want).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+        let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+        (diff / norm).sqrt()
+    }
+
+    /// The chunked delta rule equals the token-by-token one to f32 rounding: two calls (150 then 77 tokens: full
+    /// chunks, partial ones, the state carried from the first call into the second), keys that share a direction
+    /// (as real ones do, so the forward substitution has work to do), decays from none to strong.
+    #[test]
+    fn chunked_delta_rule_equals_the_recurrence() {
+        let (dk, dv) = (64, 48);
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
+        let shared_key = random(dk);
+        let rows = 227;
+        let (q, k, v, gates) = (
+            random(rows * dk),
+            random(rows * dk),
+            random(rows * dv),
+            random(2 * rows),
+        );
+        let token = |t: usize| {
+            let key: Vec<f32> = k[t * dk..(t + 1) * dk]
+                .iter()
+                .zip(&shared_key)
+                .map(|(x, s)| x + 2.0 * s)
+                .collect();
+            DeltaToken {
+                q: l2_normalized(&q[t * dk..(t + 1) * dk])
+                    .iter()
+                    .map(|x| x / (dk as f32).sqrt())
+                    .collect(),
+                k: l2_normalized(&key),
+                v: &v[t * dv..(t + 1) * dv],
+                g: -softplus(4.0 * gates[2 * t]),
+                beta: sigmoid(3.0 * gates[2 * t + 1]),
+            }
+        };
+        let (mut chunked_state, mut recurrent_state) = (vec![0.0; dk * dv], vec![0.0; dk * dv]);
+        let (mut chunked, mut recurrent) = (Vec::new(), Vec::new());
+        for (start, len) in [(0, 150), (150, 77)] {
+            chunked.extend(delta_rule_head_chunked(&mut chunked_state, len, dv, |t| {
+                token(start + t)
+            }));
+            recurrent.extend(delta_rule_head(&mut recurrent_state, len, dv, |t| token(start + t)));
+        }
+        let (out_err, state_err) = (
+            relative_error(&chunked, &recurrent),
+            relative_error(&chunked_state, &recurrent_state),
+        );
+        assert!(out_err < 1e-5, "outputs differ by {out_err}");
+        assert!(state_err < 1e-5, "states differ by {state_err}");
+    }
 }

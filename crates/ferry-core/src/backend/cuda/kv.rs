@@ -34,6 +34,8 @@ pub struct RecurrentBatch {
     pub(super) row_slice: CudaSlice<u32>,
     pub(super) slice_start_row: CudaSlice<u32>,
     pub(super) slice_len: CudaSlice<u32>,
+    /// `slice_len` on the host, to choose the delta-rule kernels.
+    pub(super) lens: Vec<usize>,
     /// Each slice's sequence's recurrent-state base address.
     pub(super) slice_state: CudaSlice<u64>,
 }
@@ -119,6 +121,7 @@ impl DeviceKv {
             row_slice: upload(&row_slice)?,
             slice_start_row: upload(&slice_start_row)?,
             slice_len: upload(&slice_len)?,
+            lens: batch.iter().map(|s| s.len).collect(),
             slice_state: stream
                 .clone_htod(&slice_state)
                 .map_err(cuda_err("uploading batch metadata"))?,

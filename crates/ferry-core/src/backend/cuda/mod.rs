@@ -163,6 +163,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "causal_conv1d",
             "conv_state_update",
             "gated_delta_rule",
+            "gated_delta_rule_chunked",
             "sigmoid_gate_elementwise",
         ],
     ),
@@ -264,6 +265,12 @@ impl CudaBackend {
                 max_shared_per_block as i32,
             )
             .map_err(cuda_err("attention shared memory"))?;
+        functions["gated_delta_rule_chunked"]
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                gdn::CHUNKED_MAX_SHARED_BYTES as i32,
+            )
+            .map_err(cuda_err("gated_delta_rule_chunked shared memory"))?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
         let device = format!(
             "{} (sm_{major}{minor}, {:.1} GiB)",
