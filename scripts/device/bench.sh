@@ -43,8 +43,10 @@ for workload in "$@"; do
         bench/serve_and_bench.sh "$out/serve-q30-22.3GiB.json" "H200, q30, --gpu-memory-budget 22.3GiB" \
             $q30 --tokenizer tests/fixtures/qwen3_moe --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 ;;
     serve-q36)
+        # KV for a 32K-token request, so that SERVE_BENCH_ARGS="--prefill-tokens 32768" can measure one.
         bench/serve_and_bench.sh "$out/serve-q36-15.8GiB.json" "H200, q36, --gpu-memory-budget 15.8GiB" \
-            $q36 --tokenizer tests/fixtures/qwen3_5_moe --gpu-memory-budget 15.8GiB ;;
+            $q36 --tokenizer tests/fixtures/qwen3_5_moe --gpu-memory-budget 15.8GiB --kv-reserve-tokens 33000 \
+            --max-model-len 33000 ;;
     *)
         echo "unknown workload $workload" >&2
         status=1
