@@ -246,6 +246,7 @@ fn start_engine<B: Backend + 'static>(
             max_queued: args.max_queued_requests,
             step_tokens: STEP_TOKENS,
             max_model_len,
+            sampled_vocab: args.synthetic.is_some().then(|| tokenizer.vocab_size()),
         },
         ModelExecutor { backend, model, kv },
         tokenizer,

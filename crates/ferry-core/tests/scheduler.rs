@@ -61,6 +61,7 @@ fn scheduled(
             max_queued: 4,
             step_tokens,
             max_model_len,
+            sampled_vocab: None,
         },
         ModelExecutor { backend, model, kv },
         tokenizer,

@@ -66,6 +66,9 @@ pub struct SchedulerConfig {
     pub step_tokens: usize,
     /// Prompt plus generated tokens of one request at most.
     pub max_model_len: usize,
+    /// Sample only ids below this: a synthetic model serving with a borrowed tokenizer that cannot decode the rest
+    /// of its vocabulary (the model still computes every logit). None: the whole vocabulary.
+    pub sampled_vocab: Option<usize>,
 }
 
 impl Request {
@@ -420,7 +423,8 @@ impl<E: Executor> Scheduler<E> {
             } else {
                 report.prefill_tokens += len;
             }
-            let mut row_logits = logits[row * vocab..(row + 1) * vocab].to_vec();
+            let sampled = self.config.sampled_vocab.map_or(vocab, |n| n.min(vocab));
+            let mut row_logits = logits[row * vocab..row * vocab + sampled].to_vec();
             match emit_next_token(seq, &mut row_logits, self.decoder.as_ref(), self.config.max_model_len) {
                 Next::Running => {}
                 Next::Finished(event) => retired.push((i, Some(event))),
@@ -599,11 +603,21 @@ mod tests {
     }
 
     fn scheduler(max_running: usize, step_tokens: usize, blocks: usize) -> Scheduler<FakeModel> {
+        scheduler_sampling(max_running, step_tokens, blocks, None)
+    }
+
+    fn scheduler_sampling(
+        max_running: usize,
+        step_tokens: usize,
+        blocks: usize,
+        sampled_vocab: Option<usize>,
+    ) -> Scheduler<FakeModel> {
         let config = SchedulerConfig {
             max_running,
             max_queued: 4,
             step_tokens,
             max_model_len: 16,
+            sampled_vocab,
         };
         Scheduler::new(
             config,
@@ -661,6 +675,21 @@ mod tests {
         let rx = submit(&mut s, 0, request(prompt, max_tokens));
         run_to_idle(&mut s);
         outcome(&rx).0
+    }
+
+    #[test]
+    fn a_capped_vocabulary_is_never_sampled_beyond() {
+        let prompt = [3u32, 4];
+        assert!(
+            alone(&prompt, 6).chars().any(|c| c >= 'f'),
+            "the fake model picks ids past 5 here"
+        );
+        let mut s = scheduler_sampling(1, 64, 16, Some(5));
+        let rx = submit(&mut s, 0, request(&prompt, 6));
+        run_to_idle(&mut s);
+        let (text, _) = outcome(&rx);
+        assert_eq!(text.len(), 6);
+        assert!(text.chars().all(|c| c < 'f'), "{text}");
     }
 
     #[test]

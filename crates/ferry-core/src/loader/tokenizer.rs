@@ -86,6 +86,11 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
+    /// Ids this tokenizer can decode (its vocabulary with added tokens).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
