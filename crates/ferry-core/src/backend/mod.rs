@@ -64,6 +64,20 @@ pub struct AttentionParams {
     pub sliding_window: Option<usize>,
 }
 
+impl AttentionParams {
+    /// Checks that a fused q/k/v projection (what [`Backend::attention`] takes) has `cols` features: the queries,
+    /// keys and values of every head.
+    pub fn check_qkv_width(&self, cols: usize) -> Result<()> {
+        let expected = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim;
+        if cols != expected {
+            return Err(crate::Error::Request(format!(
+                "attention: {cols} projected features, expected {expected}"
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The q/k RMSNorm some families apply before RoPE (Qwen3, OLMoE): scales for the queries and the keys, each
 /// normalised per head (`per_head`, scales of `head_dim`) or over all its heads at once (scales of the full width).
 #[derive(Clone, Copy, Debug)]

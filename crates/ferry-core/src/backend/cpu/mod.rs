@@ -399,13 +399,7 @@ impl Backend for CpuBackend {
         p: &AttentionParams,
     ) -> Result<CpuTensor> {
         let (q_width, kv_width) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
-        if qkv.cols != q_width + 2 * kv_width {
-            return Err(Error::Request(format!(
-                "attention: {} projected features, expected {}",
-                qkv.cols,
-                q_width + 2 * kv_width
-            )));
-        }
+        p.check_qkv_width(qkv.cols)?;
         let mut q = qkv.columns(0..q_width);
         let mut k = qkv.columns(q_width..q_width + kv_width);
         let v = qkv.columns(q_width + kv_width..qkv.cols);

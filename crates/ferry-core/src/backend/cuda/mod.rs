@@ -852,14 +852,8 @@ impl Backend for CudaBackend {
                 p.head_dim
             )));
         }
-        let (q_width, kv_width) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
-        if qkv.cols != q_width + 2 * kv_width {
-            return Err(Error::Cuda(format!(
-                "attention: {} projected features, expected {}",
-                qkv.cols,
-                q_width + 2 * kv_width
-            )));
-        }
+        let q_width = p.num_heads * p.head_dim;
+        p.check_qkv_width(qkv.cols)?;
         let q = self.tensor(qkv.rows, q_width)?;
         let (k_pool, v_pool) = kv.layer_pools(layer);
         let null = 0u64;
