@@ -37,11 +37,8 @@ impl<B: Backend> WeightLoader<'_, B> {
     }
 
     /// A tensor the checkpoint may leave out (a bias); present with the wrong shape is still an error.
-    pub fn optional(&self, name: &str, shape: &[usize]) -> Result<Option<B::Weight>> {
-        match self.store.find(name) {
-            Some(t) => Ok(Some(self.backend.weight(t.expect_shape(shape)?)?)),
-            None => Ok(None),
-        }
+    pub fn optional(&self, name: &str, shape: &[usize]) -> Result<Option<TensorRef>> {
+        self.store.find(name).map(|t| t.expect_shape(shape)).transpose()
     }
 }
 
@@ -73,9 +70,7 @@ impl<B: Backend> Attention<B> {
         let (h, d) = (spec.hidden_size, spec.head_dim);
         let (q_width, kv_width) = (spec.num_heads * d, spec.num_kv_heads * d);
         let name = |n: &str| format!("{prefix}.{n}");
-        let optional = |n: &str, width: usize| -> Result<Option<TensorRef>> {
-            w.store.find(&name(n)).map(|t| t.expect_shape(&[width])).transpose()
-        };
+        let optional = |n: &str, width: usize| w.optional(&name(n), &[width]);
         let (q_proj, q_bias, output_gate) = if spec.attention_output_gate {
             let heads = spec.num_heads;
             let split = |t: TensorRef| -> Result<(TensorRef, TensorRef)> {

@@ -101,6 +101,25 @@ fn split_keys(row_blocks: usize, max_keys: usize, resident_blocks: usize) -> Spl
 }
 
 impl CudaBackend {
+    /// Attention blocks of `threads` threads and `shared_bytes` of shared memory one multiprocessor runs at once.
+    fn attention_occupancy(&self, threads: u32, shared_bytes: usize) -> Result<usize> {
+        let mut known = self
+            .attention_blocks_per_multiprocessor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(&blocks) = known.get(&(threads, shared_bytes)) {
+            return Ok(blocks);
+        }
+        // The occupancy query, unlike a launch, does not make the context current itself.
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+        let blocks = self
+            .function("attention")
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes, None)
+            .map_err(cuda_err("attention occupancy"))? as usize;
+        known.insert((threads, shared_bytes), blocks);
+        Ok(blocks)
+    }
+
     /// Causal attention of `q` (`[rows, num_heads * head_dim]`) over layer `layer` of the cache, which already
     /// holds the keys and values of the batch's rows: [`crate::backend::Backend::attention`] without the append.
     pub(super) fn attend(
@@ -119,12 +138,7 @@ impl CudaBackend {
         }
         let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, self.max_shared_per_block)?;
         let threads = (shape.warps * 32) as u32;
-        // The occupancy query, unlike a launch, does not make the context current itself.
-        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
-        let per_multiprocessor = self
-            .function("attention")
-            .occupancy_max_active_blocks_per_multiprocessor(threads, shape.shared_bytes, None)
-            .map_err(cuda_err("attention occupancy"))? as usize;
+        let per_multiprocessor = self.attention_occupancy(threads, shape.shared_bytes)?;
         let max_keys = match p.sliding_window {
             Some(window) if window > 0 => window.min(batch.max_len),
             _ => batch.max_len,

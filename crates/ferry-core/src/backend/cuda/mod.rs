@@ -137,6 +137,9 @@ pub struct CudaBackend {
     multiprocessors: usize,
     /// The most shared memory a block may opt into (the attention kernel's pipeline depth depends on it).
     max_shared_per_block: usize,
+    /// Attention blocks one multiprocessor runs at once, by (threads, shared bytes) of the block: asked of the
+    /// driver once per shape, not at every decode step.
+    attention_blocks_per_multiprocessor: Mutex<HashMap<(u32, usize), usize>>,
     pub libraries: CudaLibraries,
 }
 
@@ -292,6 +295,7 @@ impl CudaBackend {
             device,
             multiprocessors,
             max_shared_per_block,
+            attention_blocks_per_multiprocessor: Mutex::new(HashMap::new()),
             libraries,
         })
     }
