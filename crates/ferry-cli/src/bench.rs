@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use ferry_core::backend::cuda::OffloadStats;
 use ferry_core::backend::profiled::{OpTime, Profiled};
 use ferry_core::backend::{Backend, SeqSlice};
-use ferry_core::engine::{argmax, MAX_BATCH_TOKENS};
+use ferry_core::engine::argmax;
 use ferry_core::kv::{KvCache, SeqId};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{Model, ModelInfo};
@@ -93,6 +93,8 @@ struct BenchReport {
     routing: String,
     load_seconds: f64,
     prompt_tokens: usize,
+    /// Prefill chunk: tokens one forward pass carries at most.
+    step_tokens: usize,
     prefill_tok_s: f64,
     ttft_seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -125,6 +127,8 @@ struct Prefill {
 
 /// What the backend-independent part of the bench needs from the machine.
 struct Machine<'a> {
+    /// Tokens one forward pass carries at most: the prefill chunk.
+    step_tokens: usize,
     backends: &'a Backends,
     h2d_gb_s: Option<f64>,
 }
@@ -168,6 +172,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         ),
     };
     let machine = Machine {
+        step_tokens: args.offload.step_tokens(plan.as_ref()),
         backends: &backends,
         h2d_gb_s,
     };
@@ -206,21 +211,20 @@ fn greedy<B: Backend>(be: &B, logits: &B::Tensor) -> Result<Vec<u32>> {
         .collect())
 }
 
-/// Prefills `prompt` into `seq` in chunks of [`MAX_BATCH_TOKENS`]; returns its first token and how long that took.
+/// Prefills `prompt` into `seq` in chunks of `chunk_tokens`; returns its first token and how long that took.
 fn prefill<B: Backend>(
     be: &B,
     model: &Model<B>,
     kv: &mut B::Kv,
-    seq: SeqId,
-    prompt: &[u32],
+    (seq, prompt, chunk_tokens): (SeqId, &[u32], usize),
     replay: &mut Option<TraceReplayer>,
 ) -> Result<(u32, Prefill)> {
     let started = Instant::now();
     let mut logits = None;
-    for (i, chunk) in prompt.chunks(MAX_BATCH_TOKENS).enumerate() {
+    for (i, chunk) in prompt.chunks(chunk_tokens).enumerate() {
         let slice = SeqSlice {
             seq,
-            start_pos: i * MAX_BATCH_TOKENS,
+            start_pos: i * chunk_tokens,
             len: chunk.len(),
         };
         logits = Some(model.forward_routed(be, chunk, &[slice], kv, replaying(replay))?);
@@ -284,7 +288,7 @@ fn bench_on<B: Backend>(
     // Prefill one long prompt in chunks; the first token comes with it.
     let seq = kv.alloc_seq();
     let prompt = random_ids(args.prompt_tokens);
-    let (mut token, first_prefill) = prefill(be, &model, &mut kv, seq, &prompt, &mut replay)?;
+    let (mut token, first_prefill) = prefill(be, &model, &mut kv, (seq, &prompt, machine.step_tokens), &mut replay)?;
     track(&mut peak);
     phase_done("prefill");
 
@@ -381,7 +385,13 @@ fn bench_on<B: Backend>(
     let long_prefill = match args.long_prompt_tokens {
         Some(tokens) => {
             let seq = kv.alloc_seq();
-            let (_, long) = prefill(be, &model, &mut kv, seq, &random_ids(tokens), &mut replay)?;
+            let (_, long) = prefill(
+                be,
+                &model,
+                &mut kv,
+                (seq, &random_ids(tokens), machine.step_tokens),
+                &mut replay,
+            )?;
             kv.free_seq(seq);
             track(&mut peak);
             phase_done("long_prefill");
@@ -405,6 +415,7 @@ fn bench_on<B: Backend>(
         },
         load_seconds,
         prompt_tokens: first_prefill.prompt_tokens,
+        step_tokens: machine.step_tokens,
         prefill_tok_s: first_prefill.prefill_tok_s,
         ttft_seconds: first_prefill.ttft_seconds,
         long_prefill,
@@ -489,7 +500,10 @@ fn print_report(r: &BenchReport) {
         ("load", format!("{:.1} s", r.load_seconds)),
         (
             "prefill",
-            format!("{:.0} tok/s ({} tokens)", r.prefill_tok_s, r.prompt_tokens),
+            format!(
+                "{:.0} tok/s ({} tokens, in chunks of {})",
+                r.prefill_tok_s, r.prompt_tokens, r.step_tokens
+            ),
         ),
         ("time to first token", format!("{:.3} s", r.ttft_seconds)),
     ];

@@ -56,6 +56,11 @@ pub struct OffloadArgs {
     /// KV tokens kept before expert cache slots are sized.
     #[arg(long, default_value_t = 8192)]
     pub kv_reserve_tokens: usize,
+    /// Tokens one forward pass carries at most (a prefill chunk and the running decodes); the GPU workspace is
+    /// sized for it. Default: 2048, or 4096 when the experts are offloaded (each prefill chunk streams nearly the
+    /// whole expert bank, so longer chunks stream it fewer times).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    pub max_batch_tokens: Option<u64>,
 }
 
 impl OffloadArgs {
@@ -88,9 +93,17 @@ impl OffloadArgs {
             mode: self.mode()?,
             slots: self.moe_cache_slots,
             kv_reserve_tokens: self.kv_reserve_tokens,
-            max_batch_tokens: MAX_BATCH_TOKENS,
+            max_batch_tokens: self.max_batch_tokens.map(|n| n as usize),
         };
         Ok(plan_memory(&info, &spec, &request)?)
+    }
+
+    /// Tokens one forward pass carries at most: what the GPU memory plan was sized for, else `--max-batch-tokens`,
+    /// else [`MAX_BATCH_TOKENS`].
+    pub fn step_tokens(&self, plan: Option<&MemoryPlan>) -> usize {
+        plan.map(|p| p.step_tokens)
+            .or(self.max_batch_tokens.map(|n| n as usize))
+            .unwrap_or(MAX_BATCH_TOKENS)
     }
 
     pub fn budget_bytes(&self) -> Result<Option<u64>> {
@@ -129,10 +142,12 @@ pub fn open_backend(
     let plan = offload.plan(checkpoint, budget)?;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
-        "GPU budget {:.2} GiB: dense {:.2}, workspace {:.2}, experts {:.2} ({}), KV {:.2} GiB ({} tokens)",
+        "GPU budget {:.2} GiB: dense {:.2}, workspace {:.2} ({}-token steps), experts {:.2} ({}), KV {:.2} GiB ({} \
+         tokens)",
         gib(budget),
         gib(plan.dense_bytes),
         gib(plan.workspace_bytes),
+        plan.step_tokens,
         gib(plan.expert_bytes),
         if plan.offload {
             format!("offloaded, {} cache slots", plan.slots)

@@ -55,11 +55,18 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let checkpoint = args.model.open()?;
-    let (backends, _) = open_backend(args.device, &args.offload, &checkpoint)?;
-    crate::with_backend!(backends, be => generate_on(be, &checkpoint, &args))
+    let (backends, plan) = open_backend(args.device, &args.offload, &checkpoint)?;
+    let step_tokens = args.offload.step_tokens(plan.as_ref());
+    crate::with_backend!(backends, be => generate_on(be, &checkpoint, &args, step_tokens))
 }
 
-fn generate_on<B: Backend>(backend: &B, checkpoint: &Checkpoint, args: &GenerateArgs) -> Result<()> {
+/// `step_tokens`: prompt tokens per forward pass (what the GPU workspace was sized for).
+fn generate_on<B: Backend>(
+    backend: &B,
+    checkpoint: &Checkpoint,
+    args: &GenerateArgs,
+    step_tokens: usize,
+) -> Result<()> {
     let started = std::time::Instant::now();
     let model = Model::load(backend, checkpoint)?;
     tracing::info!(
@@ -100,6 +107,7 @@ fn generate_on<B: Backend>(backend: &B, checkpoint: &Checkpoint, args: &Generate
     };
     let request = GenerateRequest {
         prompt_ids: prompt_ids.clone(),
+        prefill_chunk: step_tokens,
         max_tokens: args.max_tokens,
         sampling,
         stop: StopRules {

@@ -13,13 +13,11 @@ use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig
 use ferry_core::kv::BlockPool;
 use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
+use ferry_core::moe::MemoryPlan;
 use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig};
 
 use crate::device::{open_backend, Backends, Device, OffloadArgs};
 use crate::hub::{self, HubAccess};
-/// Tokens one engine step runs at most: running decodes first, then prefill chunks. 2048 keeps a step's prefill
-/// chunk large enough to reuse each fetched expert across many tokens while decodes still advance every step.
-const STEP_TOKENS: usize = 2048;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -173,11 +171,10 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         offload.kv_reserve_tokens = offload.kv_reserve_tokens.max(n);
     }
     let (backends, plan) = open_backend(args.device, &offload, &checkpoint)?;
-    // On a GPU the budget's KV share sizes the cache unless --kv-cache-tokens says otherwise.
-    let planned_kv_tokens = plan.map(|p| p.kv_tokens);
+    let plan = plan.as_ref();
     let (engine, max_model_len, vocab_size) = match backends {
-        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, planned_kv_tokens)?,
-        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, planned_kv_tokens)?,
+        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, plan)?,
+        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan)?,
     };
     let defaults = &checkpoint.generation;
     Ok(LoadedModel {
@@ -195,15 +192,17 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
 }
 
 /// Loads the model on `backend` and starts the engine thread; returns it with the context length and vocabulary
-/// size the server validates requests against.
+/// size the server validates requests against. `plan`: how a GPU budget was divided (None on the CPU).
 fn start_engine<B: Backend + 'static>(
     backend: B,
     checkpoint: &Checkpoint,
     tokenizer: Arc<Tokenizer>,
     args: &ServeArgs,
-    planned_kv_tokens: Option<usize>,
+    plan: Option<&MemoryPlan>,
 ) -> Result<(EngineHandle, usize, usize)> {
     let started = std::time::Instant::now();
+    // On a GPU the budget's KV share sizes the cache unless --kv-cache-tokens says otherwise.
+    let planned_kv_tokens = plan.map(|p| p.kv_tokens);
     let model = Model::load(&backend, checkpoint)?;
     let window = model.spec.max_position_embeddings;
     let max_model_len = match args.max_model_len {
@@ -244,7 +243,8 @@ fn start_engine<B: Backend + 'static>(
         SchedulerConfig {
             max_running: args.max_running_requests,
             max_queued: args.max_queued_requests,
-            step_tokens: STEP_TOKENS,
+            // Running decodes first, then prefill chunks fill the step: the workspace was sized for this many.
+            step_tokens: args.offload.step_tokens(plan),
             max_model_len,
             sampled_vocab: args.synthetic.is_some().then(|| tokenizer.vocab_size()),
         },

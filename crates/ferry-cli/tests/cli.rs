@@ -386,12 +386,16 @@ fn bench_on_the_cpu_reports_speeds_and_the_bound() {
         "2",
         "--long-prompt-tokens",
         "70",
+        "--max-batch-tokens",
+        "32",
         "--output",
         output.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
     assert_eq!(report["long_prefill"]["prompt_tokens"], 70, "{report}");
+    // Both prompts prefilled in chunks of the asked step.
+    assert_eq!(report["step_tokens"], 32, "{report}");
     assert!(
         report["long_prefill"]["ttft_seconds"].as_f64().unwrap() > 0.0,
         "{report}"

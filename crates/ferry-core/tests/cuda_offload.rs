@@ -6,13 +6,13 @@
 
 use std::path::{Path, PathBuf};
 
-use ferry_core::backend::cuda::CudaBackend;
+use ferry_core::backend::cuda::{CudaBackend, OffloadStats};
 use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::{argmax, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::Checkpoint;
-use ferry_core::model::{spec_for, Model, ModelInfo};
-use ferry_core::moe::{plan_memory, BudgetRequest, OffloadMode};
+use ferry_core::model::{spec_for, FfnKind, Model, ModelInfo};
+use ferry_core::moe::{plan_memory, BudgetRequest, OffloadMode, MOE_GROUP_ROWS};
 
 fn fixtures() -> PathBuf {
     match std::env::var_os("FERRY_FIXTURES") {
@@ -54,7 +54,15 @@ fn run(backend: &CudaBackend, checkpoint: &Checkpoint, prompt: &[u32], steps: us
     (tokens, all)
 }
 
-fn check_offload_is_exact(checkpoint: &Checkpoint, prompt: &[u32], steps: usize, slots: usize, label: &str) {
+/// Runs `prompt` and `steps` decode steps all-resident and offloaded with `slots` cache slots, asserts the two are
+/// bit-identical, and returns the offload's counters.
+fn check_offload_is_exact(
+    checkpoint: &Checkpoint,
+    prompt: &[u32],
+    steps: usize,
+    slots: usize,
+    label: &str,
+) -> OffloadStats {
     let resident = run(&CudaBackend::new(0).unwrap(), checkpoint, prompt, steps);
     let mut backend = CudaBackend::new(0).unwrap();
     backend.enable_offload(slots).unwrap();
@@ -72,11 +80,13 @@ fn check_offload_is_exact(checkpoint: &Checkpoint, prompt: &[u32], steps: usize,
         );
     }
     println!(
-        "{label}: {} tokens bit-identical; {} copies, hit rate {:.2}",
+        "{label}, {slots} slots: {} tokens bit-identical; {} copies ({} prefetched), hit rate {:.2}",
         steps,
         stats.copies,
+        stats.prefetched,
         stats.hit_rate()
     );
+    stats
 }
 
 #[test]
@@ -96,7 +106,19 @@ fn offload_equals_resident_for_every_fixture_family() {
         let experts = spec.moe.as_ref().unwrap().num_experts;
         // A prompt long enough to take the grouped (prefill) expert path, then decode steps.
         let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % spec.vocab_size as u32).collect();
-        check_offload_is_exact(&checkpoint, &prompt, 12, experts, family);
+        // One layer's experts: every layer evicts the last; no room to prefetch the next layer beside them.
+        let stats = check_offload_is_exact(&checkpoint, &prompt, 12, experts, family);
+        assert_eq!(stats.prefetched, 0, "{family}");
+        // Two layers' experts: the prefill chunk, which routes to all of a layer's experts, prefetches the next
+        // MoE layer's (where there is one) while the slots of the layer computing are spared.
+        let stats = check_offload_is_exact(&checkpoint, &prompt, 12, 2 * experts, family);
+        let moe_layers = spec.ffn.iter().filter(|f| matches!(f, FfnKind::Moe)).count();
+        assert_eq!(
+            stats.prefetched > 0,
+            moe_layers > 1,
+            "{family}: {} prefetched",
+            stats.prefetched
+        );
     }
 }
 
@@ -106,9 +128,12 @@ fn offload_equals_resident_for_q30_with_a_small_cache() {
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/q30.json");
     let config = std::env::var_os("FERRY_BENCH_DIR").map_or(config, |d| PathBuf::from(d).join("q30.json"));
     let checkpoint = Checkpoint::synthetic(&config, 0).unwrap();
-    let prompt: Vec<u32> = (0..24).map(|i| i * 1009 % 151_936).collect();
-    // 256 slots of 6144 experts: a cache 24 times smaller than the bank.
-    check_offload_is_exact(&checkpoint, &prompt, 6, 256, "q30");
+    // 300 tokens route to every one of a layer's 128 experts, so each layer prefetches the next one's.
+    let prompt: Vec<u32> = (0..300).map(|i| i * 1009 % 151_936).collect();
+    // 256 slots of 6144 experts: a cache 24 times smaller than the bank, two layers' worth, so every prefetch
+    // evicts and must spare the layer computing.
+    let stats = check_offload_is_exact(&checkpoint, &prompt, 6, 256, "q30");
+    assert!(stats.prefetched > 0, "q30: the prefill prefetched nothing");
 }
 
 #[test]
@@ -125,10 +150,14 @@ fn what_ferry_allocates_stays_under_the_budget() {
         mode: OffloadMode::Auto,
         slots: None,
         kv_reserve_tokens: 4096,
-        max_batch_tokens: MAX_BATCH_TOKENS,
+        max_batch_tokens: None,
     };
     let plan = plan_memory(&info, &spec, &request).unwrap();
     assert!(plan.offload);
+    assert!(
+        plan.step_tokens > MOE_GROUP_ROWS,
+        "the step runs its experts in several groups"
+    );
     let mut backend = CudaBackend::new(0).unwrap();
     let (free_before, _) = backend.memory_info().unwrap();
     backend.enable_offload(plan.slots).unwrap();
@@ -136,7 +165,7 @@ fn what_ferry_allocates_stays_under_the_budget() {
     let mut kv = backend.new_kv(model.kv_spec(plan.kv_tokens)).unwrap();
     // The largest pass the plan allows: a full prefill chunk, then decode steps.
     let seq = kv.alloc_seq();
-    let prompt: Vec<u32> = (0..MAX_BATCH_TOKENS as u32).map(|i| i * 31 % 151_936).collect();
+    let prompt: Vec<u32> = (0..plan.step_tokens as u32).map(|i| i * 31 % 151_936).collect();
     let logits = model
         .forward(
             &backend,

@@ -9,6 +9,7 @@ use ferry_core::backend::{
 };
 use ferry_core::kv::{KvCache, KvSpec, RecurrentSpec};
 use ferry_core::loader::{DType, TensorRef};
+use ferry_core::moe::MOE_GROUP_ROWS;
 
 /// Relative error limit for ops computed in f32 on both sides (products with bf16 weights are exact in f32;
 /// what differs is the order of summation and the libm of each side).
@@ -394,8 +395,10 @@ fn router_and_routed_experts() {
                 down: rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1),
             })
             .collect();
-        // 1, 3 and 8 rows take the decode kernels; 40 rows the grouped GEMM path.
-        for rows in [1, 3, 8, 40] {
+        // 1, 3 and 8 rows take the decode kernels; 40 rows the grouped GEMM path, and (for the smaller experts,
+        // which the CPU reference computes quickly) more rows than one group of it takes.
+        let many = (hidden * inter <= 520 * 100).then_some(MOE_GROUP_ROWS + 40);
+        for rows in [1, 3, 8, 40].into_iter().chain(many) {
             let x = rng.values(rows * hidden, 1.0);
             // Logits spread wide so the top-k choice is never a near tie between the two backends.
             let logits = rng.values(rows * experts, 8.0);

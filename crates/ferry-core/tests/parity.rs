@@ -11,7 +11,7 @@ use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::CudaBackend;
 use ferry_core::backend::Backend;
 use ferry_core::backend::SeqSlice;
-use ferry_core::engine::{generate, GenerateRequest, Sampler, SamplingParams, StopRules};
+use ferry_core::engine::{generate, GenerateRequest, Sampler, SamplingParams, StopRules, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{ChatMessage, Checkpoint};
 use ferry_core::model::Model;
@@ -93,6 +93,7 @@ fn check_family<B: Backend>(backend: &B, name: &str) {
         let seq = kv.alloc_seq();
         let request = GenerateRequest {
             prompt_ids: case.prompt_ids.clone(),
+            prefill_chunk: MAX_BATCH_TOKENS,
             max_tokens: case.generated_ids.len(),
             sampling: SamplingParams::default(),
             stop: StopRules {

@@ -10,7 +10,7 @@ use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
 use ferry_core::engine::{
     generate, Event, GenerateRequest, ModelExecutor, Request, RequestId, SamplingParams, Scheduler, SchedulerConfig,
-    StopRules,
+    StopRules, MAX_BATCH_TOKENS,
 };
 use ferry_core::kv::{BlockPool, KvCache};
 use ferry_core::loader::Checkpoint;
@@ -31,6 +31,7 @@ fn alone(checkpoint: &Checkpoint, prompt: &[u32]) -> Vec<u32> {
     let seq = kv.alloc_seq();
     let request = GenerateRequest {
         prompt_ids: prompt.to_vec(),
+        prefill_chunk: MAX_BATCH_TOKENS,
         max_tokens: MAX_TOKENS,
         sampling: SamplingParams::default(),
         stop: StopRules {

@@ -16,6 +16,9 @@ pub struct StopRules {
 #[derive(Clone, Debug)]
 pub struct GenerateRequest {
     pub prompt_ids: Vec<u32>,
+    /// Prompt tokens per forward pass (at most what the backend's workspace was sized for, usually
+    /// [`super::MAX_BATCH_TOKENS`]).
+    pub prefill_chunk: usize,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub stop: StopRules,
@@ -82,12 +85,15 @@ pub fn generate_routed<B: Backend>(
     let max_tokens = request.max_tokens.min(window - prompt.len());
     let mut sampler = Sampler::new(request.sampling.clone());
     let mut tokens = Vec::with_capacity(max_tokens);
-    // Prefill in chunks of at most MAX_BATCH_TOKENS; then one token at a time.
+    if request.prefill_chunk == 0 {
+        return Err(Error::Request("the prefill chunk is empty".into()));
+    }
+    // Prefill in chunks; then one token at a time.
     let mut logits = Vec::new();
-    for (i, chunk) in prompt.chunks(super::MAX_BATCH_TOKENS).enumerate() {
+    for (i, chunk) in prompt.chunks(request.prefill_chunk).enumerate() {
         let slice = SeqSlice {
             seq,
-            start_pos: i * super::MAX_BATCH_TOKENS,
+            start_pos: i * request.prefill_chunk,
             len: chunk.len(),
         };
         logits = be.to_host(&model.forward_routed(be, chunk, &[slice], kv, tap.as_deref_mut())?)?;

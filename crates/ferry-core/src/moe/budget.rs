@@ -2,8 +2,19 @@
 //! (`--kv-reserve-tokens`), then expert cache slots (`--moe-cache-auto`, or exactly `--moe-cache-slots`), and the
 //! rest to the KV cache. When the whole model fits, nothing is offloaded (`--offload auto`).
 
+use crate::engine::MAX_BATCH_TOKENS;
 use crate::model::{ModelInfo, ModelSpec};
 use crate::{Error, Result};
+
+/// Tokens of one forward pass under expert offload, unless asked otherwise. Each prefill step streams nearly the
+/// whole expert bank once (its chunk routes to nearly every expert), so a step is worth making as long as the
+/// layers' compute of it takes about as long as that stream, behind which the copies hide: on the H200 a q36 step
+/// of 2,048 tokens computes in about 0.65 s and the 64 GB bank streams in 1.2 s (docs/perf.md).
+pub const OFFLOAD_STEP_TOKENS: usize = 4096;
+
+/// Rows the grouped (prefill) expert path takes at once: a longer step runs its experts in groups of this many
+/// rows, so the expert part of the workspace stops growing with the step.
+pub const MOE_GROUP_ROWS: usize = 2048;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OffloadMode {
@@ -22,8 +33,9 @@ pub struct BudgetRequest {
     /// Exactly this many cache slots; None sizes the cache automatically.
     pub slots: Option<usize>,
     pub kv_reserve_tokens: usize,
-    /// The most tokens one forward pass carries (the prefill chunk): sizes the activation workspace.
-    pub max_batch_tokens: usize,
+    /// The most tokens one forward pass carries (the prefill chunk), which sizes the activation workspace; None:
+    /// [`MAX_BATCH_TOKENS`], or [`OFFLOAD_STEP_TOKENS`] when the experts are offloaded.
+    pub max_batch_tokens: Option<usize>,
 }
 
 /// How the budget is spent.
@@ -38,6 +50,8 @@ pub struct MemoryPlan {
     /// Bytes of experts on the GPU: the whole bank, or the cache slab.
     pub expert_bytes: u64,
     pub kv_bytes: u64,
+    /// The most tokens one forward pass carries, which the workspace was sized for.
+    pub step_tokens: usize,
 }
 
 /// KV bytes per token on the GPU (keys and values kept in f32).
@@ -65,13 +79,13 @@ pub fn workspace_bytes(spec: &ModelSpec, rows: usize) -> u64 {
     let per_row = 6 * spec.hidden_size
         + 3 * q_width
         + 4 * kv_width
-        // the grouped MoE path, per (row, expert) pair (cuda/mod.rs)
-        + top_k * 2 * (spec.hidden_size + inter)
         + 3 * widest_mlp
         + gdn
         // split-bf16 halves of the widest GEMM input
         + q_width.max(spec.hidden_size);
-    let activations = (rows * per_row * 4) as u64;
+    // The grouped MoE path, per (row, expert) pair of a group of at most MOE_GROUP_ROWS rows (cuda/mod.rs).
+    let grouped_experts = rows.min(MOE_GROUP_ROWS) * top_k * 2 * (spec.hidden_size + inter);
+    let activations = ((rows * per_row + grouped_experts) * 4) as u64;
     let logits = (8 * spec.vocab_size * 4) as u64;
     const CUBLAS_AND_POOL: u64 = 256 << 20;
     2 * activations + logits + CUBLAS_AND_POOL
@@ -79,28 +93,34 @@ pub fn workspace_bytes(spec: &ModelSpec, rows: usize) -> u64 {
 
 pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) -> Result<MemoryPlan> {
     let dense = info.dense_bytes;
-    let workspace = workspace_bytes(spec, request.max_batch_tokens);
     let kv_per_token = gpu_kv_bytes_per_token(info).max(1);
     let floor = request.kv_reserve_tokens as u64 * kv_per_token;
-    let fixed = dense + workspace + floor;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    if fixed > request.budget_bytes {
-        return Err(Error::Config(format!(
-            "a budget of {:.2} GiB cannot hold the dense weights ({:.2} GiB), the workspace ({:.2} GiB) and KV for \
-             {} tokens ({:.2} GiB)",
-            gib(request.budget_bytes),
-            gib(dense),
-            gib(workspace),
-            request.kv_reserve_tokens,
-            gib(floor)
-        )));
-    }
-    let whole_fits = fixed + info.expert_bank_bytes <= request.budget_bytes;
+    // Dense weights, workspace and KV floor for a step of `step_tokens`, or why the budget cannot hold them.
+    let fixed_for = |step_tokens: usize| -> Result<(u64, u64)> {
+        let workspace = workspace_bytes(spec, step_tokens);
+        let fixed = dense + workspace + floor;
+        if fixed > request.budget_bytes {
+            return Err(Error::Config(format!(
+                "a budget of {:.2} GiB cannot hold the dense weights ({:.2} GiB), the workspace for {step_tokens}-token \
+                 steps ({:.2} GiB) and KV for {} tokens ({:.2} GiB)",
+                gib(request.budget_bytes),
+                gib(dense),
+                gib(workspace),
+                request.kv_reserve_tokens,
+                gib(floor)
+            )));
+        }
+        Ok((workspace, fixed))
+    };
+    let resident_step = request.max_batch_tokens.unwrap_or(MAX_BATCH_TOKENS);
+    let (_, resident_fixed) = fixed_for(resident_step)?;
+    let whole_fits = resident_fixed + info.expert_bank_bytes <= request.budget_bytes;
     let offload = match request.mode {
         OffloadMode::None if !whole_fits => {
             return Err(Error::Config(format!(
                 "--offload none: the model needs {:.2} GiB with KV for {} tokens, over the {:.2} GiB budget",
-                gib(fixed + info.expert_bank_bytes),
+                gib(resident_fixed + info.expert_bank_bytes),
                 request.kv_reserve_tokens,
                 gib(request.budget_bytes)
             )))
@@ -109,6 +129,12 @@ pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) 
         OffloadMode::Experts => true,
         OffloadMode::Auto => !whole_fits || request.slots.is_some(),
     };
+    let step_tokens = match request.max_batch_tokens {
+        Some(n) => n,
+        None if offload => OFFLOAD_STEP_TOKENS,
+        None => MAX_BATCH_TOKENS,
+    };
+    let (workspace, fixed) = fixed_for(step_tokens)?;
     let experts_total = info.num_moe_layers * info.num_experts;
     let (slots, expert_bytes) = if offload {
         let room = (request.budget_bytes - fixed) / info.bytes_per_expert.max(1);
@@ -144,6 +170,7 @@ pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) 
         workspace_bytes: workspace,
         expert_bytes,
         kv_bytes: kv_tokens as u64 * kv_per_token,
+        step_tokens,
     })
 }
 
@@ -195,7 +222,7 @@ mod tests {
             mode,
             slots,
             kv_reserve_tokens: 8192,
-            max_batch_tokens: 2048,
+            max_batch_tokens: None,
         }
     }
 
@@ -239,6 +266,33 @@ mod tests {
     }
 
     #[test]
+    fn offloaded_experts_take_longer_steps_whose_expert_workspace_stays_that_of_one_group() {
+        let (info, spec) = q30();
+        let resident = plan_memory(&info, &spec, &request("80GiB", OffloadMode::Auto, None)).unwrap();
+        assert_eq!(resident.step_tokens, MAX_BATCH_TOKENS);
+        assert_eq!(resident.workspace_bytes, workspace_bytes(&spec, MAX_BATCH_TOKENS));
+        let offloaded = plan_memory(&info, &spec, &request("22.3GiB", OffloadMode::Auto, None)).unwrap();
+        assert_eq!(offloaded.step_tokens, OFFLOAD_STEP_TOKENS);
+        assert_eq!(offloaded.workspace_bytes, workspace_bytes(&spec, OFFLOAD_STEP_TOKENS));
+        // Past MOE_GROUP_ROWS rows the grouped expert buffers stop growing: a row costs less than below it.
+        let per_row = |rows: usize| workspace_bytes(&spec, rows) - workspace_bytes(&spec, rows - 1);
+        assert!(per_row(MOE_GROUP_ROWS + 2) < per_row(MOE_GROUP_ROWS));
+        let asked = BudgetRequest {
+            max_batch_tokens: Some(1024),
+            ..request("22.3GiB", OffloadMode::Auto, None)
+        };
+        let plan = plan_memory(&info, &spec, &asked).unwrap();
+        assert_eq!(
+            (plan.step_tokens, plan.workspace_bytes),
+            (1024, workspace_bytes(&spec, 1024))
+        );
+        assert!(
+            plan.slots > offloaded.slots,
+            "a shorter step leaves more room for slots"
+        );
+    }
+
+    #[test]
     fn whole_models_that_fit_stay_resident_and_too_small_budgets_say_why() {
         let (info, spec) = q30();
         let plan = plan_memory(&info, &spec, &request("80GiB", OffloadMode::Auto, None)).unwrap();
@@ -246,7 +300,14 @@ mod tests {
         assert!(plan_memory(&info, &spec, &request("22.3GiB", OffloadMode::None, None)).is_err());
         let err = plan_memory(&info, &spec, &request("3GiB", OffloadMode::Auto, None)).unwrap_err();
         assert!(err.to_string().contains("dense weights"), "{err}");
-        let err = plan_memory(&info, &spec, &request("6.2GiB", OffloadMode::Auto, None)).unwrap_err();
+        // Room for everything but one layer's experts.
+        let fixed =
+            info.dense_bytes + workspace_bytes(&spec, OFFLOAD_STEP_TOKENS) + 8192 * gpu_kv_bytes_per_token(&info);
+        let short_of_a_layer = BudgetRequest {
+            budget_bytes: fixed + (info.num_experts as u64 - 1) * info.bytes_per_expert,
+            ..request("0", OffloadMode::Auto, None)
+        };
+        let err = plan_memory(&info, &spec, &short_of_a_layer).unwrap_err();
         assert!(err.to_string().contains("slots"), "{err}");
     }
 }

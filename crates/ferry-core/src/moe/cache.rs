@@ -65,6 +65,20 @@ pub struct ExpertCache {
     in_plan: HashSet<u32>,
     /// The plan `access` fills, reused for the same reason.
     access_plan: Plan,
+    /// The layer of the last step plan, whose experts (`in_plan`; `busy` while a prefetch is being placed) are still
+    /// being read while a prefetch for the next layer is planned, so they must not be victims of it.
+    last_layer: u32,
+    busy: HashSet<u32>,
+    /// Keys copied in by a prefetch and not yet used by a step: their first use counts as the miss it replaced.
+    prefetched: HashSet<ExpertKey>,
+}
+
+/// Whether a placement is a step's own plan (counted as hits and misses) or a prefetch ahead of it (counted when
+/// its step uses it).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    Step,
+    Prefetch,
 }
 
 impl ExpertCache {
@@ -79,6 +93,9 @@ impl ExpertCache {
             distinct: Vec::new(),
             in_plan: HashSet::new(),
             access_plan: Plan::default(),
+            last_layer: 0,
+            busy: HashSet::new(),
+            prefetched: HashSet::new(),
         }
     }
 
@@ -108,8 +125,42 @@ impl ExpertCache {
             }
         }
         let mut plan = Plan::default();
-        self.place_distinct(layer, &mut plan)?;
+        self.place_distinct(layer, &mut plan, Placement::Step)?;
         Ok(plan)
+    }
+
+    /// Plans copying `experts` of `layer` in before its step routes (a prefetch: the caller expects that step to
+    /// use them), while the experts of the last step plan are still in use: victims come from neither. An error,
+    /// changing nothing, if the two together outnumber the slots. Prefetched keys are not counted now; the step
+    /// that first uses one counts a miss, as it would have without the prefetch.
+    pub fn plan_prefetch(&mut self, layer: u32, experts: &[u32]) -> Result<Plan> {
+        self.busy = std::mem::take(&mut self.in_plan);
+        self.distinct.clear();
+        for &expert in experts {
+            if self.in_plan.insert(expert) {
+                self.distinct.push(expert);
+            }
+        }
+        let busy_outside = if layer == self.last_layer {
+            self.busy.iter().filter(|expert| !self.in_plan.contains(expert)).count()
+        } else {
+            self.busy.len()
+        };
+        let mut plan = Plan::default();
+        let placed = if self.distinct.len() + busy_outside > self.num_slots as usize {
+            Err(Error::Cache(format!(
+                "prefetching {} experts of MoE layer {layer} while {busy_outside} of layer {} are in use needs \
+                 more than the cache's {} slots",
+                self.distinct.len(),
+                self.last_layer,
+                self.num_slots
+            )))
+        } else {
+            self.place_distinct(layer, &mut plan, Placement::Prefetch)
+        };
+        // The last step's experts stay in use until the next step plan: a further prefetch must spare them too.
+        self.in_plan = std::mem::take(&mut self.busy);
+        placed.map(|()| plan)
     }
 
     /// Uses one key, as a plan of that key alone would: true on a hit. The simulator replays traces with it.
@@ -122,14 +173,15 @@ impl ExpertCache {
         plan.resident.clear();
         plan.fetch.clear();
         plan.evicted.clear();
-        let placed = self.place_distinct(key.0, &mut plan);
+        let placed = self.place_distinct(key.0, &mut plan, Placement::Step);
         let hit = !plan.resident.is_empty();
         self.access_plan = plan;
         placed.map(|()| hit)
     }
 
-    /// Places `self.distinct` (the plan's experts, deduplicated) into slots, filling `plan`.
-    fn place_distinct(&mut self, layer: u32, plan: &mut Plan) -> Result<()> {
+    /// Places `self.distinct` (the plan's experts, deduplicated) into slots, filling `plan`. Victims are never
+    /// keys of this plan nor (during a prefetch) `busy` keys of the last step's layer.
+    fn place_distinct(&mut self, layer: u32, plan: &mut Plan, placement: Placement) -> Result<()> {
         if self.distinct.len() > self.num_slots as usize {
             return Err(Error::Cache(format!(
                 "MoE layer {layer} routes {} distinct experts in one step, more than the cache's {} slots",
@@ -144,15 +196,25 @@ impl ExpertCache {
             let key = (layer, expert);
             if let Some(&slot) = self.slot_of.get(&key) {
                 plan.resident.push((expert, slot));
-                self.counts[layer as usize].hits += 1;
+                if placement == Placement::Step {
+                    let counts = &mut self.counts[layer as usize];
+                    if self.prefetched.remove(&key) {
+                        counts.misses += 1;
+                    } else {
+                        counts.hits += 1;
+                    }
+                }
             } else {
                 let slot = match self.free_slots.pop() {
                     Some(slot) => slot,
                     None => {
                         // With no more distinct experts than slots, some resident key lies outside this plan;
                         // a policy that finds none, or offers a pinned or absent key, breaks its contract.
-                        let in_plan = &self.in_plan;
-                        let pinned = |key: ExpertKey| key.0 == layer && in_plan.contains(&key.1);
+                        let (in_plan, busy, busy_layer) = (&self.in_plan, &self.busy, self.last_layer);
+                        let pinned = |key: ExpertKey| {
+                            (key.0 == layer && in_plan.contains(&key.1))
+                                || (key.0 == busy_layer && busy.contains(&key.1))
+                        };
                         let victim = self.policy.choose_victim(&pinned).filter(|&victim| !pinned(victim));
                         let Some((victim, slot)) = victim.and_then(|v| self.slot_of.remove(&v).map(|s| (v, s))) else {
                             return Err(Error::Cache(format!(
@@ -162,16 +224,25 @@ impl ExpertCache {
                             )));
                         };
                         self.policy.on_evict(victim);
+                        self.prefetched.remove(&victim);
                         plan.evicted.push(victim);
                         slot
                     }
                 };
                 self.slot_of.insert(key, slot);
                 plan.fetch.push((expert, slot));
-                self.counts[layer as usize].misses += 1;
+                match placement {
+                    Placement::Step => self.counts[layer as usize].misses += 1,
+                    Placement::Prefetch => {
+                        self.prefetched.insert(key);
+                    }
+                }
             }
             self.policy.on_access(key, self.clock);
             self.clock += 1;
+        }
+        if placement == Placement::Step {
+            self.last_layer = layer;
         }
         Ok(())
     }
@@ -263,6 +334,39 @@ mod tests {
         // Duplicates do not count against the slots.
         assert_eq!(cache.plan(0, &[2, 1, 2, 1]).unwrap().fetch, vec![(2, 1)]);
         assert!(ExpertCache::new(0, Box::new(Lru::new())).access((0, 0)).is_err());
+    }
+
+    #[test]
+    fn a_prefetch_spares_the_last_steps_experts_and_its_keys_count_as_misses_when_used() {
+        let mut cache = lru_cache(4);
+        cache.plan(0, &[0, 1]).unwrap();
+        cache.plan(1, &[0, 1]).unwrap();
+        // Layer 1's experts are in use; LRU order is (0,0), (0,1), (1,0), (1,1): layer 0's keys are the victims.
+        let prefetch = cache.plan_prefetch(2, &[5, 6]).unwrap();
+        assert_eq!(prefetch.fetch, vec![(5, 0), (6, 1)]);
+        assert_eq!(prefetch.evicted, vec![(0, 0), (0, 1)]);
+        // A second prefetch still spares layer 1 and takes the oldest other keys: the first prefetch's.
+        let prefetch = cache.plan_prefetch(3, &[7]).unwrap();
+        assert_eq!(prefetch.evicted, vec![(2, 5)]);
+        // Not counted when prefetched; counted as a miss when the step uses it, then as a hit.
+        assert_eq!(cache.layer_counts()[2], LayerCounts::default());
+        let step = cache.plan(2, &[6, 9]).unwrap();
+        assert_eq!(step.resident, vec![(6, 1)]);
+        assert_eq!(cache.layer_counts()[2], LayerCounts { hits: 0, misses: 2 });
+        cache.plan(2, &[6]).unwrap();
+        assert_eq!(cache.layer_counts()[2], LayerCounts { hits: 1, misses: 2 });
+    }
+
+    #[test]
+    fn a_prefetch_that_does_not_fit_beside_the_busy_experts_is_an_error_that_changes_nothing() {
+        let mut cache = lru_cache(4);
+        cache.plan(0, &[0, 1, 2]).unwrap();
+        let error = cache.plan_prefetch(1, &[0, 1]).unwrap_err().to_string();
+        assert!(error.contains("3 of layer 0 are in use"), "{error}");
+        assert_eq!(cache.slot_of((1, 0)), None);
+        // Prefetching the busy layer's own experts needs only the slots outside them.
+        assert_eq!(cache.plan_prefetch(0, &[1, 2, 3]).unwrap().fetch, vec![(3, 3)]);
+        assert_eq!(cache.plan(0, &[0]).unwrap().resident, vec![(0, 0)]);
     }
 
     /// A policy that breaks its contract: it never offers a victim.

@@ -8,7 +8,10 @@ pub mod policy;
 pub mod tap;
 pub mod trace;
 
-pub use budget::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode};
+pub use budget::{
+    parse_size, plan_memory, workspace_bytes, BudgetRequest, MemoryPlan, OffloadMode, MOE_GROUP_ROWS,
+    OFFLOAD_STEP_TOKENS,
+};
 pub use cache::{ExpertCache, ExpertCacheCounters, LayerCounts, Plan};
 pub use policy::{Belady, EvictionPolicy, ExpertKey, Lru};
 pub use tap::{RoutingTap, TraceRecorder, TraceReplayer};

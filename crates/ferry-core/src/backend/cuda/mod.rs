@@ -24,6 +24,7 @@ use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, Devi
 use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice};
 use crate::kv::KvSpec;
 use crate::loader::{DType, TensorRef};
+use crate::moe::MOE_GROUP_ROWS;
 use crate::{Error, Result};
 pub use ceilings::GpuCeilings;
 pub use kv::{DeviceBatch, DeviceKv, BLOCK_SIZE as KV_BLOCK_SIZE};
@@ -123,6 +124,14 @@ pub struct CudaRouting {
     weights: CudaSlice<f32>,
     rows: usize,
     top_k: usize,
+}
+
+/// One group of rows of the grouped MoE path, and the experts' shape.
+struct ExpertGroup {
+    first_row: usize,
+    rows: usize,
+    hidden: usize,
+    inter: usize,
 }
 
 pub struct CudaBackend {
@@ -473,8 +482,9 @@ impl CudaBackend {
         }
     }
 
-    /// The MoE block for a batch too large for the decode kernels: the routing comes to the host, each expert's
-    /// rows are gathered and run through cuBLAS, and the results are combined in router order.
+    /// The MoE block for a batch too large for the decode kernels: the routing comes to the host, and the rows
+    /// run in groups of at most [`MOE_GROUP_ROWS`] (bounding the workspace of long steps), each expert's rows of a
+    /// group gathered and run through cuBLAS, and the results combined in router order.
     fn moe_experts_grouped(
         &self,
         x: &CudaTensor,
@@ -483,16 +493,50 @@ impl CudaBackend {
         hidden: usize,
         inter: usize,
     ) -> Result<CudaTensor> {
-        let pairs = routing.rows * routing.top_k;
         let ids = self
             .stream
             .clone_dtoh(&routing.ids)
             .map_err(cuda_err("routing to host"))?;
-        // The (row, k) pairs ordered by expert (stably, so rows keep their order): each expert's pairs are one
-        // contiguous run, which its GEMMs read and write in place.
+        let out = self.tensor(routing.rows, hidden)?;
+        for first_row in (0..routing.rows).step_by(MOE_GROUP_ROWS) {
+            let group = ExpertGroup {
+                first_row,
+                rows: MOE_GROUP_ROWS.min(routing.rows - first_row),
+                hidden,
+                inter,
+            };
+            self.moe_expert_group(x, routing, &ids, addresses, &group, &out)?;
+        }
+        Ok(out)
+    }
+
+    /// Rows `group.first_row..+group.rows` of the grouped MoE block, written to the same rows of `out`.
+    fn moe_expert_group(
+        &self,
+        x: &CudaTensor,
+        routing: &CudaRouting,
+        ids: &[i32],
+        addresses: &[u64],
+        group: &ExpertGroup,
+        out: &CudaTensor,
+    ) -> Result<()> {
+        let &ExpertGroup {
+            first_row,
+            rows,
+            hidden,
+            inter,
+        } = group;
+        let top_k = routing.top_k;
+        let pairs = rows * top_k;
+        let ids = &ids[first_row * top_k..first_row * top_k + pairs];
+        // The group's (row, k) pairs ordered by expert (stably, so rows keep their order): each expert's pairs are
+        // one contiguous run, which its GEMMs read and write in place.
         let mut order: Vec<u32> = (0..pairs as u32).collect();
         order.sort_by_key(|&pair| ids[pair as usize]);
-        let source_rows: Vec<u32> = order.iter().map(|&pair| pair / routing.top_k as u32).collect();
+        let source_rows: Vec<u32> = order
+            .iter()
+            .map(|&pair| (first_row + pair as usize / top_k) as u32)
+            .collect();
         let (order_dev, source_rows_dev) = (self.copy_to_device(&order)?, self.copy_to_device(&source_rows)?);
         let gathered = self.tensor(pairs, hidden)?;
         let hidden32 = hidden as i32;
@@ -540,17 +584,18 @@ impl CudaBackend {
         self.launch_rows("scatter_rows", pairs, |kernel| {
             kernel.arg(&by_expert.data).arg(&order_dev).arg(&y.data).arg(&hidden32);
         })?;
-        let out = self.tensor(routing.rows, hidden)?;
-        let top_k = routing.top_k as i32;
-        self.launch("moe_combine", per_row(routing.rows, 256), |kernel| {
+        // The group's router weights and output rows, as addresses into the whole batch's.
+        let weights = self.address(&routing.weights) + (first_row * top_k * 4) as u64;
+        let out_rows = self.address(&out.data) + (first_row * hidden * 4) as u64;
+        let top_k32 = top_k as i32;
+        self.launch("moe_combine", per_row(rows, 256), |kernel| {
             kernel
                 .arg(&y.data)
-                .arg(&routing.weights)
-                .arg(&top_k)
+                .arg(&weights)
+                .arg(&top_k32)
                 .arg(&hidden32)
-                .arg(&out.data);
-        })?;
-        Ok(out)
+                .arg(&out_rows);
+        })
     }
 
     /// Launches kernel `name` with `cfg` on the compute stream, its arguments pushed by `args` in the kernel's

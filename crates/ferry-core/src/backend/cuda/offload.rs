@@ -2,7 +2,9 @@
 //! MoE layers, caches the hot ones. Per layer and step the routed ids of the whole batch come to the host, the
 //! [`ExpertCache`] plans hits and misses, misses are copied bank -> slot on a dedicated copy stream, the layer's
 //! device slot table is rewritten for the routed experts, and the compute stream waits on an event for all of it
-//! before the same expert kernels as the all-resident path run: only where the weights live differs.
+//! before the same expert kernels as the all-resident path run: only where the weights live differs. A step that
+//! routes to nearly all of a layer's experts (prefill) also queues the next layer's experts behind its own, so the
+//! bank streams while the layers compute.
 
 use std::sync::Arc;
 
@@ -14,6 +16,10 @@ use super::{cuda_err, CudaRouting};
 use crate::backend::ExpertTensors;
 use crate::moe::{ExpertCache, Lru};
 use crate::{Error, Result};
+
+/// Prefetch the next layer's experts when a step routes to at least this share (numerator, denominator) of a
+/// layer's experts: a batch that wide is a prefill chunk, and the next layer will want nearly all of its experts.
+const PREFETCH_SHARE: (usize, usize) = (7, 8);
 
 /// One MoE layer under offload: where its experts sit in the bank, and its slot table (device and a pinned host
 /// mirror the table is uploaded from).
@@ -34,6 +40,8 @@ pub struct OffloadStats {
     pub layer_misses: Vec<u64>,
     pub bytes_copied: u64,
     pub copies: u64,
+    /// Of `copies`, those made ahead of a layer's router by a prefetch.
+    pub prefetched: u64,
 }
 
 impl OffloadStats {
@@ -59,6 +67,7 @@ pub struct Offload {
     routed_host: Option<PinnedHostSlice<i32>>,
     bytes_copied: u64,
     copies: u64,
+    prefetched: u64,
 }
 
 impl Offload {
@@ -74,6 +83,7 @@ impl Offload {
             routed_host: None,
             bytes_copied: 0,
             copies: 0,
+            prefetched: 0,
         })
     }
 
@@ -166,6 +176,7 @@ impl Offload {
             .layers
             .get_mut(layer)
             .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
+        let layer_experts = layer_state.bank_blocks.len();
         for &(expert, slot) in &plan.fetch {
             let dst = Self::slot_address(base, block_bytes, slot);
             bank.copy_to_device(layer_state.bank_blocks[expert as usize], dst, &self.copy_stream)?;
@@ -181,9 +192,32 @@ impl Offload {
         let mirror = layer_state.table_host.as_slice().map_err(cuda_err("slot table"))?;
         unsafe { cudarc::driver::result::memcpy_htod_async(table_address, mirror, self.copy_stream.cu_stream()) }
             .map_err(cuda_err("uploading a slot table"))?;
+        let addresses = mirror.to_vec();
         let ready = self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?;
         compute.wait(&ready).map_err(cuda_err("waiting for expert copies"))?;
-        Ok(mirror.to_vec())
+        // A batch that routes to nearly all of this layer's experts (a prefill chunk) will route to nearly all of
+        // the next layer's: copy those now, behind this layer's copies and while this layer computes, instead of
+        // after the next router. The next layer's event covers them (one copy stream, in order). Only this
+        // layer's experts are still read by a kernel (the compute stream was synchronized above), and the
+        // prefetch spares them.
+        let routed_experts = plan.resident.len() + plan.fetch.len();
+        if let Some(next) = self.layers.get(layer + 1) {
+            let next_experts = next.bank_blocks.len();
+            if routed_experts * PREFETCH_SHARE.1 >= layer_experts * PREFETCH_SHARE.0
+                && routed_experts + next_experts <= self.slots
+            {
+                let all: Vec<u32> = (0..next_experts as u32).collect();
+                let prefetch = self.cache.plan_prefetch(layer as u32 + 1, &all)?;
+                for &(expert, slot) in &prefetch.fetch {
+                    let dst = Self::slot_address(base, block_bytes, slot);
+                    bank.copy_to_device(next.bank_blocks[expert as usize], dst, &self.copy_stream)?;
+                    self.bytes_copied += block_bytes as u64;
+                    self.copies += 1;
+                    self.prefetched += 1;
+                }
+            }
+        }
+        Ok(addresses)
     }
 
     pub fn stats(&self) -> OffloadStats {
@@ -198,6 +232,7 @@ impl Offload {
             layer_misses: counts.iter().map(|c| c.misses).collect(),
             bytes_copied: self.bytes_copied,
             copies: self.copies,
+            prefetched: self.prefetched,
         }
     }
 }
