@@ -57,8 +57,8 @@ pub struct OffloadArgs {
     #[arg(long, default_value_t = 8192)]
     pub kv_reserve_tokens: usize,
     /// Tokens one forward pass carries at most (a prefill chunk and the running decodes); the GPU workspace is
-    /// sized for it. Default: 2048, or 4096 when the experts are offloaded (each prefill chunk streams nearly the
-    /// whole expert bank, so longer chunks stream it fewer times).
+    /// sized for it. Default: 2048, or 4096 when the experts are offloaded and the budget has room for its
+    /// workspace (each prefill chunk streams nearly the whole expert bank, so longer chunks stream it fewer times).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pub max_batch_tokens: Option<u64>,
 }

@@ -129,9 +129,14 @@ pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) 
         OffloadMode::Experts => true,
         OffloadMode::Auto => !whole_fits || request.slots.is_some(),
     };
+    // Under offload the longer step, unless its workspace leaves no room for the slots a step needs (one layer's
+    // experts, or the asked number): then the resident step, as a budget that small had before.
+    let needed_slots = request.slots.unwrap_or(info.num_experts) as u64;
+    let longer_step_fits = fixed_for(OFFLOAD_STEP_TOKENS)
+        .is_ok_and(|(_, fixed)| request.budget_bytes - fixed >= needed_slots * info.bytes_per_expert);
     let step_tokens = match request.max_batch_tokens {
         Some(n) => n,
-        None if offload => OFFLOAD_STEP_TOKENS,
+        None if offload && longer_step_fits => OFFLOAD_STEP_TOKENS,
         None => MAX_BATCH_TOKENS,
     };
     let (workspace, fixed) = fixed_for(step_tokens)?;
@@ -293,6 +298,20 @@ mod tests {
     }
 
     #[test]
+    fn a_budget_too_small_for_the_longer_steps_workspace_keeps_the_shorter_step() {
+        let (info, spec) = q30();
+        let fixed =
+            info.dense_bytes + workspace_bytes(&spec, OFFLOAD_STEP_TOKENS) + 8192 * gpu_kv_bytes_per_token(&info);
+        let tight = BudgetRequest {
+            budget_bytes: fixed + (info.num_experts as u64 - 1) * info.bytes_per_expert,
+            ..request("0", OffloadMode::Auto, None)
+        };
+        let plan = plan_memory(&info, &spec, &tight).unwrap();
+        assert_eq!(plan.step_tokens, MAX_BATCH_TOKENS);
+        assert!(plan.slots >= info.num_experts);
+    }
+
+    #[test]
     fn whole_models_that_fit_stay_resident_and_too_small_budgets_say_why() {
         let (info, spec) = q30();
         let plan = plan_memory(&info, &spec, &request("80GiB", OffloadMode::Auto, None)).unwrap();
@@ -300,9 +319,8 @@ mod tests {
         assert!(plan_memory(&info, &spec, &request("22.3GiB", OffloadMode::None, None)).is_err());
         let err = plan_memory(&info, &spec, &request("3GiB", OffloadMode::Auto, None)).unwrap_err();
         assert!(err.to_string().contains("dense weights"), "{err}");
-        // Room for everything but one layer's experts.
-        let fixed =
-            info.dense_bytes + workspace_bytes(&spec, OFFLOAD_STEP_TOKENS) + 8192 * gpu_kv_bytes_per_token(&info);
+        // Room for everything but one layer's experts, even with the shorter step.
+        let fixed = info.dense_bytes + workspace_bytes(&spec, MAX_BATCH_TOKENS) + 8192 * gpu_kv_bytes_per_token(&info);
         let short_of_a_layer = BudgetRequest {
             budget_bytes: fixed + (info.num_experts as u64 - 1) * info.bytes_per_expert,
             ..request("0", OffloadMode::Auto, None)
