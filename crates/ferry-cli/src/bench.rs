@@ -216,7 +216,9 @@ fn prefill<B: Backend>(
     be: &B,
     model: &Model<B>,
     kv: &mut B::Kv,
-    (seq, prompt, chunk_tokens): (SeqId, &[u32], usize),
+    seq: SeqId,
+    prompt: &[u32],
+    chunk_tokens: usize,
     replay: &mut Option<TraceReplayer>,
 ) -> Result<(u32, Prefill)> {
     let started = Instant::now();
@@ -288,7 +290,7 @@ fn bench_on<B: Backend>(
     // Prefill one long prompt in chunks; the first token comes with it.
     let seq = kv.alloc_seq();
     let prompt = random_ids(args.prompt_tokens);
-    let (mut token, first_prefill) = prefill(be, &model, &mut kv, (seq, &prompt, machine.step_tokens), &mut replay)?;
+    let (mut token, first_prefill) = prefill(be, &model, &mut kv, seq, &prompt, machine.step_tokens, &mut replay)?;
     track(&mut peak);
     phase_done("prefill");
 
@@ -389,7 +391,9 @@ fn bench_on<B: Backend>(
                 be,
                 &model,
                 &mut kv,
-                (seq, &random_ids(tokens), machine.step_tokens),
+                seq,
+                &random_ids(tokens),
+                machine.step_tokens,
                 &mut replay,
             )?;
             kv.free_seq(seq);

@@ -65,7 +65,6 @@ pub struct Offload {
     cache: ExpertCache,
     layers: Vec<OffloadLayer>,
     routed_host: Option<PinnedHostSlice<i32>>,
-    bytes_copied: u64,
     copies: u64,
     prefetched: u64,
 }
@@ -81,7 +80,6 @@ impl Offload {
             cache: ExpertCache::new(slots as u32, Box::new(Lru::new())),
             layers: Vec::new(),
             routed_host: None,
-            bytes_copied: 0,
             copies: 0,
             prefetched: 0,
         })
@@ -136,6 +134,22 @@ impl Offload {
         slab_base + slot as u64 * block_bytes as u64
     }
 
+    /// Queues on `stream` the copies of a plan's `fetch` (expert, slot) pairs from the layer's bank `blocks` into
+    /// the slab at `slab_base`; returns how many.
+    fn queue_copies(
+        bank: &mut HostBank,
+        blocks: &[usize],
+        fetch: &[(u32, u32)],
+        slab_base: u64,
+        stream: &Arc<CudaStream>,
+    ) -> Result<u64> {
+        for &(expert, slot) in fetch {
+            let dst = Self::slot_address(slab_base, bank.block_bytes(), slot);
+            bank.copy_to_device(blocks[expert as usize], dst, stream)?;
+        }
+        Ok(fetch.len() as u64)
+    }
+
     /// Makes the routed experts of `layer` resident for this step: returns the layer's slot addresses by expert
     /// (0 for experts not routed now) after queueing the copies and the table upload, which `compute` waits for.
     pub fn prepare_layer(
@@ -177,12 +191,7 @@ impl Offload {
             .get_mut(layer)
             .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
         let layer_experts = layer_state.bank_blocks.len();
-        for &(expert, slot) in &plan.fetch {
-            let dst = Self::slot_address(base, block_bytes, slot);
-            bank.copy_to_device(layer_state.bank_blocks[expert as usize], dst, &self.copy_stream)?;
-            self.bytes_copied += block_bytes as u64;
-            self.copies += 1;
-        }
+        self.copies += Self::queue_copies(bank, &layer_state.bank_blocks, &plan.fetch, base, &self.copy_stream)?;
         let mirror = layer_state.table_host.as_mut_slice().map_err(cuda_err("slot table"))?;
         mirror.fill(0);
         for &(expert, slot) in plan.resident.iter().chain(&plan.fetch) {
@@ -208,13 +217,9 @@ impl Offload {
             {
                 let all: Vec<u32> = (0..next_experts as u32).collect();
                 let prefetch = self.cache.plan_prefetch(layer as u32 + 1, &all)?;
-                for &(expert, slot) in &prefetch.fetch {
-                    let dst = Self::slot_address(base, block_bytes, slot);
-                    bank.copy_to_device(next.bank_blocks[expert as usize], dst, &self.copy_stream)?;
-                    self.bytes_copied += block_bytes as u64;
-                    self.copies += 1;
-                    self.prefetched += 1;
-                }
+                let copied = Self::queue_copies(bank, &next.bank_blocks, &prefetch.fetch, base, &self.copy_stream)?;
+                self.copies += copied;
+                self.prefetched += copied;
             }
         }
         Ok(addresses)
@@ -230,7 +235,7 @@ impl Offload {
             bank_pinned: bank.is_some_and(|b| b.is_pinned()),
             layer_hits: counts.iter().map(|c| c.hits).collect(),
             layer_misses: counts.iter().map(|c| c.misses).collect(),
-            bytes_copied: self.bytes_copied,
+            bytes_copied: self.copies * bank.map_or(0, |b| b.block_bytes()) as u64,
             copies: self.copies,
             prefetched: self.prefetched,
         }
