@@ -10,13 +10,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use ferry_core::backend::cuda::OffloadStats;
 use ferry_core::backend::profiled::{OpTime, Profiled};
 use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::argmax;
 use ferry_core::kv::{KvCache, SeqId};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{Model, ModelInfo};
+use ferry_core::moe::OffloadStats;
 use ferry_core::moe::{MemoryPlan, RoutingTap, RoutingTrace, TraceHeader, TraceRecorder, TraceReplayer};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::Serialize;

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use ferry_core::backend::cuda::KV_BLOCK_SIZE;
 use ferry_core::backend::Backend;
 use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig};
 use ferry_core::kv::BlockPool;
@@ -229,14 +228,18 @@ fn start_engine<B: Backend + 'static>(
         None => planned_kv_tokens.unwrap_or(max_model_len * args.max_running_requests),
     };
     // The pool's blocks are the device cache's, so the cache holds whatever the pool grants.
-    let blocks = BlockPool::new(KV_BLOCK_SIZE, kv_tokens.div_ceil(KV_BLOCK_SIZE));
+    let blocks = BlockPool::new(
+        ferry_core::kv::BLOCK_SIZE,
+        kv_tokens.div_ceil(ferry_core::kv::BLOCK_SIZE),
+    );
     let kv = backend.new_kv(model.kv_spec(blocks.capacity_tokens()))?;
     tracing::info!(
-        "loaded {} on {} in {:.2?}; context {max_model_len}, KV {} blocks of {KV_BLOCK_SIZE} tokens",
+        "loaded {} on {} in {:.2?}; context {max_model_len}, KV {} blocks of {} tokens",
         model.spec.model_type,
         backend.name(),
         started.elapsed(),
-        blocks.total()
+        blocks.total(),
+        blocks.block_size()
     );
     let vocab_size = model.spec.vocab_size;
     let scheduler = Scheduler::new(

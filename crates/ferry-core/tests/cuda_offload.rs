@@ -6,12 +6,13 @@
 
 use std::path::{Path, PathBuf};
 
-use ferry_core::backend::cuda::{CudaBackend, OffloadStats};
+use ferry_core::backend::cuda::CudaBackend;
 use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::{argmax, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, FfnKind, Model, ModelInfo};
+use ferry_core::moe::OffloadStats;
 use ferry_core::moe::{plan_memory, BudgetRequest, OffloadMode, MOE_GROUP_ROWS};
 
 fn fixtures() -> PathBuf {

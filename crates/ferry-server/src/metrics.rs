@@ -60,10 +60,10 @@ impl Metrics {
             gauge!("ferry_kv_blocks_total").set(s.kv_blocks_total as f64);
             gauge!("ferry_decode_tokens_per_second").set(status.decode_tokens_per_s);
             counter!("ferry_preemptions_total").absolute(s.preemptions);
-            if let Some(cache) = status.expert_cache {
-                counter!("ferry_expert_cache_hits_total").absolute(cache.hits);
-                counter!("ferry_expert_cache_misses_total").absolute(cache.misses);
-                counter!("ferry_expert_cache_bytes_copied_total").absolute(cache.bytes_copied);
+            if let Some(offload) = &status.offload {
+                counter!("ferry_expert_cache_hits_total").absolute(offload.hits());
+                counter!("ferry_expert_cache_misses_total").absolute(offload.misses());
+                counter!("ferry_expert_cache_bytes_copied_total").absolute(offload.bytes_copied);
             }
         });
         self.handle.render()
@@ -79,20 +79,21 @@ impl Default for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_core::moe::ExpertCacheCounters;
+    use ferry_core::moe::OffloadStats;
 
     #[test]
     fn expert_cache_counters_appear_only_under_offload() {
         let metrics = Metrics::new();
         let resident = metrics.render(Some(EngineStatus::default()));
         assert!(!resident.contains("ferry_expert_cache"), "{resident}");
-        let cache = ExpertCacheCounters {
-            hits: 30,
-            misses: 10,
+        let offload = OffloadStats {
+            layer_hits: vec![20, 10],
+            layer_misses: vec![4, 6],
             bytes_copied: 4096,
+            ..OffloadStats::default()
         };
         let offloaded = metrics.render(Some(EngineStatus {
-            expert_cache: Some(cache),
+            offload: Some(offload),
             ..EngineStatus::default()
         }));
         for line in [

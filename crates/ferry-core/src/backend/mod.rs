@@ -13,7 +13,7 @@ pub mod profiled;
 
 use crate::kv::{KvCache, KvSpec, SeqId};
 use crate::loader::TensorRef;
-use crate::moe::ExpertCacheCounters;
+use crate::moe::OffloadStats;
 use crate::Result;
 
 /// A run of `len` consecutive batch rows belonging to sequence `seq`, at positions `start_pos..start_pos + len`.
@@ -144,8 +144,8 @@ pub trait Backend: Send + Sync + Sized {
     fn name(&self) -> String;
     /// Waits until every op issued so far has finished (a no-op where ops finish before they return).
     fn synchronize(&self) -> Result<()>;
-    /// The expert cache's running totals, when this backend offloads experts.
-    fn expert_cache_counters(&self) -> Option<ExpertCacheCounters> {
+    /// The expert offload's counters, when this backend offloads experts.
+    fn offload_stats(&self) -> Option<OffloadStats> {
         None
     }
 

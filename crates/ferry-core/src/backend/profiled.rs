@@ -74,8 +74,8 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()
     }
-    fn expert_cache_counters(&self) -> Option<crate::moe::ExpertCacheCounters> {
-        self.inner.expert_cache_counters()
+    fn offload_stats(&self) -> Option<crate::moe::OffloadStats> {
+        self.inner.offload_stats()
     }
     fn weight(&self, tensor: TensorRef) -> Result<Self::Weight> {
         self.inner.weight(tensor)

@@ -4,7 +4,7 @@
 use crate::backend::{Backend, SeqSlice};
 use crate::kv::{KvCache, SeqId};
 use crate::model::Model;
-use crate::moe::ExpertCacheCounters;
+use crate::moe::OffloadStats;
 use crate::Result;
 
 pub trait Executor: Send {
@@ -14,8 +14,8 @@ pub trait Executor: Send {
     /// Runs one batch (`ids` are the rows of `batch`'s slices, in order) and returns the logits of each slice's
     /// last token, `batch.len()` rows of `vocab_size()` values one after another.
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>>;
-    /// The expert cache's running totals, when experts are offloaded.
-    fn expert_cache_counters(&self) -> Option<ExpertCacheCounters> {
+    /// The expert offload's counters, when experts are offloaded.
+    fn offload_stats(&self) -> Option<OffloadStats> {
         None
     }
 }
@@ -28,8 +28,8 @@ pub struct ModelExecutor<B: Backend> {
 }
 
 impl<B: Backend> Executor for ModelExecutor<B> {
-    fn expert_cache_counters(&self) -> Option<ExpertCacheCounters> {
-        self.backend.expert_cache_counters()
+    fn offload_stats(&self) -> Option<OffloadStats> {
+        self.backend.offload_stats()
     }
 
     fn vocab_size(&self) -> usize {

@@ -200,8 +200,8 @@ impl<E: Executor> Scheduler<E> {
     }
 
     /// The expert cache's running totals, when the executor offloads experts.
-    pub fn expert_cache_counters(&self) -> Option<crate::moe::ExpertCacheCounters> {
-        self.executor.expert_cache_counters()
+    pub fn offload_stats(&self) -> Option<crate::moe::OffloadStats> {
+        self.executor.offload_stats()
     }
 
     pub fn stats(&self) -> SchedulerStats {

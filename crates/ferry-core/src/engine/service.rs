@@ -20,13 +20,13 @@ enum Command {
 }
 
 /// The engine's state as a metrics exporter sees it.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct EngineStatus {
     pub scheduler: SchedulerStats,
     /// Decode tokens per second over recent steps (smoothed); 0 while the engine is idle.
     pub decode_tokens_per_s: f64,
     /// Expert cache hits, misses and bytes copied, when experts are offloaded.
-    pub expert_cache: Option<crate::moe::ExpertCacheCounters>,
+    pub offload: Option<crate::moe::OffloadStats>,
 }
 
 /// A handle to the engine thread; cloning shares the same engine. The thread ends once every handle is dropped
@@ -44,7 +44,7 @@ impl EngineHandle {
         let status = Arc::new(Mutex::new(EngineStatus {
             scheduler: scheduler.stats(),
             decode_tokens_per_s: 0.0,
-            expert_cache: scheduler.expert_cache_counters(),
+            offload: scheduler.offload_stats(),
         }));
         let shared = status.clone();
         std::thread::Builder::new()
@@ -76,7 +76,7 @@ impl EngineHandle {
     }
 
     pub fn status(&self) -> EngineStatus {
-        *self.status.lock().unwrap_or_else(|e| e.into_inner())
+        self.status.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -123,7 +123,7 @@ fn run<E: Executor>(mut scheduler: Scheduler<E>, commands: Receiver<Command>, st
         *status.lock().unwrap_or_else(|e| e.into_inner()) = EngineStatus {
             scheduler: scheduler.stats(),
             decode_tokens_per_s: decode_rate,
-            expert_cache: scheduler.expert_cache_counters(),
+            offload: scheduler.offload_stats(),
         };
     }
 }

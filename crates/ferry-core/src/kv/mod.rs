@@ -17,6 +17,10 @@ pub use recurrent::{RecurrentLayer, RecurrentSpec};
 
 use crate::{Error, Result};
 
+/// Tokens per block of a paged KV cache: the device cache's pages and the scheduler's [`BlockPool`] count in the
+/// same blocks (attention.cu's tiles assume 16).
+pub const BLOCK_SIZE: usize = 16;
+
 /// What the engine needs of any backend's KV cache: sequences come and go, and their lengths are known.
 pub trait KvCache: Send {
     fn alloc_seq(&mut self) -> SeqId;

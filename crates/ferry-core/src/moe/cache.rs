@@ -39,14 +39,6 @@ impl LayerCounts {
     }
 }
 
-/// Running totals of an expert cache in use, for /metrics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ExpertCacheCounters {
-    pub hits: u64,
-    pub misses: u64,
-    pub bytes_copied: u64,
-}
-
 /// A pool of `num_slots` equal slots shared by every MoE layer, keyed by (layer, expert), with an eviction policy.
 ///
 /// Its clock counts keys used: the n-th key it uses (from 0) is passed to the policy's `on_access` at time n,

@@ -5,6 +5,7 @@
 pub mod budget;
 pub mod cache;
 pub mod policy;
+pub mod stats;
 pub mod tap;
 pub mod trace;
 
@@ -12,7 +13,8 @@ pub use budget::{
     parse_size, plan_memory, workspace_bytes, BudgetRequest, MemoryPlan, OffloadMode, MOE_GROUP_ROWS,
     OFFLOAD_STEP_TOKENS,
 };
-pub use cache::{ExpertCache, ExpertCacheCounters, LayerCounts, Plan};
+pub use cache::{ExpertCache, LayerCounts, Plan};
 pub use policy::{Belady, EvictionPolicy, ExpertKey, Lru};
+pub use stats::OffloadStats;
 pub use tap::{RoutingTap, TraceRecorder, TraceReplayer};
 pub use trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};

@@ -4,9 +4,10 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::kv::{DeviceBatch, DeviceKv, BLOCK_SIZE};
+use super::kv::{DeviceBatch, DeviceKv};
 use super::{cuda_err, CudaBackend, CudaTensor};
 use crate::backend::AttentionParams;
+use crate::kv::BLOCK_SIZE;
 use crate::{Error, Result};
 
 /// attention.cu's KEYS_PER_TILE: keys per shared-memory tile, one per lane when scoring.

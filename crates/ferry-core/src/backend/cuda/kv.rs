@@ -8,10 +8,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::cuda_err;
 use crate::backend::SeqSlice;
-use crate::kv::{BlockAllocator, KvCache, KvSpec, RecurrentSpec, SeqId};
+use crate::kv::{BlockAllocator, KvCache, KvSpec, RecurrentSpec, SeqId, BLOCK_SIZE};
 use crate::{Error, Result};
-
-pub const BLOCK_SIZE: usize = 16;
 
 pub struct DeviceKv {
     blocks: BlockAllocator,

@@ -24,12 +24,11 @@ use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, Devi
 use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice};
 use crate::kv::KvSpec;
 use crate::loader::{DType, TensorRef};
-use crate::moe::MOE_GROUP_ROWS;
+use crate::moe::{OffloadStats, MOE_GROUP_ROWS};
 use crate::{Error, Result};
 pub use ceilings::GpuCeilings;
-pub use kv::{DeviceBatch, DeviceKv, BLOCK_SIZE as KV_BLOCK_SIZE};
+pub use kv::{DeviceBatch, DeviceKv};
 pub use libs::CudaLibraries;
-pub use offload::OffloadStats;
 
 /// Products with at most this many rows use the GEMV kernels, one per row count.
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -313,13 +312,6 @@ impl CudaBackend {
     pub fn enable_offload(&mut self, slots: usize) -> Result<()> {
         self.offload = Some(Mutex::new(offload::Offload::new(self.ctx.clone(), slots)?));
         Ok(())
-    }
-
-    /// The offload's counters, when experts are offloaded.
-    pub fn offload_stats(&self) -> Option<OffloadStats> {
-        self.offload
-            .as_ref()
-            .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).stats())
     }
 
     /// The GPU's name, architecture and memory, as the log shows it.
@@ -677,12 +669,10 @@ impl Backend for CudaBackend {
         self.stream.synchronize().map_err(cuda_err("synchronize"))
     }
 
-    fn expert_cache_counters(&self) -> Option<crate::moe::ExpertCacheCounters> {
-        self.offload_stats().map(|s| crate::moe::ExpertCacheCounters {
-            hits: s.layer_hits.iter().sum(),
-            misses: s.layer_misses.iter().sum(),
-            bytes_copied: s.bytes_copied,
-        })
+    fn offload_stats(&self) -> Option<OffloadStats> {
+        self.offload
+            .as_ref()
+            .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).stats())
     }
 
     fn weight(&self, tensor: TensorRef) -> Result<CudaWeight> {

@@ -9,12 +9,11 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
-use serde::Serialize;
 
 use super::bank::HostBank;
 use super::{cuda_err, CudaRouting};
 use crate::backend::ExpertTensors;
-use crate::moe::{ExpertCache, Lru};
+use crate::moe::{ExpertCache, Lru, OffloadStats};
 use crate::{Error, Result};
 
 /// Prefetch the next layer's experts when a step routes to at least this share (numerator, denominator) of a
@@ -26,34 +25,6 @@ const PREFETCH_SHARE: (usize, usize) = (7, 8);
 struct OffloadLayer {
     bank_blocks: Vec<usize>,
     table_host: PinnedHostSlice<u64>,
-}
-
-/// Counters of the offload, for bench and /metrics.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct OffloadStats {
-    pub slots: usize,
-    pub bytes_per_expert: usize,
-    pub bank_bytes: usize,
-    pub bank_pinned: bool,
-    /// Per MoE layer: hits and misses, counted per distinct expert of each step.
-    pub layer_hits: Vec<u64>,
-    pub layer_misses: Vec<u64>,
-    pub bytes_copied: u64,
-    pub copies: u64,
-    /// Of `copies`, those made ahead of a layer's router by a prefetch.
-    pub prefetched: u64,
-}
-
-impl OffloadStats {
-    pub fn hit_rate(&self) -> f64 {
-        let hits: u64 = self.layer_hits.iter().sum();
-        let all = hits + self.layer_misses.iter().sum::<u64>();
-        if all == 0 {
-            0.0
-        } else {
-            hits as f64 / all as f64
-        }
-    }
 }
 
 pub struct Offload {
