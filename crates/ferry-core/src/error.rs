@@ -18,8 +18,12 @@ pub enum Error {
     Tokenizer(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// Something the caller asked for that cannot be done (a bad prompt, a sampling setting out of range).
     #[error("{0}")]
     Request(String),
+    /// An op given operands of the wrong shape: a bug in the model code or a backend, not the caller's fault.
+    #[error("shape: {0}")]
+    Shape(String),
     #[error("KV cache: {0}")]
     Kv(String),
     #[error("expert cache: {0}")]
