@@ -6,7 +6,10 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice};
+use super::{
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, RouterKind,
+    SeqSlice,
+};
 use crate::kv::KvSpec;
 use crate::loader::TensorRef;
 use crate::Result;
@@ -80,8 +83,11 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn weight(&self, tensor: TensorRef) -> Result<Self::Weight> {
         self.inner.weight(tensor)
     }
-    fn experts(&self, experts: Vec<ExpertTensors>) -> Result<Self::Experts> {
-        self.inner.experts(experts)
+    fn check_router(&self, kind: RouterKind) -> Result<()> {
+        self.inner.check_router(kind)
+    }
+    fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<Self::Experts> {
+        self.inner.experts(experts, activation)
     }
     fn rope_table(&self, rope: &Rope) -> Result<Self::RopeTable> {
         self.inner.rope_table(rope)
@@ -171,8 +177,14 @@ impl<B: Backend> Backend for Profiled<'_, B> {
                 .gated_delta_rule(qkv, a, b, a_log, dt_bias, kv, layer, batch, params)
         })
     }
-    fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Result<Self::Routing> {
-        self.time("route", || self.inner.route(logits, top_k, kind))
+    fn route(
+        &self,
+        logits: &Self::Tensor,
+        top_k: usize,
+        kind: RouterKind,
+        correction_bias: Option<&Self::Weight>,
+    ) -> Result<Self::Routing> {
+        self.time("route", || self.inner.route(logits, top_k, kind, correction_bias))
     }
     fn routing_to_host(&self, routing: &Self::Routing) -> Result<Vec<u32>> {
         self.time("routing_to_host", || self.inner.routing_to_host(routing))

@@ -21,7 +21,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice};
+use super::{
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, RouterKind,
+    SeqSlice,
+};
 use crate::kv::KvSpec;
 use crate::loader::{DType, TensorRef};
 use crate::moe::{OffloadStats, MOE_GROUP_ROWS};
@@ -652,6 +655,13 @@ pub(super) fn bf16_bytes(t: &TensorRef) -> Result<&[u8]> {
     Ok(t.bytes())
 }
 
+/// What [`Backend::check_router`] and [`Backend::route`] answer for a router kind without a kernel here.
+fn no_router_for(kind: RouterKind) -> Error {
+    Error::Config(format!(
+        "the CUDA backend has no router for {kind:?} yet (the CPU backend has)"
+    ))
+}
+
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
@@ -690,7 +700,24 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn experts(&self, experts: Vec<ExpertTensors>) -> Result<CudaExperts> {
+    fn check_router(&self, kind: RouterKind) -> Result<()> {
+        match kind {
+            RouterKind::SoftmaxTopK { .. } => Ok(()),
+            RouterKind::SigmoidGroupedTopK { .. } => Err(no_router_for(kind)),
+        }
+    }
+
+    fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<CudaExperts> {
+        if activation != ExpertActivation::SiluGlu || experts.iter().any(ExpertTensors::has_bias) {
+            return Err(Error::Config(format!(
+                "the CUDA backend runs SiLU-gated experts without biases only, not {activation:?}{}",
+                if experts.iter().any(ExpertTensors::has_bias) {
+                    " with biases"
+                } else {
+                    ""
+                }
+            )));
+        }
         let first = experts
             .first()
             .ok_or_else(|| Error::Cuda("a MoE layer without experts".into()))?;
@@ -929,8 +956,16 @@ impl Backend for CudaBackend {
         self.attend(&q, kv, layer, batch, p)
     }
 
-    fn route(&self, logits: &CudaTensor, top_k: usize, kind: RouterKind) -> Result<CudaRouting> {
-        let RouterKind::SoftmaxTopK { renormalize } = kind;
+    fn route(
+        &self,
+        logits: &CudaTensor,
+        top_k: usize,
+        kind: RouterKind,
+        _correction_bias: Option<&CudaWeight>,
+    ) -> Result<CudaRouting> {
+        let RouterKind::SoftmaxTopK { renormalize } = kind else {
+            return Err(no_router_for(kind));
+        };
         if logits.cols > 512 {
             return Err(Error::Cuda(format!(
                 "{} experts is over the router kernel's 512",
