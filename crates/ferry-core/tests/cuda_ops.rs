@@ -5,8 +5,8 @@
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::{CudaBackend, GEMV_MAX_ROWS};
 use ferry_core::backend::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, RouterKind,
-    SeqSlice,
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
+    RouterKind, SeqSlice,
 };
 use ferry_core::kv::{KvCache, KvLayerSpec, KvSpec, RecurrentSpec};
 use ferry_core::loader::{DType, TensorRef};
@@ -418,7 +418,14 @@ fn router_and_routed_experts() {
                     |be| {
                         let set = be.experts(bank.clone(), ExpertActivation::SiluGlu).unwrap();
                         let routing = be
-                            .route(&be.upload(&logits, rows, experts).unwrap(), top_k, kind, None)
+                            .route(
+                                &be.upload(&logits, rows, experts).unwrap(),
+                                Router {
+                                    kind,
+                                    top_k,
+                                    correction_bias: None,
+                                },
+                            )
                             .unwrap();
                         be.to_host(
                             &be.moe_experts(&be.upload(&x, rows, hidden).unwrap(), &routing, &set)

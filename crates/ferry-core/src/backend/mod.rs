@@ -165,6 +165,16 @@ impl RouterKind {
     }
 }
 
+/// How a MoE block routes, besides its logits (see [`Backend::route`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Router<'a, W> {
+    pub kind: RouterKind,
+    /// Experts per row.
+    pub top_k: usize,
+    /// The per-expert correction bias (`[experts]`) of the kinds that have one ([`RouterKind::has_correction_bias`]).
+    pub correction_bias: Option<&'a W>,
+}
+
 /// What an expert computes between its gate/up projections and its down projection.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ExpertActivation {
@@ -328,15 +338,8 @@ pub trait Backend: Send + Sync + Sized {
         batch: &Self::Batch,
         params: &DeltaRuleParams,
     ) -> Result<Self::Tensor>;
-    /// Router logits `[rows, experts]` to each row's top-k experts and weights; `correction_bias` (`[experts]`) is
-    /// the per-expert bias of the kinds that have one ([`RouterKind::has_correction_bias`]).
-    fn route(
-        &self,
-        logits: &Self::Tensor,
-        top_k: usize,
-        kind: RouterKind,
-        correction_bias: Option<&Self::Weight>,
-    ) -> Result<Self::Routing>;
+    /// Router logits `[rows, experts]` to each row's top-k experts and weights.
+    fn route(&self, logits: &Self::Tensor, router: Router<'_, Self::Weight>) -> Result<Self::Routing>;
     /// The routed expert ids, `[rows * top_k]`, on the host (to record a routing trace).
     fn routing_to_host(&self, routing: &Self::Routing) -> Result<Vec<u32>>;
     /// A routing from the host: `ids` and `weights` are `[rows * top_k]` (to replay a routing trace).

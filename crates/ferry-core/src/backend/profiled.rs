@@ -7,8 +7,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, RouterKind,
-    SeqSlice,
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
+    RouterKind, SeqSlice,
 };
 use crate::kv::KvSpec;
 use crate::loader::TensorRef;
@@ -177,14 +177,8 @@ impl<B: Backend> Backend for Profiled<'_, B> {
                 .gated_delta_rule(qkv, a, b, a_log, dt_bias, kv, layer, batch, params)
         })
     }
-    fn route(
-        &self,
-        logits: &Self::Tensor,
-        top_k: usize,
-        kind: RouterKind,
-        correction_bias: Option<&Self::Weight>,
-    ) -> Result<Self::Routing> {
-        self.time("route", || self.inner.route(logits, top_k, kind, correction_bias))
+    fn route(&self, logits: &Self::Tensor, router: Router<'_, Self::Weight>) -> Result<Self::Routing> {
+        self.time("route", || self.inner.route(logits, router))
     }
     fn routing_to_host(&self, routing: &Self::Routing) -> Result<Vec<u32>> {
         self.time("routing_to_host", || self.inner.routing_to_host(routing))

@@ -7,7 +7,7 @@ use std::ops::Range;
 use super::config::{
     ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm, STANDARD_EXPERTS,
 };
-use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, RouterKind};
+use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Router, RouterKind};
 use crate::loader::{TensorRef, WeightStore};
 use crate::moe::RoutingTap;
 use crate::{Error, Result};
@@ -386,8 +386,12 @@ impl<B: Backend> MoeBlock<B> {
         moe_layer: usize,
         tap: Option<&mut (dyn RoutingTap + '_)>,
     ) -> Result<B::Tensor> {
-        let logits = be.linear(x, &self.router, None)?;
-        let mut routing = be.route(&logits, self.top_k, self.router_kind, self.correction_bias.as_ref())?;
+        let router = Router {
+            kind: self.router_kind,
+            top_k: self.top_k,
+            correction_bias: self.correction_bias.as_ref(),
+        };
+        let mut routing = be.route(&be.linear(x, &self.router, None)?, router)?;
         if let Some(tap) = tap {
             let routed = match tap.wants_router_choice() {
                 true => Some(be.routing_to_host(&routing)?),

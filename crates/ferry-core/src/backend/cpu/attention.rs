@@ -33,88 +33,94 @@ fn rope(x: &mut CpuTensor, positions: &[u32], rope: &Rope) {
     });
 }
 
-/// [`Backend::attention`] on the CPU.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn attention(
-    be: &CpuBackend,
-    qkv: &CpuTensor,
-    qk_norm: Option<QkNormWeights<'_, TensorRef>>,
-    rope_table: &Rope,
-    kv: &mut HostKv,
-    layer: usize,
-    batch: &CpuBatch,
-    p: &AttentionParams,
-) -> Result<CpuTensor> {
-    let (q_width, kv_width) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
-    p.check_qkv_width(qkv.cols)?;
-    batch.expect_rows(qkv, "attention")?;
-    let cache = kv.layer_spec(layer)?;
-    check_shape(
-        p.num_kv_heads > 0 && p.num_heads.is_multiple_of(p.num_kv_heads) && cache.width() == kv_width,
-        || {
-            format!(
-                "attention: {} heads over {} kv heads of {}, KV layer {layer} holds {} kv heads of {}",
-                p.num_heads, p.num_kv_heads, p.head_dim, cache.num_kv_heads, cache.head_dim
-            )
-        },
-    )?;
-    check_shape(
-        rope_table.head_dim == p.head_dim && rope_table.rotary_dim <= p.head_dim,
-        || {
-            format!(
-                "attention: RoPE over {} of {} features, heads of {}",
-                rope_table.rotary_dim, rope_table.head_dim, p.head_dim
-            )
-        },
-    )?;
-    let mut q = qkv.columns(0..q_width);
-    let mut k = qkv.columns(q_width..q_width + kv_width);
-    let v = qkv.columns(q_width + kv_width..qkv.cols);
-    if let Some(n) = qk_norm {
-        let group = |width| if n.per_head { p.head_dim } else { width };
-        q = be.rms_norm(&q, n.q, group(q_width), n.eps)?;
-        k = be.rms_norm(&k, n.k, group(kv_width), n.eps)?;
-    }
-    rope(&mut q, &batch.positions, rope_table);
-    rope(&mut k, &batch.positions, rope_table);
-    let group = p.num_heads / p.num_kv_heads;
-    let mut out = CpuTensor::zeros(q.rows, q.cols);
-    let mut row0 = 0;
-    for s in &batch.slices {
-        let rows = row0..row0 + s.len;
-        kv.append(
-            s.seq,
-            layer,
-            s.start_pos,
-            &k.data[rows.start * kv_width..rows.end * kv_width],
-            &v.data[rows.start * kv_width..rows.end * kv_width],
+/// The operands of one [`Backend::attention`] call.
+pub(super) struct AttentionInputs<'a> {
+    pub qkv: &'a CpuTensor,
+    pub qk_norm: Option<QkNormWeights<'a, TensorRef>>,
+    pub rope: &'a Rope,
+    pub params: &'a AttentionParams,
+}
+
+impl AttentionInputs<'_> {
+    /// [`Backend::attention`] on the CPU.
+    pub(super) fn run(self, be: &CpuBackend, kv: &mut HostKv, layer: usize, batch: &CpuBatch) -> Result<CpuTensor> {
+        let AttentionInputs {
+            qkv,
+            qk_norm,
+            rope: rope_table,
+            params: p,
+        } = self;
+        let (q_width, kv_width) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
+        p.check_qkv_width(qkv.cols)?;
+        batch.expect_rows(qkv, "attention")?;
+        let cache = kv.layer_spec(layer)?;
+        check_shape(
+            p.num_kv_heads > 0 && p.num_heads.is_multiple_of(p.num_kv_heads) && cache.width() == kv_width,
+            || {
+                format!(
+                    "attention: {} heads over {} kv heads of {}, KV layer {layer} holds {} kv heads of {}",
+                    p.num_heads, p.num_kv_heads, p.head_dim, cache.num_kv_heads, cache.head_dim
+                )
+            },
         )?;
-        let (keys, values) = kv.layer(s.seq, layer)?;
-        let out_rows = &mut out.data[rows.start * q.cols..rows.end * q.cols];
-        out_rows.par_chunks_mut(p.head_dim).enumerate().for_each(|(i, o)| {
-            let (t, h) = (i / p.num_heads, i % p.num_heads);
-            let pos = s.start_pos + t;
-            let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let kh = h / group;
-            let qh = &q.row(row0 + t)[h * p.head_dim..(h + 1) * p.head_dim];
-            let scores: Vec<f32> = (first..=pos)
-                .map(|j| {
-                    let kj = &keys[j * kv_width + kh * p.head_dim..][..p.head_dim];
-                    dot(qh, kj) * p.scale
-                })
-                .collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-            let total: f32 = exps.iter().sum();
-            for (j, e) in (first..=pos).zip(&exps) {
-                let vj = &values[j * kv_width + kh * p.head_dim..][..p.head_dim];
-                let w = e / total;
-                o.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
-            }
-        });
-        row0 = rows.end;
+        check_shape(
+            rope_table.head_dim == p.head_dim && rope_table.rotary_dim <= p.head_dim,
+            || {
+                format!(
+                    "attention: RoPE over {} of {} features, heads of {}",
+                    rope_table.rotary_dim, rope_table.head_dim, p.head_dim
+                )
+            },
+        )?;
+        let mut q = qkv.columns(0..q_width);
+        let mut k = qkv.columns(q_width..q_width + kv_width);
+        let v = qkv.columns(q_width + kv_width..qkv.cols);
+        if let Some(n) = qk_norm {
+            let group = |width| if n.per_head { p.head_dim } else { width };
+            q = be.rms_norm(&q, n.q, group(q_width), n.eps)?;
+            k = be.rms_norm(&k, n.k, group(kv_width), n.eps)?;
+        }
+        rope(&mut q, &batch.positions, rope_table);
+        rope(&mut k, &batch.positions, rope_table);
+        let group = p.num_heads / p.num_kv_heads;
+        let mut out = CpuTensor::zeros(q.rows, q.cols);
+        let mut row0 = 0;
+        for s in &batch.slices {
+            let rows = row0..row0 + s.len;
+            kv.append(
+                s.seq,
+                layer,
+                s.start_pos,
+                &k.data[rows.start * kv_width..rows.end * kv_width],
+                &v.data[rows.start * kv_width..rows.end * kv_width],
+            )?;
+            let (keys, values) = kv.layer(s.seq, layer)?;
+            let out_rows = &mut out.data[rows.start * q.cols..rows.end * q.cols];
+            out_rows.par_chunks_mut(p.head_dim).enumerate().for_each(|(i, o)| {
+                let (t, h) = (i / p.num_heads, i % p.num_heads);
+                let pos = s.start_pos + t;
+                let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let kh = h / group;
+                let qh = &q.row(row0 + t)[h * p.head_dim..(h + 1) * p.head_dim];
+                let scores: Vec<f32> = (first..=pos)
+                    .map(|j| {
+                        let kj = &keys[j * kv_width + kh * p.head_dim..][..p.head_dim];
+                        dot(qh, kj) * p.scale
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f32 = exps.iter().sum();
+                for (j, e) in (first..=pos).zip(&exps) {
+                    let vj = &values[j * kv_width + kh * p.head_dim..][..p.head_dim];
+                    let w = e / total;
+                    o.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
+                }
+            });
+            row0 = rows.end;
+        }
+        Ok(out)
     }
-    Ok(out)
 }
 
 #[cfg(test)]

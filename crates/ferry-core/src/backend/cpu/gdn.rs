@@ -128,138 +128,149 @@ fn delta_rule_head_chunked<'a>(
     out
 }
 
-/// [`crate::backend::Backend::causal_conv1d`] on the CPU.
-pub(super) fn causal_conv1d(
-    x: &CpuTensor,
-    weight: &TensorRef,
-    kv: &mut HostKv,
-    layer: usize,
-    batch: &CpuBatch,
-) -> Result<CpuTensor> {
-    let &[channels, kernel] = weight.shape.as_slice() else {
-        return Err(Error::Shape(format!(
-            "causal_conv1d: {} of shape {:?}",
-            weight.name, weight.shape
-        )));
-    };
-    check_shape(x.cols == channels && kernel > 0, || {
-        format!("causal_conv1d: {} channels, weight [{channels}, {kernel}]", x.cols)
-    })?;
-    batch.expect_rows(x, "causal_conv1d")?;
-    let w = weight.to_f32_vec();
-    let history = kernel - 1;
-    let mut out = CpuTensor::zeros(x.rows, channels);
-    let mut row0 = 0;
-    for s in &batch.slices {
-        let state = kv.recurrent(s.seq, layer)?;
-        RecurrentLayer::check_continues(state.conv_tokens, s.start_pos, "conv")?;
-        check_shape(state.conv.len() == history * channels, || {
-            format!(
-                "causal_conv1d: a conv state of {} for [{history}, {channels}]",
-                state.conv.len()
-            )
-        })?;
-        // The state's rows, then this slice's: row j of `window` is the input at position start - history + j.
-        let mut window = state.conv.clone();
-        window.extend_from_slice(&x.data[row0 * channels..(row0 + s.len) * channels]);
-        out.data[row0 * channels..(row0 + s.len) * channels]
-            .par_chunks_mut(channels)
-            .enumerate()
-            .for_each(|(t, y)| {
-                for (c, y) in y.iter_mut().enumerate() {
-                    let taps = &w[c * kernel..(c + 1) * kernel];
-                    let sum: f32 = taps
-                        .iter()
-                        .enumerate()
-                        .map(|(j, &wj)| wj * window[(t + j) * channels + c])
-                        .sum();
-                    *y = silu(sum);
-                }
-            });
-        state.conv = window[window.len() - history * channels..].to_vec();
-        state.conv_tokens += s.len;
-        row0 += s.len;
-    }
-    Ok(out)
+/// The operands of one [`crate::backend::Backend::causal_conv1d`] call.
+pub(super) struct ConvInputs<'a> {
+    pub x: &'a CpuTensor,
+    pub weight: &'a TensorRef,
 }
 
-/// [`crate::backend::Backend::gated_delta_rule`] on the CPU, in parallel over value heads; per slice token by token, or in chunks from [`DELTA_RULE_CHUNKED_MIN_LEN`]
-/// tokens on (prefill), as the GPU does. The two forms cost the CPU about the same multiply-adds (`4 dk dv` per
-/// token and head, on a state that stays in cache); the chunked one is here to be the GPU's reference.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn gated_delta_rule(
-    qkv: &CpuTensor,
-    a: &CpuTensor,
-    b: &CpuTensor,
-    a_log: &TensorRef,
-    dt_bias: &TensorRef,
-    kv: &mut HostKv,
-    layer: usize,
-    batch: &CpuBatch,
-    p: &DeltaRuleParams,
-) -> Result<CpuTensor> {
-    let (dk, dv, hv) = (p.k_head_dim, p.v_head_dim, p.num_v_heads);
-    let key_dim = p.num_k_heads * dk;
-    check_shape(
-        p.num_k_heads > 0 && hv.is_multiple_of(p.num_k_heads) && qkv.cols == 2 * key_dim + hv * dv,
-        || format!("gated_delta_rule: {} features for {p:?}", qkv.cols),
-    )?;
-    for (gate, name) in [(a, "a"), (b, "b")] {
-        check_shape(gate.rows == qkv.rows && gate.cols == hv, || {
-            format!(
-                "gated_delta_rule: {name} is [{}, {}], expected [{}, {hv}]",
-                gate.rows, gate.cols, qkv.rows
-            )
+impl ConvInputs<'_> {
+    /// The convolution on the CPU, each sequence's slice after the inputs its conv state holds.
+    pub(super) fn run(self, kv: &mut HostKv, layer: usize, batch: &CpuBatch) -> Result<CpuTensor> {
+        let ConvInputs { x, weight } = self;
+        let &[channels, kernel] = weight.shape.as_slice() else {
+            return Err(Error::Shape(format!(
+                "causal_conv1d: {} of shape {:?}",
+                weight.name, weight.shape
+            )));
+        };
+        check_shape(x.cols == channels && kernel > 0, || {
+            format!("causal_conv1d: {} channels, weight [{channels}, {kernel}]", x.cols)
         })?;
-    }
-    check_vector(a_log, hv, "gated_delta_rule")?;
-    check_vector(dt_bias, hv, "gated_delta_rule")?;
-    batch.expect_rows(qkv, "gated_delta_rule")?;
-    let per_key_head = hv / p.num_k_heads;
-    let scale = 1.0 / (dk as f32).sqrt();
-    let (a_log, dt_bias) = (a_log.to_f32_vec(), dt_bias.to_f32_vec());
-    let mut out = CpuTensor::zeros(qkv.rows, hv * dv);
-    let mut row0 = 0;
-    for s in &batch.slices {
-        let state = kv.recurrent(s.seq, layer)?;
-        RecurrentLayer::check_continues(state.delta_tokens, s.start_pos, "delta-rule")?;
-        check_shape(state.delta.len() == hv * dk * dv, || {
-            format!("gated_delta_rule: a state of {} for {p:?}", state.delta.len())
-        })?;
-        let heads: Vec<Vec<f32>> = state
-            .delta
-            .par_chunks_mut(dk * dv)
-            .enumerate()
-            .map(|(h, state)| {
-                let i = h / per_key_head;
-                let token = |t| {
-                    let r = row0 + t;
-                    let row = qkv.row(r);
-                    let q = l2_normalized(&row[i * dk..(i + 1) * dk]);
-                    DeltaToken {
-                        q: q.iter().map(|x| x * scale).collect(),
-                        k: l2_normalized(&row[key_dim + i * dk..key_dim + (i + 1) * dk]),
-                        v: &row[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv],
-                        g: -a_log[h].exp() * softplus(a.row(r)[h] + dt_bias[h]),
-                        beta: sigmoid(b.row(r)[h]),
+        batch.expect_rows(x, "causal_conv1d")?;
+        let w = weight.to_f32_vec();
+        let history = kernel - 1;
+        let mut out = CpuTensor::zeros(x.rows, channels);
+        let mut row0 = 0;
+        for s in &batch.slices {
+            let state = kv.recurrent(s.seq, layer)?;
+            RecurrentLayer::check_continues(state.conv_tokens, s.start_pos, "conv")?;
+            check_shape(state.conv.len() == history * channels, || {
+                format!(
+                    "causal_conv1d: a conv state of {} for [{history}, {channels}]",
+                    state.conv.len()
+                )
+            })?;
+            // The state's rows, then this slice's: row j of `window` is the input at position start - history + j.
+            let mut window = state.conv.clone();
+            window.extend_from_slice(&x.data[row0 * channels..(row0 + s.len) * channels]);
+            out.data[row0 * channels..(row0 + s.len) * channels]
+                .par_chunks_mut(channels)
+                .enumerate()
+                .for_each(|(t, y)| {
+                    for (c, y) in y.iter_mut().enumerate() {
+                        let taps = &w[c * kernel..(c + 1) * kernel];
+                        let sum: f32 = taps
+                            .iter()
+                            .enumerate()
+                            .map(|(j, &wj)| wj * window[(t + j) * channels + c])
+                            .sum();
+                        *y = silu(sum);
                     }
-                };
-                if s.len >= DELTA_RULE_CHUNKED_MIN_LEN {
-                    delta_rule_head_chunked(state, s.len, dv, token)
-                } else {
-                    delta_rule_head(state, s.len, dv, token)
-                }
-            })
-            .collect();
-        for (h, head) in heads.iter().enumerate() {
-            for (t, o) in head.chunks(dv).enumerate() {
-                out.data[(row0 + t) * hv * dv + h * dv..][..dv].copy_from_slice(o);
-            }
+                });
+            state.conv = window[window.len() - history * channels..].to_vec();
+            state.conv_tokens += s.len;
+            row0 += s.len;
         }
-        state.delta_tokens += s.len;
-        row0 += s.len;
+        Ok(out)
     }
-    Ok(out)
+}
+
+/// The operands of one [`crate::backend::Backend::gated_delta_rule`] call.
+pub(super) struct DeltaRuleInputs<'a> {
+    pub qkv: &'a CpuTensor,
+    pub a: &'a CpuTensor,
+    pub b: &'a CpuTensor,
+    pub a_log: &'a TensorRef,
+    pub dt_bias: &'a TensorRef,
+}
+
+impl DeltaRuleInputs<'_> {
+    /// The delta rule on the CPU, in parallel over value heads; per slice token by token, or in chunks from
+    /// [`DELTA_RULE_CHUNKED_MIN_LEN`] tokens on (prefill), as the GPU does. The two forms cost the CPU about the
+    /// same multiply-adds (`4 dk dv` per token and head, on a state that stays in cache); the chunked one is here
+    /// to be the GPU's reference.
+    pub(super) fn run(self, kv: &mut HostKv, layer: usize, batch: &CpuBatch, p: &DeltaRuleParams) -> Result<CpuTensor> {
+        let DeltaRuleInputs {
+            qkv,
+            a,
+            b,
+            a_log,
+            dt_bias,
+        } = self;
+        let (dk, dv, hv) = (p.k_head_dim, p.v_head_dim, p.num_v_heads);
+        let key_dim = p.num_k_heads * dk;
+        check_shape(
+            p.num_k_heads > 0 && hv.is_multiple_of(p.num_k_heads) && qkv.cols == 2 * key_dim + hv * dv,
+            || format!("gated_delta_rule: {} features for {p:?}", qkv.cols),
+        )?;
+        for (gate, name) in [(a, "a"), (b, "b")] {
+            check_shape(gate.rows == qkv.rows && gate.cols == hv, || {
+                format!(
+                    "gated_delta_rule: {name} is [{}, {}], expected [{}, {hv}]",
+                    gate.rows, gate.cols, qkv.rows
+                )
+            })?;
+        }
+        check_vector(a_log, hv, "gated_delta_rule")?;
+        check_vector(dt_bias, hv, "gated_delta_rule")?;
+        batch.expect_rows(qkv, "gated_delta_rule")?;
+        let per_key_head = hv / p.num_k_heads;
+        let scale = 1.0 / (dk as f32).sqrt();
+        let (a_log, dt_bias) = (a_log.to_f32_vec(), dt_bias.to_f32_vec());
+        let mut out = CpuTensor::zeros(qkv.rows, hv * dv);
+        let mut row0 = 0;
+        for s in &batch.slices {
+            let state = kv.recurrent(s.seq, layer)?;
+            RecurrentLayer::check_continues(state.delta_tokens, s.start_pos, "delta-rule")?;
+            check_shape(state.delta.len() == hv * dk * dv, || {
+                format!("gated_delta_rule: a state of {} for {p:?}", state.delta.len())
+            })?;
+            let heads: Vec<Vec<f32>> = state
+                .delta
+                .par_chunks_mut(dk * dv)
+                .enumerate()
+                .map(|(h, state)| {
+                    let i = h / per_key_head;
+                    let token = |t| {
+                        let r = row0 + t;
+                        let row = qkv.row(r);
+                        let q = l2_normalized(&row[i * dk..(i + 1) * dk]);
+                        DeltaToken {
+                            q: q.iter().map(|x| x * scale).collect(),
+                            k: l2_normalized(&row[key_dim + i * dk..key_dim + (i + 1) * dk]),
+                            v: &row[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv],
+                            g: -a_log[h].exp() * softplus(a.row(r)[h] + dt_bias[h]),
+                            beta: sigmoid(b.row(r)[h]),
+                        }
+                    };
+                    if s.len >= DELTA_RULE_CHUNKED_MIN_LEN {
+                        delta_rule_head_chunked(state, s.len, dv, token)
+                    } else {
+                        delta_rule_head(state, s.len, dv, token)
+                    }
+                })
+                .collect();
+            for (h, head) in heads.iter().enumerate() {
+                for (t, o) in head.chunks(dv).enumerate() {
+                    out.data[(row0 + t) * hv * dv + h * dv..][..dv].copy_from_slice(o);
+                }
+            }
+            state.delta_tokens += s.len;
+            row0 += s.len;
+        }
+        Ok(out)
+    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use super::{
     batch_positions, check_upload, AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors,
-    QkNormWeights, Rope, RouterKind, SeqSlice,
+    QkNormWeights, Rope, Router, RouterKind, SeqSlice,
 };
 use crate::kv::{HostKv, KvSpec};
 use crate::loader::{DType, TensorRef};
@@ -305,7 +305,13 @@ impl Backend for CpuBackend {
         batch: &CpuBatch,
         params: &AttentionParams,
     ) -> Result<CpuTensor> {
-        attention::attention(self, qkv, qk_norm, rope, kv, layer, batch, params)
+        let inputs = attention::AttentionInputs {
+            qkv,
+            qk_norm,
+            rope,
+            params,
+        };
+        inputs.run(self, kv, layer, batch)
     }
 
     fn causal_conv1d(
@@ -316,7 +322,7 @@ impl Backend for CpuBackend {
         layer: usize,
         batch: &CpuBatch,
     ) -> Result<CpuTensor> {
-        gdn::causal_conv1d(x, weight, kv, layer, batch)
+        gdn::ConvInputs { x, weight }.run(kv, layer, batch)
     }
 
     fn gated_delta_rule(
@@ -331,17 +337,18 @@ impl Backend for CpuBackend {
         batch: &CpuBatch,
         params: &DeltaRuleParams,
     ) -> Result<CpuTensor> {
-        gdn::gated_delta_rule(qkv, a, b, a_log, dt_bias, kv, layer, batch, params)
+        let inputs = gdn::DeltaRuleInputs {
+            qkv,
+            a,
+            b,
+            a_log,
+            dt_bias,
+        };
+        inputs.run(kv, layer, batch, params)
     }
 
-    fn route(
-        &self,
-        logits: &CpuTensor,
-        top_k: usize,
-        kind: RouterKind,
-        correction_bias: Option<&TensorRef>,
-    ) -> Result<Routing> {
-        moe::route(logits, top_k, kind, correction_bias)
+    fn route(&self, logits: &CpuTensor, router: Router<'_, TensorRef>) -> Result<Routing> {
+        moe::route(logits, router)
     }
 
     fn routing_to_host(&self, routing: &Routing) -> Result<Vec<u32>> {

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::{check_shape, check_vector, matmul, sigmoid, silu, CpuTensor};
-use crate::backend::{ExpertActivation, ExpertTensors, RouterKind};
+use crate::backend::{ExpertActivation, ExpertTensors, Router, RouterKind};
 use crate::loader::TensorRef;
 use crate::{Error, Result};
 
@@ -23,12 +23,12 @@ fn rank(ranked: &mut [usize], score: impl Fn(usize) -> f32) {
 }
 
 /// [`crate::backend::Backend::route`] on the CPU.
-pub(super) fn route(
-    logits: &CpuTensor,
-    top_k: usize,
-    kind: RouterKind,
-    correction_bias: Option<&TensorRef>,
-) -> Result<Routing> {
+pub(super) fn route(logits: &CpuTensor, router: Router<'_, TensorRef>) -> Result<Routing> {
+    let Router {
+        kind,
+        top_k,
+        correction_bias,
+    } = router;
     let experts = logits.cols;
     kind.check(experts, top_k)
         .map_err(|e| Error::Shape(format!("route: {e}")))?;
@@ -303,7 +303,12 @@ mod tests {
         let logits = [2.0f32, 0.0, 1.0, 1.0, -1.0, -1.0, 0.0, -3.0];
         let bias = [-1.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9];
         let bias_ref = TensorRef::from_f32("bias", vec![8], &bias).unwrap();
-        let routing = route(&tensor(1, 8, logits.to_vec()), 2, kind, Some(&bias_ref)).unwrap();
+        let router = |top_k, correction_bias| Router {
+            kind,
+            top_k,
+            correction_bias,
+        };
+        let routing = route(&tensor(1, 8, logits.to_vec()), router(2, Some(&bias_ref))).unwrap();
         let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
         // Group scores: g0 = s(2) - 1 + s(0) = 0.38, g1 = 2 s(1) = 1.46, g2 = 2 s(-1) = 0.54, g3 = s(0) + s(-3) +
         // 0.9 = 1.45. Kept: g1 and g3; by biased score: expert 7 (0.947), then 2 and 3 (0.731, the lower id first).
@@ -330,7 +335,12 @@ mod tests {
         let logits: Vec<f32> = (0..rows * experts).map(|_| random()).collect();
         let bias: Vec<f32> = (0..experts).map(|_| random() / 8.0).collect();
         let bias_ref = TensorRef::from_f32("bias", vec![experts], &bias).unwrap();
-        let routing = route(&tensor(rows, experts, logits.clone()), 6, kind, Some(&bias_ref)).unwrap();
+        let router = |correction_bias| Router {
+            kind,
+            top_k: 6,
+            correction_bias,
+        };
+        let routing = route(&tensor(rows, experts, logits.clone()), router(Some(&bias_ref))).unwrap();
         for r in 0..rows {
             let want = reference_grouped(&logits[r * experts..(r + 1) * experts], &bias, 6, 8, 3);
             for (k, (id, weight)) in want.into_iter().enumerate() {
@@ -340,7 +350,7 @@ mod tests {
         }
         assert!(
             matches!(
-                route(&tensor(rows, experts, logits), 6, kind, None),
+                route(&tensor(rows, experts, logits), router(None)),
                 Err(Error::Shape(_))
             ),
             "the grouped router needs its correction bias"

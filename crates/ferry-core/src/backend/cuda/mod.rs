@@ -22,8 +22,8 @@ use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, RouterKind,
-    SeqSlice,
+    check_upload, AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope,
+    Router, RouterKind, SeqSlice,
 };
 use crate::kv::KvSpec;
 use crate::loader::{DType, TensorRef};
@@ -778,12 +778,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
-        if data.len() != rows * cols {
-            return Err(Error::Request(format!(
-                "{} values for a [{rows}, {cols}] tensor",
-                data.len()
-            )));
-        }
+        check_upload(data.len(), rows, cols)?;
         Ok(CudaTensor {
             data: self.copy_to_device(data)?,
             rows,
@@ -956,15 +951,9 @@ impl Backend for CudaBackend {
         self.attend(&q, kv, layer, batch, p)
     }
 
-    fn route(
-        &self,
-        logits: &CudaTensor,
-        top_k: usize,
-        kind: RouterKind,
-        _correction_bias: Option<&CudaWeight>,
-    ) -> Result<CudaRouting> {
-        let RouterKind::SoftmaxTopK { renormalize } = kind else {
-            return Err(no_router_for(kind));
+    fn route(&self, logits: &CudaTensor, router: Router<'_, CudaWeight>) -> Result<CudaRouting> {
+        let (top_k, RouterKind::SoftmaxTopK { renormalize }) = (router.top_k, router.kind) else {
+            return Err(no_router_for(router.kind));
         };
         if logits.cols > 512 {
             return Err(Error::Cuda(format!(
