@@ -319,7 +319,6 @@ impl QwenMoeConfig {
         let mut spec = base.spec(model_type)?;
         for (i, layer) in spec.layers.iter_mut().enumerate() {
             let sparse = !self.mlp_only_layers.contains(&i)
-                && moe.num_experts > 0
                 && self.decoder_sparse_step > 0
                 && (i + 1) % self.decoder_sparse_step == 0;
             if !sparse {

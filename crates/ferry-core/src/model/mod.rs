@@ -1,5 +1,7 @@
-//! Model families, one file each, mapping their config.json onto a [`ModelSpec`]; the decoder they share is
-//! [`Model`], built from [`layers`] and written once against [`Backend`].
+//! Model families, one file each, mapping their config.json onto a [`ModelSpec`] (the model's layers one by one:
+//! each one's token mixer with its attention window, and its feed-forward block; the router kind and expert
+//! activation of its MoE block); the decoder they share is [`Model`], built from [`layers`] and written once
+//! against [`Backend`].
 
 pub mod config;
 pub mod info;

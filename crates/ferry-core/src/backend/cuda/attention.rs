@@ -157,7 +157,7 @@ impl CudaBackend {
         };
         let partial_out: CudaSlice<f32> = self.alloc(partials * p.head_dim)?;
         let partial_stats: CudaSlice<f32> = self.alloc(partials * 2)?;
-        let (k_pool, v_pool) = kv.layer_pools(layer);
+        let (k_pool, v_pool) = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
         let (heads, kv_heads, head_dim) = (p.num_heads as i32, p.num_kv_heads as i32, p.head_dim as i32);
         let window = p.sliding_window.unwrap_or(0) as i32;
         let (split_len, splits_count) = (splits.len as i32, splits.count as i32);

@@ -129,8 +129,16 @@ impl DeviceKv {
         self.blocks.block_size()
     }
 
-    pub(super) fn layer_pools(&self, layer: usize) -> (&CudaSlice<f32>, &CudaSlice<f32>) {
-        (&self.keys[layer], &self.values[layer])
+    /// Attention layer `layer`'s key and value pools, which must hold rows of `width` (kv heads times head_dim).
+    pub(super) fn layer_pools(&self, layer: usize, width: usize) -> Result<(&CudaSlice<f32>, &CudaSlice<f32>)> {
+        let rows = self.blocks.num_blocks() * BLOCK_SIZE;
+        match (self.keys.get(layer), self.values.get(layer)) {
+            (Some(keys), Some(values)) if keys.len() == rows * width => Ok((keys, values)),
+            _ => Err(Error::Shape(format!(
+                "attention: KV layer {layer} of {} does not hold rows of {width}",
+                self.keys.len()
+            ))),
+        }
     }
 
     /// Takes the blocks the batch's new tokens need (all or none) and uploads the batch's metadata.

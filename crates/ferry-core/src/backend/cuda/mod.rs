@@ -708,14 +708,11 @@ impl Backend for CudaBackend {
     }
 
     fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<CudaExperts> {
-        if activation != ExpertActivation::SiluGlu || experts.iter().any(ExpertTensors::has_bias) {
+        let biased = experts.iter().any(ExpertTensors::has_bias);
+        if activation != ExpertActivation::SiluGlu || biased {
+            let biases = if biased { " with biases" } else { "" };
             return Err(Error::Config(format!(
-                "the CUDA backend runs SiLU-gated experts without biases only, not {activation:?}{}",
-                if experts.iter().any(ExpertTensors::has_bias) {
-                    " with biases"
-                } else {
-                    ""
-                }
+                "the CUDA backend has no expert kernels for {activation:?}{biases} yet (the CPU backend has)"
             )));
         }
         let first = experts
@@ -916,7 +913,7 @@ impl Backend for CudaBackend {
         let q_width = p.num_heads * p.head_dim;
         p.check_qkv_width(qkv.cols)?;
         let q = self.tensor(qkv.rows, q_width)?;
-        let (k_pool, v_pool) = kv.layer_pools(layer);
+        let (k_pool, v_pool) = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
         let null = 0u64;
         let (q_norm, k_norm) = match &qk_norm {
             Some(n) => (self.address(self.vector(n.q)?), self.address(self.vector(n.k)?)),
