@@ -59,16 +59,17 @@ use std::sync::OnceLock;
 
 use crate::{Error, Result};
 
-/// Builds the [`Kernels`] table of a block kernel generic over `<R, T>` (used by the kernel files).
+/// Builds the [`Kernels`] table of a block kernel generic over `<R, T>` (used by the kernel files); `f<G>` passes
+/// `G` as the kernel's first generic argument, before `R` and `T`.
 macro_rules! kernel_table {
-    ($name:expr, $fmt:expr, $($f:ident)::+, rows = $r:literal, tokens = $t:literal) => {
+    ($name:expr, $fmt:expr, $f:ident $(<$g:ident>)?, rows = $r:literal, tokens = $t:literal) => {
         Kernels {
             name: $name,
             x_format: $fmt,
             rows: $r,
             tokens: $t,
-            multi: [$($f)::+::<$r, 1>, $($f)::+::<$r, 2>, $($f)::+::<$r, 3>, $($f)::+::<$r, 4>],
-            single: [$($f)::+::<1, 1>, $($f)::+::<1, 2>, $($f)::+::<1, 3>, $($f)::+::<1, 4>],
+            multi: [$f::<$($g,)? $r, 1>, $f::<$($g,)? $r, 2>, $f::<$($g,)? $r, 3>, $f::<$($g,)? $r, 4>],
+            single: [$f::<$($g,)? 1, 1>, $f::<$($g,)? 1, 2>, $f::<$($g,)? 1, 3>, $f::<$($g,)? 1, 4>],
         }
     };
 }

@@ -22,9 +22,10 @@ unsafe fn load<const D: u8>(p: *const u8, i: usize) -> f32 {
     }
 }
 
+/// The block kernel for weights of dtype `D`.
+///
 /// # Safety
 /// See [`super::BlockFn`]; `x` holds f32 values aligned to 4 bytes.
-#[inline(always)]
 unsafe fn block<const D: u8, const R: usize, const T: usize>(
     w: *const u8,
     ws: usize,
@@ -65,45 +66,6 @@ unsafe fn block<const D: u8, const R: usize, const T: usize>(
     }
 }
 
-/// # Safety
-/// See [`super::BlockFn`].
-unsafe fn block_f32<const R: usize, const T: usize>(
-    w: *const u8,
-    ws: usize,
-    x: *const u8,
-    xs: usize,
-    k: usize,
-    res: &mut Block,
-) {
-    block::<F32, R, T>(w, ws, x, xs, k, res)
-}
-
-/// # Safety
-/// See [`super::BlockFn`].
-unsafe fn block_f16<const R: usize, const T: usize>(
-    w: *const u8,
-    ws: usize,
-    x: *const u8,
-    xs: usize,
-    k: usize,
-    res: &mut Block,
-) {
-    block::<F16, R, T>(w, ws, x, xs, k, res)
-}
-
-/// # Safety
-/// See [`super::BlockFn`].
-unsafe fn block_bf16<const R: usize, const T: usize>(
-    w: *const u8,
-    ws: usize,
-    x: *const u8,
-    xs: usize,
-    k: usize,
-    res: &mut Block,
-) {
-    block::<BF16, R, T>(w, ws, x, xs, k, res)
-}
-
-pub(super) static F32_KERNELS: Kernels = kernel_table!("scalar f32", XFormat::F32, block_f32, rows = 1, tokens = 4);
-pub(super) static F16_KERNELS: Kernels = kernel_table!("scalar f16", XFormat::F32, block_f16, rows = 1, tokens = 4);
-pub(super) static BF16_KERNELS: Kernels = kernel_table!("scalar bf16", XFormat::F32, block_bf16, rows = 1, tokens = 4);
+pub(super) static F32_KERNELS: Kernels = kernel_table!("scalar f32", XFormat::F32, block<F32>, rows = 1, tokens = 4);
+pub(super) static F16_KERNELS: Kernels = kernel_table!("scalar f16", XFormat::F32, block<F16>, rows = 1, tokens = 4);
+pub(super) static BF16_KERNELS: Kernels = kernel_table!("scalar bf16", XFormat::F32, block<BF16>, rows = 1, tokens = 4);
