@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
-use ferry_core::backend::cpu::{gemv, CpuBackend};
+use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::CudaBackend;
 use ferry_core::engine::MAX_BATCH_TOKENS;
 use ferry_core::loader::Checkpoint;
@@ -121,9 +121,9 @@ pub fn open_backend(
     offload: &OffloadArgs,
     checkpoint: &Checkpoint,
 ) -> Result<(Backends, Option<MemoryPlan>)> {
-    // The CPU kernels cannot return errors, so their path (FERRY_GEMV_ISA) is checked here, on every device: the
-    // CPU lane runs them beside the GPU too.
-    gemv::check_isa_env()?;
+    // FERRY_GEMV_ISA picks the CPU kernels' path; they cannot return an error, so a bad value is reported here,
+    // whatever the device.
+    ferry_core::backend::cpu::gemv::check_isa_env()?;
     let cuda = match device {
         Device::Cpu => None,
         Device::Cuda => Some(CudaBackend::new(0).context("--device cuda")?),
