@@ -1,6 +1,6 @@
 //! The `scalar` path: portable kernels for any architecture, 8 independent partial sums per dot product (plain
-//! Rust that the compiler may vectorize for the target's baseline). The reference order the SIMD paths are
-//! compared with, and the fallback where no SIMD path is available.
+//! Rust that the compiler may vectorize for the target's baseline). The path where no SIMD path is available,
+//! and the only one outside x86-64.
 
 use super::{Block, Kernels, XFormat};
 
