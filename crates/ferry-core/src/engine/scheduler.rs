@@ -116,7 +116,7 @@ struct Sequence {
     detokenizer: Detokenizer,
     stop_strings: StopStrings,
     sink: EventSink,
-    /// Runs in a batch of its own: a batch it was in failed.
+    /// Runs in a batch of its own, until it has recomputed its tokens: a batch it was in failed.
     solo: bool,
 }
 
@@ -418,6 +418,8 @@ impl<E: Executor> Scheduler<E> {
                 report.prefill_tokens += len;
                 continue;
             }
+            // Recomputed alone up to its next token, it is not what failed the batch: back to the shared batch.
+            seq.solo = false;
             if len == 1 {
                 report.decode_tokens += 1;
             } else {
@@ -824,6 +826,23 @@ mod tests {
             assert!(s.executor.kv.is_empty());
             assert_eq!(s.stats().kv_blocks_used, 0);
         }
+    }
+
+    #[test]
+    fn after_a_failed_batch_the_healthy_requests_are_batched_together_again() {
+        let mut s = scheduler(3, 64, 16);
+        let good = submit(&mut s, 0, request(&[1, 2], 6));
+        let bad = submit(&mut s, 1, request(&[3, FAILS], 6));
+        let other = submit(&mut s, 2, request(&[5], 6));
+        run_to_idle(&mut s);
+        assert!(matches!(outcome(&bad).1, Event::Failed { .. }));
+        assert_eq!(outcome(&good).0, alone(&[1, 2], 6));
+        assert_eq!(outcome(&other).0, alone(&[5], 6));
+        // The batch of three failed; each member was recomputed alone (the bad one failing), then the two healthy
+        // ones decode side by side again instead of one after the other.
+        let mut expected = vec![vec![2], vec![1]];
+        expected.extend(std::iter::repeat_n(vec![1, 1], 5));
+        assert_eq!(s.executor.batches, expected);
     }
 
     #[test]
