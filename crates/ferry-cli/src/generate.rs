@@ -105,21 +105,17 @@ fn generate_on<B: Backend>(
 
     let defaults = &checkpoint.generation;
     let request = Request {
-        prompt_ids: prompt_ids.clone(),
-        max_tokens: args.max_tokens,
         sampling: SamplingParams {
             temperature: args.temperature.or(defaults.temperature).unwrap_or(0.0),
             top_p: args.top_p.or(defaults.top_p).unwrap_or(1.0),
             top_k: args.top_k.or(defaults.top_k),
             seed: args.seed,
         },
-        presence_penalty: 0.0,
-        frequency_penalty: 0.0,
-        stop_strings: Vec::new(),
         stop: StopRules {
             eos_token_ids: checkpoint.eos_token_ids(),
             ignore_eos: args.ignore_eos,
         },
+        ..Request::new(prompt_ids.clone(), args.max_tokens)
     };
     // This request's context: its prompt and output, within the model's window.
     let max_model_len = model

@@ -8,9 +8,7 @@ use std::sync::{mpsc, Arc};
 
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
-use ferry_core::engine::{
-    Event, ModelExecutor, Request, RequestId, SamplingParams, Scheduler, SchedulerConfig, StopRules,
-};
+use ferry_core::engine::{Event, ModelExecutor, Request, RequestId, Scheduler, SchedulerConfig};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::Model;
 
@@ -52,18 +50,8 @@ fn scheduled(
         .enumerate()
         .map(|(i, prompt_ids)| {
             let (tx, rx) = mpsc::channel();
-            let request = Request {
-                prompt_ids: prompt_ids.clone(),
-                max_tokens: MAX_TOKENS,
-                sampling: SamplingParams::default(),
-                presence_penalty: 0.0,
-                frequency_penalty: 0.0,
-                stop_strings: vec![],
-                stop: StopRules {
-                    eos_token_ids: vec![],
-                    ignore_eos: true,
-                },
-            };
+            // Greedy, with no eos ids: every request generates MAX_TOKENS tokens.
+            let request = Request::new(prompt_ids.clone(), MAX_TOKENS);
             scheduler
                 .submit(RequestId(i as u64), request, Box::new(move |e| tx.send(e).is_ok()))
                 .unwrap();

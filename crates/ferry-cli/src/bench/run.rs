@@ -8,9 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use ferry_core::backend::Backend;
-use ferry_core::engine::{
-    Event, Executor, ModelExecutor, NoText, Request, RequestId, SamplingParams, Scheduler, SchedulerConfig, StopRules,
-};
+use ferry_core::engine::{Event, Executor, ModelExecutor, NoText, Request, RequestId, Scheduler, SchedulerConfig};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{Model, ModelInfo};
 
@@ -52,22 +50,11 @@ struct Phase {
 }
 
 impl Phase {
-    /// Submits one greedy request per prompt, each to generate `max_tokens` tokens (eos ignored).
+    /// Submits one greedy request per prompt, each to generate `max_tokens` tokens (no eos ids: never less).
     fn submit<E: Executor>(scheduler: &mut Scheduler<E>, prompts: &[Vec<u32>], max_tokens: usize) -> Result<Self> {
         let (sink, events) = mpsc::channel();
         for (i, prompt) in prompts.iter().enumerate() {
-            let request = Request {
-                prompt_ids: prompt.clone(),
-                max_tokens,
-                sampling: SamplingParams::default(),
-                presence_penalty: 0.0,
-                frequency_penalty: 0.0,
-                stop_strings: Vec::new(),
-                stop: StopRules {
-                    eos_token_ids: Vec::new(),
-                    ignore_eos: true,
-                },
-            };
+            let request = Request::new(prompt.clone(), max_tokens);
             let sink = sink.clone();
             scheduler.submit(
                 RequestId(i as u64),

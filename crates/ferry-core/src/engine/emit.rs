@@ -3,6 +3,7 @@
 //! stop strings, eos, max_tokens and the context window. One [`Emitter`] per request, kept across preemptions so
 //! that its sampler and penalties carry on. Not where the token goes (the scheduler hands it to the request's sink).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use super::request::{FinishReason, Request};
@@ -50,13 +51,16 @@ impl Emitter {
         decoder: &dyn TextDecoder,
         max_model_len: usize,
     ) -> Result<Emitted> {
-        let mut logits = logits.to_vec();
-        apply_penalties(
-            &mut logits,
-            &self.generated_counts,
-            request.presence_penalty,
-            request.frequency_penalty,
-        );
+        // Copied (a vocabulary's worth, every token) only when there are penalties to apply.
+        let mut logits = Cow::Borrowed(logits);
+        if request.presence_penalty != 0.0 || request.frequency_penalty != 0.0 {
+            apply_penalties(
+                logits.to_mut(),
+                &self.generated_counts,
+                request.presence_penalty,
+                request.frequency_penalty,
+            );
+        }
         let id = self.sampler.sample(&logits);
         tokens.push(id);
         *self.generated_counts.entry(id).or_default() += 1;
@@ -103,7 +107,6 @@ impl TextDecoder for NoText {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use crate::engine::{SamplingParams, StopRules};
 
     /// Token t reads as the letter 'a' + t.
     pub(in crate::engine) struct Letters;
@@ -117,15 +120,7 @@ pub(super) mod tests {
     const VOCAB: usize = 16;
 
     fn request(max_tokens: usize) -> Request {
-        Request {
-            prompt_ids: vec![0],
-            max_tokens,
-            sampling: SamplingParams::default(),
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            stop_strings: vec![],
-            stop: StopRules::default(),
-        }
+        Request::new(vec![0], max_tokens)
     }
 
     /// Logits that make `token` the greedy choice, with `runner_up` close behind.

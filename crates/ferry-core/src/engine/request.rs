@@ -28,6 +28,20 @@ pub struct Request {
 }
 
 impl Request {
+    /// Greedy generation of up to `max_tokens` tokens after `prompt_ids`, with no penalties, stop strings or eos
+    /// ids (set the fields to ask for them).
+    pub fn new(prompt_ids: Vec<u32>, max_tokens: usize) -> Self {
+        Request {
+            prompt_ids,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            stop_strings: Vec::new(),
+            stop: StopRules::default(),
+        }
+    }
+
     /// Rejects what no step could serve, naming the value.
     pub fn validate(&self, max_model_len: usize, vocab_size: usize) -> Result<()> {
         self.sampling.validate().map_err(Error::Request)?;
@@ -105,15 +119,7 @@ mod tests {
     use super::*;
 
     fn request(prompt: &[u32]) -> Request {
-        Request {
-            prompt_ids: prompt.to_vec(),
-            max_tokens: 1,
-            sampling: SamplingParams::default(),
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            stop_strings: vec![],
-            stop: StopRules::default(),
-        }
+        Request::new(prompt.to_vec(), 1)
     }
 
     /// The error `validate` gives, against a context window of 16 and a vocabulary of 16.
