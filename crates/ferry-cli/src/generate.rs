@@ -137,7 +137,7 @@ fn generate_on<B: Backend>(
     };
     let mut executor = ModelExecutor::new(backend, model, kv);
     executor.set_tap(recorder.as_mut().map(|r| r as &mut (dyn RoutingTap + Send)));
-    // Text is streamed only to a terminal reader; --json decodes the ids at the end.
+    // Text is streamed unless --json, which decodes the ids at the end.
     let streamed = tokenizer.as_ref().filter(|_| !args.json);
     let decoder: Arc<dyn TextDecoder> = match streamed {
         Some(tokenizer) => tokenizer.clone(),

@@ -30,9 +30,6 @@ pub trait KvCache: Send {
     /// ([`BlockAllocator::grow`]); false, taking nothing, when too few are free.
     #[must_use = "a sequence that could not grow must not be given the tokens"]
     fn grow(&mut self, seq: SeqId, tokens: usize) -> bool;
-    fn seq_len(&self, seq: SeqId) -> usize {
-        self.blocks().seq_len(seq)
-    }
 }
 
 /// A running sequence's handle into the KV cache.
@@ -214,8 +211,8 @@ mod tests {
         kv.reserve(&[(a, 0, 3)]).unwrap();
         kv.append(a, 0, 0, &[1.0; 6], &[2.0; 6]).unwrap();
         kv.append(a, 1, 0, &[1.0; 6], &[2.0; 6]).unwrap();
-        assert_eq!(kv.seq_len(a), 3);
-        assert_eq!(kv.seq_len(b), 0);
+        assert_eq!(kv.blocks().seq_len(a), 3);
+        assert_eq!(kv.blocks().seq_len(b), 0);
         assert!(
             kv.reserve(&[(a, 0, 1)]).is_err(),
             "a batch must continue the sequence where it ends"
@@ -247,6 +244,6 @@ mod tests {
         let a = kv.alloc_seq();
         let err = kv.reserve(&[(a, 0, BLOCK_SIZE + 1)]).unwrap_err();
         assert!(err.to_string().contains("full"), "{err}");
-        assert_eq!(kv.seq_len(a), 0, "a refused batch reserves nothing");
+        assert_eq!(kv.blocks().seq_len(a), 0, "a refused batch reserves nothing");
     }
 }
