@@ -121,6 +121,9 @@ pub fn open_backend(
     offload: &OffloadArgs,
     checkpoint: &Checkpoint,
 ) -> Result<(Backends, Option<MemoryPlan>)> {
+    // FERRY_GEMV_ISA picks the CPU kernels' path; they cannot return an error, so a bad value is reported here,
+    // whatever the device.
+    ferry_core::backend::cpu::gemv::check_isa_env()?;
     let cuda = match device {
         Device::Cpu => None,
         Device::Cuda => Some(CudaBackend::new(0).context("--device cuda")?),

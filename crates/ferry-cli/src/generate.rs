@@ -1,12 +1,15 @@
-//! `ferry generate`: one prompt in, its continuation out (streamed text, or one JSON object with `--json`).
+//! `ferry generate`: one prompt in, its continuation out (streamed text, or one JSON object with `--json`), through
+//! the same scheduler that serves HTTP requests, driven step by step on this thread.
 
 use std::io::Write;
+use std::sync::{mpsc, Arc};
 
 use anyhow::{bail, Context, Result};
 use ferry_core::backend::Backend;
-use ferry_core::engine::{generate_routed, GenerateRequest, SamplingParams, StopRules};
-use ferry_core::kv::KvCache;
-use ferry_core::loader::{ChatMessage, Checkpoint, Detokenizer};
+use ferry_core::engine::{
+    Event, ModelExecutor, NoText, Request, RequestId, SamplingParams, Scheduler, SchedulerConfig, StopRules,
+};
+use ferry_core::loader::{ChatMessage, Checkpoint, TextDecoder, Tokenizer};
 use ferry_core::model::{Model, ModelInfo};
 use ferry_core::moe::{RoutingTap, TraceHeader, TraceRecorder};
 
@@ -54,16 +57,19 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let checkpoint = args.model.open()?;
+    let mut checkpoint = args.model.open()?;
     let (backends, plan) = open_backend(args.device, &args.offload, &checkpoint)?;
     let step_tokens = args.offload.step_tokens(plan.as_ref());
-    crate::with_backend!(backends, be => generate_on(be, &checkpoint, &args, step_tokens))
+    let tokenizer = checkpoint.tokenizer.take().map(Arc::new);
+    crate::with_backend!(backends, be => generate_on(be, &checkpoint, tokenizer.clone(), &args, step_tokens))
 }
 
-/// `step_tokens`: prompt tokens per forward pass (what the GPU workspace was sized for).
+/// Runs the prompt through the engine's scheduler, alone. `step_tokens`: prompt tokens per forward pass (what the
+/// GPU workspace was sized for).
 fn generate_on<B: Backend>(
     backend: &B,
     checkpoint: &Checkpoint,
+    tokenizer: Option<Arc<Tokenizer>>,
     args: &GenerateArgs,
     step_tokens: usize,
 ) -> Result<()> {
@@ -80,8 +86,7 @@ fn generate_on<B: Backend>(
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(text)) => {
-            let tokenizer = checkpoint
-                .tokenizer
+            let tokenizer = tokenizer
                 .as_ref()
                 .context("--prompt needs the checkpoint's tokenizer.json; use --prompt-ids without one")?;
             if args.chat {
@@ -99,30 +104,25 @@ fn generate_on<B: Backend>(
     };
 
     let defaults = &checkpoint.generation;
-    let sampling = SamplingParams {
-        temperature: args.temperature.or(defaults.temperature).unwrap_or(0.0),
-        top_p: args.top_p.or(defaults.top_p).unwrap_or(1.0),
-        top_k: args.top_k.or(defaults.top_k),
-        seed: args.seed,
-    };
-    let request = GenerateRequest {
-        prompt_ids: prompt_ids.clone(),
-        prefill_chunk: step_tokens,
-        max_tokens: args.max_tokens,
-        sampling,
+    let request = Request {
+        sampling: SamplingParams {
+            temperature: args.temperature.or(defaults.temperature).unwrap_or(0.0),
+            top_p: args.top_p.or(defaults.top_p).unwrap_or(1.0),
+            top_k: args.top_k.or(defaults.top_k),
+            seed: args.seed,
+        },
         stop: StopRules {
             eos_token_ids: checkpoint.eos_token_ids(),
             ignore_eos: args.ignore_eos,
         },
+        ..Request::new(prompt_ids.clone(), args.max_tokens)
     };
-    let mut kv = backend.new_kv(model.kv_spec(prompt_ids.len() + args.max_tokens))?;
-    let seq = kv.alloc_seq();
-
-    let tokenizer = checkpoint.tokenizer.as_ref();
-    let mut detokenizer = tokenizer.filter(|_| !args.json).map(|t| (t, Detokenizer::new()));
-    let mut stdout = std::io::stdout().lock();
-    let mut stream_error = None;
-    let started = std::time::Instant::now();
+    // This request's context: its prompt and output, within the model's window.
+    let max_model_len = model
+        .spec
+        .max_position_embeddings
+        .min(prompt_ids.len() + args.max_tokens);
+    let kv = backend.new_kv(model.kv_spec(max_model_len))?;
     let mut recorder = match &args.record_routing {
         Some(path) => {
             let info = ModelInfo::new(&model.spec, checkpoint.weight_dtype());
@@ -135,47 +135,72 @@ fn generate_on<B: Backend>(
         }
         None => None,
     };
-    let tap = recorder.as_mut().map(|r| r as &mut dyn RoutingTap);
-    let generation = generate_routed(backend, &model, &mut kv, seq, &request, tap, |token, _| {
-        if let Some((tokenizer, detok)) = detokenizer.as_mut() {
-            match detok.push(*tokenizer, token) {
-                Ok(Some(piece)) => {
-                    let _ = write!(stdout, "{piece}");
-                    let _ = stdout.flush();
+    let mut executor = ModelExecutor::new(backend, model, kv);
+    executor.set_tap(recorder.as_mut().map(|r| r as &mut (dyn RoutingTap + Send)));
+    // Text is streamed unless --json, which decodes the ids at the end.
+    let streamed = tokenizer.as_ref().filter(|_| !args.json);
+    let decoder: Arc<dyn TextDecoder> = match streamed {
+        Some(tokenizer) => tokenizer.clone(),
+        None => Arc::new(NoText),
+    };
+    let config = SchedulerConfig {
+        max_running: 1,
+        max_queued: 0,
+        step_tokens,
+        max_model_len,
+        sampled_vocab: None,
+    };
+    let mut scheduler = Scheduler::new(config, executor, decoder)?;
+
+    let mut stdout = std::io::stdout().lock();
+    let started = std::time::Instant::now();
+    let (sink, events) = mpsc::channel();
+    scheduler.submit(RequestId(0), request, Box::new(move |e| sink.send(e).is_ok()))?;
+    let mut token_ids = Vec::new();
+    let mut finish_reason = None;
+    while !scheduler.is_idle() {
+        scheduler.step();
+        for event in events.try_iter() {
+            match event {
+                Event::Token { id, text } => {
+                    token_ids.push(id);
+                    if !text.is_empty() {
+                        let _ = write!(stdout, "{text}");
+                        let _ = stdout.flush();
+                    }
                 }
-                Ok(None) => {}
-                Err(e) => stream_error = Some(e),
+                Event::Finished { reason, .. } => finish_reason = Some(reason),
+                Event::Failed { message } => bail!(message),
             }
         }
-    })?;
-    if let Some(e) = stream_error {
-        return Err(e.into());
     }
+    drop(scheduler);
     if let Some(recorder) = recorder {
         recorder.finish()?;
     }
+    let finish_reason = finish_reason.context("the engine went idle before the request finished")?;
     let elapsed = started.elapsed().as_secs_f64();
     tracing::info!(
         "{} prompt + {} generated tokens in {elapsed:.2} s ({:.1} tok/s)",
         prompt_ids.len(),
-        generation.token_ids.len(),
-        generation.token_ids.len() as f64 / elapsed
+        token_ids.len(),
+        token_ids.len() as f64 / elapsed
     );
 
     if args.json {
-        let text = tokenizer.map(|t| t.decode(&generation.token_ids, true)).transpose()?;
+        let text = tokenizer.map(|t| t.decode(&token_ids, true)).transpose()?;
         let out = serde_json::json!({
-            "token_ids": generation.token_ids,
+            "token_ids": token_ids,
             "text": text,
             "prompt_tokens": prompt_ids.len(),
-            "completion_tokens": generation.token_ids.len(),
-            "finish_reason": generation.finish_reason.as_str(),
+            "completion_tokens": token_ids.len(),
+            "finish_reason": finish_reason.as_str(),
         });
         writeln!(stdout, "{out}")?;
-    } else if detokenizer.is_some() {
+    } else if streamed.is_some() {
         writeln!(stdout)?;
     } else {
-        writeln!(stdout, "{:?}", generation.token_ids)?;
+        writeln!(stdout, "{token_ids:?}")?;
     }
     Ok(())
 }

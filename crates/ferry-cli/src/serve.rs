@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use ferry_core::backend::Backend;
 use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig};
-use ferry_core::kv::BlockPool;
+use ferry_core::kv::KvCache;
 use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
 use ferry_core::moe::MemoryPlan;
@@ -227,19 +227,14 @@ fn start_engine<B: Backend + 'static>(
         Some(n) => n,
         None => planned_kv_tokens.unwrap_or(max_model_len * args.max_running_requests),
     };
-    // The pool's blocks are the device cache's, so the cache holds whatever the pool grants.
-    let blocks = BlockPool::new(
-        ferry_core::kv::BLOCK_SIZE,
-        kv_tokens.div_ceil(ferry_core::kv::BLOCK_SIZE),
-    );
-    let kv = backend.new_kv(model.kv_spec(blocks.capacity_tokens()))?;
+    let kv = backend.new_kv(model.kv_spec(kv_tokens))?;
     tracing::info!(
         "loaded {} on {} in {:.2?}; context {max_model_len}, KV {} blocks of {} tokens",
         model.spec.model_type,
         backend.name(),
         started.elapsed(),
-        blocks.total(),
-        blocks.block_size()
+        kv.blocks().num_blocks(),
+        kv.blocks().block_size()
     );
     let vocab_size = model.spec.vocab_size;
     let scheduler = Scheduler::new(
@@ -251,9 +246,8 @@ fn start_engine<B: Backend + 'static>(
             max_model_len,
             sampled_vocab: args.synthetic.is_some().then(|| tokenizer.vocab_size()),
         },
-        ModelExecutor { backend, model, kv },
+        ModelExecutor::new(backend, model, kv),
         tokenizer,
-        blocks,
     )?;
     let engine = EngineHandle::spawn(scheduler).context("cannot start the engine thread")?;
     Ok((engine, max_model_len, vocab_size))

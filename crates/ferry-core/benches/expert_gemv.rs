@@ -18,14 +18,15 @@
 //! expert working set per dtype (at least `FERRY_BENCH_ACTIVE` experts); `FERRY_BENCH_HIDDEN` [2048];
 //! `FERRY_BENCH_INTER` [768]; `FERRY_BENCH_DTYPES` [bf16,f16,f32]; `FERRY_BENCH_MS` [1,4] token counts;
 //! `FERRY_BENCH_ACTIVE` [8]; `FERRY_BENCH_SECS` [1.0] least time per measurement (at least 3 passes);
-//! `FERRY_GEMV_ISA` selects the kernel path (scalar, avx2, avx512, avx512bf16; see the gemv module).
+//! `FERRY_GEMV_ISA` selects the kernel path (scalar, avx2, avx512, avx512bf16; see the gemv module; an unknown or
+//! unavailable path stops the run).
 //! Small CI run: `FERRY_BENCH_BW_MB=16 FERRY_BENCH_WS_MB=1 FERRY_BENCH_HIDDEN=256 FERRY_BENCH_INTER=128
 //! FERRY_BENCH_ACTIVE=2 FERRY_BENCH_SECS=0 cargo bench --bench expert_gemv`.
 
 use std::hint::black_box;
 use std::time::Instant;
 
-use ferry_core::backend::cpu::gemv::{kernel_name, matmul, matmul_serial, WeightDType};
+use ferry_core::backend::cpu::gemv::{check_isa_env, kernel_name, matmul, matmul_serial, WeightDType};
 use rayon::prelude::*;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -169,6 +170,7 @@ fn expert(
 }
 
 fn main() {
+    check_isa_env().unwrap_or_else(|e| panic!("{e}"));
     let bw_mb: usize = env_or("FERRY_BENCH_BW_MB", 1024);
     let ws_mb: usize = env_or("FERRY_BENCH_WS_MB", 1024);
     let hidden: usize = env_or("FERRY_BENCH_HIDDEN", 2048);

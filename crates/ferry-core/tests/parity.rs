@@ -11,7 +11,7 @@ use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::CudaBackend;
 use ferry_core::backend::Backend;
 use ferry_core::backend::SeqSlice;
-use ferry_core::engine::{generate, GenerateRequest, Sampler, SamplingParams, StopRules, MAX_BATCH_TOKENS};
+use ferry_core::engine::{Sampler, SamplingParams, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{ChatMessage, Checkpoint};
 use ferry_core::model::Model;
@@ -89,27 +89,11 @@ fn check_family<B: Backend>(backend: &B, name: &str) {
             );
         }
 
-        let mut kv = backend.new_kv(model.kv_spec(case.prompt_ids.len() + 16)).unwrap();
-        let seq = kv.alloc_seq();
-        let request = GenerateRequest {
-            prompt_ids: case.prompt_ids.clone(),
-            prefill_chunk: MAX_BATCH_TOKENS,
-            max_tokens: case.generated_ids.len(),
-            sampling: SamplingParams::default(),
-            stop: StopRules {
-                eos_token_ids: vec![],
-                ignore_eos: true,
-            },
-        };
-        let mut first_logits = None;
-        let out = generate(backend, &model, &mut kv, seq, &request, |_, logits| {
-            first_logits.get_or_insert_with(|| logits.to_vec());
-        })
-        .unwrap();
-
-        check_against_reference(&label, case, &first_logits.unwrap(), &out.token_ids);
+        let steps = case.generated_ids.len();
+        let (first_logits, tokens) = greedy_chunked(backend, &model, &case.prompt_ids, steps, MAX_BATCH_TOKENS);
+        check_against_reference(&label, case, &first_logits, &tokens);
         if case.prompt_ids.len() > PREFILL_CHUNK {
-            let (first_logits, tokens) = greedy_chunked(backend, &model, &case.prompt_ids, case.generated_ids.len());
+            let (first_logits, tokens) = greedy_chunked(backend, &model, &case.prompt_ids, steps, PREFILL_CHUNK);
             check_against_reference(
                 &format!("{label} (prefill in chunks of {PREFILL_CHUNK})"),
                 case,
@@ -120,16 +104,22 @@ fn check_family<B: Backend>(backend: &B, name: &str) {
     }
 }
 
-/// Greedy decoding after a prefill of `PREFILL_CHUNK`-token forward calls; the first step's logits and the tokens.
-fn greedy_chunked<B: Backend>(backend: &B, model: &Model<B>, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
+/// Greedy decoding after a prefill of `chunk_tokens`-token forward calls; the first step's logits and the tokens.
+fn greedy_chunked<B: Backend>(
+    backend: &B,
+    model: &Model<B>,
+    prompt: &[u32],
+    steps: usize,
+    chunk_tokens: usize,
+) -> (Vec<f32>, Vec<u32>) {
     let mut kv = backend.new_kv(model.kv_spec(prompt.len() + steps)).unwrap();
     let seq = kv.alloc_seq();
     let mut sampler = Sampler::new(SamplingParams::default());
     let mut logits = Vec::new();
-    for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+    for (i, chunk) in prompt.chunks(chunk_tokens).enumerate() {
         let slice = SeqSlice {
             seq,
-            start_pos: i * PREFILL_CHUNK,
+            start_pos: i * chunk_tokens,
             len: chunk.len(),
         };
         logits = backend

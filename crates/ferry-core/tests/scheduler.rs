@@ -1,18 +1,14 @@
 //! The scheduler on real models (the qwen3_moe fixture, and the qwen3_5_moe hybrid whose Gated DeltaNet layers
 //! carry recurrent state, on the CPU backend): requests batched together, prefilled in small chunks beside running
 //! decodes, and preempted and recomputed when KV runs short, must generate exactly the greedy tokens each generates
-//! alone through `engine::generate`.
+//! alone.
 
 use std::path::Path;
 use std::sync::{mpsc, Arc};
 
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
-use ferry_core::engine::{
-    generate, Event, GenerateRequest, ModelExecutor, Request, RequestId, SamplingParams, Scheduler, SchedulerConfig,
-    StopRules, MAX_BATCH_TOKENS,
-};
-use ferry_core::kv::{BlockPool, KvCache};
+use ferry_core::engine::{Event, ModelExecutor, Request, RequestId, Scheduler, SchedulerConfig};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::Model;
 
@@ -24,37 +20,18 @@ fn prompts() -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn alone(checkpoint: &Checkpoint, prompt: &[u32]) -> Vec<u32> {
-    let backend = CpuBackend;
-    let model = Model::load(&backend, checkpoint).unwrap();
-    let mut kv = backend.new_kv(model.kv_spec(prompt.len() + MAX_TOKENS)).unwrap();
-    let seq = kv.alloc_seq();
-    let request = GenerateRequest {
-        prompt_ids: prompt.to_vec(),
-        prefill_chunk: MAX_BATCH_TOKENS,
-        max_tokens: MAX_TOKENS,
-        sampling: SamplingParams::default(),
-        stop: StopRules {
-            eos_token_ids: vec![],
-            ignore_eos: true,
-        },
-    };
-    generate(&backend, &model, &mut kv, seq, &request, |_, _| {})
-        .unwrap()
-        .token_ids
-}
-
-/// Runs every prompt through one scheduler; returns the text each streamed and how many preemptions there were.
+/// Runs `prompts` through one scheduler whose KV cache holds `kv_tokens` tokens (in blocks of 16); returns the text
+/// each streamed and how many preemptions there were.
 fn scheduled(
     checkpoint: &Checkpoint,
+    prompts: &[Vec<u32>],
     step_tokens: usize,
-    kv_blocks: usize,
+    kv_tokens: usize,
     max_model_len: usize,
 ) -> (Vec<String>, u64) {
     let backend = CpuBackend;
     let model = Model::load(&backend, checkpoint).unwrap();
-    let blocks = BlockPool::new(4, kv_blocks);
-    let kv = backend.new_kv(model.kv_spec(blocks.capacity_tokens())).unwrap();
+    let kv = backend.new_kv(model.kv_spec(kv_tokens)).unwrap();
     let tokenizer = Arc::new(ferry_core::loader::Tokenizer::load(&checkpoint.dir).unwrap().unwrap());
     let mut scheduler = Scheduler::new(
         SchedulerConfig {
@@ -64,28 +41,17 @@ fn scheduled(
             max_model_len,
             sampled_vocab: None,
         },
-        ModelExecutor { backend, model, kv },
+        ModelExecutor::new(backend, model, kv),
         tokenizer,
-        blocks,
     )
     .unwrap();
-    let receivers: Vec<_> = prompts()
-        .into_iter()
+    let receivers: Vec<_> = prompts
+        .iter()
         .enumerate()
         .map(|(i, prompt_ids)| {
             let (tx, rx) = mpsc::channel();
-            let request = Request {
-                prompt_ids,
-                max_tokens: MAX_TOKENS,
-                sampling: SamplingParams::default(),
-                presence_penalty: 0.0,
-                frequency_penalty: 0.0,
-                stop_strings: vec![],
-                stop: StopRules {
-                    eos_token_ids: vec![],
-                    ignore_eos: true,
-                },
-            };
+            // Greedy, with no eos ids: every request generates MAX_TOKENS tokens.
+            let request = Request::new(prompt_ids.clone(), MAX_TOKENS);
             scheduler
                 .submit(RequestId(i as u64), request, Box::new(move |e| tx.send(e).is_ok()))
                 .unwrap();
@@ -106,7 +72,7 @@ fn scheduled(
             let mut text = String::new();
             for event in rx.try_iter() {
                 match event {
-                    Event::Token { text: piece } => text.push_str(&piece),
+                    Event::Token { text: piece, .. } => text.push_str(&piece),
                     Event::Finished { completion_tokens, .. } => assert_eq!(completion_tokens, MAX_TOKENS),
                     Event::Failed { message } => panic!("{message}"),
                 }
@@ -122,18 +88,19 @@ fn check_family(name: &str) {
         .join("../../tests/fixtures")
         .join(name);
     let checkpoint = Checkpoint::open(&dir).unwrap();
-    let tokenizer = checkpoint.tokenizer.as_ref().unwrap();
-    let expected: Vec<String> = prompts()
+    let prompts = prompts();
+    // Each prompt alone, whole.
+    let expected: Vec<String> = prompts
         .iter()
-        .map(|p| tokenizer.decode(&alone(&checkpoint, p), true).unwrap())
+        .map(|p| scheduled(&checkpoint, std::slice::from_ref(p), 256, 64, 64).0.remove(0))
         .collect();
     // Whole prompts in one step, plenty of KV.
-    assert_eq!(scheduled(&checkpoint, 256, 64, 64), (expected.clone(), 0));
+    assert_eq!(scheduled(&checkpoint, &prompts, 256, 256, 64), (expected.clone(), 0));
     // Prompts in chunks of a few tokens beside the decodes.
-    assert_eq!(scheduled(&checkpoint, 5, 64, 64), (expected.clone(), 0));
-    // KV for about one context window (9 blocks of 4 tokens) shared by four requests of 21 to 33 tokens:
+    assert_eq!(scheduled(&checkpoint, &prompts, 5, 256, 64), (expected.clone(), 0));
+    // KV for about one context window (3 blocks of 16 tokens) shared by four requests of 21 to 33 tokens:
     // requests are preempted and recomputed.
-    let (texts, preemptions) = scheduled(&checkpoint, 7, 9, 34);
+    let (texts, preemptions) = scheduled(&checkpoint, &prompts, 7, 36, 34);
     assert_eq!(texts, expected);
     assert!(preemptions > 0, "the KV was meant to run short");
 }

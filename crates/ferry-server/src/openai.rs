@@ -336,7 +336,7 @@ async fn respond_whole(
     let mut output = Split::default();
     while let Some(event) = events.recv().await {
         match event {
-            Event::Token { text } => {
+            Event::Token { text, .. } => {
                 in_flight.on_token();
                 let split = split_text(&mut prepared.reasoning, &text);
                 output.reasoning += &split.reasoning;
@@ -400,7 +400,7 @@ impl StreamState {
             return Some(vec![SseEvent::default().data(error.body().to_string()), done()]);
         };
         Some(match event {
-            Event::Token { text } => {
+            Event::Token { text, .. } => {
                 self.in_flight.on_token();
                 let split = split_text(&mut self.prepared.reasoning, &text);
                 match split.content.is_empty() && split.reasoning.is_empty() {

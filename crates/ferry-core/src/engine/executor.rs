@@ -1,16 +1,20 @@
 //! What the scheduler runs a step on: a model, its backend and its KV cache behind one small trait, so that the
 //! scheduling logic is tested without a model.
 
+use std::borrow::Borrow;
+use std::time::{Duration, Instant};
+
 use crate::backend::{Backend, SeqSlice};
-use crate::kv::{KvCache, SeqId};
+use crate::kv::KvCache;
 use crate::model::Model;
-use crate::moe::OffloadStats;
+use crate::moe::{OffloadStats, RoutingTap};
 use crate::Result;
 
 pub trait Executor: Send {
     fn vocab_size(&self) -> usize;
-    fn alloc_seq(&mut self) -> SeqId;
-    fn free_seq(&mut self, seq: SeqId);
+    /// The KV cache the batches run on: the scheduler takes sequences and grows their blocks here.
+    fn kv(&self) -> &dyn KvCache;
+    fn kv_mut(&mut self) -> &mut dyn KvCache;
     /// Runs one batch (`ids` are the rows of `batch`'s slices, in order) and returns the logits of each slice's
     /// last token, `batch.len()` rows of `vocab_size()` values one after another.
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>>;
@@ -20,32 +24,65 @@ pub trait Executor: Send {
     }
 }
 
-/// A [`Model`] on its backend with the KV cache of every running sequence.
-pub struct ModelExecutor<B: Backend> {
-    pub backend: B,
-    pub model: Model<B>,
-    pub kv: B::Kv,
+/// A [`Model`] on its backend with the KV cache of every running sequence. The backend is owned (`Be = B`: the
+/// server's engine thread) or borrowed (`Be = &B`: a command that keeps using it, as `ferry bench`'s profiler
+/// does); `'t` bounds the routing tap's borrow.
+pub struct ModelExecutor<'t, B: Backend, Be: Borrow<B> = B> {
+    backend: Be,
+    model: Model<B>,
+    kv: B::Kv,
+    tap: Option<&'t mut (dyn RoutingTap + Send)>,
+    /// Time spent issuing forward passes, not counting the wait for their logits.
+    issue_time: Duration,
 }
 
-impl<B: Backend> Executor for ModelExecutor<B> {
-    fn offload_stats(&self) -> Option<OffloadStats> {
-        self.backend.offload_stats()
+impl<'t, B: Backend, Be: Borrow<B>> ModelExecutor<'t, B, Be> {
+    pub fn new(backend: Be, model: Model<B>, kv: B::Kv) -> Self {
+        ModelExecutor {
+            backend,
+            model,
+            kv,
+            tap: None,
+            issue_time: Duration::ZERO,
+        }
     }
 
+    /// From the next forward pass on, `tap` sees every MoE layer's routing (recording or replaying a routing
+    /// trace); None stops it.
+    pub fn set_tap(&mut self, tap: Option<&'t mut (dyn RoutingTap + Send)>) {
+        self.tap = tap;
+    }
+
+    /// Time the host has spent issuing forward passes so far (the rest of a step is waiting for the device, and
+    /// the scheduling around it): where `ferry bench` finds the host's share of a decode step.
+    pub fn issue_time(&self) -> Duration {
+        self.issue_time
+    }
+}
+
+impl<B: Backend, Be: Borrow<B> + Send> Executor for ModelExecutor<'_, B, Be> {
     fn vocab_size(&self) -> usize {
         self.model.spec.vocab_size
     }
 
-    fn alloc_seq(&mut self) -> SeqId {
-        self.kv.alloc_seq()
+    fn kv(&self) -> &dyn KvCache {
+        &self.kv
     }
 
-    fn free_seq(&mut self, seq: SeqId) {
-        self.kv.free_seq(seq)
+    fn kv_mut(&mut self) -> &mut dyn KvCache {
+        &mut self.kv
     }
 
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>> {
-        let logits = self.model.forward(&self.backend, ids, batch, &mut self.kv)?;
-        self.backend.to_host(&logits)
+        let backend = self.backend.borrow();
+        let issued = Instant::now();
+        let tap = self.tap.as_deref_mut().map(|t| t as &mut dyn RoutingTap);
+        let logits = self.model.forward_routed(backend, ids, batch, &mut self.kv, tap)?;
+        self.issue_time += issued.elapsed();
+        backend.to_host(&logits)
+    }
+
+    fn offload_stats(&self) -> Option<OffloadStats> {
+        self.backend.borrow().offload_stats()
     }
 }

@@ -1,17 +1,20 @@
-//! Turning prompts into tokens: sampling, stop rules, the generation loop for one sequence, and the scheduler that
-//! serves many requests at once on its own thread.
+//! Turning prompts into tokens: requests and their events, sampling, stop rules, what becomes of a request's
+//! logits, and the scheduler that serves many requests at once (on its own thread for the server, driven step by
+//! step by `ferry generate` and `ferry bench`).
 
+mod emit;
 mod executor;
-mod generate;
+mod request;
 mod sampler;
 mod scheduler;
 mod service;
 mod stop;
 
+pub use emit::NoText;
 pub use executor::{Executor, ModelExecutor};
-pub use generate::{generate, generate_routed, FinishReason, GenerateRequest, Generation, StopRules};
+pub use request::{Event, EventSink, FinishReason, Request, RequestId, StopRules};
 pub use sampler::{apply_penalties, argmax, Sampler, SamplingParams};
-pub use scheduler::{Event, EventSink, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats, StepReport};
+pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats, StepReport};
 pub use service::{EngineHandle, EngineStatus};
 pub use stop::{partial_match_len, StopStrings};
 

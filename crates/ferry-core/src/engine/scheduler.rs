@@ -2,60 +2,25 @@
 //! decode one token and fills the rest of a token budget with chunks of prompts still being prefilled, so one long
 //! prompt never freezes the other streams.
 //!
-//! KV is counted in blocks ([`BlockPool`]) taken as a sequence grows. When a decode finds no free block, the newest
-//! running request is preempted: its KV is freed and it goes back to the front of the queue, to be recomputed from
-//! its prompt and the tokens it had generated. The oldest request is never preempted, and the pool holds at least
-//! one whole context window, so it always finishes. A forward pass that fails is retried one request at a time, so
-//! a failing request fails alone.
+//! KV is counted in the cache's blocks ([`crate::kv::BlockAllocator`], through [`Executor::kv`]), taken as a
+//! sequence grows. When a decode finds no free block, the newest running request is preempted: its KV is freed and
+//! it goes back to the front of the queue, to be recomputed from its prompt and the tokens it had generated. The
+//! oldest request is never preempted, and the cache holds at least one whole context window, so it always
+//! finishes. A forward pass that fails is retried one request at a time, so a failing request fails alone.
+//!
+//! What a request may ask is request.rs's business, what becomes of its logits emit.rs's.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
+use super::emit::Emitter;
 use super::executor::Executor;
-use super::generate::{FinishReason, StopRules};
-use super::sampler::{apply_penalties, Sampler, SamplingParams};
-use super::stop::StopStrings;
+use super::request::{Event, EventSink, Request, RequestId};
 use crate::backend::SeqSlice;
-use crate::kv::{BlockPool, SeqId};
-use crate::loader::{Detokenizer, TextDecoder};
+use crate::kv::SeqId;
+use crate::loader::TextDecoder;
 use crate::{Error, Result};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RequestId(pub u64);
-
-#[derive(Clone, Debug)]
-pub struct Request {
-    pub prompt_ids: Vec<u32>,
-    /// Generated tokens at most (the context window may end generation sooner).
-    pub max_tokens: usize,
-    pub sampling: SamplingParams,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    pub stop_strings: Vec<String>,
-    pub stop: StopRules,
-}
-
-/// What a request's owner hears about it.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Event {
-    /// One token was generated; `text` is what it released (empty while a character or a possible stop string is
-    /// incomplete).
-    Token {
-        text: String,
-    },
-    Finished {
-        reason: FinishReason,
-        prompt_tokens: usize,
-        completion_tokens: usize,
-    },
-    Failed {
-        message: String,
-    },
-}
-
-/// Where a request's events go; returns false once nobody listens, which cancels the request.
-pub type EventSink = Box<dyn FnMut(Event) -> bool + Send>;
 
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
@@ -71,37 +36,6 @@ pub struct SchedulerConfig {
     pub sampled_vocab: Option<usize>,
 }
 
-impl Request {
-    /// Rejects what no step could serve, naming the value.
-    pub fn validate(&self, max_model_len: usize, vocab_size: usize) -> Result<()> {
-        self.sampling.validate().map_err(Error::Request)?;
-        if self.prompt_ids.is_empty() {
-            return Err(Error::Request("the prompt is empty".into()));
-        }
-        if self.prompt_ids.len() >= max_model_len {
-            return Err(Error::Request(format!(
-                "the prompt has {} tokens; the context window is {max_model_len}, which must leave room for at \
-                 least one generated token",
-                self.prompt_ids.len()
-            )));
-        }
-        if let Some(bad) = self.prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
-            return Err(Error::Request(format!(
-                "token id {bad} is outside the vocabulary (size {vocab_size})"
-            )));
-        }
-        for (name, value) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if !(-2.0..=2.0).contains(&value) {
-                return Err(Error::Request(format!("{name} must be between -2 and 2, got {value}")));
-            }
-        }
-        Ok(())
-    }
-}
-
 /// A request the scheduler holds, queued or running.
 struct Sequence {
     id: RequestId,
@@ -111,12 +45,9 @@ struct Sequence {
     /// Tokens whose keys and values are in the KV cache.
     computed: usize,
     kv: Option<SeqId>,
-    sampler: Sampler,
-    generated_counts: HashMap<u32, u32>,
-    detokenizer: Detokenizer,
-    stop_strings: StopStrings,
+    emitter: Emitter,
     sink: EventSink,
-    /// Runs in a batch of its own: a batch it was in failed.
+    /// Runs in a batch of its own, until it has recomputed its tokens: a batch it was in failed.
     solo: bool,
 }
 
@@ -127,6 +58,10 @@ impl Sequence {
 
     fn pending(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    fn kv(&self) -> SeqId {
+        self.kv.expect("running sequences hold KV")
     }
 }
 
@@ -152,7 +87,6 @@ pub struct Scheduler<E: Executor> {
     config: SchedulerConfig,
     executor: E,
     decoder: Arc<dyn TextDecoder>,
-    blocks: BlockPool,
     waiting: VecDeque<Sequence>,
     /// In arrival order: the last is the first to be preempted.
     running: Vec<Sequence>,
@@ -160,12 +94,13 @@ pub struct Scheduler<E: Executor> {
 }
 
 impl<E: Executor> Scheduler<E> {
-    /// `blocks` must hold a whole context window, so that the oldest request can always finish.
-    pub fn new(config: SchedulerConfig, executor: E, decoder: Arc<dyn TextDecoder>, blocks: BlockPool) -> Result<Self> {
+    /// The executor's KV cache must hold a whole context window, so that the oldest request can always finish.
+    pub fn new(config: SchedulerConfig, executor: E, decoder: Arc<dyn TextDecoder>) -> Result<Self> {
+        let blocks = executor.kv().blocks();
         if blocks.capacity_tokens() < config.max_model_len {
             return Err(Error::Kv(format!(
                 "{} blocks of {} tokens hold {} tokens, less than the context window of {}",
-                blocks.total(),
+                blocks.num_blocks(),
                 blocks.block_size(),
                 blocks.capacity_tokens(),
                 config.max_model_len
@@ -180,7 +115,6 @@ impl<E: Executor> Scheduler<E> {
             config,
             executor,
             decoder,
-            blocks,
             waiting: VecDeque::new(),
             running: Vec::new(),
             preemptions: 0,
@@ -189,6 +123,14 @@ impl<E: Executor> Scheduler<E> {
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    pub fn executor(&self) -> &E {
+        &self.executor
+    }
+
+    pub fn executor_mut(&mut self) -> &mut E {
+        &mut self.executor
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -205,11 +147,12 @@ impl<E: Executor> Scheduler<E> {
     }
 
     pub fn stats(&self) -> SchedulerStats {
+        let blocks = self.executor.kv().blocks();
         SchedulerStats {
             running: self.running.len(),
             queued: self.waiting.len(),
-            kv_blocks_used: self.blocks.used(),
-            kv_blocks_total: self.blocks.total(),
+            kv_blocks_used: blocks.used_blocks(),
+            kv_blocks_total: blocks.num_blocks(),
             preemptions: self.preemptions,
         }
     }
@@ -241,10 +184,7 @@ impl<E: Executor> Scheduler<E> {
             tokens: request.prompt_ids.clone(),
             computed: 0,
             kv: None,
-            sampler: Sampler::new(request.sampling.clone()),
-            generated_counts: HashMap::new(),
-            detokenizer: Detokenizer::new(),
-            stop_strings: StopStrings::new(request.stop_strings.clone()),
+            emitter: Emitter::new(&request),
             request,
             sink,
             solo: false,
@@ -263,8 +203,7 @@ impl<E: Executor> Scheduler<E> {
 
     fn free_kv(&mut self, seq: &mut Sequence) {
         if let Some(kv) = seq.kv.take() {
-            self.blocks.release(kv);
-            self.executor.free_seq(kv);
+            self.executor.kv_mut().free_seq(kv);
         }
         seq.computed = 0;
     }
@@ -291,11 +230,12 @@ impl<E: Executor> Scheduler<E> {
                 break;
             };
             let first_chunk = next.pending().min(self.config.step_tokens);
-            if self.blocks.blocks_for(first_chunk) > self.blocks.free() {
+            let blocks = self.executor.kv().blocks();
+            if blocks.blocks_for(first_chunk) > blocks.free_blocks() {
                 break;
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
-            seq.kv = Some(self.executor.alloc_seq());
+            seq.kv = Some(self.executor.kv_mut().alloc_seq());
             self.running.push(seq);
         }
     }
@@ -312,7 +252,7 @@ impl<E: Executor> Scheduler<E> {
                 return planned;
             }
             if self.running.len() <= 1 {
-                // One request alone cannot outgrow a pool that holds a context window; never spin if it does.
+                // One request alone cannot outgrow a cache that holds a context window; never spin if it does.
                 if let Some(mut seq) = self.running.pop() {
                     self.free_kv(&mut seq);
                     (seq.sink)(Event::Failed {
@@ -325,51 +265,52 @@ impl<E: Executor> Scheduler<E> {
         }
     }
 
+    /// Grows `seq`'s blocks for a chunk of at most `budget` of its pending tokens, as many as the free blocks
+    /// allow; the chunk's length (0: nothing can run).
+    fn grow_chunk(&mut self, i: usize, budget: usize) -> usize {
+        let seq = &self.running[i];
+        let kv = self.executor.kv_mut();
+        let room = kv.blocks().max_tokens_for(seq.kv()).saturating_sub(seq.computed);
+        let len = seq.pending().min(budget).min(room);
+        match len > 0 && kv.grow(seq.kv(), seq.computed + len) {
+            true => len,
+            false => 0,
+        }
+    }
+
     /// A batch of request `i` alone (it was in a batch that failed).
     fn plan_solo(&mut self, i: usize) -> Vec<(usize, usize)> {
-        let seq = &self.running[i];
-        let kv = seq.kv.expect("running sequences hold KV");
-        let room = self.blocks.max_tokens_for(kv).saturating_sub(seq.computed);
-        let len = seq.pending().min(self.config.step_tokens).min(room);
-        if len == 0 {
-            return Vec::new();
+        match self.grow_chunk(i, self.config.step_tokens) {
+            0 => Vec::new(),
+            len => vec![(i, len)],
         }
-        self.blocks.grow(kv, seq.computed + len);
-        vec![(i, len)]
     }
 
     /// Every decode's token, then prefill chunks in arrival order while the token budget and free blocks last.
     /// Empty when the decodes need more blocks than are free.
     fn plan_batch(&mut self) -> Vec<(usize, usize)> {
+        let blocks = self.executor.kv().blocks();
         let decode_blocks: usize = self
             .running
             .iter()
             .filter(|s| s.pending() == 1)
-            .map(|s| {
-                self.blocks
-                    .shortfall(s.kv.expect("running sequences hold KV"), s.computed + 1)
-            })
+            .map(|s| blocks.shortfall(s.kv(), s.computed + 1))
             .sum();
-        if decode_blocks > self.blocks.free() {
+        if decode_blocks > blocks.free_blocks() {
             return Vec::new();
         }
         let mut plan = Vec::new();
         let mut budget = self.config.step_tokens;
         for (i, seq) in self.running.iter().enumerate() {
-            if seq.pending() == 1 && budget > 0 {
-                self.blocks
-                    .grow(seq.kv.expect("running sequences hold KV"), seq.computed + 1);
+            if seq.pending() == 1 && budget > 0 && self.executor.kv_mut().grow(seq.kv(), seq.computed + 1) {
                 plan.push((i, 1));
                 budget -= 1;
             }
         }
-        for (i, seq) in self.running.iter().enumerate() {
-            if seq.pending() > 1 && budget > 0 {
-                let kv = seq.kv.expect("running sequences hold KV");
-                let room = self.blocks.max_tokens_for(kv).saturating_sub(seq.computed);
-                let len = seq.pending().min(budget).min(room);
+        for i in 0..self.running.len() {
+            if self.running[i].pending() > 1 && budget > 0 {
+                let len = self.grow_chunk(i, budget);
                 if len > 0 {
-                    self.blocks.grow(kv, seq.computed + len);
                     plan.push((i, len));
                     budget -= len;
                 }
@@ -393,7 +334,7 @@ impl<E: Executor> Scheduler<E> {
             let seq = &self.running[i];
             ids.extend_from_slice(&seq.tokens[seq.computed..seq.computed + len]);
             slices.push(SeqSlice {
-                seq: seq.kv.expect("running"),
+                seq: seq.kv(),
                 start_pos: seq.computed,
                 len,
             });
@@ -409,6 +350,7 @@ impl<E: Executor> Scheduler<E> {
             }
         };
         let vocab = self.executor.vocab_size();
+        let sampled = self.config.sampled_vocab.map_or(vocab, |n| n.min(vocab));
         let mut report = StepReport::default();
         let mut retired = Vec::new();
         for (row, &(i, len)) in plan.iter().enumerate() {
@@ -423,9 +365,9 @@ impl<E: Executor> Scheduler<E> {
             } else {
                 report.prefill_tokens += len;
             }
-            let sampled = self.config.sampled_vocab.map_or(vocab, |n| n.min(vocab));
-            let mut row_logits = logits[row * vocab..row * vocab + sampled].to_vec();
-            match emit_next_token(seq, &mut row_logits, self.decoder.as_ref(), self.config.max_model_len) {
+            // Recomputed alone up to its next token, it is not what failed the batch: back to the shared batch.
+            seq.solo = false;
+            match self.emit_next_token(i, &logits[row * vocab..row * vocab + sampled]) {
                 Next::Running => {}
                 Next::Finished(event) => retired.push((i, Some(event))),
                 Next::ListenerGone => retired.push((i, None)),
@@ -439,6 +381,37 @@ impl<E: Executor> Scheduler<E> {
             }
         }
         report
+    }
+
+    /// Samples running request `i`'s next token from `logits` (its last position's) and hands it to its sink.
+    fn emit_next_token(&mut self, i: usize, logits: &[f32]) -> Next {
+        let seq = &mut self.running[i];
+        let emitted = seq.emitter.next_token(
+            &seq.request,
+            &mut seq.tokens,
+            logits,
+            self.decoder.as_ref(),
+            self.config.max_model_len,
+        );
+        let emitted = match emitted {
+            Ok(emitted) => emitted,
+            Err(e) => return Next::Finished(Event::Failed { message: e.to_string() }),
+        };
+        let token = Event::Token {
+            id: emitted.id,
+            text: emitted.text,
+        };
+        if !(seq.sink)(token) {
+            return Next::ListenerGone;
+        }
+        match emitted.finish {
+            None => Next::Running,
+            Some(reason) => Next::Finished(Event::Finished {
+                reason,
+                prompt_tokens: seq.request.prompt_ids.len(),
+                completion_tokens: seq.generated(),
+            }),
+        }
     }
 
     /// A batch failed: alone, its request fails; together, every member is recomputed in a batch of its own.
@@ -459,32 +432,14 @@ impl<E: Executor> Scheduler<E> {
         for &(i, _) in plan {
             let seq = &mut self.running[i];
             if let Some(kv) = seq.kv.take() {
-                self.blocks.release(kv);
-                self.executor.free_seq(kv);
-                seq.kv = Some(self.executor.alloc_seq());
+                let cache = self.executor.kv_mut();
+                cache.free_seq(kv);
+                seq.kv = Some(cache.alloc_seq());
             }
             seq.computed = 0;
             seq.solo = true;
         }
     }
-}
-
-/// The text a new token releases (none for an eos token), and at the end whatever the detokenizer held back.
-fn released_text(
-    detokenizer: &mut Detokenizer,
-    decoder: &dyn TextDecoder,
-    token: u32,
-    eos: bool,
-    ending: bool,
-) -> Result<String> {
-    let mut text = match eos {
-        true => String::new(),
-        false => detokenizer.push(decoder, token)?.unwrap_or_default(),
-    };
-    if ending {
-        text += &detokenizer.finish(decoder)?;
-    }
-    Ok(text)
 }
 
 /// What became of a request after a token.
@@ -496,354 +451,5 @@ enum Next {
     ListenerGone,
 }
 
-/// Samples `seq`'s next token, streams its text and applies the stop rules.
-fn emit_next_token(seq: &mut Sequence, logits: &mut [f32], decoder: &dyn TextDecoder, max_model_len: usize) -> Next {
-    let request = &seq.request;
-    apply_penalties(
-        logits,
-        &seq.generated_counts,
-        request.presence_penalty,
-        request.frequency_penalty,
-    );
-    let token = seq.sampler.sample(logits);
-    seq.tokens.push(token);
-    *seq.generated_counts.entry(token).or_default() += 1;
-    let eos = !request.stop.ignore_eos && request.stop.eos_token_ids.contains(&token);
-    let out_of_room = seq.generated() >= seq.request.max_tokens || seq.tokens.len() >= max_model_len;
-    let ending = eos || out_of_room;
-    let piece = match released_text(&mut seq.detokenizer, decoder, token, eos, ending) {
-        Ok(piece) => piece,
-        Err(e) => return Next::Finished(Event::Failed { message: e.to_string() }),
-    };
-    let (mut text, stopped) = seq.stop_strings.push(&piece);
-    if ending && !stopped {
-        text += &seq.stop_strings.flush();
-    }
-    if !(seq.sink)(Event::Token { text }) {
-        return Next::ListenerGone;
-    }
-    let reason = match (stopped || eos, out_of_room) {
-        (true, _) => FinishReason::Stop,
-        (false, true) => FinishReason::Length,
-        (false, false) => return Next::Running,
-    };
-    Next::Finished(Event::Finished {
-        reason,
-        prompt_tokens: seq.request.prompt_ids.len(),
-        completion_tokens: seq.generated(),
-    })
-}
-
 #[cfg(test)]
-mod tests {
-    use std::collections::HashMap;
-    use std::sync::mpsc;
-
-    use super::*;
-
-    const VOCAB: usize = 16;
-    /// A prompt holding this token makes the forward pass fail; this one makes it panic.
-    const FAILS: u32 = 15;
-    const PANICS: u32 = 14;
-
-    /// Next token = (sum of the sequence's tokens so far) mod 13: depends on the whole history, so a wrong KV
-    /// position, a lost token or a bad recompute changes the output. Keeps a KV of its own and checks every
-    /// slice starts where its sequence ends.
-    #[derive(Default)]
-    struct FakeModel {
-        kv: HashMap<SeqId, Vec<u32>>,
-        next_seq: u32,
-        batches: Vec<Vec<usize>>,
-    }
-
-    impl Executor for FakeModel {
-        fn vocab_size(&self) -> usize {
-            VOCAB
-        }
-
-        fn alloc_seq(&mut self) -> SeqId {
-            self.next_seq += 1;
-            self.kv.insert(SeqId(self.next_seq), Vec::new());
-            SeqId(self.next_seq)
-        }
-
-        fn free_seq(&mut self, seq: SeqId) {
-            self.kv.remove(&seq);
-        }
-
-        fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>> {
-            if ids.contains(&PANICS) {
-                panic!("a bug in a kernel");
-            }
-            if ids.contains(&FAILS) {
-                return Err(Error::Request("poisoned batch".into()));
-            }
-            self.batches.push(batch.iter().map(|s| s.len).collect());
-            let mut logits = Vec::new();
-            let mut row = 0;
-            for slice in batch {
-                let cached = self.kv.get_mut(&slice.seq).expect("allocated sequence");
-                assert_eq!(cached.len(), slice.start_pos, "slice starts where the sequence ends");
-                cached.extend_from_slice(&ids[row..row + slice.len]);
-                row += slice.len;
-                let next = cached.iter().sum::<u32>() % 13;
-                logits.extend((0..VOCAB as u32).map(|t| if t == next { 1.0 } else { 0.0 }));
-            }
-            Ok(logits)
-        }
-    }
-
-    /// Token t reads as the letter 'a' + t.
-    struct Letters;
-
-    impl TextDecoder for Letters {
-        fn decode(&self, ids: &[u32], _skip_special_tokens: bool) -> Result<String> {
-            Ok(ids.iter().map(|&t| (b'a' + t as u8) as char).collect())
-        }
-    }
-
-    fn scheduler(max_running: usize, step_tokens: usize, blocks: usize) -> Scheduler<FakeModel> {
-        scheduler_sampling(max_running, step_tokens, blocks, None)
-    }
-
-    fn scheduler_sampling(
-        max_running: usize,
-        step_tokens: usize,
-        blocks: usize,
-        sampled_vocab: Option<usize>,
-    ) -> Scheduler<FakeModel> {
-        let config = SchedulerConfig {
-            max_running,
-            max_queued: 4,
-            step_tokens,
-            max_model_len: 16,
-            sampled_vocab,
-        };
-        Scheduler::new(
-            config,
-            FakeModel::default(),
-            Arc::new(Letters),
-            BlockPool::new(4, blocks),
-        )
-        .unwrap()
-    }
-
-    fn request(prompt: &[u32], max_tokens: usize) -> Request {
-        Request {
-            prompt_ids: prompt.to_vec(),
-            max_tokens,
-            sampling: SamplingParams::default(),
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            stop_strings: vec![],
-            stop: StopRules::default(),
-        }
-    }
-
-    /// Submits a request and returns where its events arrive.
-    fn submit(s: &mut Scheduler<FakeModel>, id: u64, r: Request) -> mpsc::Receiver<Event> {
-        let (tx, rx) = mpsc::channel();
-        s.submit(RequestId(id), r, Box::new(move |e| tx.send(e).is_ok()))
-            .unwrap();
-        rx
-    }
-
-    fn run_to_idle(s: &mut Scheduler<FakeModel>) {
-        for _ in 0..200 {
-            if s.is_idle() {
-                return;
-            }
-            s.step();
-        }
-        panic!("the scheduler never went idle");
-    }
-
-    /// The text of a finished request and how it finished.
-    fn outcome(rx: &mpsc::Receiver<Event>) -> (String, Event) {
-        let mut text = String::new();
-        for event in rx.try_iter() {
-            match event {
-                Event::Token { text: piece } => text.push_str(&piece),
-                last => return (text, last),
-            }
-        }
-        panic!("no final event after {text:?}");
-    }
-
-    fn alone(prompt: &[u32], max_tokens: usize) -> String {
-        let mut s = scheduler(1, 64, 16);
-        let rx = submit(&mut s, 0, request(prompt, max_tokens));
-        run_to_idle(&mut s);
-        outcome(&rx).0
-    }
-
-    #[test]
-    fn a_capped_vocabulary_is_never_sampled_beyond() {
-        let prompt = [3u32, 4];
-        assert!(
-            alone(&prompt, 6).chars().any(|c| c >= 'f'),
-            "the fake model picks ids past 5 here"
-        );
-        let mut s = scheduler_sampling(1, 64, 16, Some(5));
-        let rx = submit(&mut s, 0, request(&prompt, 6));
-        run_to_idle(&mut s);
-        let (text, _) = outcome(&rx);
-        assert_eq!(text.len(), 6);
-        assert!(text.chars().all(|c| c < 'f'), "{text}");
-    }
-
-    #[test]
-    fn batched_requests_generate_what_they_generate_alone() {
-        let prompts: [&[u32]; 3] = [&[1, 2, 3], &[4, 5], &[6, 7, 8, 9, 10]];
-        let mut s = scheduler(2, 64, 16);
-        let rxs: Vec<_> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| submit(&mut s, i as u64, request(p, 5)))
-            .collect();
-        s.step();
-        assert_eq!((s.stats().running, s.stats().queued), (2, 1), "two run, one waits");
-        run_to_idle(&mut s);
-        for (p, rx) in prompts.iter().zip(&rxs) {
-            let (text, last) = outcome(rx);
-            assert_eq!(text, alone(p, 5));
-            assert!(matches!(
-                last,
-                Event::Finished {
-                    reason: FinishReason::Length,
-                    completion_tokens: 5,
-                    ..
-                }
-            ));
-        }
-        assert_eq!(s.stats().kv_blocks_used, 0);
-        assert!(s.executor.kv.is_empty(), "every sequence was freed");
-    }
-
-    #[test]
-    fn long_prompts_are_prefilled_in_chunks_beside_running_decodes() {
-        let mut s = scheduler(2, 4, 16);
-        let decoding = submit(&mut s, 0, request(&[1], 8));
-        s.step();
-        let long = [2u32; 11];
-        let prefilling = submit(&mut s, 1, request(&long, 2));
-        run_to_idle(&mut s);
-        // The decode gets its token in every step while the prompt goes in chunks of the remaining budget.
-        assert_eq!(
-            &s.executor.batches[..5],
-            [vec![1], vec![1, 3], vec![1, 3], vec![1, 3], vec![1, 2]]
-        );
-        assert!(s.executor.batches.iter().all(|b| b.iter().sum::<usize>() <= 4));
-        assert_eq!(outcome(&decoding).0, alone(&[1], 8));
-        assert_eq!(outcome(&prefilling).0, alone(&long, 2));
-    }
-
-    #[test]
-    fn when_kv_runs_out_the_newest_is_preempted_and_recomputed() {
-        // 4 blocks of 4 tokens: one context window (16); two requests that would need 12 each.
-        let mut s = scheduler(2, 64, 4);
-        let a = submit(&mut s, 0, request(&[1, 2, 3, 4, 5], 7));
-        let b = submit(&mut s, 1, request(&[6, 7, 8, 9, 10], 7));
-        let mut peak = 0;
-        while !s.is_idle() {
-            s.step();
-            peak = peak.max(s.stats().kv_blocks_used);
-            assert!(s.stats().kv_blocks_used <= 4);
-        }
-        assert_eq!(peak, 4);
-        assert!(s.stats().preemptions > 0);
-        assert_eq!(outcome(&a).0, alone(&[1, 2, 3, 4, 5], 7));
-        assert_eq!(outcome(&b).0, alone(&[6, 7, 8, 9, 10], 7));
-        assert!(s.executor.kv.is_empty());
-    }
-
-    #[test]
-    fn cancelling_or_hanging_up_frees_kv_at_once() {
-        let mut s = scheduler(2, 64, 16);
-        let _kept = submit(&mut s, 0, request(&[1, 2, 3, 4, 5], 10));
-        let hung_up = submit(&mut s, 1, request(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 10));
-        s.step();
-        assert_eq!(s.stats().kv_blocks_used, 2 + 3);
-        s.cancel(RequestId(0));
-        assert_eq!(s.stats().kv_blocks_used, 3);
-        assert_eq!(s.executor.kv.len(), 1);
-        drop(hung_up);
-        s.step();
-        assert_eq!(s.stats().kv_blocks_used, 0);
-        assert!(s.is_idle());
-    }
-
-    #[test]
-    fn stop_strings_eos_and_max_tokens_end_generation() {
-        // Alone, prompt [1] generates b, c, e, i, ... (running sums mod 13).
-        let full = alone(&[1], 6);
-        assert_eq!(&full[..4], "bcei");
-        let mut s = scheduler(4, 64, 16);
-        let mut stopped = request(&[1], 6);
-        stopped.stop_strings = vec!["ei".into()];
-        let stopped = submit(&mut s, 0, stopped);
-        let mut eos = request(&[1], 6);
-        eos.stop.eos_token_ids = vec![4];
-        let eos = submit(&mut s, 1, eos);
-        let short = submit(&mut s, 2, request(&[1], 2));
-        run_to_idle(&mut s);
-        let finished = |reason, completion_tokens| Event::Finished {
-            reason,
-            prompt_tokens: 1,
-            completion_tokens,
-        };
-        assert_eq!(outcome(&stopped), ("bc".into(), finished(FinishReason::Stop, 4)));
-        assert_eq!(outcome(&eos), ("bc".into(), finished(FinishReason::Stop, 3)));
-        assert_eq!(outcome(&short), ("bc".into(), finished(FinishReason::Length, 2)));
-    }
-
-    #[test]
-    fn a_frequency_penalty_changes_the_choice() {
-        let mut s = scheduler(1, 64, 16);
-        // Prompt [13] makes the sum 0 mod 13, so greedy repeats token 0 ('a') forever.
-        let plain = submit(&mut s, 0, request(&[13], 3));
-        let mut penalised = request(&[13], 3);
-        penalised.frequency_penalty = 2.0;
-        let penalised = submit(&mut s, 1, penalised);
-        run_to_idle(&mut s);
-        assert_eq!(outcome(&plain).0, "aaa");
-        assert_ne!(outcome(&penalised).0, "aaa");
-    }
-
-    #[test]
-    fn a_failing_request_fails_alone() {
-        for bad_token in [FAILS, PANICS] {
-            let mut s = scheduler(3, 64, 16);
-            let good = submit(&mut s, 0, request(&[1, 2], 4));
-            let bad = submit(&mut s, 1, request(&[3, bad_token], 4));
-            let other = submit(&mut s, 2, request(&[5], 4));
-            run_to_idle(&mut s);
-            assert_eq!(outcome(&good).0, alone(&[1, 2], 4));
-            assert_eq!(outcome(&other).0, alone(&[5], 4));
-            assert!(matches!(outcome(&bad).1, Event::Failed { .. }));
-            assert!(s.executor.kv.is_empty());
-            assert_eq!(s.stats().kv_blocks_used, 0);
-        }
-    }
-
-    #[test]
-    fn invalid_requests_and_a_full_queue_are_refused_with_a_reason() {
-        let mut s = scheduler(1, 64, 16);
-        let refused = |s: &mut Scheduler<FakeModel>, id, r| {
-            let (tx, rx) = mpsc::channel();
-            let err = s
-                .submit(RequestId(id), r, Box::new(move |e| tx.send(e).is_ok()))
-                .unwrap_err();
-            assert!(matches!(rx.try_recv(), Ok(Event::Failed { .. })));
-            err.to_string()
-        };
-        assert!(refused(&mut s, 0, request(&[1; 16], 1)).contains("16 tokens"));
-        assert!(refused(&mut s, 0, request(&[99], 1)).contains("vocabulary"));
-        let mut bad = request(&[1], 1);
-        bad.presence_penalty = 3.0;
-        assert!(refused(&mut s, 0, bad).contains("presence_penalty"));
-        // One running place and four queued ones.
-        let _held: Vec<_> = (0..5).map(|i| submit(&mut s, i, request(&[1], 1))).collect();
-        assert!(refused(&mut s, 9, request(&[1], 1)).contains("queue is full"));
-    }
-}
+mod tests;

@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::executor::Executor;
-use super::scheduler::{Event, EventSink, Request, RequestId, Scheduler, SchedulerStats};
+use super::request::{Event, EventSink, Request, RequestId};
+use super::scheduler::{Scheduler, SchedulerStats};
 
 enum Command {
     Submit {

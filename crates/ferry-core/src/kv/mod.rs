@@ -2,33 +2,34 @@
 //! models, its recurrent-state slot ([`recurrent`]).
 //!
 //! Sequences get a [`SeqId`] when they start and give it back when they end; their keys and values grow as they
-//! do, up to the cache's token capacity, after which appending fails with a clear error instead of growing. The
-//! recurrent state is allocated with the sequence and freed with it. [`BlockPool`] is the scheduler's budget of
-//! that capacity in blocks: it grows a sequence's blocks before each step, so the cache is never asked for more
-//! than it has (running out is a scheduling decision, not an error mid-forward).
+//! do, up to the cache's capacity, after which appending fails with a clear error instead of growing. The
+//! recurrent state is allocated with the sequence and freed with it. Every cache counts its capacity in blocks
+//! with one [`BlockAllocator`], which is also the scheduler's budget: it grows a sequence's blocks before each
+//! step, so the cache is never asked for more than it has (running out is a scheduling decision, not an error
+//! mid-forward).
 
-mod block_pool;
 mod blocks;
 pub mod recurrent;
 
-pub use block_pool::BlockPool;
 pub use blocks::BlockAllocator;
 pub use recurrent::{RecurrentLayer, RecurrentSpec};
 
 use crate::{Error, Result};
 
-/// Tokens per block of a paged KV cache: the device cache's pages and the scheduler's [`BlockPool`] count in the
-/// same blocks (attention.cu's tiles assume 16).
+/// Tokens per block of a KV cache's [`BlockAllocator`] (the device cache's pages; attention.cu's tiles assume 16).
 pub const BLOCK_SIZE: usize = 16;
 
-/// What the engine needs of any backend's KV cache: sequences come and go, and their lengths are known.
+/// What the engine needs of any backend's KV cache: sequences come and go, and the cache's blocks, the one count
+/// of its capacity, say who holds how much.
 pub trait KvCache: Send {
     fn alloc_seq(&mut self) -> SeqId;
     /// Ends a sequence and frees its room at once.
     fn free_seq(&mut self, seq: SeqId);
-    fn seq_len(&self, seq: SeqId) -> usize;
-    fn used_tokens(&self) -> usize;
-    fn capacity_tokens(&self) -> usize;
+    fn blocks(&self) -> &BlockAllocator;
+    /// Takes blocks for `seq` to hold `tokens` positions in all, ahead of the batch that writes them
+    /// ([`BlockAllocator::grow`]); false, taking nothing, when too few are free.
+    #[must_use = "a sequence that could not grow must not be given the tokens"]
+    fn grow(&mut self, seq: SeqId, tokens: usize) -> bool;
 }
 
 /// A running sequence's handle into the KV cache.
@@ -69,23 +70,29 @@ impl KvSpec {
 
 /// One sequence's keys and values in host memory: per layer, `[positions, kv_heads * head_dim]` rows.
 struct HostSeq {
-    /// Tokens reserved by the batches prepared so far (their keys and values are appended layer by layer).
-    len: usize,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
     /// Per Gated DeltaNet layer.
     recurrent: Vec<RecurrentLayer>,
 }
 
-/// The KV cache in host memory (the CPU backend's).
+/// The KV cache in host memory (the CPU backend's): its capacity is counted in blocks of [`BLOCK_SIZE`] tokens,
+/// as the device cache's is, though each sequence's keys and values are one growing array per layer.
 pub struct HostKv {
     spec: KvSpec,
+    /// Each sequence's length and its share of the capacity; indexed like `seqs`.
+    blocks: BlockAllocator,
     seqs: Vec<Option<HostSeq>>,
 }
 
 impl HostKv {
     pub fn new(spec: KvSpec) -> Self {
-        HostKv { spec, seqs: Vec::new() }
+        let blocks = BlockAllocator::new(BLOCK_SIZE, spec.capacity_tokens.div_ceil(BLOCK_SIZE));
+        HostKv {
+            spec,
+            blocks,
+            seqs: Vec::new(),
+        }
     }
 
     pub fn spec(&self) -> &KvSpec {
@@ -109,28 +116,7 @@ impl HostKv {
     /// Reserves room for a batch's slices, all or none: each must continue its sequence where it ends, and the
     /// cache must hold the new tokens.
     pub fn reserve(&mut self, slices: &[(SeqId, usize, usize)]) -> Result<()> {
-        let mut new_tokens = 0;
-        for &(seq, start_pos, len) in slices {
-            let held = self.seq(seq)?.len;
-            if held != start_pos {
-                return Err(Error::Kv(format!(
-                    "sequence {} holds {held} tokens, the batch continues it at position {start_pos}",
-                    seq.0
-                )));
-            }
-            new_tokens += len;
-        }
-        if self.used_tokens() + new_tokens > self.spec.capacity_tokens {
-            return Err(Error::Kv(format!(
-                "full: {} tokens cached, {new_tokens} more do not fit in a capacity of {}",
-                self.used_tokens(),
-                self.spec.capacity_tokens
-            )));
-        }
-        for &(seq, _, len) in slices {
-            self.seq_mut(seq)?.len += len;
-        }
-        Ok(())
+        self.blocks.extend(slices)
     }
 
     /// The shape of attention layer `layer`'s keys and values.
@@ -188,39 +174,32 @@ impl KvCache for HostKv {
             None => Vec::new(),
         };
         let fresh = HostSeq {
-            len: 0,
             keys: vec![Vec::new(); self.spec.layers.len()],
             values: vec![Vec::new(); self.spec.layers.len()],
             recurrent,
         };
-        match self.seqs.iter().position(Option::is_none) {
-            Some(i) => {
-                self.seqs[i] = Some(fresh);
-                SeqId(i as u32)
-            }
-            None => {
-                self.seqs.push(Some(fresh));
-                SeqId(self.seqs.len() as u32 - 1)
-            }
+        let seq = self.blocks.alloc_seq();
+        let index = seq.0 as usize;
+        if self.seqs.len() <= index {
+            self.seqs.resize_with(index + 1, || None);
         }
+        self.seqs[index] = Some(fresh);
+        seq
     }
 
     fn free_seq(&mut self, seq: SeqId) {
+        self.blocks.free_seq(seq);
         if let Some(slot) = self.seqs.get_mut(seq.0 as usize) {
             *slot = None;
         }
     }
 
-    fn seq_len(&self, seq: SeqId) -> usize {
-        self.seq(seq).map_or(0, |s| s.len)
+    fn blocks(&self) -> &BlockAllocator {
+        &self.blocks
     }
 
-    fn used_tokens(&self) -> usize {
-        self.seqs.iter().flatten().map(|s| s.len).sum()
-    }
-
-    fn capacity_tokens(&self) -> usize {
-        self.spec.capacity_tokens
+    fn grow(&mut self, seq: SeqId, tokens: usize) -> bool {
+        self.blocks.grow(seq, tokens)
     }
 }
 
@@ -255,6 +234,11 @@ mod tests {
     #[test]
     fn sequences_grow_and_free_their_slots() {
         let mut kv = HostKv::new(spec(8));
+        assert_eq!(
+            kv.blocks().capacity_tokens(),
+            BLOCK_SIZE,
+            "capacity comes in whole blocks"
+        );
         let a = kv.alloc_seq();
         let b = kv.alloc_seq();
         kv.reserve(&[(a, 0, 3)]).unwrap();
@@ -266,8 +250,8 @@ mod tests {
         );
         assert_eq!(kv.layer(a, 1).unwrap().0.len(), 24);
         assert!(kv.layer(a, 2).is_err(), "two KV layers");
-        assert_eq!(kv.seq_len(a), 3);
-        assert_eq!(kv.seq_len(b), 0);
+        assert_eq!(kv.blocks().seq_len(a), 3);
+        assert_eq!(kv.blocks().seq_len(b), 0);
         assert!(
             kv.reserve(&[(a, 0, 1)]).is_err(),
             "a batch must continue the sequence where it ends"
@@ -278,7 +262,7 @@ mod tests {
         );
         kv.recurrent(a, 0).unwrap().delta[0] = 1.0;
         kv.free_seq(a);
-        assert_eq!(kv.used_tokens(), 0);
+        assert_eq!(kv.blocks().used_tokens(), 0);
         assert_eq!(kv.alloc_seq(), a, "a freed slot is reused");
         let state = kv.recurrent(a, 0).unwrap();
         assert_eq!(
@@ -297,8 +281,8 @@ mod tests {
     fn a_full_cache_is_an_error_not_a_crash() {
         let mut kv = HostKv::new(spec(2));
         let a = kv.alloc_seq();
-        let err = kv.reserve(&[(a, 0, 3)]).unwrap_err();
+        let err = kv.reserve(&[(a, 0, BLOCK_SIZE + 1)]).unwrap_err();
         assert!(err.to_string().contains("full"), "{err}");
-        assert_eq!(kv.seq_len(a), 0, "a refused batch reserves nothing");
+        assert_eq!(kv.blocks().seq_len(a), 0, "a refused batch reserves nothing");
     }
 }

@@ -143,20 +143,10 @@ impl DeviceKv {
 
     /// Takes the blocks the batch's new tokens need (all or none) and uploads the batch's metadata.
     pub fn prepare(&mut self, stream: &Arc<CudaStream>, batch: &[SeqSlice]) -> Result<DeviceBatch> {
-        let mut needed = 0;
-        for s in batch {
-            needed += self.blocks.blocks_needed(s.seq, s.start_pos, s.len)?;
-        }
-        if needed > self.blocks.free_blocks() {
-            return Err(Error::Kv(format!(
-                "full: the batch needs {needed} blocks of {BLOCK_SIZE} tokens, {} of {} are free",
-                self.blocks.free_blocks(),
-                self.blocks.num_blocks()
-            )));
-        }
+        let slices: Vec<_> = batch.iter().map(|s| (s.seq, s.start_pos, s.len)).collect();
+        self.blocks.extend(&slices)?;
         let (mut positions, mut row_slot, mut row_table, mut block_tables) = (vec![], vec![], vec![], vec![]);
         for s in batch {
-            self.blocks.extend(s.seq, s.start_pos, s.len)?;
             let table_start = block_tables.len() as u32;
             block_tables.extend_from_slice(self.blocks.blocks(s.seq)?);
             for pos in s.start_pos..s.start_pos + s.len {
@@ -189,15 +179,11 @@ impl KvCache for DeviceKv {
         }
     }
 
-    fn seq_len(&self, seq: SeqId) -> usize {
-        self.blocks.seq_len(seq)
+    fn blocks(&self) -> &BlockAllocator {
+        &self.blocks
     }
 
-    fn used_tokens(&self) -> usize {
-        self.blocks.used_tokens()
-    }
-
-    fn capacity_tokens(&self) -> usize {
-        self.blocks.num_blocks() * BLOCK_SIZE
+    fn grow(&mut self, seq: SeqId, tokens: usize) -> bool {
+        self.blocks.grow(seq, tokens)
     }
 }

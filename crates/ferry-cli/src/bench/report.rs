@@ -1,0 +1,232 @@
+//! What `ferry bench` reports: the JSON it writes (bench/results/*.json; scripts/device/bench.sh reads its fields)
+//! and the table it prints.
+
+use ferry_core::backend::profiled::OpTime;
+use ferry_core::model::ModelInfo;
+use ferry_core::moe::{MemoryPlan, OffloadStats};
+use serde::Serialize;
+
+/// The memory the all-resident bound is computed against.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemoryCeiling {
+    pub what: String,
+    pub gb_s: f64,
+}
+
+/// Expert offload during the batch-1 decode.
+#[derive(Debug, Serialize)]
+pub(super) struct OffloadReport {
+    slots: usize,
+    hit_rate: f64,
+    /// Expert bytes copied over PCIe per decoded token.
+    bytes_missed_per_token: f64,
+    achieved_pcie_gb_s: f64,
+    measured_h2d_gb_s: f64,
+    /// Measured host-to-device bandwidth over the bytes missed per token.
+    pcie_bound_tok_s: f64,
+    achieved_over_pcie_bound: f64,
+    layer_hit_rates: Vec<f64>,
+    bank_pinned: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub(super) struct BenchReport {
+    pub(super) ferry_commit: &'static str,
+    pub(super) date: String,
+    pub(super) backend: String,
+    pub(super) model: String,
+    pub(super) model_info: ModelInfo,
+    pub(super) memory_plan: Option<MemoryPlan>,
+    pub(super) routing: String,
+    pub(super) load_seconds: f64,
+    pub(super) prompt_tokens: usize,
+    /// Prefill chunk: tokens one forward pass carries at most.
+    pub(super) step_tokens: usize,
+    pub(super) prefill_tok_s: f64,
+    pub(super) ttft_seconds: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) long_prefill: Option<Prefill>,
+    pub(super) decode_tokens: usize,
+    pub(super) decode_tok_s_batch1: f64,
+    /// Seconds the host spends issuing one batch-1 decode step (the rest of the step is waiting for the device).
+    pub(super) decode_host_seconds_per_token: f64,
+    pub(super) concurrency: usize,
+    pub(super) decode_tok_s_aggregate: f64,
+    /// Bytes of weights one decoded token reads at batch 1.
+    pub(super) bytes_per_token: u64,
+    pub(super) memory_ceiling: MemoryCeiling,
+    pub(super) decode_bound_tok_s: f64,
+    pub(super) decode_achieved_over_bound: f64,
+    pub(super) offload: Option<OffloadReport>,
+    pub(super) peak_gpu_memory_bytes: Option<u64>,
+    /// With --profile: per phase (prefill, decode_batch1, decode_concurrent), where the time went.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(super) profile: Vec<(&'static str, Vec<OpTime>)>,
+}
+
+/// One prompt's prefill, up to its first token.
+#[derive(Debug, Serialize)]
+pub(super) struct Prefill {
+    pub(super) prompt_tokens: usize,
+    pub(super) prefill_tok_s: f64,
+    pub(super) ttft_seconds: f64,
+}
+
+/// The offload counters' change over a decode of `tokens` tokens in `seconds`, against the PCIe bound.
+pub(super) fn offload_report(
+    before: Option<OffloadStats>,
+    after: Option<OffloadStats>,
+    tokens: usize,
+    seconds: f64,
+    tok_s: f64,
+    h2d_gb_s: Option<f64>,
+) -> Option<OffloadReport> {
+    let (before, after, h2d) = (before?, after?, h2d_gb_s?);
+    let delta = |a: &[u64], b: &[u64]| -> Vec<u64> {
+        a.iter()
+            .zip(b.iter().chain(std::iter::repeat(&0)))
+            .map(|(x, y)| x - y)
+            .collect()
+    };
+    let hits = delta(&after.layer_hits, &before.layer_hits);
+    let misses = delta(&after.layer_misses, &before.layer_misses);
+    let all_hits: u64 = hits.iter().sum();
+    let all = all_hits + misses.iter().sum::<u64>();
+    let bytes = (after.bytes_copied - before.bytes_copied) as f64;
+    let bytes_missed_per_token = bytes / tokens as f64;
+    let pcie_bound = h2d * 1e9 / bytes_missed_per_token.max(1.0);
+    Some(OffloadReport {
+        slots: after.slots,
+        hit_rate: if all == 0 { 0.0 } else { all_hits as f64 / all as f64 },
+        bytes_missed_per_token,
+        achieved_pcie_gb_s: bytes / seconds / 1e9,
+        measured_h2d_gb_s: h2d,
+        pcie_bound_tok_s: pcie_bound,
+        achieved_over_pcie_bound: tok_s / pcie_bound,
+        layer_hit_rates: hits
+            .iter()
+            .zip(&misses)
+            .map(|(&h, &m)| if h + m == 0 { 0.0 } else { h as f64 / (h + m) as f64 })
+            .collect(),
+        bank_pinned: after.bank_pinned,
+    })
+}
+
+/// Today's date (UTC) as YYYY-MM-DD, from the system clock (Howard Hinnant's civil-from-days).
+pub(super) fn civil_date() -> String {
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400);
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
+pub(super) fn print_report(r: &BenchReport) {
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    let mut rows = vec![
+        ("backend", r.backend.clone()),
+        ("model", format!("{} ({})", r.model, r.model_info.model_type)),
+        ("routing", r.routing.clone()),
+        ("load", format!("{:.1} s", r.load_seconds)),
+        (
+            "prefill",
+            format!(
+                "{:.0} tok/s ({} tokens, in chunks of {})",
+                r.prefill_tok_s, r.prompt_tokens, r.step_tokens
+            ),
+        ),
+        ("time to first token", format!("{:.3} s", r.ttft_seconds)),
+    ];
+    if let Some(long) = &r.long_prefill {
+        rows.push((
+            "prefill, long prompt",
+            format!(
+                "{:.0} tok/s ({} tokens; first token after {:.2} s)",
+                long.prefill_tok_s, long.prompt_tokens, long.ttft_seconds
+            ),
+        ));
+    }
+    rows.extend([
+        (
+            "decode, batch 1",
+            format!(
+                "{:.1} tok/s (host issues a step in {:.2} ms)",
+                r.decode_tok_s_batch1,
+                r.decode_host_seconds_per_token * 1e3
+            ),
+        ),
+        (
+            "decode, concurrent",
+            format!(
+                "{:.1} tok/s aggregate ({} sequences)",
+                r.decode_tok_s_aggregate, r.concurrency
+            ),
+        ),
+        ("bytes per token", format!("{:.2} GB", r.bytes_per_token as f64 / 1e9)),
+        (
+            "memory ceiling",
+            format!("{:.0} GB/s ({})", r.memory_ceiling.gb_s, r.memory_ceiling.what),
+        ),
+        (
+            "resident bound, batch 1",
+            format!(
+                "{:.1} tok/s ({:.1} % achieved)",
+                r.decode_bound_tok_s,
+                100.0 * r.decode_achieved_over_bound
+            ),
+        ),
+    ]);
+    if let Some(p) = &r.memory_plan {
+        rows.push((
+            "GPU memory plan",
+            format!(
+                "dense {}, workspace {}, experts {}, KV {} ({} tokens)",
+                gib(p.dense_bytes),
+                gib(p.workspace_bytes),
+                gib(p.expert_bytes),
+                gib(p.kv_bytes),
+                p.kv_tokens
+            ),
+        ));
+    }
+    if let Some(o) = &r.offload {
+        rows.push((
+            "expert cache",
+            format!("{} slots, hit rate {:.1} %", o.slots, 100.0 * o.hit_rate),
+        ));
+        rows.push(("missed per token", format!("{:.2} GB", o.bytes_missed_per_token / 1e9)));
+        rows.push((
+            "PCIe",
+            format!(
+                "{:.1} GB/s achieved, {:.1} GB/s measured H2D",
+                o.achieved_pcie_gb_s, o.measured_h2d_gb_s
+            ),
+        ));
+        rows.push((
+            "PCIe bound, batch 1",
+            format!(
+                "{:.1} tok/s ({:.1} % achieved)",
+                o.pcie_bound_tok_s,
+                100.0 * o.achieved_over_pcie_bound
+            ),
+        ));
+    }
+    rows.push(("peak GPU memory", r.peak_gpu_memory_bytes.map_or("-".into(), gib)));
+    for (name, value) in rows {
+        println!("{name:<26}{value}");
+    }
+    for (phase, ops) in &r.profile {
+        println!("profile: {phase}");
+        for op in ops {
+            println!("  {:<24}{:>8} calls {:>10.3} ms", op.op, op.calls, op.seconds * 1e3);
+        }
+    }
+}

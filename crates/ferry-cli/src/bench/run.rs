@@ -1,0 +1,235 @@
+//! Driving `ferry bench`'s workload through the engine's scheduler, the one the server runs, step by step on this
+//! thread, and timing it from outside: time to first token, decode at batch 1 (and the host's share of each step),
+//! decode of several sequences together, a long prompt's prefill.
+
+use std::sync::mpsc::{self, Receiver};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use ferry_core::backend::Backend;
+use ferry_core::engine::{Event, Executor, ModelExecutor, NoText, Request, RequestId, Scheduler, SchedulerConfig};
+use ferry_core::loader::Checkpoint;
+use ferry_core::model::{Model, ModelInfo};
+
+use super::report::{civil_date, offload_report, BenchReport, MemoryCeiling, Prefill};
+use super::workload::{as_tap, BenchExecutor, Taps, Workload};
+use super::BenchArgs;
+use crate::device::Backends;
+
+/// What the backend-independent part of the bench needs from the machine.
+pub(super) struct Machine<'a> {
+    /// Tokens one forward pass carries at most: the prefill chunk.
+    pub(super) step_tokens: usize,
+    pub(super) backends: &'a Backends,
+    pub(super) h2d_gb_s: Option<f64>,
+}
+
+impl Machine<'_> {
+    fn gpu_memory_used(&self) -> Option<u64> {
+        match self.backends {
+            Backends::Cuda(cuda) => cuda.memory_info().ok().map(|(free, total)| (total - free) as u64),
+            Backends::Cpu(_) => None,
+        }
+    }
+
+    /// Raises `peak` to the GPU memory in use now.
+    fn track(&self, peak: &mut Option<u64>) {
+        if let Some(used) = self.gpu_memory_used() {
+            *peak = Some(peak.map_or(used, |p| p.max(used)));
+        }
+    }
+}
+
+/// The requests of one phase, submitted together, and how far they have got.
+struct Phase {
+    events: Receiver<(usize, Event)>,
+    /// Tokens each request has generated.
+    generated: Vec<usize>,
+    finished: usize,
+}
+
+impl Phase {
+    /// Submits one greedy request per prompt, each to generate `max_tokens` tokens (no eos ids: never less).
+    fn submit<E: Executor>(scheduler: &mut Scheduler<E>, prompts: &[Vec<u32>], max_tokens: usize) -> Result<Self> {
+        let (sink, events) = mpsc::channel();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let request = Request::new(prompt.clone(), max_tokens);
+            let sink = sink.clone();
+            scheduler.submit(
+                RequestId(i as u64),
+                request,
+                Box::new(move |e| sink.send((i, e)).is_ok()),
+            )?;
+        }
+        Ok(Phase {
+            events,
+            generated: vec![0; prompts.len()],
+            finished: 0,
+        })
+    }
+
+    /// Every request has its first token: its prompt is prefilled.
+    fn prefilled(&self) -> bool {
+        self.generated.iter().all(|&n| n > 0)
+    }
+
+    fn finished(&self) -> bool {
+        self.finished == self.generated.len()
+    }
+
+    /// Steps `scheduler` until `done` holds.
+    fn step_until<E: Executor>(&mut self, scheduler: &mut Scheduler<E>, done: fn(&Phase) -> bool) -> Result<()> {
+        while !done(self) {
+            if scheduler.is_idle() {
+                bail!("the engine went idle before the benchmark's requests were done");
+            }
+            scheduler.step();
+            for (i, event) in self.events.try_iter() {
+                match event {
+                    Event::Token { .. } => self.generated[i] += 1,
+                    Event::Finished { .. } => self.finished += 1,
+                    Event::Failed { message } => bail!("a benchmark request failed: {message}"),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Prefills `prompt` alone, up to its first token (and, with `max_tokens` 1, its last).
+fn prefill<E: Executor>(scheduler: &mut Scheduler<E>, prompt: &[u32], max_tokens: usize) -> Result<(Phase, Prefill)> {
+    let started = Instant::now();
+    let mut phase = Phase::submit(scheduler, &[prompt.to_vec()], max_tokens)?;
+    phase.step_until(scheduler, Phase::prefilled)?;
+    let ttft = started.elapsed().as_secs_f64();
+    let prefill = Prefill {
+        prompt_tokens: prompt.len(),
+        prefill_tok_s: prompt.len() as f64 / ttft,
+        ttft_seconds: ttft,
+    };
+    Ok((phase, prefill))
+}
+
+/// Loads the model on `be` and runs the workload's phases; `phase_done` is called after each (the profiler takes
+/// its report there).
+pub(super) fn bench_on<B: Backend>(
+    be: &B,
+    checkpoint: &Checkpoint,
+    args: &BenchArgs,
+    machine: &Machine,
+    ceiling: &MemoryCeiling,
+    phase_done: impl Fn(&'static str),
+) -> Result<BenchReport> {
+    let started = Instant::now();
+    let model = Model::load(be, checkpoint)?;
+    let load_seconds = started.elapsed().as_secs_f64();
+    let info = ModelInfo::new(&model.spec, checkpoint.weight_dtype());
+    tracing::info!(
+        "loaded {} on {} in {load_seconds:.1} s",
+        model.spec.model_type,
+        be.name()
+    );
+    let mut peak = machine.gpu_memory_used();
+    let workload = Workload::new(args, model.spec.vocab_size);
+    let mut taps = Taps::new(args, &info)?;
+    let kv_tokens = workload.kv_tokens();
+    let kv = be.new_kv(model.kv_spec(kv_tokens))?;
+    let mut executor = ModelExecutor::new(be, model, kv);
+    executor.set_tap(taps.replay.as_mut().map(as_tap));
+    let recording = taps.recorder.as_mut().map(as_tap);
+    let config = SchedulerConfig {
+        max_running: args.concurrency.max(1),
+        max_queued: 0,
+        step_tokens: machine.step_tokens,
+        max_model_len: kv_tokens,
+        sampled_vocab: None,
+    };
+    let executor = BenchExecutor::new(executor, args.model.synthetic.is_some());
+    let mut scheduler = Scheduler::new(config, executor, Arc::new(NoText))?;
+    let decode_tokens = workload.decode_tokens;
+
+    // Prefill one long prompt in chunks; the first token comes with it.
+    let (mut phase, first_prefill) = prefill(&mut scheduler, &workload.prompt, decode_tokens + 1)?;
+    machine.track(&mut peak);
+    phase_done("prefill");
+
+    // Decode that sequence at batch 1.
+    let recorded = recording.is_some();
+    if recorded {
+        scheduler.executor_mut().model.set_tap(recording);
+    }
+    let before = scheduler.offload_stats();
+    let issued_before = scheduler.executor().model.issue_time();
+    let started = Instant::now();
+    phase.step_until(&mut scheduler, Phase::finished)?;
+    let decode_seconds = started.elapsed().as_secs_f64();
+    let host_seconds = (scheduler.executor().model.issue_time() - issued_before).as_secs_f64();
+    let decode_batch1 = decode_tokens as f64 / decode_seconds;
+    let offload = offload_report(
+        before,
+        scheduler.offload_stats(),
+        decode_tokens,
+        decode_seconds,
+        decode_batch1,
+        machine.h2d_gb_s,
+    );
+    if recorded {
+        scheduler.executor_mut().model.set_tap(None);
+    }
+    machine.track(&mut peak);
+    phase_done("decode_batch1");
+
+    // Decode `concurrency` sequences together, once their prompts are in.
+    let mut phase = Phase::submit(&mut scheduler, &workload.short_prompts, decode_tokens + 1)?;
+    phase.step_until(&mut scheduler, Phase::prefilled)?;
+    let started = Instant::now();
+    phase.step_until(&mut scheduler, Phase::finished)?;
+    let decode_aggregate = (decode_tokens * args.concurrency) as f64 / started.elapsed().as_secs_f64();
+    machine.track(&mut peak);
+    phase_done("decode_concurrent");
+
+    let long_prefill = match &workload.long_prompt {
+        Some(prompt) => {
+            let (_, long) = prefill(&mut scheduler, prompt, 1)?;
+            machine.track(&mut peak);
+            phase_done("long_prefill");
+            Some(long)
+        }
+        None => None,
+    };
+    drop(scheduler);
+    if let Some(recorder) = taps.recorder {
+        recorder.finish()?;
+    }
+
+    let bytes_per_token = info.params_active_per_token * checkpoint.weight_dtype().size() as u64;
+    let bound = ceiling.gb_s * 1e9 / bytes_per_token as f64;
+    Ok(BenchReport {
+        ferry_commit: env!("FERRY_GIT_COMMIT"),
+        date: civil_date(),
+        backend: be.name(),
+        model: checkpoint.dir.display().to_string(),
+        model_info: info,
+        memory_plan: None,
+        routing: Taps::routing(args),
+        load_seconds,
+        prompt_tokens: first_prefill.prompt_tokens,
+        step_tokens: machine.step_tokens,
+        prefill_tok_s: first_prefill.prefill_tok_s,
+        ttft_seconds: first_prefill.ttft_seconds,
+        long_prefill,
+        decode_tokens,
+        decode_tok_s_batch1: decode_batch1,
+        decode_host_seconds_per_token: host_seconds / decode_tokens as f64,
+        concurrency: args.concurrency,
+        decode_tok_s_aggregate: decode_aggregate,
+        bytes_per_token,
+        decode_bound_tok_s: bound,
+        decode_achieved_over_bound: decode_batch1 / bound,
+        memory_ceiling: ceiling.clone(),
+        offload,
+        peak_gpu_memory_bytes: peak,
+        profile: Vec::new(),
+    })
+}

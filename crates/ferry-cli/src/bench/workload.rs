@@ -1,0 +1,145 @@
+//! What `ferry bench` runs: seeded random prompts (one prefilled and decoded alone, short ones decoded together, an
+//! optional long one), how each step's next token is chosen (the model's greedy choice, or on synthetic weights a
+//! fresh random token), and the routing taps (a trace replayed through every phase, or the batch-1 decode
+//! recorded). Not how it is timed (run.rs).
+
+use ferry_core::backend::{Backend, SeqSlice};
+use ferry_core::engine::{Executor, ModelExecutor};
+use ferry_core::kv::{KvCache, BLOCK_SIZE};
+use ferry_core::model::ModelInfo;
+use ferry_core::moe::{OffloadStats, RoutingTap, RoutingTrace, TraceHeader, TraceRecorder, TraceReplayer};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::BenchArgs;
+
+/// Tokens of each prompt of the concurrent decode.
+const SHORT_PROMPT: usize = 16;
+
+/// The prompts of every phase and how long each decode runs.
+pub(super) struct Workload {
+    pub(super) prompt: Vec<u32>,
+    /// The prompts decoded together, `--concurrency` of them.
+    pub(super) short_prompts: Vec<Vec<u32>>,
+    pub(super) long_prompt: Option<Vec<u32>>,
+    pub(super) decode_tokens: usize,
+}
+
+impl Workload {
+    pub(super) fn new(args: &BenchArgs, vocab_size: usize) -> Self {
+        let mut rng = StdRng::seed_from_u64(0);
+        let mut random_ids = |n: usize| {
+            (0..n)
+                .map(|_| rng.random_range(0..vocab_size as u32))
+                .collect::<Vec<u32>>()
+        };
+        Workload {
+            prompt: random_ids(args.prompt_tokens),
+            short_prompts: (0..args.concurrency).map(|_| random_ids(SHORT_PROMPT)).collect(),
+            long_prompt: args.long_prompt_tokens.map(random_ids),
+            decode_tokens: args.decode_tokens,
+        }
+    }
+
+    /// Tokens the KV cache is made to hold: every sequence's prompt and decode in whole blocks (the long prompt
+    /// runs after the others have freed theirs), and a little more.
+    pub(super) fn kv_tokens(&self) -> usize {
+        let blocks = |tokens: usize| tokens.next_multiple_of(BLOCK_SIZE);
+        let concurrent: usize = self
+            .short_prompts
+            .iter()
+            .map(|p| blocks(p.len() + self.decode_tokens))
+            .sum();
+        let long = self.long_prompt.as_ref().map_or(0, |p| blocks(p.len()));
+        (blocks(self.prompt.len() + self.decode_tokens) + concurrent).max(long) + 64
+    }
+}
+
+/// The routing taps `--routing-trace` and `--record-routing` ask for.
+pub(super) struct Taps {
+    /// Routes every phase as the trace did.
+    pub(super) replay: Option<TraceReplayer>,
+    /// Records the batch-1 decode.
+    pub(super) recorder: Option<TraceRecorder>,
+}
+
+impl Taps {
+    pub(super) fn new(args: &BenchArgs, info: &ModelInfo) -> anyhow::Result<Self> {
+        let header = TraceHeader {
+            num_layers: info.num_moe_layers as u32,
+            num_experts: info.num_experts as u32,
+            top_k: info.experts_per_token as u32,
+        };
+        Ok(Taps {
+            replay: args
+                .routing_trace
+                .as_ref()
+                .map(|p| TraceReplayer::new(RoutingTrace::read(p)?))
+                .transpose()?,
+            recorder: args
+                .record_routing
+                .as_ref()
+                .map(|p| TraceRecorder::create(p, header))
+                .transpose()?,
+        })
+    }
+
+    pub(super) fn routing(args: &BenchArgs) -> String {
+        match &args.routing_trace {
+            Some(p) => format!("replayed from {}", p.display()),
+            None => "the model's router".into(),
+        }
+    }
+}
+
+/// The tap as the executor holds it.
+pub(super) fn as_tap<T: RoutingTap + Send>(tap: &mut T) -> &mut (dyn RoutingTap + Send) {
+    tap
+}
+
+/// The model's executor, choosing each step's next token as the workload wants. Random weights fall into a loop
+/// under greedy decoding (the same token, the same experts, every step), which would measure a cache that always
+/// hits; on synthetic weights each row's logits are made to pick a fresh random token instead, so that routing
+/// varies as real text makes it.
+pub(super) struct BenchExecutor<'t, B: Backend> {
+    pub(super) model: ModelExecutor<'t, B, &'t B>,
+    /// Set on synthetic weights.
+    random_tokens: Option<StdRng>,
+}
+
+impl<'t, B: Backend> BenchExecutor<'t, B> {
+    pub(super) fn new(model: ModelExecutor<'t, B, &'t B>, synthetic: bool) -> Self {
+        BenchExecutor {
+            model,
+            random_tokens: synthetic.then(|| StdRng::seed_from_u64(1)),
+        }
+    }
+}
+
+impl<B: Backend> Executor for BenchExecutor<'_, B> {
+    fn vocab_size(&self) -> usize {
+        self.model.vocab_size()
+    }
+
+    fn kv(&self) -> &dyn KvCache {
+        self.model.kv()
+    }
+
+    fn kv_mut(&mut self) -> &mut dyn KvCache {
+        self.model.kv_mut()
+    }
+
+    fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> ferry_core::Result<Vec<f32>> {
+        let mut logits = self.model.forward(ids, batch)?;
+        if let Some(rng) = &mut self.random_tokens {
+            let vocab = self.model.vocab_size();
+            for row in logits.chunks_mut(vocab) {
+                row[rng.random_range(0..vocab)] = f32::INFINITY;
+            }
+        }
+        Ok(logits)
+    }
+
+    fn offload_stats(&self) -> Option<OffloadStats> {
+        self.model.offload_stats()
+    }
+}

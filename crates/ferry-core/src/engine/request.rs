@@ -1,0 +1,146 @@
+//! What a caller asks of the engine and hears back: a [`Request`] (prompt, limits, sampling, stop rules), checked
+//! by [`Request::validate`] before it is queued, and the [`Event`]s its [`EventSink`] receives. Not how requests are
+//! scheduled (scheduler.rs) or what a step makes of a request's logits (emit.rs).
+
+use super::sampler::SamplingParams;
+use crate::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+#[derive(Clone, Debug, Default)]
+pub struct StopRules {
+    pub eos_token_ids: Vec<u32>,
+    /// Keep going past eos tokens (benchmarks and parity tests).
+    pub ignore_eos: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt_ids: Vec<u32>,
+    /// Generated tokens at most (the context window may end generation sooner).
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub stop_strings: Vec<String>,
+    pub stop: StopRules,
+}
+
+impl Request {
+    /// Greedy generation of up to `max_tokens` tokens after `prompt_ids`, with no penalties, stop strings or eos
+    /// ids (set the fields to ask for them).
+    pub fn new(prompt_ids: Vec<u32>, max_tokens: usize) -> Self {
+        Request {
+            prompt_ids,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            stop_strings: Vec::new(),
+            stop: StopRules::default(),
+        }
+    }
+
+    /// Rejects what no step could serve, naming the value.
+    pub fn validate(&self, max_model_len: usize, vocab_size: usize) -> Result<()> {
+        self.sampling.validate().map_err(Error::Request)?;
+        if self.prompt_ids.is_empty() {
+            return Err(Error::Request("the prompt is empty".into()));
+        }
+        if self.max_tokens == 0 {
+            return Err(Error::Request("max_tokens must be at least 1".into()));
+        }
+        if self.prompt_ids.len() >= max_model_len {
+            return Err(Error::Request(format!(
+                "the prompt has {} tokens; the context window is {max_model_len}, which must leave room for at \
+                 least one generated token",
+                self.prompt_ids.len()
+            )));
+        }
+        if let Some(bad) = self.prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(Error::Request(format!(
+                "token id {bad} is outside the vocabulary (size {vocab_size})"
+            )));
+        }
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                return Err(Error::Request(format!("{name} must be between -2 and 2, got {value}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An eos token or a stop string was generated.
+    Stop,
+    /// max_tokens or the context window was reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// What a request's owner hears about it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Token `id` was generated; `text` is what it released (empty while a character or a possible stop string is
+    /// incomplete).
+    Token {
+        id: u32,
+        text: String,
+    },
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Failed {
+        message: String,
+    },
+}
+
+/// Where a request's events go; returns false once nobody listens, which cancels the request.
+pub type EventSink = Box<dyn FnMut(Event) -> bool + Send>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(prompt: &[u32]) -> Request {
+        Request::new(prompt.to_vec(), 1)
+    }
+
+    /// The error `validate` gives, against a context window of 16 and a vocabulary of 16.
+    fn refusal(r: Request) -> String {
+        r.validate(16, 16).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn what_no_step_could_serve_is_refused_naming_the_value() {
+        request(&[1; 15]).validate(16, 16).unwrap();
+        assert!(refusal(request(&[])).contains("empty"));
+        assert!(refusal(request(&[1; 16])).contains("16 tokens"));
+        assert!(refusal(request(&[99])).contains("vocabulary"));
+        let mut none = request(&[1]);
+        none.max_tokens = 0;
+        assert!(refusal(none).contains("max_tokens"));
+        let mut penalised = request(&[1]);
+        penalised.presence_penalty = 3.0;
+        assert!(refusal(penalised).contains("presence_penalty"));
+        let mut hot = request(&[1]);
+        hot.sampling.temperature = -1.0;
+        assert!(refusal(hot).contains("temperature"));
+    }
+}

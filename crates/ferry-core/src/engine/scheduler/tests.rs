@@ -1,0 +1,354 @@
+//! The scheduler on a fake model whose next token depends on the whole history (so a wrong position or a bad
+//! recompute shows): batching, chunked prefill, preemption, cancellation, failure isolation, refusals.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+
+use super::*;
+use crate::engine::emit::tests::Letters;
+use crate::engine::FinishReason;
+use crate::kv::{BlockAllocator, KvCache};
+
+const VOCAB: usize = 16;
+/// A prompt holding this token makes the forward pass fail; this one makes it panic.
+const FAILS: u32 = 15;
+const PANICS: u32 = 14;
+
+/// A cache of blocks that keeps each sequence's tokens.
+struct FakeKv {
+    blocks: BlockAllocator,
+    tokens: HashMap<SeqId, Vec<u32>>,
+}
+
+impl KvCache for FakeKv {
+    fn alloc_seq(&mut self) -> SeqId {
+        let seq = self.blocks.alloc_seq();
+        self.tokens.insert(seq, Vec::new());
+        seq
+    }
+
+    fn free_seq(&mut self, seq: SeqId) {
+        self.blocks.free_seq(seq);
+        self.tokens.remove(&seq);
+    }
+
+    fn blocks(&self) -> &BlockAllocator {
+        &self.blocks
+    }
+
+    fn grow(&mut self, seq: SeqId, tokens: usize) -> bool {
+        self.blocks.grow(seq, tokens)
+    }
+}
+
+/// Next token = (sum of the sequence's tokens so far) mod 13: depends on the whole history, so a wrong KV
+/// position, a lost token or a bad recompute changes the output. Takes each batch's blocks as a real cache does
+/// (a batch the scheduler did not grow the blocks for fails) and checks every slice starts where its sequence
+/// ends.
+struct FakeModel {
+    kv: FakeKv,
+    batches: Vec<Vec<usize>>,
+}
+
+impl FakeModel {
+    /// A cache of `blocks` blocks of 4 tokens.
+    fn new(blocks: usize) -> Self {
+        let kv = FakeKv {
+            blocks: BlockAllocator::new(4, blocks),
+            tokens: HashMap::new(),
+        };
+        FakeModel {
+            kv,
+            batches: Vec::new(),
+        }
+    }
+}
+
+impl Executor for FakeModel {
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+
+    fn kv(&self) -> &dyn KvCache {
+        &self.kv
+    }
+
+    fn kv_mut(&mut self) -> &mut dyn KvCache {
+        &mut self.kv
+    }
+
+    fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>> {
+        if ids.contains(&PANICS) {
+            panic!("a bug in a kernel");
+        }
+        if ids.contains(&FAILS) {
+            return Err(Error::Request("poisoned batch".into()));
+        }
+        let free_before = self.kv.blocks.free_blocks();
+        let slices: Vec<_> = batch.iter().map(|s| (s.seq, s.start_pos, s.len)).collect();
+        self.kv.blocks.extend(&slices)?;
+        assert_eq!(
+            self.kv.blocks.free_blocks(),
+            free_before,
+            "the scheduler grew every block first"
+        );
+        self.batches.push(batch.iter().map(|s| s.len).collect());
+        let mut logits = Vec::new();
+        let mut row = 0;
+        for slice in batch {
+            let cached = self.kv.tokens.get_mut(&slice.seq).expect("allocated sequence");
+            assert_eq!(cached.len(), slice.start_pos, "slice starts where the sequence ends");
+            cached.extend_from_slice(&ids[row..row + slice.len]);
+            row += slice.len;
+            let next = cached.iter().sum::<u32>() % 13;
+            logits.extend((0..VOCAB as u32).map(|t| if t == next { 1.0 } else { 0.0 }));
+        }
+        Ok(logits)
+    }
+}
+
+fn scheduler(max_running: usize, step_tokens: usize, blocks: usize) -> Scheduler<FakeModel> {
+    scheduler_sampling(max_running, step_tokens, blocks, None)
+}
+
+fn scheduler_sampling(
+    max_running: usize,
+    step_tokens: usize,
+    blocks: usize,
+    sampled_vocab: Option<usize>,
+) -> Scheduler<FakeModel> {
+    let config = SchedulerConfig {
+        max_running,
+        max_queued: 4,
+        step_tokens,
+        max_model_len: 16,
+        sampled_vocab,
+    };
+    Scheduler::new(config, FakeModel::new(blocks), Arc::new(Letters)).unwrap()
+}
+
+fn request(prompt: &[u32], max_tokens: usize) -> Request {
+    Request::new(prompt.to_vec(), max_tokens)
+}
+
+/// Submits a request and returns where its events arrive.
+fn submit(s: &mut Scheduler<FakeModel>, id: u64, r: Request) -> mpsc::Receiver<Event> {
+    let (tx, rx) = mpsc::channel();
+    s.submit(RequestId(id), r, Box::new(move |e| tx.send(e).is_ok()))
+        .unwrap();
+    rx
+}
+
+fn run_to_idle(s: &mut Scheduler<FakeModel>) {
+    for _ in 0..200 {
+        if s.is_idle() {
+            return;
+        }
+        s.step();
+    }
+    panic!("the scheduler never went idle");
+}
+
+/// The text of a finished request and how it finished.
+fn outcome(rx: &mpsc::Receiver<Event>) -> (String, Event) {
+    let mut text = String::new();
+    for event in rx.try_iter() {
+        match event {
+            Event::Token { text: piece, .. } => text.push_str(&piece),
+            last => return (text, last),
+        }
+    }
+    panic!("no final event after {text:?}");
+}
+
+fn alone(prompt: &[u32], max_tokens: usize) -> String {
+    let mut s = scheduler(1, 64, 16);
+    let rx = submit(&mut s, 0, request(prompt, max_tokens));
+    run_to_idle(&mut s);
+    outcome(&rx).0
+}
+
+#[test]
+fn a_capped_vocabulary_is_never_sampled_beyond() {
+    let prompt = [3u32, 4];
+    assert!(
+        alone(&prompt, 6).chars().any(|c| c >= 'f'),
+        "the fake model picks ids past 5 here"
+    );
+    let mut s = scheduler_sampling(1, 64, 16, Some(5));
+    let rx = submit(&mut s, 0, request(&prompt, 6));
+    run_to_idle(&mut s);
+    let (text, _) = outcome(&rx);
+    assert_eq!(text.len(), 6);
+    assert!(text.chars().all(|c| c < 'f'), "{text}");
+}
+
+#[test]
+fn batched_requests_generate_what_they_generate_alone() {
+    let prompts: [&[u32]; 3] = [&[1, 2, 3], &[4, 5], &[6, 7, 8, 9, 10]];
+    let mut s = scheduler(2, 64, 16);
+    let rxs: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| submit(&mut s, i as u64, request(p, 5)))
+        .collect();
+    s.step();
+    assert_eq!((s.stats().running, s.stats().queued), (2, 1), "two run, one waits");
+    run_to_idle(&mut s);
+    for (p, rx) in prompts.iter().zip(&rxs) {
+        let (text, last) = outcome(rx);
+        assert_eq!(text, alone(p, 5));
+        assert!(matches!(
+            last,
+            Event::Finished {
+                reason: FinishReason::Length,
+                completion_tokens: 5,
+                ..
+            }
+        ));
+    }
+    assert_eq!(s.stats().kv_blocks_used, 0);
+    assert!(s.executor.kv.tokens.is_empty(), "every sequence was freed");
+}
+
+#[test]
+fn long_prompts_are_prefilled_in_chunks_beside_running_decodes() {
+    let mut s = scheduler(2, 4, 16);
+    let decoding = submit(&mut s, 0, request(&[1], 8));
+    s.step();
+    let long = [2u32; 11];
+    let prefilling = submit(&mut s, 1, request(&long, 2));
+    run_to_idle(&mut s);
+    // The decode gets its token in every step while the prompt goes in chunks of the remaining budget.
+    assert_eq!(
+        &s.executor.batches[..5],
+        [vec![1], vec![1, 3], vec![1, 3], vec![1, 3], vec![1, 2]]
+    );
+    assert!(s.executor.batches.iter().all(|b| b.iter().sum::<usize>() <= 4));
+    assert_eq!(outcome(&decoding).0, alone(&[1], 8));
+    assert_eq!(outcome(&prefilling).0, alone(&long, 2));
+}
+
+#[test]
+fn when_kv_runs_out_the_newest_is_preempted_and_recomputed() {
+    // 4 blocks of 4 tokens: one context window (16); two requests that would need 12 each.
+    let mut s = scheduler(2, 64, 4);
+    let a = submit(&mut s, 0, request(&[1, 2, 3, 4, 5], 7));
+    let b = submit(&mut s, 1, request(&[6, 7, 8, 9, 10], 7));
+    let mut peak = 0;
+    while !s.is_idle() {
+        s.step();
+        peak = peak.max(s.stats().kv_blocks_used);
+        assert!(s.stats().kv_blocks_used <= 4);
+    }
+    assert_eq!(peak, 4);
+    assert!(s.stats().preemptions > 0);
+    assert_eq!(outcome(&a).0, alone(&[1, 2, 3, 4, 5], 7));
+    assert_eq!(outcome(&b).0, alone(&[6, 7, 8, 9, 10], 7));
+    assert!(s.executor.kv.tokens.is_empty());
+}
+
+#[test]
+fn cancelling_or_hanging_up_frees_kv_at_once() {
+    let mut s = scheduler(2, 64, 16);
+    let _kept = submit(&mut s, 0, request(&[1, 2, 3, 4, 5], 10));
+    let hung_up = submit(&mut s, 1, request(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 10));
+    s.step();
+    assert_eq!(s.stats().kv_blocks_used, 2 + 3);
+    s.cancel(RequestId(0));
+    assert_eq!(s.stats().kv_blocks_used, 3);
+    assert_eq!(s.executor.kv.tokens.len(), 1);
+    drop(hung_up);
+    s.step();
+    assert_eq!(s.stats().kv_blocks_used, 0);
+    assert!(s.is_idle());
+}
+
+#[test]
+fn a_request_that_stops_early_is_retired_with_its_counts() {
+    // Alone, prompt [1] generates b, c, e, i, ... (running sums mod 13).
+    assert_eq!(&alone(&[1], 6)[..4], "bcei");
+    let mut s = scheduler(4, 64, 16);
+    let mut eos = request(&[1], 6);
+    eos.stop.eos_token_ids = vec![4];
+    let eos = submit(&mut s, 0, eos);
+    let mut stopped = request(&[1], 6);
+    stopped.stop_strings = vec!["ei".into()];
+    let stopped = submit(&mut s, 1, stopped);
+    let full = submit(&mut s, 2, request(&[1], 6));
+    run_to_idle(&mut s);
+    let finished = |reason, completion_tokens| Event::Finished {
+        reason,
+        prompt_tokens: 1,
+        completion_tokens,
+    };
+    assert_eq!(outcome(&eos), ("bc".into(), finished(FinishReason::Stop, 3)));
+    assert_eq!(outcome(&stopped), ("bc".into(), finished(FinishReason::Stop, 4)));
+    assert_eq!(outcome(&full).1, finished(FinishReason::Length, 6));
+    assert!(s.executor.kv.tokens.is_empty());
+}
+
+#[test]
+fn a_failing_request_fails_alone() {
+    for bad_token in [FAILS, PANICS] {
+        let mut s = scheduler(3, 64, 16);
+        let good = submit(&mut s, 0, request(&[1, 2], 4));
+        let bad = submit(&mut s, 1, request(&[3, bad_token], 4));
+        let other = submit(&mut s, 2, request(&[5], 4));
+        run_to_idle(&mut s);
+        assert_eq!(outcome(&good).0, alone(&[1, 2], 4));
+        assert_eq!(outcome(&other).0, alone(&[5], 4));
+        assert!(matches!(outcome(&bad).1, Event::Failed { .. }));
+        assert!(s.executor.kv.tokens.is_empty());
+        assert_eq!(s.stats().kv_blocks_used, 0);
+    }
+}
+
+#[test]
+fn after_a_failed_batch_the_healthy_requests_are_batched_together_again() {
+    let mut s = scheduler(3, 64, 16);
+    let good = submit(&mut s, 0, request(&[1, 2], 6));
+    let bad = submit(&mut s, 1, request(&[3, FAILS], 6));
+    let other = submit(&mut s, 2, request(&[5], 6));
+    run_to_idle(&mut s);
+    assert!(matches!(outcome(&bad).1, Event::Failed { .. }));
+    assert_eq!(outcome(&good).0, alone(&[1, 2], 6));
+    assert_eq!(outcome(&other).0, alone(&[5], 6));
+    // The batch of three failed; each member was recomputed alone (the bad one failing), then the two healthy
+    // ones decode side by side again instead of one after the other.
+    let mut expected = vec![vec![2], vec![1]];
+    expected.extend(std::iter::repeat_n(vec![1, 1], 5));
+    assert_eq!(s.executor.batches, expected);
+}
+
+#[test]
+fn invalid_requests_and_a_full_queue_are_refused_with_a_reason() {
+    let mut s = scheduler(1, 64, 16);
+    let refused = |s: &mut Scheduler<FakeModel>, id, r| {
+        let (tx, rx) = mpsc::channel();
+        let err = s
+            .submit(RequestId(id), r, Box::new(move |e| tx.send(e).is_ok()))
+            .unwrap_err();
+        assert!(matches!(rx.try_recv(), Ok(Event::Failed { .. })));
+        err.to_string()
+    };
+    assert!(refused(&mut s, 0, request(&[99], 1)).contains("vocabulary"));
+    // One running place and four queued ones.
+    let _held: Vec<_> = (0..5).map(|i| submit(&mut s, i, request(&[1], 1))).collect();
+    assert!(refused(&mut s, 9, request(&[1], 1)).contains("queue is full"));
+}
+
+#[test]
+fn a_cache_shorter_than_the_context_window_is_refused() {
+    let config = SchedulerConfig {
+        max_running: 1,
+        max_queued: 0,
+        step_tokens: 64,
+        max_model_len: 16,
+        sampled_vocab: None,
+    };
+    let err = Scheduler::new(config, FakeModel::new(3), Arc::new(Letters))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("hold 12 tokens"), "{err}");
+}
