@@ -82,6 +82,7 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<HashMap<&'static str, CudaFunc
     Ok(functions)
 }
 
+/// Kernel `name` of a loaded table; an error, not a panic, for a name the table lacks.
 fn kernel<'a>(functions: &'a HashMap<&str, CudaFunction>, name: &str) -> Result<&'a CudaFunction> {
     functions
         .get(name)

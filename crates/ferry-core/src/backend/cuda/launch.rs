@@ -142,3 +142,17 @@ pub(super) fn per_row(rows: usize, threads: u32) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pointer_moves_by_whole_elements_of_its_type() {
+        let floats = Ptr::<f32>::at(4096);
+        assert_eq!(floats.offset(3).address(), 4096 + 12);
+        let words: Ptr<u16> = floats.cast();
+        assert_eq!(words.offset(3).address(), 4096 + 6);
+        assert_eq!(Ptr::<u64>::null().address(), 0);
+    }
+}

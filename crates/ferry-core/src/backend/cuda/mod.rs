@@ -62,6 +62,7 @@ pub enum CudaWeight {
 }
 
 impl CudaWeight {
+    /// The weight as a bf16 matrix, for the ops that take one.
     fn matrix(&self) -> Result<Bf16Matrix> {
         match self {
             CudaWeight::Matrix { data, rows, cols } => Ok(Bf16Matrix {
@@ -73,6 +74,7 @@ impl CudaWeight {
         }
     }
 
+    /// The weight as an f32 vector, for the ops that take one.
     fn vector(&self) -> Result<Ptr<f32>> {
         match self {
             CudaWeight::Vector(v) => Ok(ptr(v)),
@@ -132,10 +134,13 @@ pub struct CudaRouting {
     top_k: usize,
 }
 
+/// One GPU opened for ferry (context.rs's [`CudaBackend::new`]): its context, the compute stream every op runs on
+/// in order, cuBLAS on that stream, and the loaded kernels.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// Every kernel of context.rs's table, by name.
     functions: HashMap<&'static str, CudaFunction>,
     /// Set by [`CudaBackend::enable_offload`] before a model is loaded.
     offload: Option<Mutex<offload::Offload>>,
