@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::launch::{grid_1d, kernel, per_row, ptr, Ptr};
+use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::{Error, Result};
 
@@ -115,7 +115,7 @@ pub(super) fn embed(cuda: &CudaBackend, table: &CudaWeight, ids: &[u32]) -> Resu
         out: ptr(&out.data),
         hidden: table.cols as i32,
     };
-    embed.launch(cuda, per_row(ids.len(), 256))?;
+    embed.launch(cuda, per_row(ids.len(), BLOCK_THREADS))?;
     Ok(out)
 }
 
@@ -146,7 +146,7 @@ pub(super) fn add_assign(cuda: &CudaBackend, x: &mut CudaTensor, y: &CudaTensor)
         y: ptr(&y.data),
         n,
     };
-    add.launch(cuda, grid_1d(n, 256))
+    add.launch(cuda, grid_1d(n, BLOCK_THREADS))
 }
 
 pub(super) fn add_rms_norm(
@@ -180,7 +180,7 @@ pub(super) fn silu_mul(cuda: &CudaBackend, gate: &CudaTensor, up: &CudaTensor) -
         out: ptr(&out.data),
         n,
     };
-    silu_mul.launch(cuda, grid_1d(n, 256))?;
+    silu_mul.launch(cuda, grid_1d(n, BLOCK_THREADS))?;
     Ok(out)
 }
 
@@ -199,14 +199,14 @@ pub(super) fn sigmoid_gate(cuda: &CudaBackend, x: &mut CudaTensor, gate: &CudaTe
             gate: ptr(&gate.data),
             n,
         };
-        return sigmoid_gate.launch(cuda, grid_1d(n, 256));
+        return sigmoid_gate.launch(cuda, grid_1d(n, BLOCK_THREADS));
     }
     let sigmoid_gate = SigmoidGateRows {
         x: ptr(&x.data),
         gate: ptr(&gate.data),
         cols: x.cols as i32,
     };
-    sigmoid_gate.launch(cuda, per_row(x.rows, 256))
+    sigmoid_gate.launch(cuda, per_row(x.rows, BLOCK_THREADS))
 }
 
 pub(super) fn select_rows(cuda: &CudaBackend, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
@@ -232,5 +232,5 @@ pub(super) fn copy_rows(
         out: ptr(&out.data),
         cols: x.cols as i32,
     };
-    copy.launch_kernel(cuda, kernel, per_row(count, 256))
+    copy.launch_kernel(cuda, kernel, per_row(count, BLOCK_THREADS))
 }

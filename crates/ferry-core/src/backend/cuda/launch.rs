@@ -65,7 +65,8 @@ pub(super) fn ptr<T>(slice: &CudaSlice<T>) -> Ptr<T> {
 /// Declares a kernel's launch helper: `struct Name = "kernel" { param: Type, ... }` with the kernel's parameters
 /// in the order and of the types of its C signature (`Ptr<T>` for `T*`, `i32` for `int`, `usize` for `size_t`),
 /// so that a launch names every argument. `launch` runs kernel "kernel"; a helper declared without a kernel name
-/// serves several kernels of one signature and takes the kernel's name at `launch`.
+/// serves several kernels of one signature (the GEMVs, the two delta rules, the row copies) and is run by
+/// `launch_kernel`, which takes the kernel's name.
 macro_rules! kernel {
     ($(#[doc = $doc:literal])* struct $name:ident = $kernel:literal { $($param:ident: $ty:ty),* $(,)? }) => {
         kernel!($(#[doc = $doc])* struct $name { $($param: $ty),* });
@@ -123,6 +124,10 @@ impl CudaBackend {
         Ok(())
     }
 }
+
+/// Threads per block of the kernels whose threads stride over a row or over all elements by `blockDim.x`: any
+/// multiple of 32 computes the same; 256 keeps several blocks resident per multiprocessor.
+pub(super) const BLOCK_THREADS: u32 = 256;
 
 /// Blocks of `threads` threads for a grid-stride loop over `n` elements.
 pub(super) fn grid_1d(n: usize, threads: u32) -> LaunchConfig {

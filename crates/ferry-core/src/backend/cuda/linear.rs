@@ -7,7 +7,7 @@ use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, WARP_STEP_COLS};
 
-use super::launch::{grid_1d, kernel, ptr, Ptr};
+use super::launch::{grid_1d, kernel, ptr, Ptr, BLOCK_THREADS};
 use super::{blas_err, Bf16Matrix, CudaBackend, CudaTensor};
 use crate::{Error, Result};
 
@@ -119,14 +119,14 @@ impl CudaBackend {
         let halves = self.split_bf16(x)?;
         self.gemm_split(&halves, 0, x.rows, w, &out)?;
         if let Some(bias) = bias {
-            let n = out.rows * out.cols;
+            let values = out.rows * out.cols;
             let add = AddBias {
                 x: ptr(&out.data),
                 bias,
-                n,
+                n: values,
                 cols: out.cols as i32,
             };
-            add.launch(self, grid_1d(n, 256))?;
+            add.launch(self, grid_1d(values, BLOCK_THREADS))?;
         }
         Ok(out)
     }
@@ -145,7 +145,7 @@ impl CudaBackend {
             lo: ptr(&halves.lo),
             n,
         };
-        split.launch(self, grid_1d(n, 256))?;
+        split.launch(self, grid_1d(n, BLOCK_THREADS))?;
         Ok(halves)
     }
 

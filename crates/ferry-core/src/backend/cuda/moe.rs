@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{GEMV_MAX_ROWS, MOE_DOWN_ROWS, MOE_WARPS, ROUTER_MAX_EXPERTS};
 
 use super::elementwise::copy_rows;
-use super::launch::{grid_1d, kernel, per_row, ptr, Ptr};
+use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::memory::bf16_bytes;
 use super::{cuda_err, Bf16Matrix, CudaBackend, CudaExperts, CudaRouting, CudaTensor};
 use crate::backend::{ExpertTensors, RouterKind};
@@ -353,7 +353,7 @@ fn moe_expert_group(
         out: ptr(&act.data),
         n: pairs * inter,
     };
-    silu_mul.launch(cuda, grid_1d(pairs * inter, 256))?;
+    silu_mul.launch(cuda, grid_1d(pairs * inter, BLOCK_THREADS))?;
     drop(gate_up);
     let halves = cuda.split_bf16(&act)?;
     drop(act);
@@ -372,5 +372,5 @@ fn moe_expert_group(
         hidden: hidden as i32,
         out: ptr(&out.data).offset(first_row * hidden),
     };
-    combine.launch(cuda, per_row(rows, 256))
+    combine.launch(cuda, per_row(rows, BLOCK_THREADS))
 }
