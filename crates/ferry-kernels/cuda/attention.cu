@@ -1,14 +1,9 @@
-// Paged KV cache: keys and values of a layer live in pools of KV_BLOCK_TOKENS-token blocks; a sequence's block
+// Paged KV cache: keys and values of a layer live in pools of KV_BLOCK_SIZE-token blocks; a sequence's block
 // table lists its blocks in order. Row r of a batch is at position row_pos[r] of the sequence whose block table
 // starts at block_tables[row_table[r]].
 #include "common.cuh"
 
-constexpr int KV_BLOCK_TOKENS = 16;  // kv.rs BLOCK_SIZE
-constexpr int KEYS_PER_TILE = 32;    // one key per lane when scoring
-constexpr int MAX_WARPS = 4;
-constexpr int MAX_STAGES = 3;
-constexpr int MAX_SPLITS = 256;
-constexpr int COMBINE_THREADS = 128;
+static_assert(MAX_HEAD_DIM <= 2 * 32 * 4, "a lane holds at most two float4 chunks of a value row");
 constexpr uint32_t NO_SLOT = 0xffffffffu;
 
 // 16 bytes global -> shared without passing through registers; with `fill` false nothing is read and the 16
@@ -22,7 +17,7 @@ __device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool f
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Waits until at most `pending` (stages - 2) of this thread's latest copy groups are in flight.
-static_assert(MAX_STAGES - 2 <= 1, "cp_async_wait takes pending 0 or 1");
+static_assert(ATTENTION_MAX_STAGES - 2 <= 1, "cp_async_wait takes pending 0 or 1");
 __device__ __forceinline__ void cp_async_wait(int pending) {
     if (pending == 0)
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -96,7 +91,7 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
     // Lane l's key in tile n: its slot in the pool, or NO_SLOT past the split's end.
     auto lane_slot = [&](int n) -> uint32_t {
         const uint32_t j = begin + static_cast<uint32_t>(n) * KEYS_PER_TILE + lane;
-        return n < tiles && j < end ? table[j / KV_BLOCK_TOKENS] * KV_BLOCK_TOKENS + j % KV_BLOCK_TOKENS : NO_SLOT;
+        return n < tiles && j < end ? table[j / KV_BLOCK_SIZE] * KV_BLOCK_SIZE + j % KV_BLOCK_SIZE : NO_SLOT;
     };
     // Starts the copy of a tile (the slot of key `lane` in `slot`) into stage `stage`: a warp per key row, so each
     // row's slot is looked up once and its copy is one contiguous run of 16-byte pieces.
@@ -257,7 +252,7 @@ __device__ __forceinline__ void attend_split_heads(int heads_per_warp, const Att
 // is stored). With one split the block writes the output; with several it writes its partial (max, denominator,
 // unnormalised output) for attention_combine. Dynamic shared memory, in floats:
 // stages * 2 * KEYS_PER_TILE * (head_dim + 4) + group * head_dim + warps * heads_per_warp * KEYS_PER_TILE.
-extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(ATTENTION_MAX_WARPS * 32)
     attention(const float* __restrict__ q, const float* __restrict__ k_pool, const float* __restrict__ v_pool,
               float* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_stats,
               const uint32_t* __restrict__ row_pos, const uint32_t* __restrict__ row_table,
@@ -274,17 +269,17 @@ extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32)
 
 // Merges the splits' partials of every (row, head): block (r, h). Warp 0 turns the splits' maxima into weights;
 // then every thread sums one float4 chunk of head_dim over an interleaved share of the splits, and the shares
-// are added in shared memory. splits <= MAX_SPLITS, head_dim / 4 <= COMBINE_THREADS.
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+// are added in shared memory. splits <= ATTENTION_MAX_SPLITS, head_dim / 4 <= ATTENTION_COMBINE_THREADS.
+extern "C" __global__ void __launch_bounds__(ATTENTION_COMBINE_THREADS)
     attention_combine(const float* __restrict__ partial_out, const float* __restrict__ partial_stats,
                       float* __restrict__ out, int num_heads, int head_dim, int splits) {
-    __shared__ float weight[MAX_SPLITS];
+    __shared__ float weight[ATTENTION_MAX_SPLITS];
     __shared__ float denominator;
-    __shared__ float4 shares[COMBINE_THREADS];
+    __shared__ float4 shares[ATTENTION_COMBINE_THREADS];
     const size_t head = static_cast<size_t>(blockIdx.x) * num_heads + blockIdx.y;
     const float2* stats = reinterpret_cast<const float2*>(partial_stats) + head * splits;  // (max, denominator)
     if (threadIdx.x < 32) {
-        constexpr int PER_LANE = MAX_SPLITS / 32;
+        constexpr int PER_LANE = ATTENTION_MAX_SPLITS / 32;
         float2 mine[PER_LANE];
         float total_max = -INFINITY;
 #pragma unroll

@@ -5,8 +5,6 @@
 // sequence's base address and the layer's offsets. Batch rows are grouped in slices, one per sequence.
 #include "common.cuh"
 
-constexpr int MAX_K_HEAD_DIM = 128;
-
 __device__ __forceinline__ float silu_f(float v) { return v / (1.0f + expf(-v)); }
 
 // y[r, c] = silu(sum_j w[c, j] * in[p - (K - 1) + j, c]); `in` is the slice's state rows followed by its rows of x.
@@ -132,25 +130,22 @@ extern "C" __global__ void gated_delta_rule(const float* __restrict__ qkv, const
         if (i < dk && j < dv) state[i * dv + j] = col[i];
 }
 
-// The chunked gated delta rule. A block takes one slice, one value head and CHUNK_COLUMNS of its state's columns
-// (the columns of S never mix: only q, k, g and beta are shared, and each block recomputes them), keeps those
-// columns in shared memory and walks the slice DELTA_CHUNK tokens at a time. Within a chunk, with S the state at
+// The chunked gated delta rule. A block takes one slice, one value head and DELTA_CHUNK_COLUMNS of its state's
+// columns (the columns of S never mix: only q, k, g and beta are shared, and each block recomputes them), keeps
+// those columns in shared memory and walks the slice DELTA_CHUNK tokens at a time. Within a chunk, with S the state at
 // its start and G_i the sum of g from the chunk's start through token i (the CPU's delta_rule_head_chunked):
 //   u_i = beta_i (v_i - e^G_i S^T k_i) + sum_{j<i} A_ij u_j,  A_ij = -beta_i (k_i . k_j) e^(G_i - G_j)
 //         (forward substitution, row by row)
 //   o_i = e^G_i S^T q_i + sum_{j<=i} P_ij u_j,               P_ij = (q_i . k_j) e^(G_i - G_j)
 //   S   = e^G_last S + sum_j e^(G_last - G_j) k_j u_j^T
 // Only differences of G within the chunk are exponentiated, each <= 0: nothing overflows.
-constexpr int DELTA_CHUNK = 64;     // backend/mod.rs's DELTA_RULE_CHUNK
-constexpr int CHUNK_COLUMNS = 32;   // gdn.rs's CHUNK_COLUMNS
-constexpr int CHUNK_THREADS = 256;  // gdn.rs's CHUNK_THREADS
-constexpr int CHUNK_WARPS = CHUNK_THREADS / 32;
+constexpr int CHUNK_WARPS = DELTA_CHUNK_THREADS / 32;
 constexpr int ROWS_PER_WARP = DELTA_CHUNK / CHUNK_WARPS;
 // Row strides in shared memory (gdn.rs's chunked_shared_bytes mirrors the layout): k and q rows of dk + 1 (odd
 // for even dk, so the C x C products read them without bank conflicts); A and P rows of C + 1; u rows of
-// CHUNK_COLUMNS + 4, so that the solve's 8 lanes x 4 columns of a warp hit 32 different banks.
+// DELTA_CHUNK_COLUMNS + 4, so that the solve's 8 lanes x 4 columns of a warp hit 32 different banks.
 constexpr int CHUNK_MATRIX_STRIDE = DELTA_CHUNK + 1;
-constexpr int CHUNK_U_STRIDE = CHUNK_COLUMNS + 4;
+constexpr int CHUNK_U_STRIDE = DELTA_CHUNK_COLUMNS + 4;
 
 // acc[p][q] = x_i . y_j over dk for i = ty + 16 p, j = tx + 16 q, thread (tx, ty) of 16 x 16: a C x C product of
 // rows in shared memory, in 4 x 4 register tiles.
@@ -181,15 +176,15 @@ __device__ __forceinline__ void rows_times_state(const float* x, int stride, con
 #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) out[r] = 0.0f;
     for (int d = 0; d < dk; ++d) {
-        const float sd = state_s[d * CHUNK_COLUMNS + lane];
+        const float sd = state_s[d * DELTA_CHUNK_COLUMNS + lane];
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) out[r] = fmaf(x[(warp + CHUNK_WARPS * r) * stride + d], sd, out[r]);
     }
 }
 
-// Grid: (slices, Hv, ceil(dv / CHUNK_COLUMNS)), CHUNK_THREADS threads; slices shorter than chunked_from are
-// gated_delta_rule's. Dynamic shared memory: gdn.rs's chunked_shared_bytes(dk).
-extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
+// Grid: (slices, Hv, ceil(dv / DELTA_CHUNK_COLUMNS)), DELTA_CHUNK_THREADS threads; slices shorter than
+// chunked_from are gated_delta_rule's. Dynamic shared memory: gdn.rs's chunked_shared_bytes(dk).
+extern "C" __global__ void __launch_bounds__(DELTA_CHUNK_THREADS)
     gated_delta_rule_chunked(const float* __restrict__ qkv, const float* __restrict__ a, const float* __restrict__ b,
                              const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                              float* __restrict__ out, const uint32_t* __restrict__ slice_start_row,
@@ -197,10 +192,10 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
                              size_t delta_offset, int num_k_heads, int num_v_heads, int dk, int dv,
                              int chunked_from) {
     constexpr int C = DELTA_CHUNK;
-    static_assert(CHUNK_COLUMNS == 32 && CHUNK_COLUMNS == 4 * CHUNK_WARPS,
+    static_assert(DELTA_CHUNK_COLUMNS == 32 && DELTA_CHUNK_COLUMNS == 4 * CHUNK_WARPS,
                   "a lane per state column; the solve gives each warp 4 columns");
-    static_assert(C == 64 && CHUNK_THREADS == 256, "the C x C products: 16 x 16 threads of 4 x 4");
-    const int s = blockIdx.x, h = blockIdx.y, col = blockIdx.z * CHUNK_COLUMNS + (threadIdx.x & 31);
+    static_assert(C == 64 && DELTA_CHUNK_THREADS == 256, "the C x C products: 16 x 16 threads of 4 x 4");
+    const int s = blockIdx.x, h = blockIdx.y, col = blockIdx.z * DELTA_CHUNK_COLUMNS + (threadIdx.x & 31);
     const int len = static_cast<int>(slice_len[s]);
     if (len < chunked_from) return;
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -212,9 +207,9 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
     float* a_s = q_s;                  // [C][CHUNK_MATRIX_STRIDE]
     float* u_s = q_s + C * CHUNK_MATRIX_STRIDE;  // [C][CHUNK_U_STRIDE]
     float* p_s = q_s + max(C * stride, C * (CHUNK_MATRIX_STRIDE + CHUNK_U_STRIDE));  // [C][CHUNK_MATRIX_STRIDE]
-    float* state_s = p_s + C * CHUNK_MATRIX_STRIDE;  // [dk][CHUNK_COLUMNS]
-    float* g_s = state_s + dk * CHUNK_COLUMNS;       // [C]: G
-    float* beta_s = g_s + C;                         // [C]
+    float* state_s = p_s + C * CHUNK_MATRIX_STRIDE;    // [dk][DELTA_CHUNK_COLUMNS]
+    float* g_s = state_s + dk * DELTA_CHUNK_COLUMNS;  // [C]: G
+    float* beta_s = g_s + C;                           // [C]
 
     const int i_head = h / (num_v_heads / num_k_heads);
     const int key_dim = num_k_heads * dk, row_width = 2 * key_dim + num_v_heads * dv;
@@ -222,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
     const float scale = rsqrtf(static_cast<float>(dk));
     // Each thread loads, updates and stores the state entries (d = warp + CHUNK_WARPS r, col) alone.
     for (int d = warp; d < dk; d += CHUNK_WARPS)
-        state_s[d * CHUNK_COLUMNS + lane] = col_in ? state[static_cast<size_t>(d) * dv + col] : 0.0f;
+        state_s[d * DELTA_CHUNK_COLUMNS + lane] = col_in ? state[static_cast<size_t>(d) * dv + col] : 0.0f;
 
     for (int t0 = 0; t0 < len; t0 += C) {
         const int n = min(C, len - t0);
@@ -319,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
 #pragma unroll
         for (int r = 0; r < MAX_K_HEAD_DIM / CHUNK_WARPS; ++r) {
             const int d = warp + CHUNK_WARPS * r;
-            next[r] = d < dk ? state_s[d * CHUNK_COLUMNS + lane] * decay : 0.0f;
+            next[r] = d < dk ? state_s[d * DELTA_CHUNK_COLUMNS + lane] * decay : 0.0f;
         }
         for (int j = 0; j < n; ++j) {
             const float w = u_s[j * CHUNK_U_STRIDE + lane] * expf(g_last - g_s[j]);
@@ -332,11 +327,11 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
 #pragma unroll
         for (int r = 0; r < MAX_K_HEAD_DIM / CHUNK_WARPS; ++r) {
             const int d = warp + CHUNK_WARPS * r;
-            if (d < dk) state_s[d * CHUNK_COLUMNS + lane] = next[r];
+            if (d < dk) state_s[d * DELTA_CHUNK_COLUMNS + lane] = next[r];
         }
     }
     for (int d = warp; d < dk; d += CHUNK_WARPS)
-        if (col_in) state[static_cast<size_t>(d) * dv + col] = state_s[d * CHUNK_COLUMNS + lane];
+        if (col_in) state[static_cast<size_t>(d) * dv + col] = state_s[d * DELTA_CHUNK_COLUMNS + lane];
 }
 
 // x[i] *= sigmoid(gate[i]): gated attention's per-element output gate.

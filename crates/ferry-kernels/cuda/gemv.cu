@@ -7,16 +7,14 @@
 // (deterministic). k_slices > 1 is for small n, where one warp per row would leave most of the GPU idle.
 #include "common.cuh"
 
-constexpr int GEMV_WARPS = 8;
-
-// Rows per warp: each activation value a lane loads serves that many rows, which keeps the activation reads of
-// many tokens from outgrowing the weight stream. Mirrored by the CUDA backend's GEMV_ROWS_PER_WARP.
-__host__ __device__ constexpr int gemv_rows_per_warp(int tokens) { return tokens == 1 ? 1 : tokens == 2 ? 2 : 4; }
+static_assert(GEMV_MAX_ROWS == 8, "one GEMV_KERNEL below per row count");
 
 template <int TOKENS>
 __device__ __forceinline__ void gemv(const float* __restrict__ x, int k, const uint16_t* __restrict__ w, int n,
                                      int k_slices, const float* __restrict__ bias, float* __restrict__ out) {
-    constexpr int ROWS = gemv_rows_per_warp(TOKENS);
+    // Each activation value a lane loads serves ROWS weight rows, which keeps the activation reads of many tokens
+    // from outgrowing the weight stream.
+    constexpr int ROWS = GEMV_ROWS_PER_WARP[TOKENS - 1];
     __shared__ WarpStaging staging[GEMV_WARPS];
     __shared__ float partial[GEMV_WARPS][ROWS][TOKENS];
     const int warp = threadIdx.x >> 5;

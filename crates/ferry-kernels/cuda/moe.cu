@@ -3,10 +3,7 @@
 // business alone. An expert's block holds gate [inter, hidden], then up [inter, hidden], then down [hidden, inter].
 #include "common.cuh"
 
-constexpr int MAX_EXPERTS_PER_LANE = 16;  // num_experts <= 512
-constexpr int MOE_WARPS = 8;
-// Output features per (expert, group) item of moe_down. Mirrored by the CUDA backend's MOE_DOWN_ROWS.
-constexpr int MOE_DOWN_ROWS = 4;
+constexpr int MAX_EXPERTS_PER_LANE = ROUTER_MAX_EXPERTS / 32;
 
 // One warp per row: softmax over the experts, then the top_k largest in order (ties to the lower id), with
 // weights renormalised over the chosen ones when asked.

@@ -3,8 +3,6 @@
 // (two norms, two rotations, the KV append), which at decode cost more than their arithmetic.
 #include "common.cuh"
 
-constexpr int MAX_HEAD_DIM = 256;
-
 // Block (row r, head h), one thread per feature of the head (blockDim.x = head_dim rounded up to 32).
 // Heads 0..num_heads-1 are query heads, written to q_out [rows, num_heads * head_dim]; the next num_kv_heads are
 // key heads, whose key (normalised, rotated) and value go to slot row_slot[r] of k_pool and v_pool.

@@ -106,9 +106,8 @@ pub struct DeltaRuleParams {
     pub v_head_dim: usize,
 }
 
-/// Tokens per chunk of the chunked gated delta rule (HF's and flash-linear-attention's 64; gdn.cu's
-/// DELTA_CHUNK).
-pub(crate) const DELTA_RULE_CHUNK: usize = 64;
+/// Tokens per chunk of the chunked gated delta rule (HF's and flash-linear-attention's 64), the kernels' own.
+pub(crate) const DELTA_RULE_CHUNK: usize = ferry_kernels::constants::DELTA_CHUNK;
 
 /// Slices of at least this many tokens take the chunked gated delta rule, shorter ones (decode) the
 /// token-by-token recurrence; both backends choose alike, so that they compute a batch the same way. Measured on

@@ -16,8 +16,9 @@ pub use recurrent::{RecurrentLayer, RecurrentSpec};
 
 use crate::{Error, Result};
 
-/// Tokens per block of a KV cache's [`BlockAllocator`] (the device cache's pages; attention.cu's tiles assume 16).
-pub const BLOCK_SIZE: usize = 16;
+/// Tokens per block of a KV cache's [`BlockAllocator`] (the device cache's pages), whose size the attention kernel
+/// fixes.
+pub const BLOCK_SIZE: usize = ferry_kernels::constants::KV_BLOCK_SIZE;
 
 /// What the engine needs of any backend's KV cache: sequences come and go, and the cache's blocks, the one count
 /// of its capacity, say who holds how much.

@@ -1,32 +1,79 @@
-//! Attention over the paged KV cache on the GPU (attention.cu): how a call is laid out (warps per block, depth
-//! of the copy pipeline, how many splits of the keys) and the launches of `attention` and, when the keys are
-//! split, `attention_combine`.
+//! Attention on the GPU: qkv.cu's fused q/k norm, RoPE and KV append, then attention over the paged KV cache
+//! (attention.cu): how a call is laid out (warps per block, depth of the copy pipeline, how many splits of the
+//! keys) and the launches of `attention` and, when the keys are split, `attention_combine`.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
+use ferry_kernels::constants::{
+    ATTENTION_COMBINE_THREADS, ATTENTION_MAX_SPLITS, ATTENTION_MAX_STAGES, ATTENTION_MAX_WARPS, KEYS_PER_TILE,
+    MAX_HEAD_DIM,
+};
 
 use super::kv::{DeviceBatch, DeviceKv};
-use super::{cuda_err, CudaBackend, CudaTensor};
-use crate::backend::AttentionParams;
-use crate::kv::BLOCK_SIZE;
+use super::launch::{kernel, ptr, Ptr};
+use super::{cuda_err, CudaBackend, CudaRope, CudaTensor, CudaWeight};
+use crate::backend::{AttentionParams, QkNormWeights};
 use crate::{Error, Result};
 
-/// attention.cu's KEYS_PER_TILE: keys per shared-memory tile, one per lane when scoring.
-const KEYS_PER_TILE: usize = 32;
-/// attention.cu's MAX_WARPS.
-const MAX_WARPS: usize = 4;
-/// attention.cu's MAX_STAGES: tiles in the copy pipeline.
-const MAX_STAGES: usize = 3;
-/// attention.cu's MAX_SPLITS.
-const MAX_SPLITS: usize = 256;
-/// attention.cu's COMBINE_THREADS.
-const COMBINE_THREADS: u32 = 128;
-/// A lane holds at most two float4 chunks of a value row.
-const MAX_HEAD_DIM: usize = 256;
 /// A split takes at least this many tiles, so that its block has loads of several tiles in flight at once.
 const MIN_TILES_PER_SPLIT: usize = 2;
 
-// attention.cu's KV_BLOCK_TOKENS.
-const _: () = assert!(BLOCK_SIZE == 16);
+kernel! {
+    /// qkv.cu's `qkv_rope_kv_append`: block (row, head) normalises and rotates its query or key head, writing
+    /// queries to `q_out` and keys and values to slot `row_slot[row]` of the pools; `q_norm`, `k_norm` may be null.
+    struct QkvRopeKvAppend = "qkv_rope_kv_append" {
+        qkv: Ptr<f32>,
+        num_heads: i32,
+        num_kv_heads: i32,
+        head_dim: i32,
+        q_norm: Ptr<f32>,
+        k_norm: Ptr<f32>,
+        norm_per_head: i32,
+        eps: f32,
+        positions: Ptr<u32>,
+        inv_freq: Ptr<f32>,
+        rotary_dim: i32,
+        row_slot: Ptr<u32>,
+        q_out: Ptr<f32>,
+        k_pool: Ptr<f32>,
+        v_pool: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// attention.cu's `attention`: block (row, kv head, split) attends the split's keys with the query heads that
+    /// share the kv head, writing `out` (one split) or the split's partials (several).
+    struct Attention = "attention" {
+        q: Ptr<f32>,
+        k_pool: Ptr<f32>,
+        v_pool: Ptr<f32>,
+        out: Ptr<f32>,
+        partial_out: Ptr<f32>,
+        partial_stats: Ptr<f32>,
+        row_pos: Ptr<u32>,
+        row_table: Ptr<u32>,
+        block_tables: Ptr<u32>,
+        num_heads: i32,
+        num_kv_heads: i32,
+        head_dim: i32,
+        scale: f32,
+        window: i32,
+        split_len: i32,
+        heads_per_warp: i32,
+        stages: i32,
+    }
+}
+
+kernel! {
+    /// attention.cu's `attention_combine`: block (row, head) merges the splits' partials into `out`.
+    struct AttentionCombine = "attention_combine" {
+        partial_out: Ptr<f32>,
+        partial_stats: Ptr<f32>,
+        out: Ptr<f32>,
+        num_heads: i32,
+        head_dim: i32,
+        splits: i32,
+    }
+}
 
 /// A block of the `attention` kernel: one query row's group of heads (those sharing a kv head).
 #[derive(Debug, PartialEq, Eq)]
@@ -42,18 +89,18 @@ impl BlockShape {
     /// `max_shared_bytes`.
     fn new(group: usize, head_dim: usize, max_shared_bytes: usize) -> Result<Self> {
         // A warp reads each tile from shared memory once for all its heads: four heads per warp read it a quarter
-        // as often as one; eight where four would need more than MAX_WARPS warps.
+        // as often as one; eight where four would need more than ATTENTION_MAX_WARPS warps.
         let heads_per_warp = match group {
             0..=4 => group.next_power_of_two(),
             5..=16 => 4,
             _ => 8,
         };
         let warps = group.div_ceil(heads_per_warp);
-        if group == 0 || warps > MAX_WARPS || !head_dim.is_multiple_of(4) || head_dim > MAX_HEAD_DIM {
+        if group == 0 || warps > ATTENTION_MAX_WARPS || !head_dim.is_multiple_of(4) || head_dim > MAX_HEAD_DIM {
             return Err(Error::Cuda(format!(
                 "attention with {group} query heads per kv head of dim {head_dim} is outside the kernel's limits \
                  (1 to {} heads per kv head, head_dim a multiple of 4 up to {MAX_HEAD_DIM})",
-                MAX_WARPS * 8
+                ATTENTION_MAX_WARPS * 8
             )));
         }
         let shared_bytes = |stages: usize| {
@@ -61,7 +108,7 @@ impl BlockShape {
                 + group * head_dim
                 + warps * heads_per_warp * KEYS_PER_TILE)
         };
-        let stages = (2..=MAX_STAGES)
+        let stages = (2..=ATTENTION_MAX_STAGES)
             .rev()
             .find(|&s| shared_bytes(s) <= max_shared_bytes)
             .ok_or_else(|| {
@@ -93,7 +140,9 @@ struct Splits {
 fn split_keys(row_blocks: usize, max_keys: usize, resident_blocks: usize) -> Splits {
     let tiles = max_keys.div_ceil(KEYS_PER_TILE).max(1);
     let wanted = resident_blocks.div_ceil(row_blocks.max(1));
-    let count = wanted.min(tiles.div_ceil(MIN_TILES_PER_SPLIT)).clamp(1, MAX_SPLITS);
+    let count = wanted
+        .min(tiles.div_ceil(MIN_TILES_PER_SPLIT))
+        .clamp(1, ATTENTION_MAX_SPLITS);
     let len = tiles.div_ceil(count) * KEYS_PER_TILE;
     Splits {
         count: max_keys.div_ceil(len).max(1),
@@ -101,110 +150,155 @@ fn split_keys(row_blocks: usize, max_keys: usize, resident_blocks: usize) -> Spl
     }
 }
 
-impl CudaBackend {
-    /// Attention blocks of `threads` threads and `shared_bytes` of shared memory one multiprocessor runs at once.
-    fn attention_occupancy(&self, threads: u32, shared_bytes: usize) -> Result<usize> {
-        let mut known = self
-            .attention_blocks_per_multiprocessor
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(&blocks) = known.get(&(threads, shared_bytes)) {
-            return Ok(blocks);
-        }
-        // The occupancy query, unlike a launch, does not make the context current itself.
-        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
-        let blocks = self
-            .function("attention")
-            .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes, None)
-            .map_err(cuda_err("attention occupancy"))? as usize;
-        known.insert((threads, shared_bytes), blocks);
-        Ok(blocks)
+/// Attention blocks of `threads` threads and `shared_bytes` of shared memory one multiprocessor runs at once.
+fn blocks_per_multiprocessor(cuda: &CudaBackend, threads: u32, shared_bytes: usize) -> Result<usize> {
+    let mut known = cuda
+        .attention_blocks_per_multiprocessor
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(&blocks) = known.get(&(threads, shared_bytes)) {
+        return Ok(blocks);
     }
+    // The occupancy query, unlike a launch, does not make the context current itself.
+    cuda.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+    let blocks = cuda
+        .function("attention")?
+        .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes, None)
+        .map_err(cuda_err("attention occupancy"))? as usize;
+    known.insert((threads, shared_bytes), blocks);
+    Ok(blocks)
+}
 
-    /// Causal attention of `q` (`[rows, num_heads * head_dim]`) over layer `layer` of the cache, which already
-    /// holds the keys and values of the batch's rows: [`crate::backend::Backend::attention`] without the append.
-    pub(super) fn attend(
-        &self,
-        q: &CudaTensor,
-        kv: &DeviceKv,
-        layer: usize,
-        batch: &DeviceBatch,
-        p: &AttentionParams,
-    ) -> Result<CudaTensor> {
-        if p.num_kv_heads == 0 || !p.num_heads.is_multiple_of(p.num_kv_heads) || q.cols != p.num_heads * p.head_dim {
-            return Err(Error::Cuda(format!(
-                "attention: q [{}, {}] is not {} heads of {} sharing {} kv heads",
-                q.rows, q.cols, p.num_heads, p.head_dim, p.num_kv_heads
-            )));
-        }
-        let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, self.max_shared_per_block)?;
-        let threads = (shape.warps * 32) as u32;
-        let per_multiprocessor = self.attention_occupancy(threads, shape.shared_bytes)?;
-        let max_keys = match p.sliding_window {
-            Some(window) if window > 0 => window.min(batch.max_len),
-            _ => batch.max_len,
-        };
-        let splits = split_keys(
-            q.rows * p.num_kv_heads,
-            max_keys,
-            per_multiprocessor.max(1) * self.multiprocessors,
-        );
-        let out = self.tensor(q.rows, q.cols)?;
-        let partials = if splits.count > 1 {
-            q.rows * p.num_heads * splits.count
-        } else {
-            0
-        };
-        let partial_out: CudaSlice<f32> = self.alloc(partials * p.head_dim)?;
-        let partial_stats: CudaSlice<f32> = self.alloc(partials * 2)?;
-        let (k_pool, v_pool) = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
-        let (heads, kv_heads, head_dim) = (p.num_heads as i32, p.num_kv_heads as i32, p.head_dim as i32);
-        let window = p.sliding_window.unwrap_or(0) as i32;
-        let (split_len, splits_count) = (splits.len as i32, splits.count as i32);
-        let (heads_per_warp, stages) = (shape.heads_per_warp as i32, shape.stages as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (q.rows as u32, p.num_kv_heads as u32, splits.count as u32),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: shape.shared_bytes as u32,
-        };
-        self.launch("attention", cfg, |kernel| {
-            kernel
-                .arg(&q.data)
-                .arg(k_pool)
-                .arg(v_pool)
-                .arg(&out.data)
-                .arg(&partial_out)
-                .arg(&partial_stats)
-                .arg(&batch.positions)
-                .arg(&batch.row_table)
-                .arg(&batch.block_tables)
-                .arg(&heads)
-                .arg(&kv_heads)
-                .arg(&head_dim)
-                .arg(&p.scale)
-                .arg(&window)
-                .arg(&split_len)
-                .arg(&heads_per_warp)
-                .arg(&stages);
-        })?;
-        if splits.count > 1 {
-            let cfg = LaunchConfig {
-                grid_dim: (q.rows as u32, p.num_heads as u32, 1),
-                block_dim: (COMBINE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch("attention_combine", cfg, |kernel| {
-                kernel
-                    .arg(&partial_out)
-                    .arg(&partial_stats)
-                    .arg(&out.data)
-                    .arg(&heads)
-                    .arg(&head_dim)
-                    .arg(&splits_count);
-            })?;
-        }
-        Ok(out)
+/// The first half of [`crate::backend::Backend::attention`]: q and k normalised and rotated, the keys and values
+/// written into the layer's KV pools (`pools`, keys then values); returns the queries, `[rows, num_heads *
+/// head_dim]`.
+pub(super) fn qkv_rope_kv_append(
+    cuda: &CudaBackend,
+    qkv: &CudaTensor,
+    qk_norm: Option<QkNormWeights<'_, CudaWeight>>,
+    rope: &CudaRope,
+    pools: (&CudaSlice<f32>, &CudaSlice<f32>),
+    batch: &DeviceBatch,
+    p: &AttentionParams,
+) -> Result<CudaTensor> {
+    if p.head_dim > MAX_HEAD_DIM {
+        return Err(Error::Cuda(format!(
+            "head_dim {} is over the attention kernel's {MAX_HEAD_DIM}",
+            p.head_dim
+        )));
     }
+    p.check_qkv_width(qkv.cols)?;
+    let q = cuda.tensor(qkv.rows, p.num_heads * p.head_dim)?;
+    let (q_norm, k_norm) = match &qk_norm {
+        Some(n) => (n.q.vector()?, n.k.vector()?),
+        None => (Ptr::null(), Ptr::null()),
+    };
+    let (per_head, eps) = qk_norm.map_or((1, 0.0f32), |n| (n.per_head as i32, n.eps));
+    let append = QkvRopeKvAppend {
+        qkv: ptr(&qkv.data),
+        num_heads: p.num_heads as i32,
+        num_kv_heads: p.num_kv_heads as i32,
+        head_dim: p.head_dim as i32,
+        q_norm,
+        k_norm,
+        norm_per_head: per_head,
+        eps,
+        positions: ptr(&batch.positions),
+        inv_freq: ptr(&rope.inv_freq),
+        rotary_dim: rope.rotary_dim as i32,
+        row_slot: ptr(&batch.row_slot),
+        q_out: ptr(&q.data),
+        k_pool: ptr(pools.0),
+        v_pool: ptr(pools.1),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (qkv.rows as u32, (p.num_heads + p.num_kv_heads) as u32, 1),
+        block_dim: (p.head_dim.div_ceil(32) as u32 * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    append.launch(cuda, cfg)?;
+    Ok(q)
+}
+
+/// Causal attention of `q` (`[rows, num_heads * head_dim]`) over layer `layer` of the cache, which already holds
+/// the keys and values of the batch's rows: [`crate::backend::Backend::attention`] after the append.
+pub(super) fn attend(
+    cuda: &CudaBackend,
+    q: &CudaTensor,
+    kv: &DeviceKv,
+    layer: usize,
+    batch: &DeviceBatch,
+    p: &AttentionParams,
+) -> Result<CudaTensor> {
+    if p.num_kv_heads == 0 || !p.num_heads.is_multiple_of(p.num_kv_heads) || q.cols != p.num_heads * p.head_dim {
+        return Err(Error::Shape(format!(
+            "attention: q [{}, {}] is not {} heads of {} sharing {} kv heads",
+            q.rows, q.cols, p.num_heads, p.head_dim, p.num_kv_heads
+        )));
+    }
+    let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, cuda.max_shared_per_block)?;
+    let threads = (shape.warps * 32) as u32;
+    let per_multiprocessor = blocks_per_multiprocessor(cuda, threads, shape.shared_bytes)?;
+    let max_keys = match p.sliding_window {
+        Some(window) if window > 0 => window.min(batch.max_len),
+        _ => batch.max_len,
+    };
+    let splits = split_keys(
+        q.rows * p.num_kv_heads,
+        max_keys,
+        per_multiprocessor.max(1) * cuda.multiprocessors,
+    );
+    let out = cuda.tensor(q.rows, q.cols)?;
+    let partials = if splits.count > 1 {
+        q.rows * p.num_heads * splits.count
+    } else {
+        0
+    };
+    let partial_out: CudaSlice<f32> = cuda.alloc(partials * p.head_dim)?;
+    let partial_stats: CudaSlice<f32> = cuda.alloc(partials * 2)?;
+    let (k_pool, v_pool) = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
+    let attention = Attention {
+        q: ptr(&q.data),
+        k_pool: ptr(k_pool),
+        v_pool: ptr(v_pool),
+        out: ptr(&out.data),
+        partial_out: ptr(&partial_out),
+        partial_stats: ptr(&partial_stats),
+        row_pos: ptr(&batch.positions),
+        row_table: ptr(&batch.row_table),
+        block_tables: ptr(&batch.block_tables),
+        num_heads: p.num_heads as i32,
+        num_kv_heads: p.num_kv_heads as i32,
+        head_dim: p.head_dim as i32,
+        scale: p.scale,
+        window: p.sliding_window.unwrap_or(0) as i32,
+        split_len: splits.len as i32,
+        heads_per_warp: shape.heads_per_warp as i32,
+        stages: shape.stages as i32,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (q.rows as u32, p.num_kv_heads as u32, splits.count as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shape.shared_bytes as u32,
+    };
+    attention.launch(cuda, cfg)?;
+    if splits.count > 1 {
+        let combine = AttentionCombine {
+            partial_out: ptr(&partial_out),
+            partial_stats: ptr(&partial_stats),
+            out: ptr(&out.data),
+            num_heads: p.num_heads as i32,
+            head_dim: p.head_dim as i32,
+            splits: splits.count as i32,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (q.rows as u32, p.num_heads as u32, 1),
+            block_dim: (ATTENTION_COMBINE_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        combine.launch(cuda, cfg)?;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -220,7 +314,7 @@ mod tests {
         for group in 1..=32 {
             let shape = BlockShape::new(group, 128, HOPPER_SHARED).unwrap();
             assert!([1, 2, 4, 8].contains(&shape.heads_per_warp), "group {group}: {shape:?}");
-            assert!(shape.warps <= MAX_WARPS, "group {group}: {shape:?}");
+            assert!(shape.warps <= ATTENTION_MAX_WARPS, "group {group}: {shape:?}");
             assert!(shape.warps * shape.heads_per_warp >= group, "group {group}: {shape:?}");
             assert!(
                 (shape.warps - 1) * shape.heads_per_warp < group,
@@ -264,7 +358,7 @@ mod tests {
         for row_blocks in [1, 3, 4, 20, 100, 263, 264, 10_000] {
             for max_keys in [1, 31, 32, 33, 100, 1000, 4097, 100_000, 1_000_000] {
                 let s = split_keys(row_blocks, max_keys, 264);
-                assert!(s.count >= 1 && s.count <= MAX_SPLITS, "{s:?}");
+                assert!(s.count >= 1 && s.count <= ATTENTION_MAX_SPLITS, "{s:?}");
                 assert!(s.len.is_multiple_of(KEYS_PER_TILE), "{s:?}");
                 // Every key has a split and no split is empty for the longest row.
                 assert!(s.count * s.len >= max_keys && (s.count - 1) * s.len < max_keys, "{s:?}");

@@ -1,12 +1,14 @@
 //! The machine's data-movement and compute ceilings, measured on the GPU (`ferry doctor`; `ferry bench` uses
 //! them for its bounds): pinned host-to-device and device-to-host copy bandwidth, device-to-device copy
-//! bandwidth (bytes read plus written: what HBM moves), and cuBLAS bf16 GEMM throughput.
+//! bandwidth (bytes read plus written: what HBM moves), and cuBLAS bf16 GEMM throughput (the backend's own GEMM,
+//! as the prefill's products run it).
 
-use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::{sys, CudaSlice, DevicePtr};
+use cudarc::driver::{sys, CudaSlice};
 use serde::Serialize;
 
-use super::{blas_err, cuda_err, CudaBackend};
+use super::launch::ptr;
+use super::memory::keep_freed_memory_pooled;
+use super::{cuda_err, Bf16Matrix, CudaBackend};
 use crate::Result;
 
 #[derive(Clone, Debug, Serialize)]
@@ -55,38 +57,16 @@ impl CudaBackend {
         let n = 8192usize;
         let a: CudaSlice<u16> =
             self.copy_to_device(&(0..n * n).map(|i| 0x3c00 + (i % 61) as u16).collect::<Vec<_>>())?;
-        let c: CudaSlice<u16> = self.alloc(n * n)?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (pa, pc) = (a.device_ptr(&self.stream).0, c.device_ptr(&self.stream).0);
-        let gemm = self.time_ms(|| {
-            unsafe {
-                blas::gemm_ex(
-                    *self.blas.handle(),
-                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                    n as i32,
-                    n as i32,
-                    n as i32,
-                    &alpha as *const f32 as *const _,
-                    pa as *const _,
-                    blas_sys::cudaDataType_t::CUDA_R_16BF,
-                    n as i32,
-                    pa as *const _,
-                    blas_sys::cudaDataType_t::CUDA_R_16BF,
-                    n as i32,
-                    &beta as *const f32 as *const _,
-                    pc as *mut _,
-                    blas_sys::cudaDataType_t::CUDA_R_16BF,
-                    n as i32,
-                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(blas_err)
-        })?;
+        let c: CudaSlice<f32> = self.alloc(n * n)?;
+        let a_matrix = Bf16Matrix {
+            data: ptr(&a),
+            rows: n,
+            cols: n,
+        };
+        let gemm = self.time_ms(|| self.gemm_bf16(ptr(&a), n, a_matrix, ptr(&c), n, false))?;
         drop((host, device, other, a, c));
         // Give the measurement's buffers back to the driver: they are no part of what a model needs.
-        super::keep_freed_memory_pooled(&self.ctx)?;
+        keep_freed_memory_pooled(&self.ctx)?;
         Ok(GpuCeilings {
             h2d_pinned_gb_s: gb_s(COPY_BYTES, h2d),
             d2h_pinned_gb_s: gb_s(COPY_BYTES, d2h),

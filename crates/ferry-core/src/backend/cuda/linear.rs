@@ -1,0 +1,209 @@
+//! Products with bf16 weights, `out = x W^T (+ bias)`: decode-sized ones (up to [`GEMV_MAX_ROWS`] rows) on the GEMV
+//! kernels of gemv.cu, one per row count, which read each weight once; larger ones on cuBLAS's bf16 tensor cores
+//! with the f32 activations split into two bf16 halves (`x = hi + lo`), which keeps f32 accuracy. The one cuBLAS
+//! GEMM call of the backend ([`CudaBackend::gemm_bf16`]) is here.
+
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{CudaSlice, LaunchConfig};
+use ferry_kernels::constants::{GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, WARP_STEP_COLS};
+
+use super::launch::{grid_1d, kernel, ptr, Ptr, BLOCK_THREADS};
+use super::{blas_err, Bf16Matrix, CudaBackend, CudaTensor};
+use crate::{Error, Result};
+
+/// gemv.cu's kernel for products of `r` rows is `GEMV_KERNELS[r - 1]`.
+pub(super) const GEMV_KERNELS: [&str; GEMV_MAX_ROWS] = [
+    "gemv_bf16_1",
+    "gemv_bf16_2",
+    "gemv_bf16_3",
+    "gemv_bf16_4",
+    "gemv_bf16_5",
+    "gemv_bf16_6",
+    "gemv_bf16_7",
+    "gemv_bf16_8",
+];
+
+/// Blocks a GEMV launch should have at least, so that every SM of a large GPU gets work: products with fewer rows
+/// split k between the warps of a block until they do.
+const GEMV_MIN_BLOCKS: usize = 256;
+
+kernel! {
+    /// gemv.cu's `gemv_bf16_R` (one kernel per row count R of x): `out = x W^T (+ bias)` for W `[n, k]`, each
+    /// weight row's k-steps split between `k_slices` warps; `bias` may be null.
+    struct Gemv {
+        x: Ptr<f32>,
+        k: i32,
+        w: Ptr<u16>,
+        n: i32,
+        k_slices: i32,
+        bias: Ptr<f32>,
+        out: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// elementwise.cu's `add_bias`: `x[i] += bias[i % cols]` over the `n` values of x.
+    struct AddBias = "add_bias" {
+        x: Ptr<f32>,
+        bias: Ptr<f32>,
+        n: usize,
+        cols: i32,
+    }
+}
+
+kernel! {
+    /// elementwise.cu's `split_bf16`: `x = hi + lo` over n values, both halves bf16.
+    struct SplitBf16 = "split_bf16" {
+        x: Ptr<f32>,
+        hi: Ptr<u16>,
+        lo: Ptr<u16>,
+        n: usize,
+    }
+}
+
+/// An f32 tensor as two bf16 halves, `x = hi + lo`, each `[rows, cols]` like the tensor.
+pub(super) struct Bf16Halves {
+    hi: CudaSlice<u16>,
+    lo: CudaSlice<u16>,
+}
+
+/// Warps of a GEMV block that split each weight row's k-steps between them (1, 2, 4 or 8): more when n is small,
+/// until the launch has `GEMV_MIN_BLOCKS` blocks or each warp is down to one k-step.
+fn gemv_k_slices(rows: usize, n: usize, k: usize) -> usize {
+    let rows_per_warp = GEMV_ROWS_PER_WARP[rows - 1];
+    let steps = k.div_ceil(WARP_STEP_COLS);
+    let mut slices = 1;
+    while slices < GEMV_WARPS
+        && n.div_ceil(GEMV_WARPS / slices * rows_per_warp) < GEMV_MIN_BLOCKS
+        && steps >= 2 * slices
+    {
+        slices *= 2;
+    }
+    slices
+}
+
+impl CudaBackend {
+    /// `out = x W^T (+ bias)`.
+    pub(super) fn matmul(&self, x: &CudaTensor, w: Bf16Matrix, bias: Option<Ptr<f32>>) -> Result<CudaTensor> {
+        let (n, k) = (w.rows, w.cols);
+        if x.cols != k {
+            return Err(Error::Shape(format!(
+                "matmul: input has {} features, weight expects {k}",
+                x.cols
+            )));
+        }
+        let out = self.tensor(x.rows, n)?;
+        if x.rows == 0 {
+            return Ok(out);
+        }
+        if x.rows <= GEMV_MAX_ROWS {
+            let slices = gemv_k_slices(x.rows, n, k);
+            let block_rows = GEMV_WARPS / slices * GEMV_ROWS_PER_WARP[x.rows - 1];
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(block_rows) as u32, 1, 1),
+                block_dim: (GEMV_WARPS as u32 * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let gemv = Gemv {
+                x: ptr(&x.data),
+                k: k as i32,
+                w: w.data,
+                n: n as i32,
+                k_slices: slices as i32,
+                bias: bias.unwrap_or(Ptr::null()),
+                out: ptr(&out.data),
+            };
+            gemv.launch_kernel(self, GEMV_KERNELS[x.rows - 1], cfg)?;
+            return Ok(out);
+        }
+        let halves = self.split_bf16(x)?;
+        self.gemm_split(&halves, 0, x.rows, w, &out)?;
+        if let Some(bias) = bias {
+            let values = out.rows * out.cols;
+            let add = AddBias {
+                x: ptr(&out.data),
+                bias,
+                n: values,
+                cols: out.cols as i32,
+            };
+            add.launch(self, grid_1d(values, BLOCK_THREADS))?;
+        }
+        Ok(out)
+    }
+
+    /// `x = hi + lo`, both bf16: products of bf16 are exact in f32, so a GEMM of each half, summed in f32, keeps
+    /// f32 accuracy on the bf16 tensor cores.
+    pub(super) fn split_bf16(&self, x: &CudaTensor) -> Result<Bf16Halves> {
+        let n = x.rows * x.cols;
+        let halves = Bf16Halves {
+            hi: self.alloc(n)?,
+            lo: self.alloc(n)?,
+        };
+        let split = SplitBf16 {
+            x: ptr(&x.data),
+            hi: ptr(&halves.hi),
+            lo: ptr(&halves.lo),
+            n,
+        };
+        split.launch(self, grid_1d(n, BLOCK_THREADS))?;
+        Ok(halves)
+    }
+
+    /// `out[rows] = (hi + lo)[rows] W^T` for the rows `first_row..first_row + rows` of `x` and of `out`: two bf16
+    /// tensor-core GEMMs accumulated in f32.
+    pub(super) fn gemm_split(
+        &self,
+        x: &Bf16Halves,
+        first_row: usize,
+        rows: usize,
+        w: Bf16Matrix,
+        out: &CudaTensor,
+    ) -> Result<()> {
+        let out_rows = ptr(&out.data).offset(first_row * out.cols);
+        for (half, accumulate) in [(&x.hi, false), (&x.lo, true)] {
+            let input = ptr(half).offset(first_row * w.cols);
+            self.gemm_bf16(input, rows, w, out_rows, out.cols, accumulate)?;
+        }
+        Ok(())
+    }
+
+    /// `out[rows, n] = x[rows, k] W^T (+ out when accumulating)` for bf16 x and W (`[n, k]`) and f32 out with rows
+    /// `out_stride` apart: one cuBLAS bf16 tensor-core GEMM, accumulated in f32.
+    pub(super) fn gemm_bf16(
+        &self,
+        x: Ptr<u16>,
+        rows: usize,
+        w: Bf16Matrix,
+        out: Ptr<f32>,
+        out_stride: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W^T(k x n)^T x^T.
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                rows as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w.data.address() as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                x.address() as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                out.address() as *mut _,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                out_stride as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_err)
+    }
+}

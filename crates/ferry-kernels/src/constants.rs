@@ -1,0 +1,50 @@
+//! The numbers the kernels and the Rust that launches them must agree on: block shapes, tile sizes, limits.
+//!
+//! This list is their one source. The crate exports each as a `usize` (`ferry_kernels::constants::GEMV_WARPS`);
+//! build.rs reads the same list and writes it into `constants.cuh` as `constexpr int`s, which every kernel sees
+//! through common.cuh. Numbers only one side uses (a kernel's register tiling, a launch heuristic) live there.
+
+kernel_constants! {
+    /// Columns one warp covers per k-step of a bf16 dot product: 32 lanes x 8 weights, one 16-byte copy each.
+    WARP_STEP_COLS: usize = 256;
+
+    /// Products with at most this many rows run as GEMV kernels, one kernel per row count (gemv.cu).
+    GEMV_MAX_ROWS: usize = 8;
+    /// Warps per block of the GEMV kernels.
+    GEMV_WARPS: usize = 8;
+    /// Weight rows one warp of the GEMV kernel for `r` rows sums at once, at index `r - 1`: each activation value a
+    /// lane loads serves that many weight rows.
+    GEMV_ROWS_PER_WARP: [usize; GEMV_MAX_ROWS] = [1, 2, 4, 4, 4, 4, 4, 4];
+
+    /// Warps per block of the MoE decode kernels (moe.cu's moe_gate_up and moe_down).
+    MOE_WARPS: usize = 8;
+    /// Output features per (expert, feature group) work item of moe_down.
+    MOE_DOWN_ROWS: usize = 4;
+    /// Experts the router kernel handles: one warp, 16 per lane.
+    ROUTER_MAX_EXPERTS: usize = 512;
+
+    /// Tokens per block of the paged KV cache.
+    KV_BLOCK_SIZE: usize = 16;
+    /// The largest attention head: qkv_rope_kv_append holds a head in shared memory, and an attention lane holds at
+    /// most two float4 chunks of a value row.
+    MAX_HEAD_DIM: usize = 256;
+    /// Keys per shared-memory tile of the attention kernel, one per lane when scoring.
+    KEYS_PER_TILE: usize = 32;
+    /// Warps per attention block at most.
+    ATTENTION_MAX_WARPS: usize = 4;
+    /// Tiles in the attention kernel's copy pipeline at most.
+    ATTENTION_MAX_STAGES: usize = 3;
+    /// Splits of a row's keys at most (attention_combine's weights fit in shared memory).
+    ATTENTION_MAX_SPLITS: usize = 256;
+    /// Threads per block of attention_combine.
+    ATTENTION_COMBINE_THREADS: usize = 128;
+
+    /// The largest key head of the gated delta rule: the state column a thread keeps in registers.
+    MAX_K_HEAD_DIM: usize = 128;
+    /// Tokens per chunk of the chunked gated delta rule (the CPU backend's chunked reference uses the same).
+    DELTA_CHUNK: usize = 64;
+    /// State columns of a head one block of the chunked gated delta rule takes.
+    DELTA_CHUNK_COLUMNS: usize = 32;
+    /// Threads per block of the chunked gated delta rule.
+    DELTA_CHUNK_THREADS: usize = 256;
+}
