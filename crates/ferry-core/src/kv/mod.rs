@@ -63,12 +63,6 @@ pub struct KvSpec {
     pub recurrent: Option<RecurrentSpec>,
 }
 
-impl KvSpec {
-    pub fn bytes_per_token(&self, bytes_per_value: usize) -> usize {
-        2 * self.layers.iter().map(KvLayerSpec::width).sum::<usize>() * bytes_per_value
-    }
-}
-
 /// One sequence's keys and values in host memory: per layer, `[positions, kv_heads * head_dim]` rows.
 struct HostSeq {
     keys: Vec<Vec<f32>>,
