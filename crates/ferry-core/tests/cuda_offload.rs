@@ -11,7 +11,7 @@ use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::{argmax, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::Checkpoint;
-use ferry_core::model::{spec_for, FfnKind, Model, ModelInfo};
+use ferry_core::model::{spec_for, Model, ModelInfo};
 use ferry_core::moe::OffloadStats;
 use ferry_core::moe::{plan_memory, BudgetRequest, OffloadMode, MOE_GROUP_ROWS};
 
@@ -113,7 +113,7 @@ fn offload_equals_resident_for_every_fixture_family() {
         // Two layers' experts: the prefill chunk, which routes to all of a layer's experts, prefetches the next
         // MoE layer's (where there is one) while the slots of the layer computing are spared.
         let stats = check_offload_is_exact(&checkpoint, &prompt, 12, 2 * experts, family);
-        let moe_layers = spec.ffn.iter().filter(|f| matches!(f, FfnKind::Moe)).count();
+        let moe_layers = spec.num_moe_layers();
         assert_eq!(
             stats.prefetched > 0,
             moe_layers > 1,

@@ -5,11 +5,13 @@
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::{CudaBackend, GEMV_MAX_ROWS};
 use ferry_core::backend::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice,
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
+    RouterKind, SeqSlice,
 };
-use ferry_core::kv::{KvCache, KvSpec, RecurrentSpec};
+use ferry_core::kv::{KvCache, KvLayerSpec, KvSpec, RecurrentSpec};
 use ferry_core::loader::{DType, TensorRef};
 use ferry_core::moe::MOE_GROUP_ROWS;
+use ferry_core::Error;
 
 /// Relative error limit for ops computed in f32 on both sides (products with bf16 weights are exact in f32;
 /// what differs is the order of summation and the libm of each side).
@@ -204,9 +206,10 @@ fn attention_calls<B: Backend>(
     let tokens: usize = calls.iter().flat_map(|c| c.slices).map(|&(_, _, len)| len).sum();
     let mut kv = be
         .new_kv(KvSpec {
-            num_layers: 1,
-            num_kv_heads: params.num_kv_heads,
-            head_dim: params.head_dim,
+            layers: vec![KvLayerSpec {
+                num_kv_heads: params.num_kv_heads,
+                head_dim: params.head_dim,
+            }],
             capacity_tokens: tokens + 16 * sequences,
             recurrent: None,
         })
@@ -389,10 +392,12 @@ fn router_and_routed_experts() {
         (8, 2, 520, 64),
     ] {
         let bank: Vec<ExpertTensors> = (0..experts)
-            .map(|e| ExpertTensors {
-                gate: rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.1),
-                up: rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.1),
-                down: rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1),
+            .map(|e| {
+                ExpertTensors::unbiased(
+                    rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.1),
+                    rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.1),
+                    rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1),
+                )
             })
             .collect();
         // 1, 3 and 8 rows take the decode kernels; 40 rows the grouped GEMM path, and (for the smaller experts,
@@ -411,9 +416,16 @@ fn router_and_routed_experts() {
                     ),
                     F32_LIMIT,
                     |be| {
-                        let set = be.experts(bank.clone()).unwrap();
+                        let set = be.experts(bank.clone(), ExpertActivation::SiluGlu).unwrap();
                         let routing = be
-                            .route(&be.upload(&logits, rows, experts).unwrap(), top_k, kind)
+                            .route(
+                                &be.upload(&logits, rows, experts).unwrap(),
+                                Router {
+                                    kind,
+                                    top_k,
+                                    correction_bias: None,
+                                },
+                            )
                             .unwrap();
                         be.to_host(
                             &be.moe_experts(&be.upload(&x, rows, hidden).unwrap(), &routing, &set)
@@ -425,6 +437,51 @@ fn router_and_routed_experts() {
             }
         }
     }
+}
+
+/// The router and expert kinds the CUDA backend has no kernels for yet are refused when a model loads, with a
+/// configuration error naming them, rather than run wrongly.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn router_and_expert_kinds_without_kernels_are_refused_at_load() {
+    let p = pair();
+    let grouped = RouterKind::SigmoidGroupedTopK {
+        n_group: 8,
+        topk_group: 4,
+        renormalize: true,
+        scaling: 2.5,
+    };
+    let refused = p.gpu.check_router(grouped).unwrap_err();
+    assert!(
+        matches!(refused, Error::Config(ref m) if m.contains("SigmoidGroupedTopK")),
+        "{refused}"
+    );
+    p.gpu
+        .check_router(RouterKind::SoftmaxTopK { renormalize: true })
+        .unwrap();
+    let mut rng = Rng::new(6);
+    let expert = ExpertTensors::unbiased(
+        rng.bf16("gate", &[32, 64], 0.1),
+        rng.bf16("up", &[32, 64], 0.1),
+        rng.bf16("down", &[64, 32], 0.1),
+    );
+    let clamped = ExpertActivation::ClampedSwiGlu {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+    let refused = p.gpu.experts(vec![expert.clone()], clamped).err().unwrap();
+    assert!(
+        matches!(refused, Error::Config(ref m) if m.contains("ClampedSwiGlu")),
+        "{refused}"
+    );
+    let biased = ExpertTensors {
+        down_bias: Some(rng.bf16("down_bias", &[64], 0.1)),
+        ..expert
+    };
+    assert!(matches!(
+        p.gpu.experts(vec![biased], ExpertActivation::SiluGlu),
+        Err(Error::Config(_))
+    ));
 }
 
 #[test]
@@ -457,10 +514,12 @@ fn fused_residual_norm_elementwise_gate_and_routing_round_trip() {
     // A routing made on the host comes back as it went, and drives the experts as the router's own would.
     let (experts, top_k, hidden, inter) = (8, 2, 64, 32);
     let bank: Vec<ExpertTensors> = (0..experts)
-        .map(|e| ExpertTensors {
-            gate: rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.2),
-            up: rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.2),
-            down: rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.2),
+        .map(|e| {
+            ExpertTensors::unbiased(
+                rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.2),
+                rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.2),
+                rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.2),
+            )
         })
         .collect();
     let ids = [3u32, 5, 0, 7, 5, 1];
@@ -473,7 +532,7 @@ fn fused_residual_norm_elementwise_gate_and_routing_round_trip() {
         ids
     );
     same_on_both!(p, "moe_experts on a host-made routing", F32_LIMIT, |be| {
-        let set = be.experts(bank.clone()).unwrap();
+        let set = be.experts(bank.clone(), ExpertActivation::SiluGlu).unwrap();
         let routing = be.routing_from_host(&ids, &weights, top_k).unwrap();
         be.to_host(
             &be.moe_experts(&be.upload(&hidden_in, 3, hidden).unwrap(), &routing, &set)
@@ -527,9 +586,10 @@ fn check_gated_deltanet(p: &Pair, rng: &mut Rng, what: &str, case: &GatedDeltaNe
         })
         .sum();
     let spec = || KvSpec {
-        num_layers: 1,
-        num_kv_heads: 1,
-        head_dim: 2,
+        layers: vec![KvLayerSpec {
+            num_kv_heads: 1,
+            head_dim: 2,
+        }],
         capacity_tokens,
         recurrent: Some(RecurrentSpec {
             num_layers: 1,

@@ -14,7 +14,7 @@ pub mod profiled;
 use crate::kv::{KvCache, KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::moe::OffloadStats;
-use crate::Result;
+use crate::{Error, Result};
 
 /// A run of `len` consecutive batch rows belonging to sequence `seq`, at positions `start_pos..start_pos + len`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,7 +60,7 @@ pub struct AttentionParams {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
-    /// Keys further back than this many positions are masked (Mixtral's sliding window); None: full causal.
+    /// Keys further back than this many positions are masked (the layer's attention window); None: full causal.
     pub sliding_window: Option<usize>,
 }
 
@@ -70,12 +70,20 @@ impl AttentionParams {
     pub fn check_qkv_width(&self, cols: usize) -> Result<()> {
         let expected = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim;
         if cols != expected {
-            return Err(crate::Error::Request(format!(
+            return Err(Error::Shape(format!(
                 "attention: {cols} projected features, expected {expected}"
             )));
         }
         Ok(())
     }
+}
+
+/// Checks that `len` values fill a `[rows, cols]` tensor (what [`Backend::upload`] is given).
+pub(crate) fn check_upload(len: usize, rows: usize, cols: usize) -> Result<()> {
+    if len != rows * cols {
+        return Err(Error::Shape(format!("{len} values for a [{rows}, {cols}] tensor")));
+    }
+    Ok(())
 }
 
 /// The q/k RMSNorm some families apply before RoPE (Qwen3, OLMoE): scales for the queries and the keys, each
@@ -109,18 +117,101 @@ pub(crate) const DELTA_RULE_CHUNK: usize = ferry_kernels::constants::DELTA_CHUNK
 pub(crate) const DELTA_RULE_CHUNKED_MIN_LEN: usize = 16;
 
 /// How a router turns logits into routing weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RouterKind {
     /// Softmax over all experts, keep the top k; `renormalize` rescales the kept weights to sum to one.
     SoftmaxTopK { renormalize: bool },
+    /// DeepSeek-V3's and GLM-4.5's router (transformers' `DeepseekV3TopkRouter`): each expert's score is the
+    /// sigmoid of its logit. Experts are chosen by score plus a per-expert correction bias
+    /// (`e_score_correction_bias`, for the choice only) among the best `topk_group` of `n_group` equal groups of
+    /// consecutive experts, a group ranking by the sum of its two best biased scores. The chosen are weighted by
+    /// their unbiased scores, divided by the scores' sum when `renormalize`, times `scaling`.
+    SigmoidGroupedTopK {
+        n_group: usize,
+        topk_group: usize,
+        renormalize: bool,
+        scaling: f32,
+    },
 }
 
-/// One routed expert's SwiGLU weights, `down(silu(gate x) * up x)`, as stored in the checkpoint.
+impl RouterKind {
+    /// Whether [`Backend::route`] needs the per-expert correction bias.
+    pub fn has_correction_bias(&self) -> bool {
+        matches!(self, RouterKind::SigmoidGroupedTopK { .. })
+    }
+
+    /// Why this router cannot choose `top_k` of `num_experts` experts, if it cannot.
+    pub fn check(&self, num_experts: usize, top_k: usize) -> std::result::Result<(), String> {
+        if top_k == 0 || top_k > num_experts {
+            return Err(format!("top-{top_k} of {num_experts} experts"));
+        }
+        if let RouterKind::SigmoidGroupedTopK {
+            n_group, topk_group, ..
+        } = *self
+        {
+            // A group ranks by its two best scores, so it must hold two experts.
+            if n_group == 0 || !num_experts.is_multiple_of(n_group) || num_experts / n_group < 2 {
+                return Err(format!("{num_experts} experts in {n_group} groups of at least two"));
+            }
+            if topk_group == 0 || topk_group > n_group || top_k > topk_group * (num_experts / n_group) {
+                return Err(format!(
+                    "top-{top_k} of the experts in the best {topk_group} of {n_group} groups of {}",
+                    num_experts / n_group
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How a MoE block routes, besides its logits (see [`Backend::route`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Router<'a, W> {
+    pub kind: RouterKind,
+    /// Experts per row.
+    pub top_k: usize,
+    /// The per-expert correction bias (`[experts]`) of the kinds that have one ([`RouterKind::has_correction_bias`]).
+    pub correction_bias: Option<&'a W>,
+}
+
+/// What an expert computes between its gate/up projections and its down projection.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpertActivation {
+    /// `silu(gate) * up` (SwiGLU: Mixtral, the Qwen families, OLMoE).
+    SiluGlu,
+    /// gpt-oss's (transformers' `GptOssExperts`): `(up + 1) * g * sigmoid(alpha * g)`, with the gate clamped to
+    /// `g = min(gate, limit)` and `up` to `[-limit, limit]`.
+    ClampedSwiGlu { alpha: f32, limit: f32 },
+}
+
+/// One routed expert's weights as stored in the checkpoint: `down(act(gate x + gate_bias, up x + up_bias)) +
+/// down_bias`, each bias optional.
 #[derive(Clone, Debug)]
 pub struct ExpertTensors {
     pub gate: TensorRef,
     pub up: TensorRef,
     pub down: TensorRef,
+    pub gate_bias: Option<TensorRef>,
+    pub up_bias: Option<TensorRef>,
+    pub down_bias: Option<TensorRef>,
+}
+
+impl ExpertTensors {
+    /// An expert without biases (every family ferry runs today).
+    pub fn unbiased(gate: TensorRef, up: TensorRef, down: TensorRef) -> Self {
+        ExpertTensors {
+            gate,
+            up,
+            down,
+            gate_bias: None,
+            up_bias: None,
+            down_bias: None,
+        }
+    }
+
+    pub fn has_bias(&self) -> bool {
+        self.gate_bias.is_some() || self.up_bias.is_some() || self.down_bias.is_some()
+    }
 }
 
 pub trait Backend: Send + Sync + Sized {
@@ -150,8 +241,11 @@ pub trait Backend: Send + Sync + Sized {
 
     /// A weight matrix `[out, in]` (also embedding tables `[vocab, hidden]`) or vector.
     fn weight(&self, tensor: TensorRef) -> Result<Self::Weight>;
-    /// One MoE layer's routed experts.
-    fn experts(&self, experts: Vec<ExpertTensors>) -> Result<Self::Experts>;
+    /// Fails with [`Error::Config`] when this backend has no router of `kind`: MoE blocks ask at load, so that a
+    /// model the backend cannot run fails before its weights are read.
+    fn check_router(&self, kind: RouterKind) -> Result<()>;
+    /// One MoE layer's routed experts, each computing `activation` between its projections.
+    fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<Self::Experts>;
     fn rope_table(&self, rope: &Rope) -> Result<Self::RopeTable>;
     fn new_kv(&self, spec: KvSpec) -> Result<Self::Kv>;
     /// Reserves KV room for the batch's new tokens and prepares its per-row positions and slots; fails (before
@@ -244,7 +338,7 @@ pub trait Backend: Send + Sync + Sized {
         params: &DeltaRuleParams,
     ) -> Result<Self::Tensor>;
     /// Router logits `[rows, experts]` to each row's top-k experts and weights.
-    fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Result<Self::Routing>;
+    fn route(&self, logits: &Self::Tensor, router: Router<'_, Self::Weight>) -> Result<Self::Routing>;
     /// The routed expert ids, `[rows * top_k]`, on the host (to record a routing trace).
     fn routing_to_host(&self, routing: &Self::Routing) -> Result<Vec<u32>>;
     /// A routing from the host: `ids` and `weights` are `[rows * top_k]` (to replay a routing trace).

@@ -6,7 +6,10 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice};
+use super::{
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
+    RouterKind, SeqSlice,
+};
 use crate::kv::KvSpec;
 use crate::loader::TensorRef;
 use crate::Result;
@@ -59,6 +62,17 @@ impl<'a, B: Backend> Profiled<'a, B> {
     }
 }
 
+/// Implements each listed op as the wrapped backend's, timed under the op's name.
+macro_rules! timed_ops {
+    ($(fn $op:ident(&self $(, $arg:ident: $ty:ty)* $(,)?) -> $out:ty;)*) => {
+        $(
+            fn $op(&self $(, $arg: $ty)*) -> Result<$out> {
+                self.time(stringify!($op), || self.inner.$op($($arg),*))
+            }
+        )*
+    };
+}
+
 impl<B: Backend> Backend for Profiled<'_, B> {
     type Tensor = B::Tensor;
     type Weight = B::Weight;
@@ -80,8 +94,11 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn weight(&self, tensor: TensorRef) -> Result<Self::Weight> {
         self.inner.weight(tensor)
     }
-    fn experts(&self, experts: Vec<ExpertTensors>) -> Result<Self::Experts> {
-        self.inner.experts(experts)
+    fn check_router(&self, kind: RouterKind) -> Result<()> {
+        self.inner.check_router(kind)
+    }
+    fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<Self::Experts> {
+        self.inner.experts(experts, activation)
     }
     fn rope_table(&self, rope: &Rope) -> Result<Self::RopeTable> {
         self.inner.rope_table(rope)
@@ -89,103 +106,35 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn new_kv(&self, spec: KvSpec) -> Result<Self::Kv> {
         self.inner.new_kv(spec)
     }
-    fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Result<Self::Batch> {
-        self.time("prepare_batch", || self.inner.prepare_batch(kv, batch))
-    }
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor> {
         self.inner.upload(data, rows, cols)
-    }
-    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>> {
-        self.time("to_host", || self.inner.to_host(x))
     }
     fn shape(&self, x: &Self::Tensor) -> (usize, usize) {
         self.inner.shape(x)
     }
-    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor> {
-        self.time("embed", || self.inner.embed(table, ids))
-    }
-    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, group: usize, eps: f32) -> Result<Self::Tensor> {
-        self.time("rms_norm", || self.inner.rms_norm(x, weight, group, eps))
-    }
-    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>) -> Result<Self::Tensor> {
-        self.time("linear", || self.inner.linear(x, w, bias))
-    }
-    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()> {
-        self.time("add_assign", || self.inner.add_assign(x, y))
-    }
-    fn add_rms_norm(
-        &self,
-        x: &mut Self::Tensor,
-        y: &Self::Tensor,
-        weight: &Self::Weight,
-        eps: f32,
-    ) -> Result<Self::Tensor> {
-        self.time("add_rms_norm", || self.inner.add_rms_norm(x, y, weight, eps))
-    }
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
-        self.time("silu_mul", || self.inner.silu_mul(gate, up))
-    }
-    fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()> {
-        self.time("sigmoid_gate", || self.inner.sigmoid_gate(x, gate))
-    }
-    fn attention(
-        &self,
-        qkv: &Self::Tensor,
-        qk_norm: Option<QkNormWeights<'_, Self::Weight>>,
-        rope: &Self::RopeTable,
-        kv: &mut Self::Kv,
-        layer: usize,
-        batch: &Self::Batch,
-        params: &AttentionParams,
-    ) -> Result<Self::Tensor> {
-        self.time("attention", || {
-            self.inner.attention(qkv, qk_norm, rope, kv, layer, batch, params)
-        })
-    }
-    fn causal_conv1d(
-        &self,
-        x: &Self::Tensor,
-        weight: &Self::Weight,
-        kv: &mut Self::Kv,
-        layer: usize,
-        batch: &Self::Batch,
-    ) -> Result<Self::Tensor> {
-        self.time("causal_conv1d", || {
-            self.inner.causal_conv1d(x, weight, kv, layer, batch)
-        })
-    }
-    fn gated_delta_rule(
-        &self,
-        qkv: &Self::Tensor,
-        a: &Self::Tensor,
-        b: &Self::Tensor,
-        a_log: &Self::Weight,
-        dt_bias: &Self::Weight,
-        kv: &mut Self::Kv,
-        layer: usize,
-        batch: &Self::Batch,
-        params: &DeltaRuleParams,
-    ) -> Result<Self::Tensor> {
-        self.time("gated_delta_rule", || {
-            self.inner
-                .gated_delta_rule(qkv, a, b, a_log, dt_bias, kv, layer, batch, params)
-        })
-    }
-    fn route(&self, logits: &Self::Tensor, top_k: usize, kind: RouterKind) -> Result<Self::Routing> {
-        self.time("route", || self.inner.route(logits, top_k, kind))
-    }
-    fn routing_to_host(&self, routing: &Self::Routing) -> Result<Vec<u32>> {
-        self.time("routing_to_host", || self.inner.routing_to_host(routing))
-    }
-    fn routing_from_host(&self, ids: &[u32], weights: &[f32], top_k: usize) -> Result<Self::Routing> {
-        self.time("routing_from_host", || {
-            self.inner.routing_from_host(ids, weights, top_k)
-        })
-    }
-    fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor> {
-        self.time("moe_experts", || self.inner.moe_experts(x, routing, experts))
-    }
-    fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor> {
-        self.time("select_rows", || self.inner.select_rows(x, rows))
+    timed_ops! {
+        fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Self::Batch;
+        fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+        fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+        fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, group: usize, eps: f32) -> Self::Tensor;
+        fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>) -> Self::Tensor;
+        fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> ();
+        fn add_rms_norm(&self, x: &mut Self::Tensor, y: &Self::Tensor, weight: &Self::Weight, eps: f32)
+            -> Self::Tensor;
+        fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+        fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> ();
+        fn attention(&self, qkv: &Self::Tensor, qk_norm: Option<QkNormWeights<'_, Self::Weight>>,
+            rope: &Self::RopeTable, kv: &mut Self::Kv, layer: usize, batch: &Self::Batch, params: &AttentionParams)
+            -> Self::Tensor;
+        fn causal_conv1d(&self, x: &Self::Tensor, weight: &Self::Weight, kv: &mut Self::Kv, layer: usize,
+            batch: &Self::Batch) -> Self::Tensor;
+        fn gated_delta_rule(&self, qkv: &Self::Tensor, a: &Self::Tensor, b: &Self::Tensor, a_log: &Self::Weight,
+            dt_bias: &Self::Weight, kv: &mut Self::Kv, layer: usize, batch: &Self::Batch, params: &DeltaRuleParams)
+            -> Self::Tensor;
+        fn route(&self, logits: &Self::Tensor, router: Router<'_, Self::Weight>) -> Self::Routing;
+        fn routing_to_host(&self, routing: &Self::Routing) -> Vec<u32>;
+        fn routing_from_host(&self, ids: &[u32], weights: &[f32], top_k: usize) -> Self::Routing;
+        fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Self::Tensor;
+        fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
     }
 }

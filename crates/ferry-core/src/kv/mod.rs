@@ -37,23 +37,30 @@ pub trait KvCache: Send {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u32);
 
+/// What one attention layer keeps per token: `num_kv_heads` keys and as many values, of `head_dim` each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayerSpec {
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvLayerSpec {
+    /// Features of one token's keys (or values).
+    pub fn width(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
 /// The shape of a KV cache.
 #[derive(Clone, Debug)]
 pub struct KvSpec {
-    /// Attention layers (a hybrid model's Gated DeltaNet layers keep no keys and values).
-    pub num_layers: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
+    /// Per attention layer, in order (a hybrid model's Gated DeltaNet layers keep no keys and values); layers may
+    /// differ in width.
+    pub layers: Vec<KvLayerSpec>,
     /// Tokens the cache may hold across all sequences.
     pub capacity_tokens: usize,
     /// Each sequence's recurrent state, for models with Gated DeltaNet layers.
     pub recurrent: Option<RecurrentSpec>,
-}
-
-impl KvSpec {
-    pub fn bytes_per_token(&self, bytes_per_value: usize) -> usize {
-        2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
-    }
 }
 
 /// One sequence's keys and values in host memory: per layer, `[positions, kv_heads * head_dim]` rows.
@@ -87,10 +94,6 @@ impl HostKv {
         &self.spec
     }
 
-    fn row_width(&self) -> usize {
-        self.spec.num_kv_heads * self.spec.head_dim
-    }
-
     fn seq(&self, seq: SeqId) -> Result<&HostSeq> {
         self.seqs
             .get(seq.0 as usize)
@@ -111,9 +114,25 @@ impl HostKv {
         self.blocks.extend(slices)
     }
 
+    /// The shape of attention layer `layer`'s keys and values.
+    pub fn layer_spec(&self, layer: usize) -> Result<KvLayerSpec> {
+        self.spec
+            .layers
+            .get(layer)
+            .copied()
+            .ok_or_else(|| Error::Kv(format!("no KV layer {layer} of {}", self.spec.layers.len())))
+    }
+
     /// Appends rows of keys and values to `seq` at `layer`; the sequence must be at `start_pos` in that layer.
     pub fn append(&mut self, seq: SeqId, layer: usize, start_pos: usize, keys: &[f32], values: &[f32]) -> Result<()> {
-        let width = self.row_width();
+        let width = self.layer_spec(layer)?.width();
+        if keys.len() != values.len() || !keys.len().is_multiple_of(width) {
+            return Err(Error::Shape(format!(
+                "{} keys and {} values for KV layer {layer}, rows of {width}",
+                keys.len(),
+                values.len()
+            )));
+        }
         let entry = self.seq_mut(seq)?;
         let cached = entry.keys[layer].len() / width;
         if cached != start_pos {
@@ -137,6 +156,7 @@ impl HostKv {
 
     /// All cached keys and values of `seq` at `layer`.
     pub fn layer(&self, seq: SeqId, layer: usize) -> Result<(&[f32], &[f32])> {
+        self.layer_spec(layer)?;
         let s = self.seq(seq)?;
         Ok((&s.keys[layer], &s.values[layer]))
     }
@@ -149,8 +169,8 @@ impl KvCache for HostKv {
             None => Vec::new(),
         };
         let fresh = HostSeq {
-            keys: vec![Vec::new(); self.spec.num_layers],
-            values: vec![Vec::new(); self.spec.num_layers],
+            keys: vec![Vec::new(); self.spec.layers.len()],
+            values: vec![Vec::new(); self.spec.layers.len()],
             recurrent,
         };
         let seq = self.blocks.alloc_seq();
@@ -184,9 +204,16 @@ mod tests {
 
     fn spec(capacity_tokens: usize) -> KvSpec {
         KvSpec {
-            num_layers: 2,
-            num_kv_heads: 1,
-            head_dim: 2,
+            layers: vec![
+                KvLayerSpec {
+                    num_kv_heads: 1,
+                    head_dim: 2,
+                },
+                KvLayerSpec {
+                    num_kv_heads: 2,
+                    head_dim: 4,
+                },
+            ],
             capacity_tokens,
             recurrent: Some(RecurrentSpec {
                 num_layers: 1,
@@ -211,7 +238,13 @@ mod tests {
         let b = kv.alloc_seq();
         kv.reserve(&[(a, 0, 3)]).unwrap();
         kv.append(a, 0, 0, &[1.0; 6], &[2.0; 6]).unwrap();
-        kv.append(a, 1, 0, &[1.0; 6], &[2.0; 6]).unwrap();
+        kv.append(a, 1, 0, &[1.0; 24], &[2.0; 24]).unwrap();
+        assert!(
+            matches!(kv.append(a, 1, 3, &[1.0; 6], &[2.0; 6]), Err(Error::Shape(_))),
+            "layer 1's rows are 8 wide"
+        );
+        assert_eq!(kv.layer(a, 1).unwrap().0.len(), 24);
+        assert!(kv.layer(a, 2).is_err(), "two KV layers");
         assert_eq!(kv.blocks().seq_len(a), 3);
         assert_eq!(kv.blocks().seq_len(b), 0);
         assert!(

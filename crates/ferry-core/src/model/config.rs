@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use crate::backend::RouterKind;
+use crate::backend::{ExpertActivation, RouterKind};
 use crate::{Error, Result};
 
 /// The fields of config.json shared by the decoder-only families.
@@ -59,12 +59,12 @@ pub const STANDARD_EXPERTS: ExpertNaming = ExpertNaming {
     projections: ["gate_proj", "up_proj", "down_proj"],
 };
 
+/// A decoder layer's feed-forward block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FfnKind {
     /// A dense SwiGLU MLP of this intermediate size.
-    Dense {
-        intermediate: usize,
-    },
+    Dense { intermediate: usize },
+    /// The model's MoE block ([`MoeSpec`]).
     Moe,
 }
 
@@ -74,6 +74,7 @@ pub struct MoeSpec {
     pub top_k: usize,
     pub intermediate: usize,
     pub router: RouterKind,
+    pub activation: ExpertActivation,
     /// A shared expert of this intermediate size, scaled by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE).
     pub shared_expert_intermediate: Option<usize>,
     pub naming: ExpertNaming,
@@ -82,10 +83,26 @@ pub struct MoeSpec {
 /// How a layer mixes information across tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mixer {
-    /// Softmax attention over the KV cache.
-    Attention,
+    /// Softmax attention over the KV cache; keys further back than `window` positions are masked (Mixtral's
+    /// sliding window, gpt-oss's banded layers), None: full causal.
+    Attention { window: Option<usize> },
     /// Gated DeltaNet: a short causal convolution and the gated delta rule over a fixed-size recurrent state.
     GatedDeltaNet,
+}
+
+impl Mixer {
+    pub const FULL_ATTENTION: Mixer = Mixer::Attention { window: None };
+
+    pub fn is_attention(&self) -> bool {
+        matches!(self, Mixer::Attention { .. })
+    }
+}
+
+/// One decoder layer: how it mixes tokens, then its feed-forward block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerSpec {
+    pub mixer: Mixer,
+    pub ffn: FfnKind,
 }
 
 /// Where a Gated DeltaNet layer's input projections put q, k, v, the output gate z, and the per-head b and a.
@@ -138,29 +155,42 @@ pub struct ModelSpec {
     pub rope_theta: f32,
     pub rotary_dim: usize,
     pub max_position_embeddings: usize,
-    pub sliding_window: Option<usize>,
     pub qk_norm: QkNorm,
     /// q_proj also yields a per-head output gate: the attention output is scaled by `sigmoid(gate)` before o_proj.
     pub attention_output_gate: bool,
     /// RMSNorm weights are stored as offsets from one: the scale is `1 + w` (Qwen3-Next, Qwen3.5).
     pub norm_weight_offset: bool,
     pub tie_word_embeddings: bool,
-    /// One entry per decoder layer.
-    pub mixers: Vec<Mixer>,
+    /// The decoder layers, in order.
+    pub layers: Vec<LayerSpec>,
+    /// The shape of the Gated DeltaNet layers, when there are any.
     pub gated_delta_net: Option<GatedDeltaNetSpec>,
-    /// One entry per decoder layer.
-    pub ffn: Vec<FfnKind>,
+    /// The MoE block of the layers whose `ffn` is [`FfnKind::Moe`].
     pub moe: Option<MoeSpec>,
 }
 
 impl ModelSpec {
     pub fn num_attention_layers(&self) -> usize {
-        self.mixers.iter().filter(|&&m| m == Mixer::Attention).count()
+        self.layers.iter().filter(|l| l.mixer.is_attention()).count()
+    }
+
+    pub fn num_moe_layers(&self) -> usize {
+        self.layers.iter().filter(|l| l.ffn == FfnKind::Moe).count()
+    }
+
+    /// Gives every attention layer the same window (Mixtral's `sliding_window`).
+    pub fn set_attention_window(&mut self, window: Option<usize>) {
+        for layer in &mut self.layers {
+            if let Mixer::Attention { window: w } = &mut layer.mixer {
+                *w = window;
+            }
+        }
     }
 }
 
 impl BaseConfig {
-    /// The spec's attention and embedding part; the family fills in `ffn`, `moe`, `qk_norm` and `sliding_window`.
+    /// The spec's attention and embedding part, every layer full attention and MoE; the family fills in `moe`,
+    /// `qk_norm` and what differs per layer.
     pub fn spec(&self, model_type: &'static str) -> Result<ModelSpec> {
         let num_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
         if self.num_attention_heads == 0 || num_kv_heads == 0 || !self.num_attention_heads.is_multiple_of(num_kv_heads)
@@ -201,14 +231,18 @@ impl BaseConfig {
             rope_theta: rope_theta as f32,
             rotary_dim,
             max_position_embeddings: self.max_position_embeddings,
-            sliding_window: None,
             qk_norm: QkNorm::None,
             attention_output_gate: false,
             norm_weight_offset: false,
             tie_word_embeddings: self.tie_word_embeddings,
-            mixers: vec![Mixer::Attention; self.num_hidden_layers],
+            layers: vec![
+                LayerSpec {
+                    mixer: Mixer::FULL_ATTENTION,
+                    ffn: FfnKind::Moe,
+                };
+                self.num_hidden_layers
+            ],
             gated_delta_net: None,
-            ffn: vec![FfnKind::Moe; self.num_hidden_layers],
             moe: None,
         })
     }
@@ -219,14 +253,38 @@ pub fn parse<T: serde::de::DeserializeOwned>(config: &serde_json::Value) -> Resu
     serde_json::from_value(config.clone()).map_err(|e| Error::Config(format!("config.json: {e}")))
 }
 
-/// The MoE settings Qwen2-MoE and Qwen3-MoE share.
+/// The routed experts' settings the Qwen families name alike.
 #[derive(Clone, Debug, Deserialize)]
-pub struct QwenMoeConfig {
+pub struct QwenExpertsConfig {
     /// transformers 5 writes `num_local_experts`.
     #[serde(alias = "num_local_experts")]
     pub num_experts: usize,
     pub num_experts_per_tok: usize,
     pub moe_intermediate_size: usize,
+}
+
+impl QwenExpertsConfig {
+    /// A softmax top-k router (`renormalize`: over the chosen), SiLU-gated experts under standard names, and a
+    /// sigmoid-gated shared expert of `shared_expert_intermediate` if any.
+    pub fn moe_spec(&self, renormalize: bool, shared_expert_intermediate: Option<usize>) -> Result<MoeSpec> {
+        check_top_k(self.num_experts, self.num_experts_per_tok)?;
+        Ok(MoeSpec {
+            num_experts: self.num_experts,
+            top_k: self.num_experts_per_tok,
+            intermediate: self.moe_intermediate_size,
+            router: RouterKind::SoftmaxTopK { renormalize },
+            activation: ExpertActivation::SiluGlu,
+            shared_expert_intermediate,
+            naming: STANDARD_EXPERTS,
+        })
+    }
+}
+
+/// The MoE settings Qwen2-MoE, Qwen3-MoE and Qwen3-Next share: the experts, and which layers are dense.
+#[derive(Clone, Debug, Deserialize)]
+pub struct QwenMoeConfig {
+    #[serde(flatten)]
+    pub experts: QwenExpertsConfig,
     pub intermediate_size: usize,
     #[serde(default = "one")]
     pub decoder_sparse_step: usize,
@@ -243,8 +301,9 @@ fn one() -> usize {
 }
 
 impl QwenMoeConfig {
-    /// The spec of a Qwen MoE family: `base`'s attention, dense layers by Qwen's rule, a softmax top-k router and
-    /// standard expert names, with a sigmoid-gated shared expert of `shared_expert_intermediate` if any.
+    /// The spec of a Qwen MoE family: `base`'s attention, dense layers by Qwen's rule (listed in
+    /// `mlp_only_layers`, or off every `decoder_sparse_step`-th layer), a softmax top-k router and standard expert
+    /// names, with a sigmoid-gated shared expert of `shared_expert_intermediate` if any.
     pub fn spec(
         &self,
         base: &BaseConfig,
@@ -256,52 +315,21 @@ impl QwenMoeConfig {
                 "use_sliding_window is not supported for {model_type}"
             )));
         }
-        check_top_k(self.num_experts, self.num_experts_per_tok)?;
+        let moe = self.experts.moe_spec(self.norm_topk_prob, shared_expert_intermediate)?;
         let mut spec = base.spec(model_type)?;
-        spec.ffn = qwen_ffn_layers(
-            base.num_hidden_layers,
-            self.num_experts,
-            self.decoder_sparse_step,
-            &self.mlp_only_layers,
-            self.intermediate_size,
-        );
-        spec.moe = Some(MoeSpec {
-            num_experts: self.num_experts,
-            top_k: self.num_experts_per_tok,
-            intermediate: self.moe_intermediate_size,
-            router: RouterKind::SoftmaxTopK {
-                renormalize: self.norm_topk_prob,
-            },
-            shared_expert_intermediate,
-            naming: STANDARD_EXPERTS,
-        });
+        for (i, layer) in spec.layers.iter_mut().enumerate() {
+            let sparse = !self.mlp_only_layers.contains(&i)
+                && self.decoder_sparse_step > 0
+                && (i + 1) % self.decoder_sparse_step == 0;
+            if !sparse {
+                layer.ffn = FfnKind::Dense {
+                    intermediate: self.intermediate_size,
+                };
+            }
+        }
+        spec.moe = Some(moe);
         Ok(spec)
     }
-}
-
-/// Qwen's rule for which layers are MoE: not listed in `mlp_only_layers`, and every `decoder_sparse_step`-th.
-pub fn qwen_ffn_layers(
-    num_layers: usize,
-    num_experts: usize,
-    decoder_sparse_step: usize,
-    mlp_only_layers: &[usize],
-    dense_intermediate: usize,
-) -> Vec<FfnKind> {
-    (0..num_layers)
-        .map(|i| {
-            let sparse = !mlp_only_layers.contains(&i)
-                && num_experts > 0
-                && decoder_sparse_step > 0
-                && (i + 1) % decoder_sparse_step == 0;
-            if sparse {
-                FfnKind::Moe
-            } else {
-                FfnKind::Dense {
-                    intermediate: dense_intermediate,
-                }
-            }
-        })
-        .collect()
 }
 
 pub fn check_top_k(num_experts: usize, top_k: usize) -> Result<()> {
@@ -334,8 +362,8 @@ fn default_full_attention_interval() -> usize {
 impl HybridConfig {
     /// Makes `spec` hybrid: the layer pattern, the Gated DeltaNet shape, gated attention and (1 + w) norms.
     pub fn apply(&self, spec: &mut ModelSpec, projections: GdnProjections) -> Result<()> {
-        let layers = spec.ffn.len();
-        spec.mixers = match &self.layer_types {
+        let layers = spec.layers.len();
+        let mixers: Vec<Mixer> = match &self.layer_types {
             Some(types) if types.len() != layers => {
                 return Err(Error::Config(format!(
                     "layer_types has {} entries for {layers} layers",
@@ -345,7 +373,7 @@ impl HybridConfig {
             Some(types) => types
                 .iter()
                 .map(|t| match t.as_str() {
-                    "full_attention" => Ok(Mixer::Attention),
+                    "full_attention" => Ok(Mixer::FULL_ATTENTION),
                     "linear_attention" => Ok(Mixer::GatedDeltaNet),
                     other => Err(Error::Config(format!(
                         "layer type \"{other}\" is not supported (full_attention, linear_attention)"
@@ -357,17 +385,21 @@ impl HybridConfig {
             }
             None => (0..layers)
                 .map(|i| match (i + 1) % self.full_attention_interval {
-                    0 => Mixer::Attention,
+                    0 => Mixer::FULL_ATTENTION,
                     _ => Mixer::GatedDeltaNet,
                 })
                 .collect(),
         };
-        if !spec.mixers.contains(&Mixer::Attention) {
+        if !mixers.iter().any(Mixer::is_attention) {
             // Sequences are tracked through their attention layers' KV; a model of Gated DeltaNet layers alone has none.
             return Err(Error::Config(
                 "no full_attention layer: models of Gated DeltaNet layers alone are not supported".into(),
             ));
         }
+        spec.layers
+            .iter_mut()
+            .zip(mixers)
+            .for_each(|(layer, mixer)| layer.mixer = mixer);
         let (k_heads, v_heads) = (self.linear_num_key_heads, self.linear_num_value_heads);
         if k_heads == 0 || !v_heads.is_multiple_of(k_heads) || v_heads == 0 {
             return Err(Error::Config(format!(

@@ -65,14 +65,14 @@ impl ModelInfo {
         let expert_params = 3 * h * moe_inter;
         let mut dense = spec.vocab_size as u64 * h * if spec.tie_word_embeddings { 1 } else { 2 } + h;
         let mut moe_layers = 0u64;
-        for (kind, mixer) in spec.ffn.iter().zip(&spec.mixers) {
+        for layer in &spec.layers {
             // The mixer, and the layer's two norms.
             dense += 2 * h
-                + match mixer {
-                    Mixer::Attention => attention,
+                + match layer.mixer {
+                    Mixer::Attention { .. } => attention,
                     Mixer::GatedDeltaNet => gated_delta_net,
                 };
-            match *kind {
+            match layer.ffn {
                 FfnKind::Dense { intermediate } => dense += 3 * h * intermediate as u64,
                 FfnKind::Moe => {
                     moe_layers += 1;
@@ -84,9 +84,9 @@ impl ModelInfo {
         let bytes = weight_dtype.size() as u64;
         ModelInfo {
             model_type: spec.model_type.to_string(),
-            num_layers: spec.ffn.len(),
+            num_layers: spec.layers.len(),
             num_attention_layers: spec.num_attention_layers(),
-            num_gated_delta_net_layers: spec.ffn.len() - spec.num_attention_layers(),
+            num_gated_delta_net_layers: spec.layers.len() - spec.num_attention_layers(),
             num_moe_layers: moe_layers as usize,
             num_experts: num_experts as usize,
             experts_per_token: top_k as usize,

@@ -1,14 +1,16 @@
-//! The building blocks every family's decoder is made of: attention (GQA, RoPE, optional biases, q/k norms and
-//! output gate), Gated DeltaNet, the SwiGLU MLP, and the MoE block (router, routed experts, optional
-//! sigmoid-gated shared expert).
+//! The building blocks every family's decoder is made of: attention (GQA, RoPE, optional biases, q/k norms,
+//! output gate and window), Gated DeltaNet, the SwiGLU MLP, and the MoE block (router of any [`RouterKind`],
+//! routed experts of any activation, optional sigmoid-gated shared expert).
 
 use std::ops::Range;
 
-use super::config::{ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm};
-use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, RouterKind};
+use super::config::{
+    ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm, STANDARD_EXPERTS,
+};
+use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Router, RouterKind};
 use crate::loader::{TensorRef, WeightStore};
 use crate::moe::RoutingTap;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Loads weights by name, checks their shapes, and hands them to the backend.
 pub struct WeightLoader<'a, B: Backend> {
@@ -66,7 +68,8 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    pub fn load(w: &WeightLoader<B>, prefix: &str, spec: &ModelSpec) -> Result<Self> {
+    /// `window`: the layer's attention window ([`super::Mixer::Attention`]).
+    pub fn load(w: &WeightLoader<B>, prefix: &str, spec: &ModelSpec, window: Option<usize>) -> Result<Self> {
         let (h, d) = (spec.hidden_size, spec.head_dim);
         let (q_width, kv_width) = (spec.num_heads * d, spec.num_kv_heads * d);
         let name = |n: &str| format!("{prefix}.{n}");
@@ -143,7 +146,7 @@ impl<B: Backend> Attention<B> {
                 num_kv_heads: spec.num_kv_heads,
                 head_dim: d,
                 scale: 1.0 / (d as f32).sqrt(),
-                sliding_window: spec.sliding_window,
+                sliding_window: window,
             },
         })
     }
@@ -265,7 +268,7 @@ impl<B: Backend> GatedDeltaNet<B> {
     }
 }
 
-/// A SwiGLU MLP: `down(silu(gate x) * up x)`.
+/// A SwiGLU MLP: `down(silu(gate x) * up x)`, stored as `gate_proj`, `up_proj` and `down_proj`.
 pub struct Mlp<B: Backend> {
     gate: B::Weight,
     up: B::Weight,
@@ -273,11 +276,12 @@ pub struct Mlp<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
-    pub fn load(w: &WeightLoader<B>, prefix: &str, names: [&str; 3], hidden: usize, inter: usize) -> Result<Self> {
+    pub fn load(w: &WeightLoader<B>, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
+        let [gate, up, down] = STANDARD_EXPERTS.projections;
         Ok(Mlp {
-            gate: w.load(&format!("{prefix}.{}.weight", names[0]), &[inter, hidden])?,
-            up: w.load(&format!("{prefix}.{}.weight", names[1]), &[inter, hidden])?,
-            down: w.load(&format!("{prefix}.{}.weight", names[2]), &[hidden, inter])?,
+            gate: w.load(&format!("{prefix}.{gate}.weight"), &[inter, hidden])?,
+            up: w.load(&format!("{prefix}.{up}.weight"), &[inter, hidden])?,
+            down: w.load(&format!("{prefix}.{down}.weight"), &[hidden, inter])?,
         })
     }
 
@@ -295,6 +299,8 @@ struct SharedExpert<B: Backend> {
 pub struct MoeBlock<B: Backend> {
     router: B::Weight,
     router_kind: RouterKind,
+    /// The router's per-expert correction bias, for the kinds that have one.
+    correction_bias: Option<B::Weight>,
     top_k: usize,
     num_experts: usize,
     experts: B::Experts,
@@ -319,11 +325,11 @@ fn expert_tensors(
         return (0..n)
             .map(|e| {
                 let pair = gate_up.select(e)?;
-                Ok(ExpertTensors {
-                    gate: pair.rows(0, inter)?,
-                    up: pair.rows(inter, 2 * inter)?,
-                    down: down.select(e)?,
-                })
+                Ok(ExpertTensors::unbiased(
+                    pair.rows(0, inter)?,
+                    pair.rows(inter, 2 * inter)?,
+                    down.select(e)?,
+                ))
             })
             .collect();
     }
@@ -331,11 +337,11 @@ fn expert_tensors(
     (0..n)
         .map(|e| {
             let name = |proj: &str| format!("{block}.experts.{e}.{proj}.weight");
-            Ok(ExpertTensors {
-                gate: w.tensor(&name(gate), &[inter, hidden])?,
-                up: w.tensor(&name(up), &[inter, hidden])?,
-                down: w.tensor(&name(down), &[hidden, inter])?,
-            })
+            Ok(ExpertTensors::unbiased(
+                w.tensor(&name(gate), &[inter, hidden])?,
+                w.tensor(&name(up), &[inter, hidden])?,
+                w.tensor(&name(down), &[hidden, inter])?,
+            ))
         })
         .collect()
 }
@@ -343,25 +349,28 @@ fn expert_tensors(
 impl<B: Backend> MoeBlock<B> {
     pub fn load(w: &WeightLoader<B>, layer_prefix: &str, moe: &MoeSpec, hidden: usize) -> Result<Self> {
         let block = format!("{layer_prefix}.{}", moe.naming.block);
+        moe.router
+            .check(moe.num_experts, moe.top_k)
+            .map_err(|e| Error::Config(format!("router: {e}")))?;
+        w.backend.check_router(moe.router)?;
         let experts = w
             .backend
-            .experts(expert_tensors(w, &block, &moe.naming, moe, hidden)?)?;
+            .experts(expert_tensors(w, &block, &moe.naming, moe, hidden)?, moe.activation)?;
         let shared = match moe.shared_expert_intermediate {
             Some(inter) => Some(SharedExpert {
-                mlp: Mlp::load(
-                    w,
-                    &format!("{block}.shared_expert"),
-                    ["gate_proj", "up_proj", "down_proj"],
-                    hidden,
-                    inter,
-                )?,
+                mlp: Mlp::load(w, &format!("{block}.shared_expert"), hidden, inter)?,
                 gate: w.load(&format!("{block}.shared_expert_gate.weight"), &[1, hidden])?,
             }),
             None => None,
         };
+        let correction_bias = match moe.router.has_correction_bias() {
+            true => Some(w.load(&format!("{block}.gate.e_score_correction_bias"), &[moe.num_experts])?),
+            false => None,
+        };
         Ok(MoeBlock {
             router: w.load(&format!("{block}.gate.weight"), &[moe.num_experts, hidden])?,
             router_kind: moe.router,
+            correction_bias,
             num_experts: moe.num_experts,
             top_k: moe.top_k,
             experts,
@@ -377,7 +386,12 @@ impl<B: Backend> MoeBlock<B> {
         moe_layer: usize,
         tap: Option<&mut (dyn RoutingTap + '_)>,
     ) -> Result<B::Tensor> {
-        let mut routing = be.route(&be.linear(x, &self.router, None)?, self.top_k, self.router_kind)?;
+        let router = Router {
+            kind: self.router_kind,
+            top_k: self.top_k,
+            correction_bias: self.correction_bias.as_ref(),
+        };
+        let mut routing = be.route(&be.linear(x, &self.router, None)?, router)?;
         if let Some(tap) = tap {
             let routed = match tap.wants_router_choice() {
                 true => Some(be.routing_to_host(&routing)?),
@@ -386,7 +400,7 @@ impl<B: Backend> MoeBlock<B> {
             let rows = be.shape(x).0;
             if let Some(ids) = tap.routed(moe_layer, rows, self.top_k, routed.as_deref())? {
                 if let Some(&bad) = ids.iter().find(|&&e| e as usize >= self.num_experts) {
-                    return Err(crate::Error::Cache(format!(
+                    return Err(Error::Cache(format!(
                         "a replayed route names expert {bad}; this model's layers have {}",
                         self.num_experts
                     )));
@@ -406,6 +420,7 @@ impl<B: Backend> MoeBlock<B> {
     }
 }
 
+/// A decoder layer's feed-forward block, as loaded.
 pub enum Ffn<B: Backend> {
     Dense(Mlp<B>),
     Moe(MoeBlock<B>),
@@ -417,25 +432,11 @@ impl<B: Backend> Ffn<B> {
             (FfnKind::Dense { intermediate }, _) => Ok(Ffn::Dense(Mlp::load(
                 w,
                 &format!("{layer_prefix}.mlp"),
-                ["gate_proj", "up_proj", "down_proj"],
                 spec.hidden_size,
                 intermediate,
             )?)),
             (FfnKind::Moe, Some(moe)) => Ok(Ffn::Moe(MoeBlock::load(w, layer_prefix, moe, spec.hidden_size)?)),
-            (FfnKind::Moe, None) => Err(crate::Error::Config("a MoE layer in a model without experts".into())),
-        }
-    }
-
-    pub fn forward(
-        &self,
-        be: &B,
-        x: &B::Tensor,
-        moe_layer: usize,
-        tap: Option<&mut (dyn RoutingTap + '_)>,
-    ) -> Result<B::Tensor> {
-        match self {
-            Ffn::Dense(mlp) => mlp.forward(be, x),
-            Ffn::Moe(moe) => moe.forward(be, x, moe_layer, tap),
+            (FfnKind::Moe, None) => Err(Error::Config("a MoE layer in a model without experts".into())),
         }
     }
 }

@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use super::config::{check_top_k, parse, BaseConfig, ExpertNaming, ModelSpec, MoeSpec};
-use crate::backend::RouterKind;
+use crate::backend::{ExpertActivation, RouterKind};
 use crate::Result;
 
 #[derive(Deserialize)]
@@ -22,12 +22,13 @@ pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
     let c: MixtralConfig = parse(config)?;
     check_top_k(c.num_local_experts, c.num_experts_per_tok)?;
     let mut spec = c.base.spec("mixtral")?;
-    spec.sliding_window = c.sliding_window;
+    spec.set_attention_window(c.sliding_window);
     spec.moe = Some(MoeSpec {
         num_experts: c.num_local_experts,
         top_k: c.num_experts_per_tok,
         intermediate: c.intermediate_size,
         router: RouterKind::SoftmaxTopK { renormalize: true },
+        activation: ExpertActivation::SiluGlu,
         shared_expert_intermediate: None,
         naming: ExpertNaming {
             block: "block_sparse_moe",

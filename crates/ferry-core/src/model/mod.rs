@@ -1,5 +1,7 @@
-//! Model families, one file each, mapping their config.json onto a [`ModelSpec`]; the decoder they share is
-//! [`Model`], built from [`layers`] and written once against [`Backend`].
+//! Model families, one file each, mapping their config.json onto a [`ModelSpec`] (the model's layers one by one:
+//! each one's token mixer with its attention window, and its feed-forward block; the router kind and expert
+//! activation of its MoE block); the decoder they share is [`Model`], built from [`layers`] and written once
+//! against [`Backend`].
 
 pub mod config;
 pub mod info;
@@ -11,12 +13,12 @@ mod qwen3_5_moe;
 mod qwen3_moe;
 mod qwen3_next;
 
-pub use config::{FfnKind, GatedDeltaNetSpec, Mixer, ModelSpec, MoeSpec, QkNorm};
+pub use config::{FfnKind, GatedDeltaNetSpec, LayerSpec, Mixer, ModelSpec, MoeSpec, QkNorm};
 pub use info::ModelInfo;
 
 use crate::backend::{Backend, Rope, SeqSlice};
-use crate::kv::{KvSpec, RecurrentSpec};
-use crate::loader::Checkpoint;
+use crate::kv::{KvLayerSpec, KvSpec, RecurrentSpec};
+use crate::loader::{Checkpoint, WeightStore};
 use crate::moe::RoutingTap;
 use crate::{Error, Result};
 use layers::{Attention, Ffn, GatedDeltaNet, WeightLoader};
@@ -75,10 +77,6 @@ pub struct Model<B: Backend> {
 impl<B: Backend> Model<B> {
     pub fn load(backend: &B, checkpoint: &Checkpoint) -> Result<Self> {
         let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
-        let w = WeightLoader {
-            backend,
-            store: &checkpoint.weights,
-        };
         for (part, count) in checkpoint.weights.outside_text_model() {
             let what = match part.as_str() {
                 "model.visual." => "the vision tower",
@@ -87,17 +85,23 @@ impl<B: Backend> Model<B> {
             };
             tracing::info!("not loading {count} tensors under {part}: {what}, which text generation does not use");
         }
+        Self::from_spec(backend, spec, &checkpoint.weights)
+    }
+
+    /// The model `spec` describes, with its weights from `store`.
+    pub fn from_spec(backend: &B, spec: ModelSpec, store: &WeightStore) -> Result<Self> {
+        let w = WeightLoader { backend, store };
         let h = spec.hidden_size;
         let offset = spec.norm_weight_offset;
         let (mut kv_layers, mut state_layers) = (0, 0);
-        let mut layers = Vec::with_capacity(spec.ffn.len());
-        for (i, (&kind, &mixer)) in spec.ffn.iter().zip(&spec.mixers).enumerate() {
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for (i, layer) in spec.layers.iter().enumerate() {
             let prefix = format!("model.layers.{i}");
-            let mixer = match (mixer, &spec.gated_delta_net) {
-                (Mixer::Attention, _) => {
+            let mixer = match (layer.mixer, &spec.gated_delta_net) {
+                (Mixer::Attention { window }, _) => {
                     kv_layers += 1;
                     TokenMixer::Attention {
-                        attention: Attention::load(&w, &format!("{prefix}.self_attn"), &spec)?,
+                        attention: Attention::load(&w, &format!("{prefix}.self_attn"), &spec, window)?,
                         kv_layer: kv_layers - 1,
                     }
                 }
@@ -118,7 +122,7 @@ impl<B: Backend> Model<B> {
                 input_norm: w.norm(&format!("{prefix}.input_layernorm.weight"), h, offset)?,
                 mixer,
                 post_attention_norm: w.norm(&format!("{prefix}.post_attention_layernorm.weight"), h, offset)?,
-                ffn: Ffn::load(&w, &prefix, kind, &spec)?,
+                ffn: Ffn::load(&w, &prefix, layer.ffn, &spec)?,
             });
         }
         let lm_head = match spec.tie_word_embeddings {
@@ -138,10 +142,12 @@ impl<B: Backend> Model<B> {
     /// The KV cache shape for `capacity_tokens` tokens across all sequences: keys and values for the attention
     /// layers and, in hybrid models, a recurrent-state slot per sequence.
     pub fn kv_spec(&self, capacity_tokens: usize) -> KvSpec {
-        KvSpec {
-            num_layers: self.spec.num_attention_layers(),
+        let attention = KvLayerSpec {
             num_kv_heads: self.spec.num_kv_heads,
             head_dim: self.spec.head_dim,
+        };
+        KvSpec {
+            layers: vec![attention; self.spec.num_attention_layers()],
             capacity_tokens,
             recurrent: recurrent_spec(&self.spec),
         }
@@ -164,7 +170,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Tensor> {
         let rows: usize = batch.iter().map(|s| s.len).sum();
         if rows != ids.len() || batch.iter().any(|s| s.len == 0) {
-            return Err(Error::Request(format!(
+            return Err(Error::Shape(format!(
                 "batch of {} tokens does not match its {} sequence slices",
                 ids.len(),
                 batch.len()
@@ -195,8 +201,13 @@ impl<B: Backend> Model<B> {
                 }
             };
             normed = be.add_rms_norm(&mut x, &mixed, &layer.post_attention_norm, eps)?;
-            let out = layer.ffn.forward(be, &normed, moe_layer, tap.as_deref_mut())?;
-            moe_layer += matches!(layer.ffn, Ffn::Moe(_)) as usize;
+            let out = match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward(be, &normed)?,
+                Ffn::Moe(moe) => {
+                    moe_layer += 1;
+                    moe.forward(be, &normed, moe_layer - 1, tap.as_deref_mut())?
+                }
+            };
             // The residual add fused with the next layer's input norm; after the last layer, a plain add (the final
             // norm runs on each sequence's last row only).
             match self.layers.get(i + 1) {
@@ -219,11 +230,109 @@ impl<B: Backend> Model<B> {
 /// Each sequence's recurrent state in a hybrid model; None for models without Gated DeltaNet layers.
 pub fn recurrent_spec(spec: &ModelSpec) -> Option<RecurrentSpec> {
     spec.gated_delta_net.as_ref().map(|g| RecurrentSpec {
-        num_layers: spec.mixers.len() - spec.num_attention_layers(),
+        num_layers: spec.layers.len() - spec.num_attention_layers(),
         conv_channels: g.conv_dim(),
         conv_kernel: g.conv_kernel,
         num_heads: g.num_v_heads,
         k_head_dim: g.k_head_dim,
         v_head_dim: g.v_head_dim,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::{ExpertActivation, RouterKind};
+    use crate::kv::KvCache;
+
+    /// A three-layer spec with what no shipped family has yet: a different attention window per layer (2, full,
+    /// 3), a dense layer between MoE layers, DeepSeek-V3's grouped sigmoid router and gpt-oss's clamped SwiGLU.
+    fn tiny_spec(windows: [Option<usize>; 3]) -> ModelSpec {
+        let ffn = [FfnKind::Moe, FfnKind::Dense { intermediate: 24 }, FfnKind::Moe];
+        ModelSpec {
+            model_type: "tiny",
+            vocab_size: 32,
+            hidden_size: 16,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e4,
+            rotary_dim: 8,
+            max_position_embeddings: 64,
+            qk_norm: QkNorm::PerHead,
+            attention_output_gate: false,
+            norm_weight_offset: false,
+            tie_word_embeddings: false,
+            layers: windows
+                .iter()
+                .zip(ffn)
+                .map(|(&window, ffn)| LayerSpec {
+                    mixer: Mixer::Attention { window },
+                    ffn,
+                })
+                .collect(),
+            gated_delta_net: None,
+            moe: Some(MoeSpec {
+                num_experts: 8,
+                top_k: 2,
+                intermediate: 12,
+                router: RouterKind::SigmoidGroupedTopK {
+                    n_group: 4,
+                    topk_group: 2,
+                    renormalize: true,
+                    scaling: 2.5,
+                },
+                activation: ExpertActivation::ClampedSwiGlu {
+                    alpha: 1.702,
+                    limit: 7.0,
+                },
+                shared_expert_intermediate: None,
+                naming: config::STANDARD_EXPERTS,
+            }),
+        }
+    }
+
+    /// The last token's logits after a prefill of `ids[..split]` and a second step of the rest.
+    fn logits(model: &Model<CpuBackend>, ids: &[u32], split: usize) -> Vec<f32> {
+        let be = CpuBackend;
+        let mut kv = be.new_kv(model.kv_spec(64)).unwrap();
+        let seq = kv.alloc_seq();
+        let mut last = Vec::new();
+        for (start, part) in [(0, &ids[..split]), (split, &ids[split..])] {
+            let slice = SeqSlice {
+                seq,
+                start_pos: start,
+                len: part.len(),
+            };
+            last = be
+                .to_host(&model.forward(&be, part, &[slice], &mut kv).unwrap())
+                .unwrap();
+        }
+        last
+    }
+
+    #[test]
+    fn a_spec_of_per_layer_windows_grouped_router_and_clamped_experts_runs_on_the_cpu() {
+        let store = WeightStore::synthetic(3);
+        let model = Model::from_spec(&CpuBackend, tiny_spec([Some(2), None, Some(3)]), &store).unwrap();
+        assert_eq!(model.kv_spec(64).layers.len(), 3);
+        let ids = [5, 17, 2, 30, 9, 9, 1];
+        let prefilled = logits(&model, &ids, 6);
+        let stepped = logits(&model, &ids, 3);
+        let err = prefilled
+            .iter()
+            .zip(&stepped)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(err < 1e-4, "a prefill and two steps differ by {err}");
+        let full = Model::from_spec(&CpuBackend, tiny_spec([None; 3]), &store).unwrap();
+        let err = logits(&full, &ids, 6)
+            .iter()
+            .zip(&prefilled)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(err > 1e-3, "the windows change what the last token sees");
+    }
 }

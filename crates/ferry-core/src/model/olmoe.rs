@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use super::config::{check_top_k, parse, BaseConfig, ModelSpec, MoeSpec, QkNorm, STANDARD_EXPERTS};
-use crate::backend::RouterKind;
+use crate::backend::{ExpertActivation, RouterKind};
 use crate::{Error, Result};
 
 #[derive(Deserialize)]
@@ -35,6 +35,7 @@ pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
         router: RouterKind::SoftmaxTopK {
             renormalize: c.norm_topk_prob,
         },
+        activation: ExpertActivation::SiluGlu,
         shared_expert_intermediate: None,
         naming: STANDARD_EXPERTS,
     });

@@ -10,10 +10,7 @@
 
 use serde::Deserialize;
 
-use super::config::{
-    check_top_k, parse, BaseConfig, GdnProjections, HybridConfig, ModelSpec, MoeSpec, STANDARD_EXPERTS,
-};
-use crate::backend::RouterKind;
+use super::config::{parse, BaseConfig, GdnProjections, HybridConfig, ModelSpec, QwenExpertsConfig};
 use crate::Result;
 
 #[derive(Deserialize)]
@@ -22,24 +19,16 @@ struct Qwen3_5MoeConfig {
     base: BaseConfig,
     #[serde(flatten)]
     hybrid: HybridConfig,
-    num_experts: usize,
-    num_experts_per_tok: usize,
-    moe_intermediate_size: usize,
+    #[serde(flatten)]
+    experts: QwenExpertsConfig,
     shared_expert_intermediate_size: usize,
 }
 
 pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
     let c: Qwen3_5MoeConfig = parse(config)?;
-    check_top_k(c.num_experts, c.num_experts_per_tok)?;
+    let moe = c.experts.moe_spec(true, Some(c.shared_expert_intermediate_size))?;
     let mut spec = c.base.spec("qwen3_5_moe")?;
     c.hybrid.apply(&mut spec, GdnProjections::Separate)?;
-    spec.moe = Some(MoeSpec {
-        num_experts: c.num_experts,
-        top_k: c.num_experts_per_tok,
-        intermediate: c.moe_intermediate_size,
-        router: RouterKind::SoftmaxTopK { renormalize: true },
-        shared_expert_intermediate: Some(c.shared_expert_intermediate_size),
-        naming: STANDARD_EXPERTS,
-    });
+    spec.moe = Some(moe);
     Ok(spec)
 }

@@ -64,7 +64,7 @@ pub fn gpu_kv_bytes_per_token(info: &ModelInfo) -> u64 {
 pub fn workspace_bytes(spec: &ModelSpec, rows: usize) -> u64 {
     let q_width = spec.num_heads * spec.head_dim;
     let kv_width = spec.num_kv_heads * spec.head_dim;
-    let dense_inter = spec.ffn.iter().filter_map(|f| match f {
+    let dense_inter = spec.layers.iter().filter_map(|l| match &l.ffn {
         crate::model::FfnKind::Dense { intermediate } => Some(*intermediate),
         crate::model::FfnKind::Moe => None,
     });

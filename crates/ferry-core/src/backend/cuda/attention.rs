@@ -256,7 +256,7 @@ pub(super) fn attend(
     };
     let partial_out: CudaSlice<f32> = cuda.alloc(partials * p.head_dim)?;
     let partial_stats: CudaSlice<f32> = cuda.alloc(partials * 2)?;
-    let (k_pool, v_pool) = kv.layer_pools(layer);
+    let (k_pool, v_pool) = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
     let attention = Attention {
         q: ptr(&q.data),
         k_pool: ptr(k_pool),

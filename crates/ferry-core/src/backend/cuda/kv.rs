@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::cuda_err;
 use crate::backend::SeqSlice;
-use crate::kv::{BlockAllocator, KvCache, KvSpec, RecurrentSpec, SeqId, BLOCK_SIZE};
+use crate::kv::{BlockAllocator, KvCache, KvLayerSpec, KvSpec, RecurrentSpec, SeqId, BLOCK_SIZE};
 use crate::{Error, Result};
 
 pub struct DeviceKv {
@@ -55,16 +55,15 @@ pub struct DeviceBatch {
 impl DeviceKv {
     pub fn new(stream: &Arc<CudaStream>, spec: KvSpec) -> Result<Self> {
         let num_blocks = spec.capacity_tokens.div_ceil(BLOCK_SIZE).max(1);
-        let pool_len = num_blocks * BLOCK_SIZE * spec.num_kv_heads * spec.head_dim;
-        let pool = || -> Result<CudaSlice<f32>> {
+        let pool = |layer: &KvLayerSpec| -> Result<CudaSlice<f32>> {
             stream
-                .alloc_zeros::<f32>(pool_len)
+                .alloc_zeros::<f32>(num_blocks * BLOCK_SIZE * layer.width())
                 .map_err(cuda_err("allocating the KV cache"))
         };
         Ok(DeviceKv {
             blocks: BlockAllocator::new(BLOCK_SIZE, num_blocks),
-            keys: (0..spec.num_layers).map(|_| pool()).collect::<Result<_>>()?,
-            values: (0..spec.num_layers).map(|_| pool()).collect::<Result<_>>()?,
+            keys: spec.layers.iter().map(pool).collect::<Result<_>>()?,
+            values: spec.layers.iter().map(pool).collect::<Result<_>>()?,
             recurrent: spec.recurrent,
             states: Vec::new(),
         })
@@ -130,8 +129,16 @@ impl DeviceKv {
         self.blocks.block_size()
     }
 
-    pub(super) fn layer_pools(&self, layer: usize) -> (&CudaSlice<f32>, &CudaSlice<f32>) {
-        (&self.keys[layer], &self.values[layer])
+    /// Attention layer `layer`'s key and value pools, which must hold rows of `width` (kv heads times head_dim).
+    pub(super) fn layer_pools(&self, layer: usize, width: usize) -> Result<(&CudaSlice<f32>, &CudaSlice<f32>)> {
+        let rows = self.blocks.num_blocks() * BLOCK_SIZE;
+        match (self.keys.get(layer), self.values.get(layer)) {
+            (Some(keys), Some(values)) if keys.len() == rows * width => Ok((keys, values)),
+            _ => Err(Error::Shape(format!(
+                "attention: KV layer {layer} of {} does not hold rows of {width}",
+                self.keys.len()
+            ))),
+        }
     }
 
     /// Takes the blocks the batch's new tokens need (all or none) and uploads the batch's metadata.

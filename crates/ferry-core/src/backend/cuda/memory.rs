@@ -5,7 +5,7 @@
 use cudarc::driver::{sys, CudaContext, CudaSlice, DeviceRepr};
 
 use super::{cuda_err, CudaBackend, CudaRope, CudaTensor, CudaWeight};
-use crate::backend::Rope;
+use crate::backend::{check_upload, Rope};
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
 
@@ -34,12 +34,7 @@ impl CudaBackend {
 
     /// [`crate::backend::Backend::upload`].
     pub(super) fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
-        if data.len() != rows * cols {
-            return Err(Error::Shape(format!(
-                "{} values for a [{rows}, {cols}] tensor",
-                data.len()
-            )));
-        }
+        check_upload(data.len(), rows, cols)?;
         Ok(CudaTensor {
             data: self.copy_to_device(data)?,
             rows,

@@ -31,7 +31,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 
-use super::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Rope, RouterKind, SeqSlice};
+use super::{
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
+    RouterKind, SeqSlice,
+};
 use crate::kv::KvSpec;
 use crate::loader::TensorRef;
 use crate::moe::OffloadStats;
@@ -182,8 +185,12 @@ impl Backend for CudaBackend {
         self.upload_weight(tensor)
     }
 
-    fn experts(&self, experts: Vec<ExpertTensors>) -> Result<CudaExperts> {
-        moe::upload_experts(self, experts)
+    fn check_router(&self, kind: RouterKind) -> Result<()> {
+        moe::check_router(kind)
+    }
+
+    fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<CudaExperts> {
+        moe::upload_experts(self, experts, activation)
     }
 
     fn rope_table(&self, rope: &Rope) -> Result<CudaRope> {
@@ -277,12 +284,13 @@ impl Backend for CudaBackend {
         batch: &DeviceBatch,
         p: &AttentionParams,
     ) -> Result<CudaTensor> {
-        let q = attention::qkv_rope_kv_append(self, qkv, qk_norm, rope, kv.layer_pools(layer), batch, p)?;
+        let pools = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
+        let q = attention::qkv_rope_kv_append(self, qkv, qk_norm, rope, pools, batch, p)?;
         attention::attend(self, &q, kv, layer, batch, p)
     }
 
-    fn route(&self, logits: &CudaTensor, top_k: usize, kind: RouterKind) -> Result<CudaRouting> {
-        moe::route(self, logits, top_k, kind)
+    fn route(&self, logits: &CudaTensor, router: Router<'_, CudaWeight>) -> Result<CudaRouting> {
+        moe::route(self, logits, router)
     }
 
     fn routing_to_host(&self, routing: &CudaRouting) -> Result<Vec<u32>> {

@@ -10,8 +10,8 @@ use ferry_kernels::constants::{GEMV_MAX_ROWS, MOE_DOWN_ROWS, MOE_WARPS, ROUTER_M
 use super::elementwise::copy_rows;
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::memory::bf16_bytes;
-use super::{cuda_err, Bf16Matrix, CudaBackend, CudaExperts, CudaRouting, CudaTensor};
-use crate::backend::{ExpertTensors, RouterKind};
+use super::{cuda_err, Bf16Matrix, CudaBackend, CudaExperts, CudaRouting, CudaTensor, CudaWeight};
+use crate::backend::{ExpertActivation, ExpertTensors, Router, RouterKind};
 use crate::moe::MOE_GROUP_ROWS;
 use crate::{Error, Result};
 
@@ -91,7 +91,18 @@ struct ExpertGroup {
 
 /// [`crate::backend::Backend::experts`]: into the offload's bank when offload is on, else into one slab of the
 /// layer's expert blocks (gate, up, down, back to back: the layout moe.cu reads).
-pub(super) fn upload_experts(cuda: &CudaBackend, experts: Vec<ExpertTensors>) -> Result<CudaExperts> {
+pub(super) fn upload_experts(
+    cuda: &CudaBackend,
+    experts: Vec<ExpertTensors>,
+    activation: ExpertActivation,
+) -> Result<CudaExperts> {
+    let biased = experts.iter().any(ExpertTensors::has_bias);
+    if activation != ExpertActivation::SiluGlu || biased {
+        let biases = if biased { " with biases" } else { "" };
+        return Err(Error::Config(format!(
+            "the CUDA backend has no expert kernels for {activation:?}{biases} yet (the CPU backend has)"
+        )));
+    }
     let first = experts
         .first()
         .ok_or_else(|| Error::Cuda("a MoE layer without experts".into()))?;
@@ -136,8 +147,24 @@ pub(super) fn upload_experts(cuda: &CudaBackend, experts: Vec<ExpertTensors>) ->
     })
 }
 
-pub(super) fn route(cuda: &CudaBackend, logits: &CudaTensor, top_k: usize, kind: RouterKind) -> Result<CudaRouting> {
-    let RouterKind::SoftmaxTopK { renormalize } = kind;
+/// [`crate::backend::Backend::check_router`]: moe.cu routes softmax top-k only.
+pub(super) fn check_router(kind: RouterKind) -> Result<()> {
+    match kind {
+        RouterKind::SoftmaxTopK { .. } => Ok(()),
+        RouterKind::SigmoidGroupedTopK { .. } => Err(no_router_for(kind)),
+    }
+}
+
+fn no_router_for(kind: RouterKind) -> Error {
+    Error::Config(format!(
+        "the CUDA backend has no router for {kind:?} yet (the CPU backend has)"
+    ))
+}
+
+pub(super) fn route(cuda: &CudaBackend, logits: &CudaTensor, router: Router<'_, CudaWeight>) -> Result<CudaRouting> {
+    let (top_k, RouterKind::SoftmaxTopK { renormalize }) = (router.top_k, router.kind) else {
+        return Err(no_router_for(router.kind));
+    };
     if logits.cols > ROUTER_MAX_EXPERTS {
         return Err(Error::Cuda(format!(
             "{} experts is over the router kernel's {ROUTER_MAX_EXPERTS}",
