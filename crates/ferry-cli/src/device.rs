@@ -32,7 +32,8 @@ pub enum Backends {
 pub enum OffloadChoice {
     /// Everything on the GPU.
     None,
-    /// Routed experts in host RAM, the hot ones in a GPU cache.
+    /// Routed experts in host RAM, the hot ones in a GPU cache sized from the budget: dense weights and workspace
+    /// first, then the KV floor, then cache slots, the rest to KV.
     Experts,
     /// `none` when the whole model fits the budget, else `experts`.
     Auto,
@@ -46,10 +47,6 @@ pub struct OffloadArgs {
     pub gpu_memory_budget: Option<String>,
     #[arg(long, value_enum, default_value_t = OffloadChoice::Auto)]
     pub offload: OffloadChoice,
-    /// Offload the experts and size their GPU cache from the budget: dense weights and workspace first, then the
-    /// KV floor, then cache slots, the rest to KV.
-    #[arg(long, conflicts_with = "moe_cache_slots")]
-    pub moe_cache_auto: bool,
     /// Offload the experts with exactly this many GPU cache slots (the rest of the budget goes to KV).
     #[arg(long)]
     pub moe_cache_slots: Option<usize>,
@@ -65,23 +62,19 @@ pub struct OffloadArgs {
 
 impl OffloadArgs {
     fn mode(&self) -> Result<OffloadMode> {
-        let wants_cache = self.moe_cache_auto || self.moe_cache_slots.is_some();
         Ok(match self.offload {
-            OffloadChoice::None if wants_cache => {
-                bail!("--offload none contradicts --moe-cache-auto/--moe-cache-slots")
+            OffloadChoice::None if self.moe_cache_slots.is_some() => {
+                bail!("--offload none contradicts --moe-cache-slots")
             }
             OffloadChoice::None => OffloadMode::None,
             OffloadChoice::Experts => OffloadMode::Experts,
-            OffloadChoice::Auto if wants_cache => OffloadMode::Experts,
+            // With --moe-cache-slots the planner offloads.
             OffloadChoice::Auto => OffloadMode::Auto,
         })
     }
 
     fn is_default(&self) -> bool {
-        self.gpu_memory_budget.is_none()
-            && self.offload == OffloadChoice::Auto
-            && !self.moe_cache_auto
-            && self.moe_cache_slots.is_none()
+        self.gpu_memory_budget.is_none() && self.offload == OffloadChoice::Auto && self.moe_cache_slots.is_none()
     }
 
     /// The plan for `checkpoint` under a budget of `budget_bytes`.
