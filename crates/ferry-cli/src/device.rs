@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use ferry_core::backend::cpu::CpuBackend;
-use ferry_core::backend::cuda::CudaBackend;
-use ferry_core::engine::MAX_BATCH_TOKENS;
+use ferry_core::backend::cuda::{CudaBackend, OffloadConfig};
+use ferry_core::engine::plan::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode, MAX_BATCH_TOKENS};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, ModelInfo};
-use ferry_core::moe::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode};
+use ferry_core::moe::Lru;
 
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -32,7 +32,8 @@ pub enum Backends {
 pub enum OffloadChoice {
     /// Everything on the GPU.
     None,
-    /// Routed experts in host RAM, the hot ones in a GPU cache.
+    /// Routed experts in host RAM, the hot ones in a GPU cache sized from the budget: dense weights and workspace
+    /// first, then the KV floor, then cache slots, the rest to KV.
     Experts,
     /// `none` when the whole model fits the budget, else `experts`.
     Auto,
@@ -46,10 +47,6 @@ pub struct OffloadArgs {
     pub gpu_memory_budget: Option<String>,
     #[arg(long, value_enum, default_value_t = OffloadChoice::Auto)]
     pub offload: OffloadChoice,
-    /// Offload the experts and size their GPU cache from the budget: dense weights and workspace first, then the
-    /// KV floor, then cache slots, the rest to KV.
-    #[arg(long, conflicts_with = "moe_cache_slots")]
-    pub moe_cache_auto: bool,
     /// Offload the experts with exactly this many GPU cache slots (the rest of the budget goes to KV).
     #[arg(long)]
     pub moe_cache_slots: Option<usize>,
@@ -65,23 +62,19 @@ pub struct OffloadArgs {
 
 impl OffloadArgs {
     fn mode(&self) -> Result<OffloadMode> {
-        let wants_cache = self.moe_cache_auto || self.moe_cache_slots.is_some();
         Ok(match self.offload {
-            OffloadChoice::None if wants_cache => {
-                bail!("--offload none contradicts --moe-cache-auto/--moe-cache-slots")
+            OffloadChoice::None if self.moe_cache_slots.is_some() => {
+                bail!("--offload none contradicts --moe-cache-slots")
             }
             OffloadChoice::None => OffloadMode::None,
             OffloadChoice::Experts => OffloadMode::Experts,
-            OffloadChoice::Auto if wants_cache => OffloadMode::Experts,
+            // With --moe-cache-slots the planner offloads.
             OffloadChoice::Auto => OffloadMode::Auto,
         })
     }
 
     fn is_default(&self) -> bool {
-        self.gpu_memory_budget.is_none()
-            && self.offload == OffloadChoice::Auto
-            && !self.moe_cache_auto
-            && self.moe_cache_slots.is_none()
+        self.gpu_memory_budget.is_none() && self.offload == OffloadChoice::Auto && self.moe_cache_slots.is_none()
     }
 
     /// The plan for `checkpoint` under a budget of `budget_bytes`.
@@ -114,8 +107,8 @@ impl OffloadArgs {
     }
 }
 
-/// Opens the backend; on a GPU, divides its memory budget for `checkpoint` and turns on expert offload when the
-/// plan says so. Returns the plan (None on the CPU).
+/// Opens the backend; on a GPU, divides its memory budget for `checkpoint` and builds the backend with expert
+/// offload (an LRU cache) when the plan says so. Returns the plan (None on the CPU).
 pub fn open_backend(
     device: Device,
     offload: &OffloadArgs,
@@ -124,14 +117,14 @@ pub fn open_backend(
     // FERRY_GEMV_ISA picks the CPU kernels' path; they cannot return an error, so a bad value is reported here,
     // whatever the device.
     ferry_core::backend::cpu::gemv::check_isa_env()?;
-    let cuda = match device {
+    let gpu = match device {
         Device::Cpu => None,
-        Device::Cuda => Some(CudaBackend::new(0).context("--device cuda")?),
-        Device::Auto => CudaBackend::new(0)
+        Device::Cuda => Some(CudaBackend::builder(0).context("--device cuda")?),
+        Device::Auto => CudaBackend::builder(0)
             .map_err(|e| tracing::info!("running on the CPU: {e}"))
             .ok(),
     };
-    let Some(mut cuda) = cuda else {
+    let Some(gpu) = gpu else {
         if !offload.is_default() {
             bail!("--gpu-memory-budget and the offload flags need a GPU (this run is on the CPU)");
         }
@@ -140,7 +133,7 @@ pub fn open_backend(
     let budget = match offload.budget_bytes()? {
         Some(b) => b,
         // Leave a little for the CUDA context's own growth and other processes.
-        None => (cuda.memory_info()?.0 as u64).saturating_sub(1 << 30),
+        None => (gpu.memory_info()?.0 as u64).saturating_sub(1 << 30),
     };
     let plan = offload.plan(checkpoint, budget)?;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
@@ -160,10 +153,15 @@ pub fn open_backend(
         gib(plan.kv_bytes),
         plan.kv_tokens
     );
-    if plan.offload {
-        cuda.enable_offload(plan.slots)?;
-    }
-    Ok((Backends::Cuda(Box::new(cuda)), Some(plan)))
+    let gpu = if plan.offload {
+        gpu.offload(OffloadConfig {
+            slots: plan.slots,
+            policy: Box::new(Lru::new()),
+        })
+    } else {
+        gpu
+    };
+    Ok((Backends::Cuda(Box::new(gpu.build()?)), Some(plan)))
 }
 
 /// Runs `$body` with `$be` bound to whichever backend `$backends` holds.

@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use ferry_core::backend::Backend;
+use ferry_core::engine::plan::MemoryPlan;
 use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
-use ferry_core::moe::MemoryPlan;
 use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig};
 
 use crate::device::{open_backend, Backends, Device, OffloadArgs};

@@ -489,20 +489,26 @@ fn recorded_routing_replays_in_the_cache_simulator() {
     assert_eq!(report["accesses"].as_u64().unwrap(), 8 * layers * 2);
 }
 
+/// `ferry info --json` of the fixture under a 1 GiB GPU budget, with `extra` arguments.
+fn info_under_a_budget(extra: &[&str]) -> Output {
+    let model = fixture(FIXTURE);
+    let mut args = vec![
+        "info",
+        "--model",
+        model.to_str().unwrap(),
+        "--json",
+        "--gpu-memory-budget",
+        "1GiB",
+    ];
+    args.extend(extra);
+    ferry(&args)
+}
+
 #[test]
 fn info_divides_a_gpu_memory_budget() {
     let model = fixture(FIXTURE);
     let plan_for = |extra: &[&str]| {
-        let mut args = vec![
-            "info",
-            "--model",
-            model.to_str().unwrap(),
-            "--json",
-            "--gpu-memory-budget",
-            "1GiB",
-        ];
-        args.extend(extra);
-        let out = ferry(&args);
+        let out = info_under_a_budget(extra);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
@@ -525,4 +531,35 @@ fn info_divides_a_gpu_memory_budget() {
         "lots",
     ]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("lots"));
+}
+
+#[test]
+fn one_offload_flag_says_where_experts_live() {
+    let plan = |extra: &[&str]| {
+        let out = info_under_a_budget(extra);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["memory_plan"].clone()
+    };
+    // `experts` offloads even a model that fits, its cache sized from the budget: here all 2 x 8 experts.
+    let sized = plan(&["--offload", "experts"]);
+    assert_eq!(
+        (sized["offload"].as_bool(), sized["slots"].as_u64()),
+        (Some(true), Some(16))
+    );
+    let exact = plan(&["--offload", "experts", "--moe-cache-slots", "8"]);
+    assert_eq!(
+        (exact["offload"].as_bool(), exact["slots"].as_u64()),
+        (Some(true), Some(8))
+    );
+    assert_eq!(plan(&["--offload", "none"])["offload"], false);
+    let contradiction = info_under_a_budget(&["--offload", "none", "--moe-cache-slots", "8"]);
+    assert!(!contradiction.status.success());
+    assert!(String::from_utf8_lossy(&contradiction.stderr).contains("--offload none contradicts --moe-cache-slots"));
+    // The flag `--offload experts` replaced is refused by name.
+    let retired = info_under_a_budget(&["--moe-cache-auto"]);
+    let stderr = String::from_utf8_lossy(&retired.stderr);
+    assert!(
+        !retired.status.success() && stderr.contains("unexpected argument '--moe-cache-auto'"),
+        "{stderr}"
+    );
 }

@@ -6,19 +6,28 @@
 
 use std::path::{Path, PathBuf};
 
-use ferry_core::backend::cuda::CudaBackend;
+use ferry_core::backend::cuda::workspace::MOE_GROUP_ROWS;
+use ferry_core::backend::cuda::{CudaBackend, OffloadConfig};
 use ferry_core::backend::{Backend, SeqSlice};
-use ferry_core::engine::{argmax, MAX_BATCH_TOKENS};
+use ferry_core::engine::argmax;
+use ferry_core::engine::plan::{plan_memory, BudgetRequest, OffloadMode, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, Model, ModelInfo};
-use ferry_core::moe::OffloadStats;
-use ferry_core::moe::{plan_memory, BudgetRequest, OffloadMode, MOE_GROUP_ROWS};
+use ferry_core::moe::{Lru, OffloadStats};
 
 fn fixtures() -> PathBuf {
     match std::env::var_os("FERRY_FIXTURES") {
         Some(dir) => dir.into(),
         None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"),
+    }
+}
+
+/// Offload with `slots` LRU cache slots, as the CLI builds it.
+fn lru(slots: usize) -> OffloadConfig {
+    OffloadConfig {
+        slots,
+        policy: Box::new(Lru::new()),
     }
 }
 
@@ -65,8 +74,7 @@ fn check_offload_is_exact(
     label: &str,
 ) -> OffloadStats {
     let resident = run(&CudaBackend::new(0).unwrap(), checkpoint, prompt, steps);
-    let mut backend = CudaBackend::new(0).unwrap();
-    backend.enable_offload(slots).unwrap();
+    let backend = CudaBackend::builder(0).unwrap().offload(lru(slots)).build().unwrap();
     let offloaded = run(&backend, checkpoint, prompt, steps);
     let stats = backend.offload_stats().unwrap();
     assert!(
@@ -159,9 +167,9 @@ fn what_ferry_allocates_stays_under_the_budget() {
         plan.step_tokens > MOE_GROUP_ROWS,
         "the step runs its experts in several groups"
     );
-    let mut backend = CudaBackend::new(0).unwrap();
-    let (free_before, _) = backend.memory_info().unwrap();
-    backend.enable_offload(plan.slots).unwrap();
+    let gpu = CudaBackend::builder(0).unwrap();
+    let (free_before, _) = gpu.memory_info().unwrap();
+    let backend = gpu.offload(lru(plan.slots)).build().unwrap();
     let model = Model::load(&backend, &checkpoint).unwrap();
     let mut kv = backend.new_kv(model.kv_spec(plan.kv_tokens)).unwrap();
     // The largest pass the plan allows: a full prefill chunk, then decode steps.

@@ -3,6 +3,7 @@
 //! on the GPU machine through scripts/device/gpu-tests.sh.
 
 use ferry_core::backend::cpu::CpuBackend;
+use ferry_core::backend::cuda::workspace::MOE_GROUP_ROWS;
 use ferry_core::backend::cuda::{CudaBackend, GEMV_MAX_ROWS};
 use ferry_core::backend::{
     AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
@@ -10,7 +11,6 @@ use ferry_core::backend::{
 };
 use ferry_core::kv::{KvCache, KvLayerSpec, KvSpec, RecurrentSpec};
 use ferry_core::loader::{DType, TensorRef};
-use ferry_core::moe::MOE_GROUP_ROWS;
 use ferry_core::Error;
 
 /// Relative error limit for ops computed in f32 on both sides (products with bf16 weights are exact in f32;

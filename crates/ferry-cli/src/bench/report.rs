@@ -2,8 +2,9 @@
 //! and the table it prints.
 
 use ferry_core::backend::profiled::OpTime;
+use ferry_core::engine::plan::MemoryPlan;
 use ferry_core::model::ModelInfo;
-use ferry_core::moe::{MemoryPlan, OffloadStats};
+use ferry_core::moe::OffloadStats;
 use serde::Serialize;
 
 /// The memory the all-resident bound is computed against.

@@ -4,6 +4,7 @@
 
 mod emit;
 mod executor;
+pub mod plan;
 mod request;
 mod sampler;
 mod scheduler;
@@ -12,12 +13,9 @@ mod stop;
 
 pub use emit::NoText;
 pub use executor::{Executor, ModelExecutor};
+pub use plan::MAX_BATCH_TOKENS;
 pub use request::{Event, EventSink, FinishReason, Request, RequestId, StopRules};
 pub use sampler::{apply_penalties, argmax, Sampler, SamplingParams};
 pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats, StepReport};
 pub use service::{EngineHandle, EngineStatus};
 pub use stop::{partial_match_len, StopStrings};
-
-/// The most tokens one forward pass carries: long prompts are prefilled in chunks of this many (which also bounds
-/// the activation workspace a budget must hold).
-pub const MAX_BATCH_TOKENS: usize = 2048;

@@ -17,8 +17,9 @@ pub trait EvictionPolicy: Send {
     fn on_access(&mut self, key: ExpertKey, now: u64);
     /// `key` left the cache.
     fn on_evict(&mut self, key: ExpertKey);
-    /// The resident key to evict next, never one in `pinned`; None if every resident key is pinned.
-    fn choose_victim(&mut self, pinned: &dyn Fn(ExpertKey) -> bool) -> Option<ExpertKey>;
+    /// The resident key to evict next, never one in `pinned`; None if every resident key is pinned. Changes
+    /// nothing: a plan chooses all its victims before any is evicted (pinning those chosen), and may be given up.
+    fn choose_victim(&self, pinned: &dyn Fn(ExpertKey) -> bool) -> Option<ExpertKey>;
 }
 
 /// Least recently used: evicts the resident key whose last use is oldest.
@@ -51,7 +52,7 @@ impl EvictionPolicy for Lru {
         }
     }
 
-    fn choose_victim(&mut self, pinned: &dyn Fn(ExpertKey) -> bool) -> Option<ExpertKey> {
+    fn choose_victim(&self, pinned: &dyn Fn(ExpertKey) -> bool) -> Option<ExpertKey> {
         self.by_last_use.values().copied().find(|&key| !pinned(key))
     }
 }
@@ -115,7 +116,7 @@ impl EvictionPolicy for Belady {
         }
     }
 
-    fn choose_victim(&mut self, pinned: &dyn Fn(ExpertKey) -> bool) -> Option<ExpertKey> {
+    fn choose_victim(&self, pinned: &dyn Fn(ExpertKey) -> bool) -> Option<ExpertKey> {
         self.by_next_use
             .iter()
             .rev()

@@ -3,6 +3,8 @@
 
 use serde::Serialize;
 
+use super::cache::LayerCounts;
+
 /// What an expert offload holds and has done so far.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct OffloadStats {
@@ -30,11 +32,10 @@ impl OffloadStats {
 
     /// Hits over accesses; 0 before any access.
     pub fn hit_rate(&self) -> f64 {
-        let all = self.hits() + self.misses();
-        if all == 0 {
-            0.0
-        } else {
-            self.hits() as f64 / all as f64
+        LayerCounts {
+            hits: self.hits(),
+            misses: self.misses(),
         }
+        .hit_rate()
     }
 }

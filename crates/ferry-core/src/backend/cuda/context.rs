@@ -9,7 +9,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
 
 use super::memory::keep_freed_memory_pooled;
-use super::{gdn, libs, linear, offload, CudaBackend};
+use super::{gdn, libs, linear, CudaBackend};
 use crate::{Error, Result};
 
 pub(super) fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -157,12 +157,6 @@ impl CudaBackend {
             attention_blocks_per_multiprocessor: Mutex::new(HashMap::new()),
             libraries,
         })
-    }
-
-    /// Keeps the routed experts of models loaded from now on in a host bank, with `slots` of them cached on the GPU.
-    pub fn enable_offload(&mut self, slots: usize) -> Result<()> {
-        self.offload = Some(Mutex::new(offload::Offload::new(self.ctx.clone(), slots)?));
-        Ok(())
     }
 
     /// The GPU's name, architecture and memory, as the log shows it.

@@ -24,6 +24,7 @@ mod linear;
 mod memory;
 mod moe;
 mod offload;
+pub mod workspace;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -46,6 +47,7 @@ pub use kv::{DeviceBatch, DeviceKv};
 use launch::{ptr, Ptr};
 pub use libs::CudaLibraries;
 use memory::bf16_bytes;
+pub use offload::{CudaBackendBuilder, OffloadConfig};
 
 /// A `[rows, cols]` f32 tensor in device memory.
 pub struct CudaTensor {
@@ -145,7 +147,7 @@ pub struct CudaBackend {
     blas: CudaBlas,
     /// Every kernel of context.rs's table, by name.
     functions: HashMap<&'static str, CudaFunction>,
-    /// Set by [`CudaBackend::enable_offload`] before a model is loaded.
+    /// Built with the backend ([`CudaBackend::builder`]) when the routed experts are offloaded.
     offload: Option<Mutex<offload::Offload>>,
     device: String,
     /// Streaming multiprocessors: decode attention splits its keys so as to fill them.

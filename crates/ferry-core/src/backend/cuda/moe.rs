@@ -10,9 +10,9 @@ use ferry_kernels::constants::{GEMV_MAX_ROWS, MOE_DOWN_ROWS, MOE_WARPS, ROUTER_M
 use super::elementwise::copy_rows;
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::memory::bf16_bytes;
+use super::workspace::MOE_GROUP_ROWS;
 use super::{cuda_err, Bf16Matrix, CudaBackend, CudaExperts, CudaRouting, CudaTensor, CudaWeight};
 use crate::backend::{ExpertActivation, ExpertTensors, Router, RouterKind};
-use crate::moe::MOE_GROUP_ROWS;
 use crate::{Error, Result};
 
 /// Rows of a batch up to which the MoE block runs its decode kernels (routing never leaves the device).

@@ -5,16 +5,66 @@
 //! before the same expert kernels as the all-resident path run: only where the weights live differs. A step that
 //! routes to nearly all of a layer's experts (prefill) also queues the next layer's experts behind its own, so the
 //! bank streams while the layers compute.
+//!
+//! The offload is part of the backend from its construction ([`CudaBackend::builder`]), with the eviction policy
+//! its caller chose.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use super::bank::HostBank;
-use super::{cuda_err, CudaRouting};
+use super::{cuda_err, CudaBackend, CudaRouting};
 use crate::backend::ExpertTensors;
-use crate::moe::{ExpertCache, Lru, OffloadStats};
+use crate::moe::{EvictionPolicy, ExpertCache, OffloadStats, Plan};
 use crate::{Error, Result};
+
+/// How experts are offloaded: the GPU cache's slots (each holds one expert of any MoE layer) and the policy that
+/// picks which expert leaves a slot.
+pub struct OffloadConfig {
+    pub slots: usize,
+    pub policy: Box<dyn EvictionPolicy>,
+}
+
+/// A GPU opened (context, kernels, cuBLAS) but not yet a backend: its memory can be measured to plan a budget, and
+/// expert offload chosen, before any model is loaded.
+pub struct CudaBackendBuilder {
+    backend: CudaBackend,
+    offload: Option<OffloadConfig>,
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`; [`CudaBackendBuilder::build`] makes it a backend, all resident unless offload was asked.
+    pub fn builder(ordinal: usize) -> Result<CudaBackendBuilder> {
+        Ok(CudaBackendBuilder {
+            backend: CudaBackend::new(ordinal)?,
+            offload: None,
+        })
+    }
+}
+
+impl CudaBackendBuilder {
+    /// Bytes free and total on the device (cuMemGetInfo).
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.backend.memory_info()
+    }
+
+    /// Keeps the routed experts of the models the backend loads in a host bank, cached on the GPU as `config` says.
+    pub fn offload(self, config: OffloadConfig) -> Self {
+        CudaBackendBuilder {
+            offload: Some(config),
+            ..self
+        }
+    }
+
+    pub fn build(self) -> Result<CudaBackend> {
+        let mut backend = self.backend;
+        if let Some(config) = self.offload {
+            backend.offload = Some(Mutex::new(Offload::new(backend.ctx.clone(), config)?));
+        }
+        Ok(backend)
+    }
+}
 
 /// Prefetch the next layer's experts when a step routes to at least this share (numerator, denominator) of a
 /// layer's experts: a batch that wide is a prefill chunk, and the next layer will want nearly all of its experts.
@@ -41,14 +91,16 @@ pub struct Offload {
 }
 
 impl Offload {
-    pub fn new(ctx: Arc<CudaContext>, slots: usize) -> Result<Self> {
+    fn new(ctx: Arc<CudaContext>, config: OffloadConfig) -> Result<Self> {
+        let slots = u32::try_from(config.slots)
+            .map_err(|_| Error::Cuda(format!("{} expert cache slots are too many", config.slots)))?;
         Ok(Offload {
             copy_stream: ctx.new_stream().map_err(cuda_err("creating the copy stream"))?,
             ctx,
-            slots,
+            slots: config.slots,
             bank: None,
             slab: None,
-            cache: ExpertCache::new(slots as u32, Box::new(Lru::new())),
+            cache: ExpertCache::new(slots, config.policy),
             layers: Vec::new(),
             routed_host: None,
             copies: 0,
@@ -105,20 +157,33 @@ impl Offload {
         slab_base + slot as u64 * block_bytes as u64
     }
 
-    /// Queues on `stream` the copies of a plan's `fetch` (expert, slot) pairs from the layer's bank `blocks` into
-    /// the slab at `slab_base`; returns how many.
-    fn queue_copies(
+    /// Queues on `stream` the copies of `plan`'s fetches from the layer's bank `blocks` into the slab at
+    /// `slab_base`, then commits the plan to `cache`; returns how many copies. If a copy fails to queue, the plan is
+    /// given up instead, so that the cache never believes an expert resident whose copy was not queued.
+    fn apply(
+        cache: &mut ExpertCache,
         bank: &mut HostBank,
         blocks: &[usize],
-        fetch: &[(u32, u32)],
+        plan: &Plan,
         slab_base: u64,
         stream: &Arc<CudaStream>,
     ) -> Result<u64> {
-        for &(expert, slot) in fetch {
+        for (queued, &(expert, slot)) in plan.fetch.iter().enumerate() {
             let dst = Self::slot_address(slab_base, bank.block_bytes(), slot);
-            bank.copy_to_device(blocks[expert as usize], dst, stream)?;
+            let copied = match blocks.get(expert as usize) {
+                Some(&block) => bank.copy_to_device(block, dst, stream),
+                None => Err(Error::Cuda(format!(
+                    "routed to expert {expert} of a layer of {} experts",
+                    blocks.len()
+                ))),
+            };
+            if let Err(error) = copied {
+                cache.abort(plan, queued)?;
+                return Err(error);
+            }
         }
-        Ok(fetch.len() as u64)
+        cache.commit(plan)?;
+        Ok(plan.fetch.len() as u64)
     }
 
     /// Makes the routed experts of `layer` resident for this step: returns the layer's slot addresses by expert
@@ -162,7 +227,14 @@ impl Offload {
             .get_mut(layer)
             .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
         let layer_experts = layer_state.bank_blocks.len();
-        self.copies += Self::queue_copies(bank, &layer_state.bank_blocks, &plan.fetch, base, &self.copy_stream)?;
+        self.copies += Self::apply(
+            &mut self.cache,
+            bank,
+            &layer_state.bank_blocks,
+            &plan,
+            base,
+            &self.copy_stream,
+        )?;
         let mirror = layer_state.table_host.as_mut_slice().map_err(cuda_err("slot table"))?;
         mirror.fill(0);
         for &(expert, slot) in plan.resident.iter().chain(&plan.fetch) {
@@ -188,7 +260,14 @@ impl Offload {
             {
                 let all: Vec<u32> = (0..next_experts as u32).collect();
                 let prefetch = self.cache.plan_prefetch(layer as u32 + 1, &all)?;
-                let copied = Self::queue_copies(bank, &next.bank_blocks, &prefetch.fetch, base, &self.copy_stream)?;
+                let copied = Self::apply(
+                    &mut self.cache,
+                    bank,
+                    &next.bank_blocks,
+                    &prefetch,
+                    base,
+                    &self.copy_stream,
+                )?;
                 self.copies += copied;
                 self.prefetched += copied;
             }

@@ -1,20 +1,22 @@
 //! Dividing a GPU memory budget (`--gpu-memory-budget`): dense weights and workspace first, then a KV floor
-//! (`--kv-reserve-tokens`), then expert cache slots (`--moe-cache-auto`, or exactly `--moe-cache-slots`), and the
-//! rest to the KV cache. When the whole model fits, nothing is offloaded (`--offload auto`).
+//! (`--kv-reserve-tokens`), then expert cache slots (as many as fit, or exactly `--moe-cache-slots`), and the rest
+//! to the KV cache. When the whole model fits, nothing is offloaded (`--offload auto`). The model says how large
+//! its parts are; the CUDA backend says what it allocates for them ([`crate::backend::cuda::workspace`]). Also the
+//! home of the step sizes a forward pass is planned for. Pure arithmetic: nothing here touches a device.
 
-use crate::engine::MAX_BATCH_TOKENS;
-use crate::model::{ModelInfo, ModelSpec};
+use crate::backend::cuda::workspace::{self, ActivationShapes, KV_VALUE_BYTES};
+use crate::model::{FfnKind, ModelInfo, ModelSpec};
 use crate::{Error, Result};
+
+/// The most tokens one forward pass carries: long prompts are prefilled in chunks of this many (which also bounds
+/// the activation workspace a budget must hold).
+pub const MAX_BATCH_TOKENS: usize = 2048;
 
 /// Tokens of one forward pass under expert offload, unless asked otherwise. Each prefill step streams nearly the
 /// whole expert bank once (its chunk routes to nearly every expert), so a step is worth making as long as the
 /// layers' compute of it takes about as long as that stream, behind which the copies hide: on the H200 a q36 step
 /// of 2,048 tokens computes in about 0.65 s and the 64 GB bank streams in 1.2 s (docs/perf.md).
 pub const OFFLOAD_STEP_TOKENS: usize = 4096;
-
-/// Rows the grouped (prefill) expert path takes at once: a longer step runs its experts in groups of this many
-/// rows, so the expert part of the workspace stops growing with the step.
-pub const MOE_GROUP_ROWS: usize = 2048;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OffloadMode {
@@ -30,7 +32,7 @@ pub enum OffloadMode {
 pub struct BudgetRequest {
     pub budget_bytes: u64,
     pub mode: OffloadMode,
-    /// Exactly this many cache slots; None sizes the cache automatically.
+    /// Exactly this many cache slots (which, under [`OffloadMode::Auto`], offloads); None sizes the cache to fit.
     pub slots: Option<usize>,
     pub kv_reserve_tokens: usize,
     /// The most tokens one forward pass carries (the prefill chunk), which sizes the activation workspace; None:
@@ -54,41 +56,46 @@ pub struct MemoryPlan {
     pub step_tokens: usize,
 }
 
-/// KV bytes per token on the GPU (keys and values kept in f32).
+/// KV bytes per token on the GPU, in the element type the device cache stores.
 pub fn gpu_kv_bytes_per_token(info: &ModelInfo) -> u64 {
-    info.kv_bytes_per_token_bf16 * 2
+    // ModelInfo counts bf16 bytes: two a value.
+    info.kv_bytes_per_token_bf16 / 2 * KV_VALUE_BYTES
 }
 
-/// Activations of one forward pass of `rows` tokens, with room for the memory pool's rounding, plus cuBLAS's
-/// workspace: an upper estimate, so that what ferry allocates stays under the budget.
-pub fn workspace_bytes(spec: &ModelSpec, rows: usize) -> u64 {
-    let q_width = spec.num_heads * spec.head_dim;
-    let kv_width = spec.num_kv_heads * spec.head_dim;
-    let dense_inter = spec.layers.iter().filter_map(|l| match &l.ffn {
-        crate::model::FfnKind::Dense { intermediate } => Some(*intermediate),
-        crate::model::FfnKind::Moe => None,
-    });
-    let (top_k, inter, shared) = spec.moe.as_ref().map_or((0, 0, 0), |m| {
+/// The activation widths of `spec` that the backend's workspace formula reads.
+fn activation_shapes(spec: &ModelSpec) -> ActivationShapes {
+    let widest_dense = spec
+        .layers
+        .iter()
+        .filter_map(|layer| match &layer.ffn {
+            FfnKind::Dense { intermediate } => Some(*intermediate),
+            FfnKind::Moe => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let (top_k, expert_intermediate, shared) = spec.moe.as_ref().map_or((0, 0, 0), |m| {
         (m.top_k, m.intermediate, m.shared_expert_intermediate.unwrap_or(0))
     });
-    let gdn = spec
+    let (gdn_conv, gdn_value) = spec
         .gated_delta_net
         .as_ref()
-        .map_or(0, |g| 2 * g.conv_dim() + 3 * g.value_dim());
-    let widest_mlp = dense_inter.max().unwrap_or(0).max(shared);
-    let per_row = 6 * spec.hidden_size
-        + 3 * q_width
-        + 4 * kv_width
-        + 3 * widest_mlp
-        + gdn
-        // split-bf16 halves of the widest GEMM input
-        + q_width.max(spec.hidden_size);
-    // The grouped MoE path, per (row, expert) pair of a group of at most MOE_GROUP_ROWS rows (cuda/mod.rs).
-    let grouped_experts = rows.min(MOE_GROUP_ROWS) * top_k * 2 * (spec.hidden_size + inter);
-    let activations = ((rows * per_row + grouped_experts) * 4) as u64;
-    let logits = (8 * spec.vocab_size * 4) as u64;
-    const CUBLAS_AND_POOL: u64 = 256 << 20;
-    2 * activations + logits + CUBLAS_AND_POOL
+        .map_or((0, 0), |g| (g.conv_dim(), g.value_dim()));
+    ActivationShapes {
+        hidden: spec.hidden_size,
+        q_width: spec.num_heads * spec.head_dim,
+        kv_width: spec.num_kv_heads * spec.head_dim,
+        widest_mlp: widest_dense.max(shared),
+        gdn_conv,
+        gdn_value,
+        top_k,
+        expert_intermediate,
+        vocab: spec.vocab_size,
+    }
+}
+
+/// The GPU workspace of one forward pass of `rows` tokens of `spec`.
+fn workspace_bytes(spec: &ModelSpec, rows: usize) -> u64 {
+    workspace::workspace_bytes(&activation_shapes(spec), rows)
 }
 
 pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) -> Result<MemoryPlan> {
@@ -213,12 +220,19 @@ pub fn parse_size(text: &str) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cuda::workspace::MOE_GROUP_ROWS;
     use crate::model::spec_for;
 
-    fn q30() -> (ModelInfo, ModelSpec) {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/q30.json")).unwrap();
-        let spec = spec_for("qwen3_moe", &serde_json::from_str(&text).unwrap()).unwrap();
+    /// The model of a config.json, by its path from the repository root.
+    fn model(config: &str) -> (ModelInfo, ModelSpec) {
+        let text = std::fs::read_to_string(format!("{}/../../{config}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+        let config: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let spec = spec_for(config["model_type"].as_str().unwrap(), &config).unwrap();
         (ModelInfo::new(&spec, crate::loader::DType::BF16), spec)
+    }
+
+    fn q30() -> (ModelInfo, ModelSpec) {
+        model("bench/q30.json")
     }
 
     fn request(budget: &str, mode: OffloadMode, slots: Option<usize>) -> BudgetRequest {
@@ -327,5 +341,108 @@ mod tests {
         };
         let err = plan_memory(&info, &spec, &short_of_a_layer).unwrap_err();
         assert!(err.to_string().contains("slots"), "{err}");
+    }
+
+    #[test]
+    fn plans_match_those_of_the_planner_before_it_left_moe() {
+        // (config, budget, mode, slots, KV floor, step) -> (offload, slots, KV tokens, workspace bytes, step
+        // tokens), as moe::budget computed them: moving the planner and the workspace formula changed no plan.
+        type Case = (
+            &'static str,
+            &'static str,
+            OffloadMode,
+            Option<usize>,
+            usize,
+            Option<usize>,
+        );
+        type Pinned = (bool, usize, usize, u64, usize);
+        let cases: [(Case, Pinned); 9] = [
+            (
+                ("bench/q30.json", "22.3GiB", OffloadMode::Auto, None, 8192, None),
+                (true, 1826, 8198, 2018127872, 4096),
+            ),
+            (
+                (
+                    "bench/q30.json",
+                    "22.3GiB",
+                    OffloadMode::Experts,
+                    Some(1536),
+                    16384,
+                    None,
+                ),
+                (true, 1536, 22118, 2018127872, 4096),
+            ),
+            (
+                ("bench/q30.json", "80GiB", OffloadMode::Auto, None, 8192, None),
+                (false, 0, 118613, 1514811392, 2048),
+            ),
+            (
+                ("bench/q30.json", "22.3GiB", OffloadMode::Auto, None, 8192, Some(1024)),
+                (true, 1945, 8203, 894054400, 1024),
+            ),
+            (
+                ("bench/q36.json", "15.8GiB", OffloadMode::Auto, None, 33000, None),
+                (true, 1235, 33068, 2943959040, 4096),
+            ),
+            (
+                ("bench/q36.json", "80GiB", OffloadMode::Auto, None, 8192, None),
+                (false, 0, 357236, 1945714688, 2048),
+            ),
+            (
+                (
+                    "tests/fixtures/qwen2_moe/config.json",
+                    "1GiB",
+                    OffloadMode::Experts,
+                    None,
+                    8192,
+                    None,
+                ),
+                (true, 16, 1498266, 306200576, 4096),
+            ),
+            (
+                (
+                    "tests/fixtures/mixtral/config.json",
+                    "1GiB",
+                    OffloadMode::Auto,
+                    Some(8),
+                    8192,
+                    None,
+                ),
+                (true, 8, 1506556, 302006272, 4096),
+            ),
+            (
+                (
+                    "tests/fixtures/qwen3_next/config.json",
+                    "1GiB",
+                    OffloadMode::Experts,
+                    None,
+                    8192,
+                    None,
+                ),
+                (true, 24, 2925997, 324026368, 4096),
+            ),
+        ];
+        for ((config, budget, mode, slots, kv_reserve_tokens, max_batch_tokens), expected) in cases {
+            let (info, spec) = model(config);
+            let request = BudgetRequest {
+                budget_bytes: parse_size(budget).unwrap(),
+                mode,
+                slots,
+                kv_reserve_tokens,
+                max_batch_tokens,
+            };
+            let plan = plan_memory(&info, &spec, &request).unwrap();
+            let got = (
+                plan.offload,
+                plan.slots,
+                plan.kv_tokens,
+                plan.workspace_bytes,
+                plan.step_tokens,
+            );
+            assert_eq!(got, expected, "{config}, {budget}, {mode:?}");
+        }
+        let (_, q36) = model("bench/q36.json");
+        assert_eq!(workspace_bytes(&q36, 1), 277196800);
+        assert_eq!(workspace_bytes(&q36, 2049), 1946202112);
     }
 }
