@@ -229,6 +229,13 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         (json!({"messages": user, "n": 2}), "n"),
         (json!({"messages": user, "presence_penalty": 9}), "presence_penalty"),
         (json!({"messages": user, "stop": 7}), "stop"),
+        (json!({"messages": user, "stop": vec!["x"; 17]}), "stop"),
+        (json!({"messages": user, "stop": ["y".repeat(257)]}), "stop"),
+        (json!({"messages": [{"role": "", "content": "x"}]}), "messages[0].role"),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}),
+            "messages[1].role",
+        ),
     ] {
         let (status, error) = server.post("/v1/chat/completions", &body);
         assert_eq!(status, 400, "{body} -> {error}");
@@ -264,7 +271,7 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         200
     );
     assert!(!server.log().contains("panicked"));
-    assert_eq!(server.metric("ferry_requests_total{outcome=\"invalid\"}"), 14.0);
+    assert_eq!(server.metric("ferry_requests_total{outcome=\"invalid\"}"), 18.0);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Request bodies of the OpenAI API, read field by field from JSON so that every mistake is a 400 that names the
 //! field (`param`) and says what was expected. Unknown fields are ignored, as OpenAI's clients send many.
 
+use ferry_core::engine::validate_stop_strings;
 use ferry_core::loader::ChatMessage;
 use serde_json::{Map, Value};
 
@@ -170,6 +171,7 @@ impl GenerationParams {
                 .collect::<Result<_, _>>()?,
             Some(other) => return Err(wrong_type("stop", "a string or an array of strings", other)),
         };
+        validate_stop_strings(&stop).map_err(|message| ApiError::invalid_param("stop", message))?;
         let include_usage = match field(obj, "stream_options") {
             None => false,
             Some(Value::Object(options)) => boolean(options, "include_usage").map_err(|_| {
@@ -216,6 +218,25 @@ fn message_content(index: usize, content: Option<&Value>) -> Result<String, ApiE
     }
 }
 
+/// The roles the chat templates render; a template skips a message of any other role, which would shorten the
+/// prompt without a word.
+const CHAT_ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
+/// Longest part of an unknown role quoted back, so that the error does not echo unbounded input.
+const QUOTED_ROLE_CHARS: usize = 64;
+
+fn unknown_role(index: usize, role: &str) -> ApiError {
+    let quoted: String = role.chars().take(QUOTED_ROLE_CHARS).collect();
+    let cut = if quoted.len() < role.len() { "…" } else { "" };
+    ApiError::invalid_param(
+        &format!("messages[{index}].role"),
+        format!(
+            "`messages[{index}].role` is \"{quoted}\"{cut}; the supported roles are {}",
+            CHAT_ROLES.join(", ")
+        ),
+    )
+}
+
 impl ChatBody {
     pub fn parse(obj: &Map<String, Value>) -> Result<Self, ApiError> {
         let messages = match obj.get("messages") {
@@ -234,7 +255,8 @@ impl ChatBody {
                     .as_object()
                     .ok_or_else(|| wrong_type(&format!("messages[{i}]"), "an object", m))?;
                 let role = match m.get("role") {
-                    Some(Value::String(role)) => role.clone(),
+                    Some(Value::String(role)) if CHAT_ROLES.contains(&role.as_str()) => role.clone(),
+                    Some(Value::String(role)) => return Err(unknown_role(i, role)),
                     Some(other) => return Err(wrong_type(&format!("messages[{i}].role"), "a string", other)),
                     None => {
                         return Err(ApiError::invalid_param(
@@ -380,6 +402,46 @@ mod tests {
             body[name] = value.clone();
             assert_eq!(param_of(body), Some(name.to_string()), "{name} = {value}");
         }
+    }
+
+    #[test]
+    fn stop_strings_are_bounded_in_count_and_length() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let most = vec!["s".repeat(256); 16];
+        assert_eq!(
+            chat(json!({"messages": user, "stop": most})).unwrap().params.stop.len(),
+            16
+        );
+        for stop in [json!(vec!["s"; 17]), json!(["s".repeat(257)]), json!("s".repeat(257))] {
+            let error = chat(json!({"messages": user, "stop": stop})).unwrap_err();
+            assert_eq!(error.param, Some("stop".into()));
+            assert!(
+                error.message.contains("16") || error.message.contains("256"),
+                "{}",
+                error.message
+            );
+        }
+    }
+
+    #[test]
+    fn a_role_no_template_renders_is_refused_with_its_index() {
+        let roles = ["system", "user", "assistant", "tool"];
+        let known: Vec<Value> = roles.iter().map(|r| json!({"role": r, "content": "x"})).collect();
+        assert_eq!(chat(json!({"messages": known})).unwrap().messages.len(), 4);
+        for (role, index) in [("", 0), ("wizard", 1), ("User", 1)] {
+            let mut messages = vec![json!({"role": "user", "content": "x"})];
+            messages.insert(index, json!({"role": role, "content": "y"}));
+            let error = chat(json!({"messages": messages})).unwrap_err();
+            assert_eq!(error.param, Some(format!("messages[{index}].role")));
+            assert!(error.message.contains(&format!("\"{role}\"")), "{}", error.message);
+        }
+        let long = "r".repeat(10_000);
+        let error = chat(json!({"messages": [{"role": long, "content": "x"}]})).unwrap_err();
+        assert!(
+            error.message.len() < 300,
+            "the role is not echoed whole: {}",
+            error.message.len()
+        );
     }
 
     #[test]

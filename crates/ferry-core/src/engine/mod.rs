@@ -18,4 +18,4 @@ pub use request::{Event, EventSink, FinishReason, Request, RequestId, StopRules}
 pub use sampler::{apply_penalties, argmax, Sampler, SamplingParams};
 pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats, StepReport};
 pub use service::{EngineHandle, EngineStatus};
-pub use stop::{partial_match_len, StopStrings};
+pub use stop::{partial_match_len, validate_stop_strings, StopStrings};

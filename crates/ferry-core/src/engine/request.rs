@@ -3,6 +3,7 @@
 //! scheduled (scheduler.rs) or what a step makes of a request's logits (emit.rs).
 
 use super::sampler::SamplingParams;
+use super::stop::validate_stop_strings;
 use crate::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -48,6 +49,7 @@ impl Request {
         if self.prompt_ids.is_empty() {
             return Err(Error::Request("the prompt is empty".into()));
         }
+        validate_stop_strings(&self.stop_strings).map_err(Error::Request)?;
         if self.max_tokens == 0 {
             return Err(Error::Request("max_tokens must be at least 1".into()));
         }
@@ -142,5 +144,8 @@ mod tests {
         let mut hot = request(&[1]);
         hot.sampling.temperature = -1.0;
         assert!(refusal(hot).contains("temperature"));
+        let mut stopped_everywhere = request(&[1]);
+        stopped_everywhere.stop_strings = (0..190_000).map(|i| i.to_string()).collect();
+        assert!(refusal(stopped_everywhere).contains("`stop`"));
     }
 }

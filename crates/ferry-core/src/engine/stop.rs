@@ -1,42 +1,152 @@
 //! Stop strings over streamed text: text is released only once it cannot be the start of a stop string, so a
-//! client never sees part of a stop string that later completes.
+//! client never sees part of a stop string that later completes. All of a request's stop strings are matched in one
+//! Aho-Corasick scan that resumes where the last piece ended, so each piece costs time in its own length, whatever
+//! the number of stop strings.
 
+/// At most this many stop strings per request: OpenAI allows 4; a few more serve clients that list every end marker
+/// of several chat formats, while a bound keeps one request's automaton small.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// At most this many bytes per stop string: end markers are short, and a bound keeps the automaton's size (and the
+/// text it can hold back) small.
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+
+/// Checks `stops` against the bounds above; the error names the request field `stop` and the bound.
+pub fn validate_stop_strings(stops: &[String]) -> Result<(), String> {
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(format!(
+            "`stop` holds {} strings; at most {MAX_STOP_STRINGS} are allowed",
+            stops.len()
+        ));
+    }
+    match stops.iter().map(String::len).max() {
+        Some(longest) if longest > MAX_STOP_STRING_BYTES => Err(format!(
+            "`stop` holds a string of {longest} bytes; each may be at most {MAX_STOP_STRING_BYTES} bytes"
+        )),
+        _ => Ok(()),
+    }
+}
+
+const ROOT: usize = 0;
+
+/// A node of the stop strings' trie: the bytes read on the way from the root spell a prefix of some stop string.
 #[derive(Clone, Debug, Default)]
+struct Node {
+    /// Outgoing edges by byte; at most one per stop string, so a short list.
+    children: Vec<(u8, usize)>,
+    /// The node of the longest proper suffix of this node's prefix that is itself a prefix of some stop string.
+    fail: usize,
+    /// Length of this node's prefix.
+    depth: usize,
+    /// Length of the longest stop string that ends this node's prefix, 0 if none.
+    longest_stop: usize,
+}
+
+#[derive(Clone, Debug)]
 pub struct StopStrings {
-    stops: Vec<String>,
+    nodes: Vec<Node>,
+    /// The node of the longest suffix of the text read so far that is a prefix of some stop string; its depth is how
+    /// much of `pending` is held back.
+    state: usize,
     /// Text not yet released because its end could begin a stop string.
     pending: String,
 }
 
+impl Default for StopStrings {
+    fn default() -> Self {
+        StopStrings::new(Vec::new())
+    }
+}
+
 impl StopStrings {
     pub fn new(stops: Vec<String>) -> Self {
+        let mut nodes = vec![Node::default()];
+        for stop in stops.iter().filter(|s| !s.is_empty()) {
+            let mut at = ROOT;
+            for &byte in stop.as_bytes() {
+                at = match nodes[at].children.iter().find(|&&(b, _)| b == byte) {
+                    Some(&(_, child)) => child,
+                    None => {
+                        let depth = nodes[at].depth + 1;
+                        nodes.push(Node {
+                            depth,
+                            ..Node::default()
+                        });
+                        let child = nodes.len() - 1;
+                        nodes[at].children.push((byte, child));
+                        child
+                    }
+                };
+            }
+            nodes[at].longest_stop = stop.len();
+        }
+        // Failure links breadth first, so that a node's failure (shallower) is complete before the node is.
+        let mut queue = std::collections::VecDeque::from([ROOT]);
+        while let Some(parent) = queue.pop_front() {
+            for i in 0..nodes[parent].children.len() {
+                let (byte, child) = nodes[parent].children[i];
+                let fail = if parent == ROOT {
+                    ROOT
+                } else {
+                    Self::step(&nodes, nodes[parent].fail, byte)
+                };
+                nodes[child].fail = fail;
+                if nodes[child].longest_stop == 0 {
+                    nodes[child].longest_stop = nodes[fail].longest_stop;
+                }
+                queue.push_back(child);
+            }
+        }
         StopStrings {
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            nodes,
+            state: ROOT,
             pending: String::new(),
         }
     }
 
+    /// The node reached from `at` by reading `byte`: the longest prefix of a stop string that the text so far ends
+    /// with.
+    fn step(nodes: &[Node], mut at: usize, byte: u8) -> usize {
+        loop {
+            if let Some(&(_, child)) = nodes[at].children.iter().find(|&&(b, _)| b == byte) {
+                return child;
+            }
+            if at == ROOT {
+                return ROOT;
+            }
+            at = nodes[at].fail;
+        }
+    }
+
     /// Adds a piece of text; returns the text safe to release and whether a stop string was reached (the stop
-    /// string and everything after it are dropped).
+    /// string and everything after it are dropped). Of several stop strings in the text, the one that starts first
+    /// wins.
     pub fn push(&mut self, piece: &str) -> (String, bool) {
+        let start = self.pending.len();
         self.pending.push_str(piece);
-        let first_stop = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min();
+        let mut first_stop: Option<usize> = None;
+        for (i, &byte) in piece.as_bytes().iter().enumerate() {
+            self.state = Self::step(&self.nodes, self.state, byte);
+            // The longest stop string ending here is the one ending here that starts first.
+            let len = self.nodes[self.state].longest_stop;
+            if len > 0 {
+                let at = start + i + 1 - len;
+                first_stop = Some(first_stop.map_or(at, |first| first.min(at)));
+            }
+        }
         if let Some(at) = first_stop {
             self.pending.truncate(at);
+            self.state = ROOT;
             return (std::mem::take(&mut self.pending), true);
         }
-        let held = self
-            .stops
-            .iter()
-            .map(|s| partial_match_len(&self.pending, s))
-            .max()
-            .unwrap_or(0);
-        let released = self.pending.len() - held;
+        // Stop strings and the text are UTF-8, so a suffix equal to a stop string's prefix starts and ends on
+        // character boundaries.
+        let released = self.pending.len() - self.nodes[self.state].depth;
         (self.pending.drain(..released).collect(), false)
     }
 
     /// The text held back, released when generation ends for another reason.
     pub fn flush(&mut self) -> String {
+        self.state = ROOT;
         std::mem::take(&mut self.pending)
     }
 }
@@ -81,6 +191,62 @@ mod tests {
         assert_eq!(run(&["END"], &["x E", "Nd", "!"]), ("x ENd!".into(), false));
         assert_eq!(run(&["END"], &["x E"]), ("x E".into(), false));
         assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+    }
+
+    /// What `push` returns, computed the plain way: each stop string searched for and its partial match measured.
+    fn push_by_each_stop(stops: &[&str], pending: &mut String, piece: &str) -> (String, bool) {
+        pending.push_str(piece);
+        let stops = stops.iter().filter(|s| !s.is_empty());
+        if let Some(at) = stops.clone().filter_map(|s| pending.find(s)).min() {
+            pending.truncate(at);
+            return (std::mem::take(pending), true);
+        }
+        let held = stops.map(|s| partial_match_len(pending, s)).max().unwrap_or(0);
+        let released = pending.len() - held;
+        (pending.drain(..released).collect(), false)
+    }
+
+    #[test]
+    fn the_scan_agrees_with_searching_for_each_stop() {
+        // Overlapping stops (one inside another, shared prefixes and suffixes) over every short text of their letters
+        // cut into pieces every way a deterministic generator picks.
+        let stops = ["aab", "ab", "abab", "ba", "bbb", "", "ca", "aé", "é"];
+        let letters = ["a", "b", "c", "é"];
+        let mut seed = 0x9e37_79b9_u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..4000 {
+            let count = 1 + next() as usize % 4;
+            let chosen: Vec<&str> = (0..count).map(|_| stops[next() as usize % stops.len()]).collect();
+            let mut scan = StopStrings::new(chosen.iter().map(|s| s.to_string()).collect());
+            let mut pending = String::new();
+            for _ in 0..6 {
+                let piece: String = (0..next() % 4)
+                    .map(|_| letters[next() as usize % letters.len()])
+                    .collect();
+                let expected = push_by_each_stop(&chosen, &mut pending, &piece);
+                assert_eq!(scan.push(&piece), expected, "{chosen:?} after {piece:?}");
+                if expected.1 {
+                    break;
+                }
+            }
+            assert_eq!(scan.flush(), pending, "{chosen:?}");
+        }
+    }
+
+    #[test]
+    fn too_many_or_too_long_stops_are_named() {
+        let within = vec!["s".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS];
+        assert_eq!(validate_stop_strings(&within), Ok(()));
+        assert_eq!(validate_stop_strings(&[]), Ok(()));
+        let many = validate_stop_strings(&vec!["s".into(); MAX_STOP_STRINGS + 1]).unwrap_err();
+        assert!(many.contains("`stop`") && many.contains("17 strings"), "{many}");
+        let long = validate_stop_strings(&["s".repeat(MAX_STOP_STRING_BYTES + 1)]).unwrap_err();
+        assert!(long.contains("`stop`") && long.contains("257 bytes"), "{long}");
     }
 
     #[test]
