@@ -11,6 +11,7 @@
 //! Not here: the model, the scheduler (ferry-core), argument parsing and model download (ferry-cli).
 
 mod error;
+mod guard;
 mod metrics;
 mod openai;
 mod params;
@@ -163,20 +164,6 @@ async fn prometheus(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if let Some(key) = &state.0.config.api_key {
-        let sent = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if sent != Some(key.as_str()) {
-            return ApiError::unauthorized().into_response();
-        }
-    }
-    next.run(request).await
-}
-
 async fn not_found(request: Request) -> ApiError {
     ApiError {
         status: StatusCode::NOT_FOUND,
@@ -194,8 +181,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(models))
         .route("/metrics", get(prometheus))
-        .fallback(not_found)
-        .layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+        .fallback(not_found);
+    let guarded = match &state.0.config.api_key {
+        Some(key) => guarded.layer(middleware::from_fn_with_state(key.clone(), guard::require_api_key)),
+        None => guarded,
+    };
     Router::new()
         .route("/health", get(health))
         .merge(guarded)
