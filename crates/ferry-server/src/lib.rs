@@ -4,9 +4,9 @@
 //! - `GET /v1/models`, `GET /health` (503 with load progress until the model is ready), `GET /metrics` (Prometheus).
 //!
 //! The server binds before the model loads so that /health can report progress; [`AppState::set_ready`] hands it
-//! the engine. Requests are validated here (400 with the field named), rendered through the chat template,
-//! tokenized, and submitted to the engine thread ([`ferry_core::engine::EngineHandle`]); a request whose client goes
-//! away is cancelled and its KV freed.
+//! the engine. Requests pass the API key and JSON-only checks (guard.rs), are validated here (400 with the field
+//! named), rendered through the chat template, tokenized, and submitted to the engine thread
+//! ([`ferry_core::engine::EngineHandle`]); a request whose client goes away is cancelled and its KV freed.
 //!
 //! Not here: the model, the scheduler (ferry-core), argument parsing and model download (ferry-cli).
 
@@ -174,14 +174,16 @@ async fn not_found(request: Request) -> ApiError {
     }
 }
 
-/// Every route; /health is the one that needs no API key.
+/// Every route; /health is the one outside the guards. The API key layer wraps the JSON one, so a request without
+/// the key gets a 401 whatever it sends.
 pub fn router(state: AppState) -> Router {
     let guarded = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(models))
         .route("/metrics", get(prometheus))
-        .fallback(not_found);
+        .fallback(not_found)
+        .layer(middleware::from_fn(guard::require_json));
     let guarded = match &state.0.config.api_key {
         Some(key) => guarded.layer(middleware::from_fn_with_state(key.clone(), guard::require_api_key)),
         None => guarded,
