@@ -99,16 +99,12 @@ mod tests {
             "application/x-www-form-urlencoded",
             "multipart/form-data; boundary=x",
             "",
-        ] {
-            assert!(!json(no), "{no}");
-        }
-        for near_miss in [
             "application/jsonp",
             "application/json-seq",
             "text/json",
             "text/plain; application/json",
         ] {
-            assert!(!json(near_miss), "{near_miss}");
+            assert!(!json(no), "{no}");
         }
         assert!(!is_json(None));
         assert!(!is_json(Some(
