@@ -21,7 +21,12 @@ struct Server {
 }
 
 impl Server {
+    /// `ferry serve` on the fixture with the API key `KEY` and these options.
     fn start(extra: &[&str]) -> Server {
+        Server::start_without_key(&[&["--api-key", KEY], extra].concat())
+    }
+
+    fn start_without_key(extra: &[&str]) -> Server {
         let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
         Server::start_serving(&[&["--model", fixture.to_str().unwrap()], extra].concat())
     }
@@ -31,7 +36,7 @@ impl Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
             .args(["serve", "--port", "0"])
             .args(model)
-            .args(["--served-model-name", "tiny", "--api-key", KEY])
+            .args(["--served-model-name", "tiny"])
             .env("NO_COLOR", "1")
             .stderr(Stdio::piped())
             .spawn()
@@ -68,12 +73,25 @@ impl Server {
     }
 
     fn send(&self, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> TcpStream {
+        self.send_typed(method, path, body, key, Some("application/json"))
+    }
+
+    /// A request with this `Content-Type` (none if `None`).
+    fn send_typed(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+        key: Option<&str>,
+        content_type: Option<&str>,
+    ) -> TcpStream {
         let mut stream = TcpStream::connect(&self.address).unwrap();
         let body = body.unwrap_or("");
         let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+        let content_type = content_type.map_or(String::new(), |t| format!("Content-Type: {t}\r\n"));
         write!(
             stream,
-            "{method} {path} HTTP/1.1\r\nHost: test\r\n{auth}Content-Type: application/json\r\n\
+            "{method} {path} HTTP/1.1\r\nHost: test\r\n{auth}{content_type}\
              Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )
@@ -83,8 +101,18 @@ impl Server {
 
     /// Status and (de-chunked) body.
     fn request(&self, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> (u16, String) {
+        Server::response(self.send(method, path, body, key))
+    }
+
+    /// A POST with this `Content-Type` (none if `None`): status and body.
+    fn post_typed(&self, path: &str, body: &Value, key: Option<&str>, content_type: Option<&str>) -> (u16, String) {
+        Server::response(self.send_typed("POST", path, Some(&body.to_string()), key, content_type))
+    }
+
+    /// Status and (de-chunked) body.
+    fn response(mut stream: TcpStream) -> (u16, String) {
         let mut raw = Vec::new();
-        self.send(method, path, body, key).read_to_end(&mut raw).unwrap();
+        stream.read_to_end(&mut raw).unwrap();
         let raw = String::from_utf8(raw).unwrap();
         let (head, body) = raw.split_once("\r\n\r\n").unwrap();
         let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -380,6 +408,8 @@ fn a_synthetic_model_serves_with_a_borrowed_tokenizer() {
         config.to_str().unwrap(),
         "--tokenizer",
         fixture.to_str().unwrap(),
+        "--api-key",
+        KEY,
     ]);
     let (status, body) = server.post(
         "/v1/chat/completions",
@@ -387,4 +417,63 @@ fn a_synthetic_model_serves_with_a_borrowed_tokenizer() {
     );
     assert_eq!(status, 200, "{body}");
     assert!(body["usage"]["completion_tokens"].as_u64().unwrap() >= 1, "{body}");
+}
+
+/// What a browser sends cross-site without a CORS preflight: a POST whose `Content-Type` is one of the "simple" ones
+/// (a form, text/plain), or none at all.
+const SIMPLE_CONTENT_TYPES: [Option<&str>; 5] = [
+    Some("text/plain"),
+    Some("text/plain;charset=UTF-8"),
+    Some("application/x-www-form-urlencoded"),
+    Some("multipart/form-data; boundary=x"),
+    None,
+];
+
+/// The 415 that a POST without `Content-Type: application/json` gets.
+fn assert_refused_as_not_json((status, body): (u16, String), content_type: Option<&str>) {
+    assert_eq!(status, 415, "{content_type:?}: {body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["type"], "invalid_request_error", "{body}");
+    assert_eq!(error["error"]["code"], "unsupported_media_type", "{body}");
+    assert!(
+        error["error"]["message"].as_str().unwrap().contains("application/json"),
+        "{body}"
+    );
+}
+
+#[test]
+fn without_a_key_a_web_page_cannot_drive_the_server() {
+    let server = Server::start_without_key(&[]);
+    let request = chat("hi", json!({"max_tokens": 2}));
+    for content_type in SIMPLE_CONTENT_TYPES
+        .into_iter()
+        .chain([Some("application/jsonp"), Some("text/json")])
+    {
+        for path in ["/v1/chat/completions", "/v1/completions", "/v1/nothing"] {
+            assert_refused_as_not_json(server.post_typed(path, &request, None, content_type), content_type);
+        }
+    }
+    // Nothing legitimate breaks: JSON with parameters or in capitals (media types are case-insensitive), and GETs.
+    for content_type in [
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON ;charset=UTF-8",
+    ] {
+        let (status, body) = server.post_typed("/v1/chat/completions", &request, None, Some(content_type));
+        assert_eq!(status, 200, "{content_type}: {body}");
+    }
+    assert_eq!(server.get("/v1/models", None).0, 200);
+}
+
+#[test]
+fn with_a_key_the_key_is_checked_first_and_bodies_are_json_only_too() {
+    let server = Server::start(&[]);
+    let request = chat("hi", json!({"max_tokens": 2}));
+    let (status, body) = server.post_typed("/v1/chat/completions", &request, Some("wrong"), Some("text/plain"));
+    assert_eq!(status, 401, "{body}");
+    for content_type in SIMPLE_CONTENT_TYPES {
+        let response = server.post_typed("/v1/chat/completions", &request, Some(KEY), content_type);
+        assert_refused_as_not_json(response, content_type);
+    }
+    assert_eq!(server.post("/v1/chat/completions", &request).0, 200);
 }

@@ -4,13 +4,14 @@
 //! - `GET /v1/models`, `GET /health` (503 with load progress until the model is ready), `GET /metrics` (Prometheus).
 //!
 //! The server binds before the model loads so that /health can report progress; [`AppState::set_ready`] hands it
-//! the engine. Requests are validated here (400 with the field named), rendered through the chat template,
-//! tokenized, and submitted to the engine thread ([`ferry_core::engine::EngineHandle`]); a request whose client goes
-//! away is cancelled and its KV freed.
+//! the engine. Requests pass the API key and JSON-only checks (guard.rs), are validated here (400 with the field
+//! named), rendered through the chat template, tokenized, and submitted to the engine thread
+//! ([`ferry_core::engine::EngineHandle`]); a request whose client goes away is cancelled and its KV freed.
 //!
 //! Not here: the model, the scheduler (ferry-core), argument parsing and model download (ferry-cli).
 
 mod error;
+mod guard;
 mod metrics;
 mod openai;
 mod params;
@@ -22,7 +23,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
-use axum::middleware::{self, Next};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -163,20 +164,6 @@ async fn prometheus(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if let Some(key) = &state.0.config.api_key {
-        let sent = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if sent != Some(key.as_str()) {
-            return ApiError::unauthorized().into_response();
-        }
-    }
-    next.run(request).await
-}
-
 async fn not_found(request: Request) -> ApiError {
     ApiError {
         status: StatusCode::NOT_FOUND,
@@ -187,7 +174,8 @@ async fn not_found(request: Request) -> ApiError {
     }
 }
 
-/// Every route; /health is the one that needs no API key.
+/// Every route; /health is the one outside the guards. The API key layer wraps the JSON one, so a request without
+/// the key gets a 401 whatever it sends.
 pub fn router(state: AppState) -> Router {
     let guarded = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
@@ -195,7 +183,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(models))
         .route("/metrics", get(prometheus))
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+        .layer(middleware::from_fn(guard::require_json));
+    let guarded = match &state.0.config.api_key {
+        Some(key) => guarded.layer(middleware::from_fn_with_state(key.clone(), guard::require_api_key)),
+        None => guarded,
+    };
     Router::new()
         .route("/health", get(health))
         .merge(guarded)
