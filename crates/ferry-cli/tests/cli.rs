@@ -308,6 +308,16 @@ fn truncated_shard() {
 }
 
 #[test]
+fn shard_index_pointing_outside_the_checkpoint() {
+    let dir = copy_fixture(FIXTURE);
+    let index_path = dir.path().join("model.safetensors.index.json");
+    let mut index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    index["weight_map"]["model.embed_tokens.weight"] = "../../etc/passwd".into();
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    expect_clean_failure(dir.path(), "outside the checkpoint directory");
+}
+
+#[test]
 fn tensor_of_the_wrong_shape() {
     let dir = copy_fixture(FIXTURE);
     let shard = first_shard(dir.path());

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
@@ -244,37 +244,80 @@ pub struct WeightStore {
     synthetic_seed: Option<u64>,
 }
 
+const SHARD_INDEX: &str = "model.safetensors.index.json";
+const SINGLE_WEIGHTS: &str = "model.safetensors";
+
 #[derive(Deserialize)]
 struct ShardIndex {
     weight_map: BTreeMap<String, String>,
 }
 
 impl WeightStore {
-    /// Maps `model.safetensors`, or every shard listed in `model.safetensors.index.json`.
+    /// Maps `model.safetensors`, or every shard listed in `model.safetensors.index.json`. A hostile directory is
+    /// refused, never followed: an index naming a shard outside the directory, a shard that is not a regular file,
+    /// a tensor stored in two shards or not in the shard the index names.
     pub fn open(dir: &Path) -> Result<Self> {
-        let index_path = dir.join("model.safetensors.index.json");
-        let shard_names: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+        let index_path = dir.join(SHARD_INDEX);
+        let index = if index_path.exists() {
+            let text = std::fs::read_to_string(regular_file(&index_path)?).map_err(|e| Error::io(&index_path, e))?;
             let index: ShardIndex = serde_json::from_str(&text)
                 .map_err(|e| Error::file(&index_path, format!("invalid shard index: {e}")))?;
-            let mut names: Vec<String> = index.weight_map.into_values().collect();
-            names.sort();
-            names.dedup();
-            names
-        } else if dir.join("model.safetensors").exists() {
-            vec!["model.safetensors".to_string()]
+            Some(index.weight_map)
+        } else if dir.join(SINGLE_WEIGHTS).exists() {
+            None
         } else {
             return Err(Error::file(
                 dir,
-                "no model.safetensors or model.safetensors.index.json in the checkpoint directory",
+                format!("no {SINGLE_WEIGHTS} or {SHARD_INDEX} in the checkpoint directory"),
             ));
         };
+        // Each shard with the first index entry that names it, which the errors about the shard quote.
+        let mut shards: BTreeMap<&str, Option<&str>> = BTreeMap::new();
+        match &index {
+            Some(weight_map) => {
+                for (tensor, shard) in weight_map {
+                    shards.entry(shard).or_insert(Some(tensor));
+                }
+            }
+            None => {
+                shards.insert(SINGLE_WEIGHTS, None);
+            }
+        }
 
+        let inside = Confinement::of(dir)?;
         let mut tensors = HashMap::new();
-        for name in &shard_names {
-            let path = dir.join(name);
-            for t in map_shard(&path)? {
+        let mut stored_in: HashMap<String, &str> = HashMap::new();
+        for (&shard, &entry) in &shards {
+            if let Some(tensor) = entry {
+                inside
+                    .check(shard)
+                    .map_err(|why| Error::file(&index_path, format!("entry {tensor:?} -> {shard:?}: {why}")))?;
+            }
+            for t in map_shard(&dir.join(shard))? {
+                if let Some(first) = stored_in.insert(t.name.clone(), shard) {
+                    return Err(Error::tensor(
+                        &t.name,
+                        format!("stored twice, in {first} and in {shard}"),
+                    ));
+                }
                 tensors.insert(t.name.clone(), t);
+            }
+        }
+        for (tensor, listed_in) in index.iter().flatten() {
+            match stored_in.get(tensor.as_str()) {
+                Some(&shard) if shard == listed_in => {}
+                Some(&shard) => {
+                    return Err(Error::tensor(
+                        tensor,
+                        format!("{SHARD_INDEX} puts it in {listed_in}, but it is stored in {shard}"),
+                    ))
+                }
+                None => {
+                    return Err(Error::tensor(
+                        tensor,
+                        format!("{SHARD_INDEX} puts it in {listed_in}, which does not hold it"),
+                    ))
+                }
             }
         }
         let text_prefix = if tensors.keys().any(|k| k.starts_with("model.language_model.")) {
@@ -381,8 +424,62 @@ fn synthetic_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<TensorRef>
     TensorRef::from_bytes(name, DType::BF16, shape.to_vec(), bytes)
 }
 
-fn map_shard(path: &PathBuf) -> Result<Vec<TensorRef>> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+/// Where an index may send the loader: inside the checkpoint directory, or, for a snapshot in a Hugging Face cache
+/// (`models--OWNER--NAME/snapshots/REVISION`), also into that repository's `blobs/`, where the hub keeps the files
+/// a snapshot's symlinks point at. Paths are compared canonical, so `..` and symlinks cannot leave unseen.
+struct Confinement {
+    dir: PathBuf,
+    roots: Vec<PathBuf>,
+}
+
+impl Confinement {
+    fn of(dir: &Path) -> Result<Self> {
+        let canonical = dir.canonicalize().map_err(|e| Error::io(dir, e))?;
+        let hub_blobs = canonical
+            .parent()
+            .filter(|snapshots| snapshots.file_name().is_some_and(|n| n == "snapshots"))
+            .and_then(Path::parent)
+            .and_then(|repo| repo.join("blobs").canonicalize().ok());
+        Ok(Confinement {
+            dir: dir.to_path_buf(),
+            roots: std::iter::once(canonical).chain(hub_blobs).collect(),
+        })
+    }
+
+    /// Why the file an index calls `name` lies outside, if it does: an absolute name or one with `..` is refused
+    /// before anything outside is looked at. A name that does not exist is let through for the open to report.
+    fn check(&self, name: &str) -> std::result::Result<(), String> {
+        if !Path::new(name)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+        {
+            return Err("an absolute path or one with `..`, outside the checkpoint directory".to_string());
+        }
+        match self.dir.join(name).canonicalize() {
+            Ok(resolved) if !self.roots.iter().any(|root| resolved.starts_with(root)) => Err(format!(
+                "resolves to {}, outside the checkpoint directory",
+                resolved.display()
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `path`, if it is a regular file (or a symlink to one): a FIFO would block the open forever, a device would map
+/// whatever it holds, and a directory would fail with a message that does not say why.
+fn regular_file(path: &Path) -> Result<&Path> {
+    let kind = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.file_type();
+    if kind.is_file() {
+        Ok(path)
+    } else if kind.is_dir() {
+        Err(Error::file(path, "is a directory, not a file"))
+    } else {
+        Err(Error::file(path, "not a regular file (a FIFO, socket or device?)"))
+    }
+}
+
+fn map_shard(path: &Path) -> Result<Vec<TensorRef>> {
+    let file = File::open(regular_file(path)?).map_err(|e| Error::io(path, e))?;
     // SAFETY: the checkpoint is read-only for the life of the process; ferry never writes to it. A file truncated
     // under us is the one hazard, which is the same for every mmap-based loader.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
