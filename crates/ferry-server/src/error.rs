@@ -154,14 +154,15 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Rewrites an error response that is not an [`ApiError`] (axum's plain-text or empty ones) as one, keeping its
-/// status and headers such as `Allow`.
+/// Rewrites an error response that is not JSON (axum's plain-text or empty ones) as an [`ApiError`], keeping its
+/// status and headers such as `Allow`. JSON ones (an `ApiError`, /health's 503 while loading) pass as they are.
 pub(crate) async fn json_errors(request: Request, next: Next) -> Response {
     let method = request.method().clone();
     let path = request.uri().path().to_string();
     let response = next.run(request).await;
     let status = response.status();
-    if !(status.is_client_error() || status.is_server_error()) || response.extensions().get::<ApiError>().is_some() {
+    let json = response.headers().get(header::CONTENT_TYPE) == Some(&HeaderValue::from_static("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || json {
         return response;
     }
     let (mut parts, body) = response.into_parts();
