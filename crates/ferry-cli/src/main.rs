@@ -9,6 +9,7 @@ mod hub;
 mod info;
 mod serve;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -44,6 +45,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, never into a log file or a pipe.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     let result = match cli.command {

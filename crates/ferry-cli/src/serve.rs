@@ -1,10 +1,12 @@
 //! `ferry serve`: the OpenAI-compatible server. It binds first, so /health answers (503, with progress) while the
-//! checkpoint is fetched and loaded; then the engine thread starts and /health turns 200.
+//! checkpoint is fetched and loaded; then the engine thread starts and /health turns 200. On SIGINT or SIGTERM it
+//! stops accepting, closes every connection not serving a request at once, and lets the responses under way
+//! (streams included) finish.
 
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use ferry_core::backend::Backend;
@@ -13,7 +15,7 @@ use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
-use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig};
+use ferry_server::{AppState, ConnectionLimits, LoadedModel, SamplingDefaults, ServerConfig};
 
 use crate::device::{open_backend, Backends, Device, OffloadArgs};
 use crate::hub::{self, HubAccess};
@@ -59,6 +61,38 @@ pub struct ServeArgs {
     device: Device,
     #[command(flatten)]
     offload: OffloadArgs,
+    #[command(flatten)]
+    limits: ConnectionArgs,
+}
+
+/// How long clients may take, and how many connections may be open.
+#[derive(clap::Args)]
+struct ConnectionArgs {
+    /// Connections open at once (keep it below the open-file limit, `ulimit -n`). At the cap, the connection idle
+    /// the longest is closed to make room; when all are serving requests, new ones wait.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
+    /// Seconds a client has to send a request's whole head, from its first byte.
+    #[arg(long, default_value = "10", value_parser = seconds)]
+    header_read_timeout: Duration,
+    /// Seconds a request's body may take to arrive, from the end of its head; a 408 after.
+    #[arg(long, default_value = "60", value_parser = seconds)]
+    body_read_timeout: Duration,
+    /// Seconds a connection with no request under way stays open.
+    #[arg(long, default_value = "30", value_parser = seconds)]
+    keep_alive_timeout: Duration,
+    /// Seconds the engine may go without finishing a step while it has requests before /health reports it
+    /// unhealthy (one step of a large prefill on a CPU can take long).
+    #[arg(long, default_value = "120", value_parser = seconds)]
+    engine_stall_timeout: Duration,
+}
+
+/// A positive number of seconds.
+fn seconds(text: &str) -> Result<Duration, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s > 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
+        _ => Err(format!("`{text}` is not a positive number of seconds")),
+    }
 }
 
 impl ServeArgs {
@@ -93,12 +127,16 @@ async fn serve(args: ServeArgs) -> Result<()> {
         served_model_name: args.served_model_name.clone().unwrap_or_else(|| args.model_label()),
         api_key: args.api_key.clone(),
         max_in_flight: args.max_running_requests + args.max_queued_requests,
+        body_read_timeout: args.limits.body_read_timeout,
+        engine_stall_timeout: args.limits.engine_stall_timeout,
     });
     tracing::info!("listening on http://{bound} (loading {})", args.model_label());
-    let app = ferry_server::router(state.clone());
-    let server = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .into_future();
+    let limits = ConnectionLimits {
+        max_connections: args.limits.max_connections as usize,
+        header_read_timeout: args.limits.header_read_timeout,
+        keep_alive_timeout: args.limits.keep_alive_timeout,
+    };
+    let server = ferry_server::serve(listener, ferry_server::router(state.clone()), limits, shutdown_signal());
     let loading = tokio::task::spawn_blocking({
         let state = state.clone();
         move || load(&args, &state).map(|model| state.set_ready(model))
@@ -179,6 +217,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     Ok(LoadedModel {
         engine,
         eos_token_ids,
+        max_token_bytes: ferry_server::longest_token_bytes(&tokenizer),
         tokenizer,
         max_model_len,
         vocab_size,

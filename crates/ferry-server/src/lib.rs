@@ -1,27 +1,37 @@
 //! ferry-server: the OpenAI-compatible HTTP API in front of ferry's engine.
 //!
 //! - `POST /v1/chat/completions` and `POST /v1/completions`, plain or streamed as server-sent events;
-//! - `GET /v1/models`, `GET /health` (503 with load progress until the model is ready), `GET /metrics` (Prometheus).
+//! - `GET /v1/models`, `GET /health` (503 with load progress until the model is ready, and with the reason when the
+//!   engine has died or stalled), `GET /metrics` (Prometheus).
 //!
 //! The server binds before the model loads so that /health can report progress; [`AppState::set_ready`] hands it
-//! the engine. Requests pass the API key and JSON-only checks (guard.rs), are validated here (400 with the field
-//! named), rendered through the chat template, tokenized, and submitted to the engine thread
-//! ([`ferry_core::engine::EngineHandle`]); a request whose client goes away is cancelled and its KV freed.
+//! the engine. [`serve`] accepts connections (connections.rs: cap, idle and header timeouts, shutdown). Every
+//! request is logged once (access.rs), every error is OpenAI-shaped JSON (error.rs), a body must arrive within the
+//! body timeout (body_timeout.rs). Requests pass the API key and JSON-only checks (guard.rs), are validated here (400
+//! with the field named), rendered through the chat template and tokenized on the blocking pool (prompt_work.rs),
+//! and submitted to the engine thread ([`ferry_core::engine::EngineHandle`]); a request whose client goes away is
+//! cancelled and its KV freed.
 //!
 //! Not here: the model, the scheduler (ferry-core), argument parsing and model download (ferry-cli).
 
+mod access;
+mod body_timeout;
+mod conn_io;
+mod connections;
 mod error;
 mod guard;
+mod liveness;
 mod metrics;
 mod openai;
 mod params;
+mod prompt_work;
 mod reasoning;
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, RwLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
@@ -30,7 +40,12 @@ use axum::{Json, Router};
 use ferry_core::engine::EngineHandle;
 use ferry_core::loader::Tokenizer;
 
+pub use connections::{serve, ConnectionLimits};
 pub use error::ApiError;
+pub use prompt_work::longest_token_bytes;
+
+/// The largest request body read; a larger one is a 413.
+pub const MAX_REQUEST_BYTES: usize = 2 << 20;
 
 /// What the operator chose on the command line.
 #[derive(Clone, Debug)]
@@ -40,6 +55,10 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Requests admitted at once: running plus queued; more get a 503.
     pub max_in_flight: usize,
+    /// A request's body must arrive in full within this long of its head; a 408 otherwise.
+    pub body_read_timeout: Duration,
+    /// An engine with requests that finishes no step for this long is reported unhealthy on /health.
+    pub engine_stall_timeout: Duration,
 }
 
 /// The checkpoint's sampling defaults (generation_config.json), used where a request sets none.
@@ -57,6 +76,9 @@ pub struct LoadedModel {
     pub eos_token_ids: Vec<u32>,
     pub max_model_len: usize,
     pub vocab_size: usize,
+    /// The most bytes of text one token stands for ([`longest_token_bytes`]), which bounds the prompt text that
+    /// can fit the context before it is tokenized.
+    pub max_token_bytes: usize,
     pub defaults: SamplingDefaults,
 }
 
@@ -80,6 +102,8 @@ struct Shared {
     metrics: metrics::Metrics,
     /// Requests admitted and not yet done.
     in_flight: AtomicUsize,
+    /// Prompts being prepared at once (prompt_work.rs).
+    prompt_workers: Arc<tokio::sync::Semaphore>,
     started_at: u64,
 }
 
@@ -101,6 +125,7 @@ impl AppState {
             }),
             metrics: metrics::Metrics::new(),
             in_flight: AtomicUsize::new(0),
+            prompt_workers: prompt_work::workers(),
             started_at: unix_seconds(),
         }))
     }
@@ -131,7 +156,17 @@ impl AppState {
 
 async fn health(State(state): State<AppState>) -> Response {
     match &*state.0.load.read().unwrap_or_else(|e| e.into_inner()) {
-        LoadState::Ready(_) => Json(serde_json::json!({"status": "ok"})).into_response(),
+        LoadState::Ready(model) => {
+            let heartbeat = model.engine.heartbeat();
+            match liveness::engine_trouble(&heartbeat, Instant::now(), state.0.config.engine_stall_timeout) {
+                None => Json(serde_json::json!({"status": "ok"})).into_response(),
+                Some(reason) => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Json(serde_json::json!({"status": "unhealthy", "reason": reason})),
+                )
+                    .into_response(),
+            }
+        }
         LoadState::Loading { stage, progress } => (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(serde_json::json!({"status": "loading", "stage": stage, "progress": progress})),
@@ -167,7 +202,11 @@ async fn prometheus(State(state): State<AppState>) -> Response {
 async fn not_found(request: Request) -> ApiError {
     ApiError {
         status: StatusCode::NOT_FOUND,
-        message: format!("no route for {} {}", request.method(), request.uri().path()),
+        message: format!(
+            "no route for {} {}",
+            error::quote(request.method().as_str()),
+            error::quote(request.uri().path())
+        ),
         kind: "invalid_request_error",
         param: None,
         code: Some("not_found"),
@@ -175,7 +214,8 @@ async fn not_found(request: Request) -> ApiError {
 }
 
 /// Every route; /health is the one outside the guards. The API key layer wraps the JSON one, so a request without
-/// the key gets a 401 whatever it sends.
+/// the key gets a 401 whatever it sends. Around them all, outermost first: the access log, JSON errors, the body
+/// timeout and the body size limit.
 pub fn router(state: AppState) -> Router {
     let guarded = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
@@ -188,8 +228,16 @@ pub fn router(state: AppState) -> Router {
         Some(key) => guarded.layer(middleware::from_fn_with_state(key.clone(), guard::require_api_key)),
         None => guarded,
     };
+    let body_read_timeout = state.0.config.body_read_timeout;
     Router::new()
         .route("/health", get(health))
         .merge(guarded)
+        .layer(DefaultBodyLimit::max(MAX_REQUEST_BYTES))
+        .layer(middleware::from_fn_with_state(
+            body_read_timeout,
+            body_timeout::limit_body_time,
+        ))
+        .layer(middleware::from_fn(error::json_errors))
+        .layer(middleware::from_fn(access::log_requests))
         .with_state(state)
 }

@@ -119,13 +119,7 @@ impl InFlight {
             .0
             .metrics
             .request_done(outcome, self.prompt_tokens, self.completion_tokens);
-        tracing::info!(
-            request = self.id.0,
-            prompt_tokens = self.prompt_tokens,
-            completion_tokens = self.completion_tokens,
-            seconds = format!("{:.3}", self.submitted.elapsed().as_secs_f64()),
-            "{outcome}"
-        );
+        crate::access::record_generation(outcome, self.prompt_tokens, self.completion_tokens);
     }
 }
 
@@ -227,6 +221,8 @@ fn prepare_chat(state: &AppState, body: &[u8]) -> Result<(Prepared, Request), Ap
     let body = ChatBody::parse(&json_object(body)?)?;
     check_model_name(state, &body.params)?;
     let model = state.model()?;
+    let content_bytes = body.messages.iter().map(|m| m.content.len()).sum();
+    crate::prompt_work::check_prompt_bytes(&model, content_bytes, "messages")?;
     let tokenizer = &model.tokenizer;
     if !tokenizer.has_chat_template() {
         return Err(ApiError::invalid(
@@ -256,10 +252,13 @@ fn prepare_text(state: &AppState, body: &[u8]) -> Result<(Prepared, Request), Ap
     let model = state.model()?;
     let prompt_ids = match body.prompt {
         Prompt::TokenIds(ids) => ids,
-        Prompt::Text(text) => model
-            .tokenizer
-            .encode(&text, true)
-            .map_err(|e| ApiError::internal(e.to_string()))?,
+        Prompt::Text(text) => {
+            crate::prompt_work::check_prompt_bytes(&model, text.len(), "prompt")?;
+            model
+                .tokenizer
+                .encode(&text, true)
+                .map_err(|e| ApiError::internal(e.to_string()))?
+        }
     };
     let request = engine_request(&model, &body.params, prompt_ids).map_err(|mut e| {
         if e.param.as_deref() == Some("messages") {
@@ -499,11 +498,11 @@ async fn generate(state: AppState, prepared: Result<(Prepared, Request), ApiErro
 }
 
 pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
-    let prepared = prepare_chat(&state, &body);
+    let prepared = crate::prompt_work::off_runtime(&state, move |state| prepare_chat(state, &body)).await;
     generate(state, prepared).await
 }
 
 pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
-    let prepared = prepare_text(&state, &body);
+    let prepared = crate::prompt_work::off_runtime(&state, move |state| prepare_text(state, &body)).await;
     generate(state, prepared).await
 }

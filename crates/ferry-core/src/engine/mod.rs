@@ -17,5 +17,5 @@ pub use plan::MAX_BATCH_TOKENS;
 pub use request::{Event, EventSink, FinishReason, Request, RequestId, StopRules};
 pub use sampler::{apply_penalties, argmax, Sampler, SamplingParams};
 pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats, StepReport};
-pub use service::{EngineHandle, EngineStatus};
+pub use service::{EngineHandle, EngineStatus, Heartbeat};
 pub use stop::{partial_match_len, validate_stop_strings, StopStrings};

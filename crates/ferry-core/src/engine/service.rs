@@ -1,6 +1,6 @@
 //! The engine on its own thread: callers submit and cancel requests through a channel and hear back through each
 //! request's [`EventSink`]; between steps the thread takes in new commands, so requests join and leave the batch
-//! without waiting for each other.
+//! without waiting for each other. A [`Heartbeat`] says whether the thread is alive and when it last made progress.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
@@ -30,6 +30,43 @@ pub struct EngineStatus {
     pub offload: Option<crate::moe::OffloadStats>,
 }
 
+/// Whether the engine thread lives and moves: what a health check needs to tell a dead or stuck engine from a busy
+/// one.
+#[derive(Clone, Copy, Debug)]
+pub struct Heartbeat {
+    /// False once the thread has ended, a panic included.
+    pub alive: bool,
+    /// The thread has requests to step (false while it waits for one).
+    pub working: bool,
+    /// When the thread last finished a step or took in a command.
+    pub last_beat: Instant,
+}
+
+impl Heartbeat {
+    fn new() -> Self {
+        Heartbeat {
+            alive: true,
+            working: false,
+            last_beat: Instant::now(),
+        }
+    }
+}
+
+/// Marks the heartbeat dead when the engine thread ends, however it ends.
+struct ThreadEnd(Arc<Mutex<Heartbeat>>);
+
+impl Drop for ThreadEnd {
+    fn drop(&mut self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).alive = false;
+    }
+}
+
+fn beat(heartbeat: &Mutex<Heartbeat>, working: bool) {
+    let mut heartbeat = heartbeat.lock().unwrap_or_else(|e| e.into_inner());
+    heartbeat.working = working;
+    heartbeat.last_beat = Instant::now();
+}
+
 /// A handle to the engine thread; cloning shares the same engine. The thread ends once every handle is dropped
 /// and its last request is done.
 #[derive(Clone)]
@@ -37,6 +74,7 @@ pub struct EngineHandle {
     commands: Sender<Command>,
     next_id: Arc<AtomicU64>,
     status: Arc<Mutex<EngineStatus>>,
+    heartbeat: Arc<Mutex<Heartbeat>>,
 }
 
 impl EngineHandle {
@@ -48,13 +86,17 @@ impl EngineHandle {
             offload: scheduler.offload_stats(),
         }));
         let shared = status.clone();
-        std::thread::Builder::new()
-            .name("ferry-engine".into())
-            .spawn(move || run(scheduler, receiver, shared))?;
+        let heartbeat = Arc::new(Mutex::new(Heartbeat::new()));
+        let beats = heartbeat.clone();
+        std::thread::Builder::new().name("ferry-engine".into()).spawn(move || {
+            let _end = ThreadEnd(beats.clone());
+            run(scheduler, receiver, shared, &beats)
+        })?;
         Ok(EngineHandle {
             commands,
             next_id: Arc::new(AtomicU64::new(0)),
             status,
+            heartbeat,
         })
     }
 
@@ -79,6 +121,10 @@ impl EngineHandle {
     pub fn status(&self) -> EngineStatus {
         self.status.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
+
+    pub fn heartbeat(&self) -> Heartbeat {
+        *self.heartbeat.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 fn apply<E: Executor>(scheduler: &mut Scheduler<E>, command: Command) {
@@ -92,11 +138,19 @@ fn apply<E: Executor>(scheduler: &mut Scheduler<E>, command: Command) {
     }
 }
 
-fn run<E: Executor>(mut scheduler: Scheduler<E>, commands: Receiver<Command>, status: Arc<Mutex<EngineStatus>>) {
+fn run<E: Executor>(
+    mut scheduler: Scheduler<E>,
+    commands: Receiver<Command>,
+    status: Arc<Mutex<EngineStatus>>,
+    heartbeat: &Mutex<Heartbeat>,
+) {
     let mut decode_rate = 0.0;
     loop {
         if scheduler.is_idle() {
-            match commands.recv() {
+            beat(heartbeat, false);
+            let command = commands.recv();
+            beat(heartbeat, true);
+            match command {
                 Ok(command) => apply(&mut scheduler, command),
                 Err(_) => return,
             }
@@ -126,5 +180,25 @@ fn run<E: Executor>(mut scheduler: Scheduler<E>, commands: Receiver<Command>, st
             decode_tokens_per_s: decode_rate,
             offload: scheduler.offload_stats(),
         };
+        beat(heartbeat, !scheduler.is_idle());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_that_panics_leaves_a_dead_heartbeat() {
+        let heartbeat = Arc::new(Mutex::new(Heartbeat::new()));
+        let beats = heartbeat.clone();
+        let thread = std::thread::spawn(move || {
+            let _end = ThreadEnd(beats.clone());
+            beat(&beats, true);
+            panic!("the engine broke");
+        });
+        assert!(thread.join().is_err());
+        let heartbeat = *heartbeat.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(!heartbeat.alive && heartbeat.working);
     }
 }
