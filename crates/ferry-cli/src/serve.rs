@@ -15,7 +15,7 @@ use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
 use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig};
 
-use crate::device::{open_backend, Backends, Device, OffloadArgs};
+use crate::device::{kv_budget_tokens, open_backend, Backends, Device, OffloadArgs};
 use crate::hub::{self, HubAccess};
 
 #[derive(clap::Args)]
@@ -52,7 +52,7 @@ pub struct ServeArgs {
     max_model_len: Option<usize>,
     /// Tokens the KV cache holds across all requests (at least --max-model-len; a device backend allocates it
     /// up front). Default on a GPU: what the memory budget leaves for KV; on the CPU: --max-model-len x
-    /// --max-running-requests, so preemption is a last resort.
+    /// --max-running-requests, so preemption is a last resort, within half the host memory the weights leave.
     #[arg(long)]
     kv_cache_tokens: Option<usize>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
@@ -171,9 +171,13 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     }
     let (backends, plan) = open_backend(args.device, &offload, &checkpoint)?;
     let plan = plan.as_ref();
+    let kv_budget = match args.kv_cache_tokens {
+        Some(n) => n,
+        None => kv_budget_tokens(plan, &checkpoint)?,
+    };
     let (engine, max_model_len, vocab_size) = match backends {
-        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, plan)?,
-        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan)?,
+        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, plan, kv_budget)?,
+        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan, kv_budget)?,
     };
     let defaults = &checkpoint.generation;
     Ok(LoadedModel {
@@ -191,17 +195,17 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
 }
 
 /// Loads the model on `backend` and starts the engine thread; returns it with the context length and vocabulary
-/// size the server validates requests against. `plan`: how a GPU budget was divided (None on the CPU).
+/// size the server validates requests against. `plan`: how a GPU budget was divided (None on the CPU);
+/// `kv_budget`: the most tokens the KV cache may hold (--kv-cache-tokens, else the device's budget).
 fn start_engine<B: Backend + 'static>(
     backend: B,
     checkpoint: &Checkpoint,
     tokenizer: Arc<Tokenizer>,
     args: &ServeArgs,
     plan: Option<&MemoryPlan>,
+    kv_budget: usize,
 ) -> Result<(EngineHandle, usize, usize)> {
     let started = std::time::Instant::now();
-    // On a GPU the budget's KV share sizes the cache unless --kv-cache-tokens says otherwise.
-    let planned_kv_tokens = plan.map(|p| p.kv_tokens);
     let model = Model::load(&backend, checkpoint)?;
     let window = model.spec.max_position_embeddings;
     let max_model_len = match args.max_model_len {
@@ -209,11 +213,12 @@ fn start_engine<B: Backend + 'static>(
         Some(n) if n < 2 => bail!("--max-model-len must leave room for a prompt token and an output token"),
         Some(n) => n,
         // Unasked, the context is what the KV cache can hold, up to the model's window.
-        None => match args.kv_cache_tokens.or(planned_kv_tokens) {
-            Some(kv) if kv < window => {
+        None => match kv_budget {
+            kv if kv < window => {
                 tracing::warn!(
                     "the KV cache holds {kv} tokens, so requests get a context of {kv} of the model's {window}; \
-                     --max-model-len (with a larger --gpu-memory-budget or --kv-reserve-tokens) asks for more"
+                     --max-model-len with a larger --kv-cache-tokens (or, on a GPU, --gpu-memory-budget or \
+                     --kv-reserve-tokens) asks for more"
                 );
                 kv
             }
@@ -225,7 +230,11 @@ fn start_engine<B: Backend + 'static>(
             bail!("--kv-cache-tokens {n} cannot hold one request of --max-model-len {max_model_len}")
         }
         Some(n) => n,
-        None => planned_kv_tokens.unwrap_or(max_model_len * args.max_running_requests),
+        // A GPU cache is allocated up front, so it takes the whole plan; the CPU's grows with its sequences.
+        None if plan.is_some() => kv_budget,
+        None => {
+            (max_model_len.saturating_mul(args.max_running_requests)).clamp(max_model_len, kv_budget.max(max_model_len))
+        }
     };
     let kv = backend.new_kv(model.kv_spec(kv_tokens))?;
     tracing::info!(
