@@ -243,9 +243,9 @@ macro_rules! with_backend {
 #[derive(clap::Args)]
 #[group(required = true, multiple = false)]
 pub struct ModelArgs {
-    /// A Hugging Face checkpoint directory.
+    /// A Hugging Face checkpoint directory, or a hub repo id (owner/name) fetched into the Hugging Face cache.
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Option<String>,
     /// A config.json whose model is built with seeded random weights in memory (no files), e.g. bench/q30.json.
     #[arg(long)]
     pub synthetic: Option<PathBuf>,
@@ -254,7 +254,9 @@ pub struct ModelArgs {
 impl ModelArgs {
     pub fn open(&self) -> Result<Checkpoint> {
         Ok(match (&self.model, &self.synthetic) {
-            (Some(dir), _) => Checkpoint::open(dir)?,
+            (Some(model), _) => {
+                Checkpoint::open(&crate::hub::resolve(model, &mut |stage, _| tracing::info!("{stage}"))?)?
+            }
             (None, Some(config)) => Checkpoint::synthetic(config, 0)?,
             (None, None) => anyhow::bail!("give --model DIR or --synthetic CONFIG.json"),
         })

@@ -16,7 +16,8 @@ use ferry_core::model::Model;
 use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig};
 
 use crate::device::{kv_budget_tokens, open_backend, Backends, Device, OffloadArgs};
-use crate::hub::{self, HubAccess};
+use crate::hub;
+use crate::progress::LoadProgress;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -55,6 +56,11 @@ pub struct ServeArgs {
     /// --max-running-requests, so preemption is a last resort, within half the host memory the weights leave.
     #[arg(long)]
     kv_cache_tokens: Option<usize>,
+    /// Tokenize special-token text inside chat message contents (`<|im_end|>`) as plain text, as OpenAI's API
+    /// does, so a message cannot end its turn and open another role's. Default: control tokens, as transformers'
+    /// and vLLM's tokenization of the rendered template gives them.
+    #[arg(long)]
+    no_special_tokens_in_content: bool,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     #[command(flatten)]
@@ -134,15 +140,10 @@ async fn shutdown_signal() {
 fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     let mut checkpoint = match (&args.model, &args.synthetic, &args.tokenizer) {
         (Some(model), _, _) => {
-            let dir = if PathBuf::from(model).is_dir() || !hub::is_repo_id(model) {
-                PathBuf::from(model)
-            } else {
-                hub::fetch(model, &HubAccess::from_env(), &mut |stage, progress| {
-                    tracing::info!("{stage}");
-                    state.set_loading(stage, progress);
-                })
-                .with_context(|| format!("{model} is not a directory, so it was taken as a Hugging Face repo id"))?
-            };
+            let dir = hub::resolve(model, &mut |stage, progress| {
+                tracing::info!("{stage}");
+                state.set_loading(stage, progress);
+            })?;
             state.set_loading(format!("loading weights from {}", dir.display()), 0.0);
             Checkpoint::open(&dir)?
         }
@@ -175,9 +176,33 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         Some(n) => n,
         None => kv_budget_tokens(plan, &checkpoint)?,
     };
+    let mut shown = LoadProgress::new(&args.model_label());
+    let mut progress = |done: usize, total: usize| {
+        shown.update(done, total);
+        state.set_loading(
+            format!("loading layers ({done}/{total})"),
+            done as f64 / total.max(1) as f64,
+        );
+    };
     let (engine, max_model_len, vocab_size) = match backends {
-        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, plan, kv_budget)?,
-        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan, kv_budget)?,
+        Backends::Cpu(backend) => start_engine(
+            backend,
+            &checkpoint,
+            tokenizer.clone(),
+            args,
+            plan,
+            kv_budget,
+            &mut progress,
+        )?,
+        Backends::Cuda(backend) => start_engine(
+            *backend,
+            &checkpoint,
+            tokenizer.clone(),
+            args,
+            plan,
+            kv_budget,
+            &mut progress,
+        )?,
     };
     let defaults = &checkpoint.generation;
     Ok(LoadedModel {
@@ -191,12 +216,14 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
             top_p: defaults.top_p,
             top_k: defaults.top_k,
         },
+        special_tokens_in_content: !args.no_special_tokens_in_content,
     })
 }
 
 /// Loads the model on `backend` and starts the engine thread; returns it with the context length and vocabulary
 /// size the server validates requests against. `plan`: how a GPU budget was divided (None on the CPU);
-/// `kv_budget`: the most tokens the KV cache may hold (--kv-cache-tokens, else the device's budget).
+/// `kv_budget`: the most tokens the KV cache may hold (--kv-cache-tokens, else the device's budget); `progress`
+/// hears each layer loaded.
 fn start_engine<B: Backend + 'static>(
     backend: B,
     checkpoint: &Checkpoint,
@@ -204,9 +231,10 @@ fn start_engine<B: Backend + 'static>(
     args: &ServeArgs,
     plan: Option<&MemoryPlan>,
     kv_budget: usize,
+    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(EngineHandle, usize, usize)> {
     let started = std::time::Instant::now();
-    let model = Model::load(&backend, checkpoint)?;
+    let model = Model::load_with_progress(&backend, checkpoint, progress)?;
     let window = model.spec.max_position_embeddings;
     let max_model_len = match args.max_model_len {
         Some(n) if n > window => bail!("--max-model-len {n} is beyond the model's context window of {window}"),

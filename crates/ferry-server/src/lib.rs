@@ -58,6 +58,8 @@ pub struct LoadedModel {
     pub max_model_len: usize,
     pub vocab_size: usize,
     pub defaults: SamplingDefaults,
+    /// Whether special-token text inside chat message contents is read as control tokens (else as plain text).
+    pub special_tokens_in_content: bool,
 }
 
 impl LoadedModel {
