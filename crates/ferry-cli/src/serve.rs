@@ -172,10 +172,6 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     }
     let (backends, plan) = open_backend(args.device, &offload, &checkpoint)?;
     let plan = plan.as_ref();
-    let kv_budget = match args.kv_cache_tokens {
-        Some(n) => n,
-        None => kv_budget_tokens(plan, &checkpoint)?,
-    };
     let mut shown = LoadProgress::new(&args.model_label());
     let mut progress = |done: usize, total: usize| {
         shown.update(done, total);
@@ -185,24 +181,8 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         );
     };
     let (engine, max_model_len, vocab_size) = match backends {
-        Backends::Cpu(backend) => start_engine(
-            backend,
-            &checkpoint,
-            tokenizer.clone(),
-            args,
-            plan,
-            kv_budget,
-            &mut progress,
-        )?,
-        Backends::Cuda(backend) => start_engine(
-            *backend,
-            &checkpoint,
-            tokenizer.clone(),
-            args,
-            plan,
-            kv_budget,
-            &mut progress,
-        )?,
+        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, plan, &mut progress)?,
+        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan, &mut progress)?,
     };
     let defaults = &checkpoint.generation;
     Ok(LoadedModel {
@@ -221,8 +201,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
 }
 
 /// Loads the model on `backend` and starts the engine thread; returns it with the context length and vocabulary
-/// size the server validates requests against. `plan`: how a GPU budget was divided (None on the CPU);
-/// `kv_budget`: the most tokens the KV cache may hold (--kv-cache-tokens, else the device's budget); `progress`
+/// size the server validates requests against. `plan`: how a GPU budget was divided (None on the CPU); `progress`
 /// hears each layer loaded.
 fn start_engine<B: Backend + 'static>(
     backend: B,
@@ -230,10 +209,14 @@ fn start_engine<B: Backend + 'static>(
     tokenizer: Arc<Tokenizer>,
     args: &ServeArgs,
     plan: Option<&MemoryPlan>,
-    kv_budget: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(EngineHandle, usize, usize)> {
     let started = std::time::Instant::now();
+    // The most tokens the KV cache may hold.
+    let kv_budget = match args.kv_cache_tokens {
+        Some(n) => n,
+        None => kv_budget_tokens(plan, checkpoint)?,
+    };
     let model = Model::load_with_progress(&backend, checkpoint, progress)?;
     let window = model.spec.max_position_embeddings;
     let max_model_len = match args.max_model_len {
