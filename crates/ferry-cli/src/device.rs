@@ -165,6 +165,68 @@ pub fn open_backend(
     Ok((Backends::Cuda(Box::new(gpu.build()?)), Some(plan)))
 }
 
+/// The share of the host memory left after the weights that the CPU backend's KV cache may fill by default.
+const CPU_KV_SHARE: f64 = 0.5;
+/// Host memory assumed available where neither /proc/meminfo nor a cgroup limit says.
+const FALLBACK_AVAILABLE_BYTES: u64 = 8 << 30;
+/// The smallest default CPU KV budget, even when the weights leave less memory than that needs.
+const MIN_CPU_KV_TOKENS: usize = 2048;
+
+/// `MemAvailable` in a /proc/meminfo text, in bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?;
+    let kib: u64 = line.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// What a cgroup v2 memory limit still allows (`memory.max` less `memory.current`), when there is a limit.
+fn cgroup_headroom(max: &str, current: &str) -> Option<u64> {
+    let max: u64 = max.trim().parse().ok()?; // "max": no limit
+    let current: u64 = current.trim().parse().ok()?;
+    Some(max.saturating_sub(current))
+}
+
+/// Host memory this process can still use: the smaller of the kernel's estimate and the container's headroom.
+fn available_host_memory() -> u64 {
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let host = read("/proc/meminfo").as_deref().and_then(mem_available);
+    let cgroup = read("/sys/fs/cgroup/memory.max")
+        .zip(read("/sys/fs/cgroup/memory.current"))
+        .and_then(|(max, current)| cgroup_headroom(&max, &current));
+    match (host, cgroup) {
+        (Some(a), Some(b)) => a.min(b),
+        (a, b) => a.or(b).unwrap_or(FALLBACK_AVAILABLE_BYTES),
+    }
+}
+
+/// The most tokens the KV cache may hold: on a GPU, what the memory plan left for KV; on the CPU, where keys and
+/// values are f32 and grow with the sequences, [`CPU_KV_SHARE`] of the memory available once the weights are
+/// resident. The decision is logged.
+pub fn kv_budget_tokens(plan: Option<&MemoryPlan>, checkpoint: &Checkpoint) -> Result<usize> {
+    if let Some(plan) = plan {
+        return Ok(plan.kv_tokens);
+    }
+    let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
+    let info = ModelInfo::new(&spec, checkpoint.weight_dtype());
+    // The CPU cache stores f32, twice the bf16 bytes ModelInfo counts.
+    let bytes_per_token = (2 * info.kv_bytes_per_token_bf16).max(1);
+    let available = available_host_memory();
+    let weights = info.dense_bytes + info.expert_bank_bytes;
+    let budget = (available.saturating_sub(weights) as f64 * CPU_KV_SHARE) as u64;
+    let tokens = usize::try_from(budget / bytes_per_token)
+        .unwrap_or(usize::MAX)
+        .max(MIN_CPU_KV_TOKENS);
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    tracing::info!(
+        "CPU KV budget {tokens} tokens ({:.2} GiB at {bytes_per_token} bytes a token): half of the {:.2} GiB of \
+         host memory available less the {:.2} GiB of weights; --kv-cache-tokens sets it",
+        gib(tokens as u64 * bytes_per_token),
+        gib(available),
+        gib(weights)
+    );
+    Ok(tokens)
+}
+
 /// Runs `$body` with `$be` bound to whichever backend `$backends` holds.
 #[macro_export]
 macro_rules! with_backend {
@@ -182,9 +244,9 @@ macro_rules! with_backend {
 #[derive(clap::Args)]
 #[group(required = true, multiple = false)]
 pub struct ModelArgs {
-    /// A Hugging Face checkpoint directory.
+    /// A Hugging Face checkpoint directory, or a hub repo id (owner/name) fetched into the Hugging Face cache.
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Option<String>,
     /// A config.json whose model is built with seeded random weights in memory (no files), e.g. bench/q30.json.
     #[arg(long)]
     pub synthetic: Option<PathBuf>,
@@ -193,9 +255,26 @@ pub struct ModelArgs {
 impl ModelArgs {
     pub fn open(&self) -> Result<Checkpoint> {
         Ok(match (&self.model, &self.synthetic) {
-            (Some(dir), _) => Checkpoint::open(dir)?,
+            (Some(model), _) => {
+                Checkpoint::open(&crate::hub::resolve(model, &mut |stage, _| tracing::info!("{stage}"))?)?
+            }
             (None, Some(config)) => Checkpoint::synthetic(config, 0)?,
             (None, None) => anyhow::bail!("give --model DIR or --synthetic CONFIG.json"),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn available_memory_is_read_from_meminfo_and_the_cgroup() {
+        let meminfo = "MemTotal:       24683584 kB\nMemFree:          313644 kB\nMemAvailable:   23882692 kB\n";
+        assert_eq!(mem_available(meminfo), Some(23882692 * 1024));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(cgroup_headroom("8589934592\n", "1073741824\n"), Some(7 << 30));
+        assert_eq!(cgroup_headroom("max\n", "1073741824\n"), None);
+        assert_eq!(cgroup_headroom("100\n", "200\n"), Some(0));
     }
 }

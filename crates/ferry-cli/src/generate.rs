@@ -14,6 +14,7 @@ use ferry_core::model::{Model, ModelInfo};
 use ferry_core::moe::{RoutingTap, TraceHeader, TraceRecorder};
 
 use crate::device::{open_backend, Device, ModelArgs, OffloadArgs};
+use crate::progress::LoadProgress;
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
@@ -74,7 +75,8 @@ fn generate_on<B: Backend>(
     step_tokens: usize,
 ) -> Result<()> {
     let started = std::time::Instant::now();
-    let model = Model::load(backend, checkpoint)?;
+    let mut progress = LoadProgress::new(&checkpoint.dir.display().to_string());
+    let model = Model::load_with_progress(backend, checkpoint, &mut |done, total| progress.update(done, total))?;
     tracing::info!(
         "loaded {} from {} on {} in {:.2?}",
         model.spec.model_type,

@@ -3,7 +3,7 @@
 //! generation config, safetensors shards), with a progress bar, resuming partial downloads. With HF_HUB_OFFLINE=1,
 //! or when the hub cannot be reached, the cached copy is used, and an error lists what the cache lacks.
 
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use hf_hub::api::sync::ApiBuilder;
@@ -50,7 +50,19 @@ pub fn is_repo_id(model: &str) -> bool {
     matches!((parts.next(), parts.next(), parts.next()), (Some(owner), Some(name), None) if valid(owner) && valid(name))
 }
 
-/// The shard files an index names.
+/// The checkpoint directory `model` names: a directory as it is; otherwise, when it reads as `owner/name`, that hub
+/// repository fetched into the cache (`progress(stage, fraction)` hears each file). Anything else is returned as a
+/// path, for opening it to report.
+pub fn resolve(model: &str, progress: &mut dyn FnMut(String, f64)) -> Result<PathBuf> {
+    if Path::new(model).is_dir() || !is_repo_id(model) {
+        return Ok(PathBuf::from(model));
+    }
+    fetch(model, &HubAccess::from_env(), progress)
+        .with_context(|| format!("{model} is not a directory, so it was taken as a Hugging Face repo id"))
+}
+
+/// The shard files an index names, each a relative path that stays inside the snapshot: no `..`, no absolute
+/// path, no backslash (a separator on some systems), so a hostile index cannot make the download write elsewhere.
 fn shards_of(index: &Path) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(index).with_context(|| index.display().to_string())?;
     let json: serde_json::Value =
@@ -58,7 +70,22 @@ fn shards_of(index: &Path) -> Result<Vec<String>> {
     let map = json["weight_map"]
         .as_object()
         .with_context(|| format!("{}: no weight_map", index.display()))?;
-    let mut shards: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+    let mut shards = Vec::with_capacity(map.len());
+    for (tensor, shard) in map {
+        let shard = shard
+            .as_str()
+            .with_context(|| format!("{}: entry {tensor:?} is not a file name", index.display()))?;
+        let inside = !shard.is_empty()
+            && !shard.contains('\\')
+            && Path::new(shard).components().all(|c| matches!(c, Component::Normal(_)));
+        if !inside {
+            bail!(
+                "{}: entry {tensor:?} -> {shard:?} would leave the snapshot (an absolute path, `..` or a backslash)",
+                index.display()
+            );
+        }
+        shards.push(shard.to_string());
+    }
     shards.sort();
     shards.dedup();
     Ok(shards)
@@ -188,6 +215,29 @@ mod tests {
         assert!(is_repo_id("allenai/OLMoE-1B-7B-0924"));
         for not_id in ["tests/fixtures/qwen3_moe", "/abs/path", "./x/y", "name", "a/b/", "../x"] {
             assert!(!is_repo_id(not_id), "{not_id}");
+        }
+    }
+
+    #[test]
+    fn index_entries_that_would_leave_the_snapshot_are_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let snapshot = fake_cache(root.path());
+        let index_path = snapshot.join(WEIGHT_INDEX);
+        let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+        for shard in [
+            "../../outside.safetensors",
+            "/etc/passwd",
+            "..\\x.safetensors",
+            "a/../../b",
+            "",
+        ] {
+            let mut hostile = index.clone();
+            hostile["weight_map"]["model.norm.weight"] = shard.into();
+            std::fs::write(&index_path, hostile.to_string()).unwrap();
+            let err = fetch("tiny/qwen3-moe", &access(root.path(), true), &mut |_, _| {}).unwrap_err();
+            let message = err.to_string();
+            assert!(message.contains("would leave the snapshot"), "{shard}: {message}");
+            assert!(message.contains("model.norm.weight"), "{shard}: {message}");
         }
     }
 

@@ -1,6 +1,8 @@
-//! `ferry info`: what a user needs to size a GPU cache for a checkpoint.
+//! `ferry info`: what a user needs to size a GPU cache for a checkpoint, and (`--check`) whether its weights are
+//! all finite.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
+use ferry_core::loader::NonFinite;
 use ferry_core::model::{spec_for, ModelInfo};
 
 use crate::device::{ModelArgs, OffloadArgs};
@@ -15,6 +17,9 @@ pub struct InfoArgs {
     /// With --gpu-memory-budget: how that budget would be divided, and how much of the bank the cache holds.
     #[command(flatten)]
     offload: OffloadArgs,
+    /// Read every weight and list the tensors holding NaN or infinite values (fails if any do).
+    #[arg(long)]
+    check: bool,
 }
 
 /// Bytes in the largest binary unit that keeps the number at least 1.
@@ -43,14 +48,18 @@ pub fn run(args: InfoArgs) -> Result<()> {
         .budget_bytes()?
         .map(|budget| args.offload.plan(&checkpoint, budget))
         .transpose()?;
+    let non_finite = args.check.then(|| checkpoint.weights.non_finite());
     if args.json {
         let mut out = serde_json::to_value(&info)?;
         if let Some(plan) = &plan {
             out["memory_plan"] = serde_json::to_value(plan)?;
             out["cached_share_of_bank"] = (plan.expert_bytes as f64 / info.expert_bank_bytes.max(1) as f64).into();
         }
+        if let Some(found) = &non_finite {
+            out["non_finite"] = serde_json::to_value(found)?;
+        }
         println!("{out}");
-        return Ok(());
+        return check_result(non_finite.as_deref());
     }
     let mut rows = vec![
         ("family", info.model_type.clone()),
@@ -116,5 +125,25 @@ pub fn run(args: InfoArgs) -> Result<()> {
             bytes(p.workspace_bytes)
         );
     }
-    Ok(())
+    match non_finite.as_deref() {
+        Some([]) => println!("{:<28}all finite", "weights checked"),
+        Some(found) => {
+            for bad in found {
+                println!(
+                    "{:<28}{}: {} NaN, {} infinite",
+                    "not finite", bad.tensor, bad.nan, bad.inf
+                );
+            }
+        }
+        None => {}
+    }
+    check_result(non_finite.as_deref())
+}
+
+/// `--check` fails when a weight is NaN or infinite, so scripts can gate on it.
+fn check_result(non_finite: Option<&[NonFinite]>) -> Result<()> {
+    match non_finite {
+        Some(found) if !found.is_empty() => bail!("{} tensors hold NaN or infinite values", found.len()),
+        _ => Ok(()),
+    }
 }

@@ -7,6 +7,7 @@ mod doctor;
 mod generate;
 mod hub;
 mod info;
+mod progress;
 mod serve;
 
 use std::io::IsTerminal;

@@ -17,8 +17,9 @@ use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
 use ferry_server::{AppState, ConnectionLimits, LoadedModel, SamplingDefaults, ServerConfig};
 
-use crate::device::{open_backend, Backends, Device, OffloadArgs};
-use crate::hub::{self, HubAccess};
+use crate::device::{kv_budget_tokens, open_backend, Backends, Device, OffloadArgs};
+use crate::hub;
+use crate::progress::LoadProgress;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -54,9 +55,14 @@ pub struct ServeArgs {
     max_model_len: Option<usize>,
     /// Tokens the KV cache holds across all requests (at least --max-model-len; a device backend allocates it
     /// up front). Default on a GPU: what the memory budget leaves for KV; on the CPU: --max-model-len x
-    /// --max-running-requests, so preemption is a last resort.
+    /// --max-running-requests, so preemption is a last resort, within half the host memory the weights leave.
     #[arg(long)]
     kv_cache_tokens: Option<usize>,
+    /// Tokenize special-token text inside chat message contents (`<|im_end|>`) as plain text, as OpenAI's API
+    /// does, so a message cannot end its turn and open another role's. Default: control tokens, as transformers'
+    /// and vLLM's tokenization of the rendered template gives them.
+    #[arg(long)]
+    no_special_tokens_in_content: bool,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     #[command(flatten)]
@@ -172,15 +178,10 @@ async fn shutdown_signal() {
 fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     let mut checkpoint = match (&args.model, &args.synthetic, &args.tokenizer) {
         (Some(model), _, _) => {
-            let dir = if PathBuf::from(model).is_dir() || !hub::is_repo_id(model) {
-                PathBuf::from(model)
-            } else {
-                hub::fetch(model, &HubAccess::from_env(), &mut |stage, progress| {
-                    tracing::info!("{stage}");
-                    state.set_loading(stage, progress);
-                })
-                .with_context(|| format!("{model} is not a directory, so it was taken as a Hugging Face repo id"))?
-            };
+            let dir = hub::resolve(model, &mut |stage, progress| {
+                tracing::info!("{stage}");
+                state.set_loading(stage, progress);
+            })?;
             state.set_loading(format!("loading weights from {}", dir.display()), 0.0);
             Checkpoint::open(&dir)?
         }
@@ -209,9 +210,17 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     }
     let (backends, plan) = open_backend(args.device, &offload, &checkpoint)?;
     let plan = plan.as_ref();
+    let mut shown = LoadProgress::new(&args.model_label());
+    let mut progress = |done: usize, total: usize| {
+        shown.update(done, total);
+        state.set_loading(
+            format!("loading layers ({done}/{total})"),
+            done as f64 / total.max(1) as f64,
+        );
+    };
     let (engine, max_model_len, vocab_size) = match backends {
-        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, plan)?,
-        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan)?,
+        Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, plan, &mut progress)?,
+        Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan, &mut progress)?,
     };
     let defaults = &checkpoint.generation;
     Ok(LoadedModel {
@@ -226,33 +235,40 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
             top_p: defaults.top_p,
             top_k: defaults.top_k,
         },
+        special_tokens_in_content: !args.no_special_tokens_in_content,
     })
 }
 
 /// Loads the model on `backend` and starts the engine thread; returns it with the context length and vocabulary
-/// size the server validates requests against. `plan`: how a GPU budget was divided (None on the CPU).
+/// size the server validates requests against. `plan`: how a GPU budget was divided (None on the CPU); `progress`
+/// hears each layer loaded.
 fn start_engine<B: Backend + 'static>(
     backend: B,
     checkpoint: &Checkpoint,
     tokenizer: Arc<Tokenizer>,
     args: &ServeArgs,
     plan: Option<&MemoryPlan>,
+    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(EngineHandle, usize, usize)> {
     let started = std::time::Instant::now();
-    // On a GPU the budget's KV share sizes the cache unless --kv-cache-tokens says otherwise.
-    let planned_kv_tokens = plan.map(|p| p.kv_tokens);
-    let model = Model::load(&backend, checkpoint)?;
+    // The most tokens the KV cache may hold.
+    let kv_budget = match args.kv_cache_tokens {
+        Some(n) => n,
+        None => kv_budget_tokens(plan, checkpoint)?,
+    };
+    let model = Model::load_with_progress(&backend, checkpoint, progress)?;
     let window = model.spec.max_position_embeddings;
     let max_model_len = match args.max_model_len {
         Some(n) if n > window => bail!("--max-model-len {n} is beyond the model's context window of {window}"),
         Some(n) if n < 2 => bail!("--max-model-len must leave room for a prompt token and an output token"),
         Some(n) => n,
         // Unasked, the context is what the KV cache can hold, up to the model's window.
-        None => match args.kv_cache_tokens.or(planned_kv_tokens) {
-            Some(kv) if kv < window => {
+        None => match kv_budget {
+            kv if kv < window => {
                 tracing::warn!(
                     "the KV cache holds {kv} tokens, so requests get a context of {kv} of the model's {window}; \
-                     --max-model-len (with a larger --gpu-memory-budget or --kv-reserve-tokens) asks for more"
+                     --max-model-len with a larger --kv-cache-tokens (or, on a GPU, --gpu-memory-budget or \
+                     --kv-reserve-tokens) asks for more"
                 );
                 kv
             }
@@ -264,7 +280,11 @@ fn start_engine<B: Backend + 'static>(
             bail!("--kv-cache-tokens {n} cannot hold one request of --max-model-len {max_model_len}")
         }
         Some(n) => n,
-        None => planned_kv_tokens.unwrap_or(max_model_len * args.max_running_requests),
+        // A GPU cache is allocated up front, so it takes the whole plan; the CPU's grows with its sequences.
+        None if plan.is_some() => kv_budget,
+        None => {
+            (max_model_len.saturating_mul(args.max_running_requests)).clamp(max_model_len, kv_budget.max(max_model_len))
+        }
     };
     let kv = backend.new_kv(model.kv_spec(kv_tokens))?;
     tracing::info!(

@@ -573,3 +573,99 @@ fn one_offload_flag_says_where_experts_live() {
         "{stderr}"
     );
 }
+
+/// Overwrites the first element of `tensor` (bf16) in its shard of `dir` with a NaN.
+fn poison_with_nan(dir: &Path, tensor: &str) {
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let shard = dir.join(index["weight_map"][tensor].as_str().unwrap());
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let start = 8 + header_len + header[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[start..start + 2].copy_from_slice(&0x7fc0u16.to_le_bytes());
+    std::fs::write(&shard, bytes).unwrap();
+}
+
+#[test]
+fn info_check_names_the_tensors_that_are_not_finite_and_loading_warns() {
+    let clean = ferry(&["info", "--model", fixture(FIXTURE).to_str().unwrap(), "--check"]);
+    assert!(clean.status.success(), "{}", String::from_utf8_lossy(&clean.stderr));
+    assert!(String::from_utf8_lossy(&clean.stdout).contains("all finite"));
+
+    let dir = copy_fixture(FIXTURE);
+    poison_with_nan(dir.path(), "model.layers.1.mlp.down_proj.weight");
+    let model = dir.path().to_str().unwrap();
+    let out = ferry(&["info", "--model", model, "--check"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("model.layers.1.mlp.down_proj.weight: 1 NaN, 0 infinite"),
+        "{stdout}"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("1 tensors hold NaN or infinite values"));
+    let json = ferry(&["info", "--model", model, "--check", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(
+        report["non_finite"],
+        serde_json::json!([{"tensor": "model.layers.1.mlp.down_proj.weight", "nan": 1, "inf": 0}])
+    );
+
+    let out = ferry(&["generate", "--model", model, "--prompt-ids", "1,2", "--max-tokens", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("model.layers.1.mlp.down_proj.weight holds 1 NaN and 0 infinite values"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn every_command_takes_a_hub_repo_id() {
+    // A Hugging Face cache holding the fixture as the hub lays it out, used offline.
+    let home = tempfile::tempdir().unwrap();
+    let commit = "0123456789abcdef0123456789abcdef01234567";
+    let repo = home.path().join("hub/models--tiny--qwen3-moe");
+    let snapshot = repo.join("snapshots").join(commit);
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), commit).unwrap();
+    for entry in std::fs::read_dir(fixture(FIXTURE)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), snapshot.join(entry.file_name())).unwrap();
+    }
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(args)
+            .env("HF_HOME", home.path())
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .expect("run ferry");
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let model = ["--model", "tiny/qwen3-moe"];
+    assert!(run(&[&["info"][..], &model].concat()).contains("qwen3_moe"));
+    let generated = run(&[
+        &["generate", "--prompt-ids", "1,2", "--max-tokens", "2", "--json"][..],
+        &model,
+    ]
+    .concat());
+    assert!(generated.contains("\"completion_tokens\":2"), "{generated}");
+    let bench = [
+        "bench",
+        "--device",
+        "cpu",
+        "--prompt-tokens",
+        "4",
+        "--decode-tokens",
+        "1",
+        "--concurrency",
+        "1",
+    ];
+    run(&[&bench[..], &model].concat());
+}

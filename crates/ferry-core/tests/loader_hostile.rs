@@ -1,10 +1,11 @@
-//! The weight loader on hostile checkpoint directories: an index naming shards outside the directory, shards that
-//! are not regular files, tensors stored twice or not where the index says. Each must end in an error naming the
-//! entry or file at fault, at once (never a hang), and never a read outside the checkpoint.
+//! The loader on hostile checkpoint directories: an index naming shards outside the directory, a FIFO or a directory
+//! in place of any file it reads, tensors stored twice or not where the index says. Each must end in an error naming
+//! the entry or file at fault, at once (never a hang), and never a read outside the checkpoint. Also the scan for
+//! NaN and infinite weights that `ferry info --check` and loading report.
 
 use std::path::{Path, PathBuf};
 
-use ferry_core::loader::WeightStore;
+use ferry_core::loader::{Checkpoint, NonFinite, WeightStore};
 
 const INDEX: &str = "model.safetensors.index.json";
 
@@ -128,27 +129,62 @@ fn a_missing_shard_is_named() {
     assert_mentions(&open_error(dir.path()), &[&shard]);
 }
 
+/// Replaces the file at `path` by a FIFO; false where mkfifo is not available.
+fn replace_with_fifo(path: &Path) -> bool {
+    std::fs::remove_file(path).unwrap();
+    match std::process::Command::new("mkfifo").arg(path).status() {
+        Ok(status) if status.success() => true,
+        _ => {
+            eprintln!("skipped: mkfifo is not available");
+            false
+        }
+    }
+}
+
+/// The error of `open`, which must fail within a few seconds: opening a FIFO blocks until a writer comes, so it runs
+/// on a thread that is given up on after a while.
+fn fails_at_once(open: impl FnOnce() -> Option<String> + Send + 'static) -> String {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || sender.send(open()));
+    receiver
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("opening a FIFO hangs")
+        .expect("the checkpoint opened")
+}
+
 #[test]
 fn a_fifo_shard_fails_at_once() {
     let dir = copy_fixture();
     let (_, shard) = first_entry(dir.path());
-    let path = dir.path().join(&shard);
-    std::fs::remove_file(&path).unwrap();
-    match std::process::Command::new("mkfifo").arg(&path).status() {
-        Ok(status) if status.success() => {}
-        _ => {
-            eprintln!("skipped: mkfifo is not available");
+    if !replace_with_fifo(&dir.path().join(&shard)) {
+        return;
+    }
+    let dir_path = dir.path().to_path_buf();
+    let message = fails_at_once(move || WeightStore::open(&dir_path).err().map(|e| e.to_string()));
+    assert_mentions(&message, &[&shard, "not a regular file"]);
+}
+
+#[test]
+fn a_fifo_in_place_of_any_file_the_checkpoint_reads_fails_at_once() {
+    // chat_template.jinja is read when present, though the fixture has none.
+    for name in [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        INDEX,
+    ] {
+        let dir = copy_fixture();
+        let path = dir.path().join(name);
+        std::fs::write(&path, "").unwrap();
+        if !replace_with_fifo(&path) {
             return;
         }
+        let dir_path = dir.path().to_path_buf();
+        let message = fails_at_once(move || Checkpoint::open(&dir_path).err().map(|e| e.to_string()));
+        assert_mentions(&message, &[name, "not a regular file"]);
     }
-    // Opening a FIFO blocks until a writer comes: run the open on a thread and give up on it after a while.
-    let (sender, receiver) = std::sync::mpsc::channel();
-    let dir_path = dir.path().to_path_buf();
-    std::thread::spawn(move || sender.send(open_error(&dir_path)));
-    let message = receiver
-        .recv_timeout(std::time::Duration::from_secs(10))
-        .expect("opening a FIFO shard hangs");
-    assert_mentions(&message, &[&shard, "not a regular file"]);
 }
 
 #[test]
@@ -220,4 +256,35 @@ fn a_tensor_listed_in_no_shard_that_holds_it_is_refused() {
     index["weight_map"]["model.layers.99.nowhere.weight"] = shard.clone().into();
     write_index(dir.path(), &index);
     assert_mentions(&open_error(dir.path()), &["model.layers.99.nowhere.weight", &shard]);
+}
+
+/// Overwrites element `index` of `tensor` (bf16) in its shard of `dir` with `bits`.
+fn poke_bf16(dir: &Path, tensor: &str, index: usize, bits: u16) {
+    let shard = dir.join(read_index(dir)["weight_map"][tensor].as_str().unwrap());
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    assert_eq!(header[tensor]["dtype"], "BF16");
+    let start = 8 + header_len + header[tensor]["data_offsets"][0].as_u64().unwrap() as usize + 2 * index;
+    bytes[start..start + 2].copy_from_slice(&bits.to_le_bytes());
+    std::fs::write(&shard, bytes).unwrap();
+}
+
+#[test]
+fn non_finite_weights_are_counted_by_tensor() {
+    let dir = copy_fixture();
+    assert_eq!(WeightStore::open(dir.path()).unwrap().non_finite(), vec![]);
+    let (nan, inf) = (0x7fc0, 0xff80); // a quiet NaN, -inf
+    poke_bf16(dir.path(), "model.norm.weight", 0, nan);
+    poke_bf16(dir.path(), "model.norm.weight", 5, nan);
+    poke_bf16(dir.path(), "model.embed_tokens.weight", 7, inf);
+    poke_bf16(dir.path(), "model.embed_tokens.weight", 8, 0x7f7f); // the largest finite bf16
+    let found = WeightStore::open(dir.path()).unwrap().non_finite();
+    let expected =
+        [("model.embed_tokens.weight", 0, 1), ("model.norm.weight", 2, 0)].map(|(tensor, nan, inf)| NonFinite {
+            tensor: tensor.into(),
+            nan,
+            inf,
+        });
+    assert_eq!(found, expected);
 }

@@ -80,6 +80,8 @@ pub struct LoadedModel {
     /// can fit the context before it is tokenized.
     pub max_token_bytes: usize,
     pub defaults: SamplingDefaults,
+    /// Whether special-token text inside chat message contents is read as control tokens (else as plain text).
+    pub special_tokens_in_content: bool,
 }
 
 impl LoadedModel {

@@ -13,6 +13,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferry_core::engine::{Event, Request, RequestId, SamplingParams, StopRules};
+use ferry_core::loader::ChatPrompt;
 use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -229,12 +230,20 @@ fn prepare_chat(state: &AppState, body: &[u8]) -> Result<(Prepared, Request), Ap
             "this model has no chat template; use /v1/completions",
         ));
     }
-    let prompt = tokenizer
-        .apply_chat_template(&body.messages, true, &body.chat_template_kwargs)
-        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
-    let prompt_ids = tokenizer
-        .encode(&prompt, false)
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let ChatPrompt {
+        text: prompt,
+        ids: prompt_ids,
+    } = tokenizer
+        .encode_chat(
+            &body.messages,
+            true,
+            &body.chat_template_kwargs,
+            model.special_tokens_in_content,
+        )
+        .map_err(|e| match e {
+            ferry_core::Error::ChatTemplate(_) => ApiError::invalid_param("messages", e.to_string()),
+            _ => ApiError::internal(e.to_string()),
+        })?;
     let reasoning = model.splits_reasoning().then(|| ReasoningParser::new(&prompt));
     let request = engine_request(&model, &body.params, prompt_ids)?;
     let prepared = Prepared {

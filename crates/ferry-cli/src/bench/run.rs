@@ -16,6 +16,7 @@ use super::report::{civil_date, offload_report, BenchReport, MemoryCeiling, Pref
 use super::workload::{as_tap, BenchExecutor, Taps, Workload};
 use super::BenchArgs;
 use crate::device::Backends;
+use crate::progress::LoadProgress;
 
 /// What the backend-independent part of the bench needs from the machine.
 pub(super) struct Machine<'a> {
@@ -122,7 +123,8 @@ pub(super) fn bench_on<B: Backend>(
     phase_done: impl Fn(&'static str),
 ) -> Result<BenchReport> {
     let started = Instant::now();
-    let model = Model::load(be, checkpoint)?;
+    let mut progress = LoadProgress::new(&checkpoint.dir.display().to_string());
+    let model = Model::load_with_progress(be, checkpoint, &mut |done, total| progress.update(done, total))?;
     let load_seconds = started.elapsed().as_secs_f64();
     let info = ModelInfo::new(&model.spec, checkpoint.weight_dtype());
     tracing::info!(

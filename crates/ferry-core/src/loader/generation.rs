@@ -38,7 +38,7 @@ impl GenerationConfig {
         if !path.exists() {
             return Ok(Self::default());
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = super::read_text(&path)?;
         let raw: RawGenerationConfig =
             serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid generation config: {e}")))?;
         Ok(GenerationConfig {

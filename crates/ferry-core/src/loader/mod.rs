@@ -8,14 +8,32 @@ mod weights;
 use std::path::{Path, PathBuf};
 
 pub use generation::GenerationConfig;
-pub use tokenizer::{ChatMessage, Detokenizer, TextDecoder, Tokenizer};
-pub use weights::{DType, TensorRef, WeightStore};
+pub use tokenizer::{ChatMessage, ChatPrompt, Detokenizer, TextDecoder, Tokenizer};
+pub use weights::{DType, NonFinite, TensorRef, WeightStore};
 
 use crate::{Error, Result};
 
+/// `path`, if it is a regular file (or a symlink to one): a FIFO would block the open forever, a device would map
+/// whatever it holds, and a directory would fail with a message that does not say why.
+fn regular_file(path: &Path) -> Result<&Path> {
+    let kind = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.file_type();
+    if kind.is_file() {
+        Ok(path)
+    } else if kind.is_dir() {
+        Err(Error::file(path, "is a directory, not a file"))
+    } else {
+        Err(Error::file(path, "not a regular file (a FIFO, socket or device?)"))
+    }
+}
+
+/// The text of `path`, a regular file (see [`regular_file`]).
+fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(regular_file(path)?).map_err(|e| Error::io(path, e))
+}
+
 /// A config.json's `model_type` and the text model's configuration (`text_config` of multimodal checkpoints).
 fn read_config(path: &Path) -> Result<(String, serde_json::Value)> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = read_text(path)?;
     let config: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?;
     let model_type = config

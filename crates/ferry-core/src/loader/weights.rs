@@ -11,6 +11,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use serde::Deserialize;
 
+use super::{read_text, regular_file};
 use crate::{Error, Result};
 
 /// Element type of a stored tensor.
@@ -214,6 +215,16 @@ impl TensorRef {
         Ok(TensorRef { shape, ..self })
     }
 
+    /// How many of the values are NaN and how many are infinite, counted in parallel over chunks of the bytes.
+    pub fn count_non_finite(&self) -> (u64, u64) {
+        // Exponent all ones: infinite when the mantissa is zero, NaN otherwise.
+        match self.dtype {
+            DType::F32 => count_non_finite::<4>(self.bytes(), 0x7f80_0000, 0x007f_ffff),
+            DType::F16 => count_non_finite::<2>(self.bytes(), 0x7c00, 0x03ff),
+            DType::BF16 => count_non_finite::<2>(self.bytes(), 0x7f80, 0x007f),
+        }
+    }
+
     /// The values widened to f32: for small tensors only (norm weights, biases), never for weight matrices.
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let b = self.bytes();
@@ -232,6 +243,14 @@ impl TensorRef {
                 .collect(),
         }
     }
+}
+
+/// A stored tensor with values that are not finite.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct NonFinite {
+    pub tensor: String,
+    pub nan: u64,
+    pub inf: u64,
 }
 
 /// Every tensor of a checkpoint, by name, across its shards; or, for benchmarks at full size without files,
@@ -259,7 +278,7 @@ impl WeightStore {
     pub fn open(dir: &Path) -> Result<Self> {
         let index_path = dir.join(SHARD_INDEX);
         let index = if index_path.exists() {
-            let text = std::fs::read_to_string(regular_file(&index_path)?).map_err(|e| Error::io(&index_path, e))?;
+            let text = read_text(&index_path)?;
             let index: ShardIndex = serde_json::from_str(&text)
                 .map_err(|e| Error::file(&index_path, format!("invalid shard index: {e}")))?;
             Some(index.weight_map)
@@ -369,6 +388,26 @@ impl WeightStore {
         self.find(name).is_some()
     }
 
+    /// Every stored tensor holding NaN or infinite values, by name, with their counts; tensors are scanned in
+    /// parallel. This reads every byte of the checkpoint.
+    pub fn non_finite(&self) -> Vec<NonFinite> {
+        use rayon::prelude::*;
+        let mut found: Vec<NonFinite> = self
+            .tensors
+            .par_iter()
+            .filter_map(|(name, tensor)| {
+                let (nan, inf) = tensor.count_non_finite();
+                (nan + inf > 0).then(|| NonFinite {
+                    tensor: name.clone(),
+                    nan,
+                    inf,
+                })
+            })
+            .collect();
+        found.sort_by(|a, b| a.tensor.cmp(&b.tensor));
+        found
+    }
+
     /// Tensors outside the text model (not under its `model.` prefix, not `lm_head`), counted by the prefix that
     /// names their part: a multimodal checkpoint's vision tower (`model.visual.`), a multi-token-prediction head
     /// (`mtp.`). Text serving never reads them.
@@ -384,6 +423,31 @@ impl WeightStore {
         }
         parts
     }
+}
+
+/// NaN and infinite values among little-endian values of `N` bytes whose exponent bits are `exponent`, in parallel
+/// over chunks.
+fn count_non_finite<const N: usize>(bytes: &[u8], exponent: u32, mantissa: u32) -> (u64, u64) {
+    use rayon::prelude::*;
+    bytes
+        .par_chunks(N << 18)
+        .map(|chunk| {
+            let (mut nan, mut inf) = (0, 0);
+            for value in chunk.chunks_exact(N) {
+                let mut word = [0u8; 4];
+                word[..N].copy_from_slice(value);
+                let bits = u32::from_le_bytes(word);
+                if bits & exponent == exponent {
+                    if bits & mantissa == 0 {
+                        inf += 1;
+                    } else {
+                        nan += 1;
+                    }
+                }
+            }
+            (nan, inf)
+        })
+        .reduce(|| (0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
 }
 
 /// Seeded bf16 values, uniform with the standard deviation of 1/sqrt(fan-in) (norm vectors: ones; the embedding
@@ -462,19 +526,6 @@ impl Confinement {
             )),
             _ => Ok(()),
         }
-    }
-}
-
-/// `path`, if it is a regular file (or a symlink to one): a FIFO would block the open forever, a device would map
-/// whatever it holds, and a directory would fail with a message that does not say why.
-fn regular_file(path: &Path) -> Result<&Path> {
-    let kind = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.file_type();
-    if kind.is_file() {
-        Ok(path)
-    } else if kind.is_dir() {
-        Err(Error::file(path, "is a directory, not a file"))
-    } else {
-        Err(Error::file(path, "not a regular file (a FIFO, socket or device?)"))
     }
 }
 

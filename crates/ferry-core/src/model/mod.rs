@@ -76,7 +76,26 @@ pub struct Model<B: Backend> {
 
 impl<B: Backend> Model<B> {
     pub fn load(backend: &B, checkpoint: &Checkpoint) -> Result<Self> {
+        Self::load_with_progress(backend, checkpoint, &mut |_, _| {})
+    }
+
+    /// [`load`](Self::load), calling `progress(layers_loaded, layers)` as each layer is handed to the backend
+    /// (which is where a large checkpoint spends its load time: uploads, pinned host memory, synthetic weights).
+    /// Weights that are NaN or infinite are counted first and logged as a warning, tensor by tensor.
+    pub fn load_with_progress(
+        backend: &B,
+        checkpoint: &Checkpoint,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
+        for bad in checkpoint.weights.non_finite() {
+            tracing::warn!(
+                "{} holds {} NaN and {} infinite values (`ferry info --check` lists them all)",
+                bad.tensor,
+                bad.nan,
+                bad.inf
+            );
+        }
         for (part, count) in checkpoint.weights.outside_text_model() {
             let what = match part.as_str() {
                 "model.visual." => "the vision tower",
@@ -85,11 +104,20 @@ impl<B: Backend> Model<B> {
             };
             tracing::info!("not loading {count} tensors under {part}: {what}, which text generation does not use");
         }
-        Self::from_spec(backend, spec, &checkpoint.weights)
+        Self::build(backend, spec, &checkpoint.weights, progress)
     }
 
     /// The model `spec` describes, with its weights from `store`.
     pub fn from_spec(backend: &B, spec: ModelSpec, store: &WeightStore) -> Result<Self> {
+        Self::build(backend, spec, store, &mut |_, _| {})
+    }
+
+    fn build(
+        backend: &B,
+        spec: ModelSpec,
+        store: &WeightStore,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let w = WeightLoader { backend, store };
         let h = spec.hidden_size;
         let offset = spec.norm_weight_offset;
@@ -124,6 +152,7 @@ impl<B: Backend> Model<B> {
                 post_attention_norm: w.norm(&format!("{prefix}.post_attention_layernorm.weight"), h, offset)?,
                 ffn: Ffn::load(&w, &prefix, layer.ffn, &spec)?,
             });
+            progress(i + 1, spec.layers.len());
         }
         let lm_head = match spec.tie_word_embeddings {
             true => None,
