@@ -250,13 +250,20 @@ fn a_repeated_prompt_is_answered_from_the_prefix_cache_unless_it_is_off() {
         let (_, cold) = server.post("/v1/chat/completions", &request);
         let (_, warm) = server.post("/v1/chat/completions", &request);
         assert_eq!(warm["choices"], cold["choices"], "the same greedy answer");
-        let cached = |body: &Value| body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let cached = |body: &Value| {
+            body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        };
         let prompt_tokens = warm["usage"]["prompt_tokens"].as_u64().unwrap();
         assert_eq!(cached(&cold), 0);
         if caching {
             // Every full 16-token block but the one holding the prompt's last token.
             assert_eq!(cached(&warm), (prompt_tokens - 1) / 16 * 16, "{warm}");
-            assert_eq!(server.metric("ferry_prefix_cache_hit_tokens_total"), cached(&warm) as f64);
+            assert_eq!(
+                server.metric("ferry_prefix_cache_hit_tokens_total"),
+                cached(&warm) as f64
+            );
             assert_eq!(server.metric("ferry_prefix_cache_queries_total"), 2.0);
         } else {
             assert_eq!(cached(&warm), 0);

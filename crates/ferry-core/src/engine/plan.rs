@@ -342,10 +342,16 @@ mod tests {
             plan_memory(&info, &spec, &with(PREFIX_SNAPSHOT_SLOTS)).unwrap(),
         );
         let bytes = PREFIX_SNAPSHOT_SLOTS as u64 * info.recurrent_state_bytes_per_seq;
-        assert_eq!((some.snapshot_slots, some.snapshot_bytes), (PREFIX_SNAPSHOT_SLOTS, bytes));
+        assert_eq!(
+            (some.snapshot_slots, some.snapshot_bytes),
+            (PREFIX_SNAPSHOT_SLOTS, bytes)
+        );
         let spent = |p: &MemoryPlan| p.dense_bytes + p.workspace_bytes + p.expert_bytes + p.kv_bytes + p.snapshot_bytes;
         assert!(spent(&some) <= parse_size("15.8GiB").unwrap());
-        assert!(some.expert_bytes < none.expert_bytes, "under offload the slots pay for them");
+        assert!(
+            some.expert_bytes < none.expert_bytes,
+            "under offload the slots pay for them"
+        );
         let (info, spec) = q30();
         let (none, some) = (
             plan_memory(&info, &spec, &with(0)).unwrap(),

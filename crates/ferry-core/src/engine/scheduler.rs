@@ -309,7 +309,10 @@ impl<E: Executor> Scheduler<E> {
                 Err(e) => {
                     // Reusing is an optimisation: start afresh (a failed restore may have left cached blocks
                     // attached) and compute the prompt.
-                    tracing::warn!("request {}: the prefix cache failed ({e}); computing its prompt", seq.id.0);
+                    tracing::warn!(
+                        "request {}: the prefix cache failed ({e}); computing its prompt",
+                        seq.id.0
+                    );
                     self.executor.kv_mut().free_seq(kv);
                     kv = self.executor.kv_mut().alloc_seq();
                     0
@@ -356,7 +359,12 @@ impl<E: Executor> Scheduler<E> {
         let room = kv.blocks().max_tokens_for(seq.kv()).saturating_sub(seq.computed);
         let mut len = seq.pending().min(budget).min(room);
         if kv.has_recurrent_state() && kv.blocks().caches_prefixes() {
-            len = anchored_chunk(seq.computed, len, seq.request.prompt_ids.len(), kv.blocks().block_size());
+            len = anchored_chunk(
+                seq.computed,
+                len,
+                seq.request.prompt_ids.len(),
+                kv.blocks().block_size(),
+            );
         }
         match len > 0 && kv.grow(seq.kv(), seq.computed + len) {
             true => len,

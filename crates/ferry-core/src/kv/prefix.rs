@@ -123,7 +123,9 @@ impl PrefixIndex {
         let mut parent = None;
         for chunk in tokens.chunks_exact(self.block_size) {
             let key = self.key(parent, chunk);
-            let Some(block) = self.find(key, parent, chunk) else { break };
+            let Some(block) = self.find(key, parent, chunk) else {
+                break;
+            };
             hit.blocks.push(block);
             hit.keys.push(key);
             parent = Some(key);
@@ -193,7 +195,9 @@ impl PrefixIndex {
     pub fn evict(&mut self) -> Option<u32> {
         let (_, block) = self.evictable.pop_first()?;
         self.evictable_at[block as usize] = None;
-        let entry = self.entries[block as usize].take().expect("evictable blocks are cached");
+        let entry = self.entries[block as usize]
+            .take()
+            .expect("evictable blocks are cached");
         self.by_key.remove(&entry.key);
         if let Some(slot) = entry.snapshot {
             self.snapshot_owner[slot] = None;

@@ -88,9 +88,14 @@ pub fn check_family<B: Backend>(fixtures: &Path, name: &str, backend: impl Fn() 
     for step_tokens in [256, 7] {
         let cached = answers(backend(), &checkpoint, &prompts, true, step_tokens);
         for (i, ((ids, cached), (cold_ids, _))) in cached.iter().zip(&cold).enumerate() {
-            assert_eq!(ids, cold_ids, "{name}, prompt {i}, steps of {step_tokens}: cached vs cold");
-            assert_eq!(*cached, expected_cached[i], "{name}, prompt {i}, steps of {step_tokens}");
+            assert_eq!(
+                ids, cold_ids,
+                "{name}, prompt {i}, steps of {step_tokens}: cached vs cold"
+            );
+            assert_eq!(
+                *cached, expected_cached[i],
+                "{name}, prompt {i}, steps of {step_tokens}"
+            );
         }
     }
 }
-

@@ -36,7 +36,11 @@ fn a_prompt_reuses_the_full_blocks_of_its_longest_cached_prefix() {
     let (second, reused) = run(&mut a, &prompt);
     assert_eq!(reused.tokens, 8);
     assert_eq!(a.blocks(second).unwrap()[..2], first_blocks[..2], "shared, not copied");
-    assert_ne!(a.blocks(second).unwrap()[2], first_blocks[2], "the partial block is never shared");
+    assert_ne!(
+        a.blocks(second).unwrap()[2],
+        first_blocks[2],
+        "the partial block is never shared"
+    );
     // Diverging inside the second block: only the first is reused.
     let mut diverging = prompt.clone();
     diverging[6] = 99;
@@ -98,15 +102,32 @@ fn a_hybrid_resumes_only_from_a_block_with_a_snapshot() {
     assert_eq!(a.snapshot_slot(s), None, "not at a block boundary");
     let t = a.alloc_seq();
     let reused = a.attach_prefix(t, &prompt[..13], true).unwrap();
-    assert_eq!(reused, Reused { tokens: 8, snapshot: Some(0) }, "block 3 is cached but has no state");
+    assert_eq!(
+        reused,
+        Reused {
+            tokens: 8,
+            snapshot: Some(0)
+        },
+        "block 3 is cached but has no state"
+    );
     // With the one slot taken by a deeper anchor, the shallower one's state is given up.
     a.extend(&[(t, 8, 4)]).unwrap();
     a.publish(t, &prompt);
     assert_eq!(a.snapshot_slot(t), Some(0));
     let u = a.alloc_seq();
-    assert_eq!(a.attach_prefix(u, &prompt[..13], true).unwrap(), Reused { tokens: 12, snapshot: Some(0) });
+    assert_eq!(
+        a.attach_prefix(u, &prompt[..13], true).unwrap(),
+        Reused {
+            tokens: 12,
+            snapshot: Some(0)
+        }
+    );
     let v = a.alloc_seq();
-    assert_eq!(a.attach_prefix(v, &prompt[..9], true).unwrap().tokens, 0, "the anchor at 8 is gone");
+    assert_eq!(
+        a.attach_prefix(v, &prompt[..9], true).unwrap().tokens,
+        0,
+        "the anchor at 8 is gone"
+    );
     assert_eq!(a.prefix_stats().unwrap().evicted_snapshots, 1);
 }
 
@@ -151,10 +172,10 @@ fn random_operations_never_touch_a_block_another_sequence_reads() {
                     let s = a.alloc_seq();
                     let reused = a.attach_prefix(s, &tokens[..len - 1], rng.random_bool(0.3)).unwrap();
                     assert_eq!(a.seq_len(s), reused.tokens);
-                    for pos in 0..reused.tokens {
+                    for (pos, &token) in tokens[..reused.tokens].iter().enumerate() {
                         let slot = a.slot(s, pos).unwrap() as usize;
                         let held = memory.slots[&((slot / BS) as u32)][slot % BS];
-                        assert_eq!(held, Some(tokens[pos]), "a hit holds exactly the prompt's tokens");
+                        assert_eq!(held, Some(token), "a hit holds exactly the prompt's tokens");
                     }
                     live.push((s, tokens));
                 }
@@ -169,12 +190,12 @@ fn random_operations_never_touch_a_block_another_sequence_reads() {
                     if a.extend(&[(*s, start, len)]).is_err() {
                         continue;
                     }
-                    for pos in start..start + len {
+                    for (pos, &token) in tokens.iter().enumerate().skip(start).take(len) {
                         let slot = a.slot(*s, pos).unwrap();
                         let block = slot / BS as u32;
                         assert_eq!(a.refs[block as usize], 1, "a block being written has one reader");
                         assert!(!a.prefix.as_ref().unwrap().is_cached(block), "nor is it cached");
-                        memory.slots.entry(block).or_default()[slot as usize % BS] = Some(tokens[pos]);
+                        memory.slots.entry(block).or_default()[slot as usize % BS] = Some(token);
                     }
                     a.publish(*s, tokens);
                     if rng.random_bool(0.5) {

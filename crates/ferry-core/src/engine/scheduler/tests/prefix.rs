@@ -63,7 +63,10 @@ fn cached_answers_equal_cold_ones() {
         longer.extend(prompt(9, 2));
         let (text, cached) = answer(&mut s, 2, &longer, 5);
         assert_eq!(text, cold(&longer, 5, hybrid));
-        assert_eq!(cached, 16, "hybrid {hybrid}: the blocks (and anchor) before the shared prefix's partial block");
+        assert_eq!(
+            cached, 16,
+            "hybrid {hybrid}: the blocks (and anchor) before the shared prefix's partial block"
+        );
         // Diverging inside the third block (position 9): only the first two blocks are shared; a hybrid has no
         // state saved there, so it shares nothing.
         let mut diverging = longer.clone();
@@ -130,7 +133,10 @@ fn shared_blocks_outlive_a_cancelled_or_preempted_reader() {
         assert!(a.try_iter().all(|e| matches!(e, Event::Token { .. })));
         let (text, last) = outcome(&b);
         assert!(matches!(last, Event::Finished { cached_tokens: 12, .. }), "{last:?}");
-        assert_eq!(text, cold(&b_prompt, 30, hybrid).chars().take(text.len()).collect::<String>());
+        assert_eq!(
+            text,
+            cold(&b_prompt, 30, hybrid).chars().take(text.len()).collect::<String>()
+        );
         // Now two long generations sharing the prefix outgrow the cache: the newest is preempted (and evicts
         // cached blocks when it comes back) while the oldest keeps reading the shared ones.
         let a = submit(&mut s, 3, request(&a_prompt, 40));
