@@ -10,7 +10,13 @@ Phases:
      the server's own token counts of two shorter prompts;
   4. concurrency: 4 concurrent streamed requests of 512 tokens (aggregate tok/s = all completion tokens / wall time).
 
-Every prompt starts with a distinct nonce so that prefix caches cannot serve it. Requests ask for `ignore_eos`
+Every prompt starts with a distinct nonce so that prefix caches cannot serve it.
+
+`--workload agent-loop` measures prefix caching instead: an agent's conversation of 8 turns from a ~4K-token system
+prompt describing tools, each turn = the last turn's messages + the assistant's reply + a ~200-token tool result.
+Per turn it reports TTFT, the prompt tokens the server says were cached, and the TTFT of a cold prompt of the same
+length (the same conversation behind a fresh nonce) with their ratio; it keeps every reply, and `--compare FILE`
+(a run against a server with prefix caching off) checks the greedy replies are identical. Requests ask for `ignore_eos`
 (honoured by ferry and vLLM) so that each runs to its max_tokens; the completion tokens actually generated come
 from the server's usage report.
 
@@ -57,11 +63,12 @@ class Client:
             raise RuntimeError(f"GET {path}: {response.status} {body[:500]!r}")
         return json.loads(body)
 
-    def chat_stream(self, model, prompt, max_tokens):
-        """One streamed chat completion; returns its timings and token counts."""
+    def chat_stream(self, model, prompt, max_tokens, messages=None):
+        """One streamed chat completion (of `prompt` as the user's message, or of `messages`); returns its timings,
+        token counts and text."""
         body = {
             "model": model,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": messages or [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": True,
@@ -77,6 +84,7 @@ class Client:
         first_token_at = None
         usage = None
         chunks = 0
+        text = []
         for raw in response:
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:"):
@@ -92,6 +100,7 @@ class Client:
             for choice in event.get("choices", []):
                 delta = choice.get("delta") or {}
                 if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+                    text.append(delta.get("content") or "")
                     chunks += 1
                     if first_token_at is None:
                         first_token_at = time.perf_counter()
@@ -104,7 +113,9 @@ class Client:
         decode_time = total - ttft
         return {
             "prompt_tokens": prompt_tokens,
+            "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
             "completion_tokens": completion,
+            "text": "".join(text),
             "ttft_s": ttft,
             "total_s": total,
             "established_decode_tok_s": completion / decode_time if decode_time > 0 else None,
@@ -124,6 +135,71 @@ def concurrent_run(client, model, prompts, max_tokens):
     wall = time.perf_counter() - started
     tokens = sum(r["completion_tokens"] for r in results)
     return {"requests": results, "wall_s": wall, "completion_tokens": tokens, "aggregate_tok_s": tokens / wall}
+
+
+def words_text(rng, words):
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def agent_loop(client, model, turns, reply_tokens, system_tokens):
+    """An agent's conversation: a system prompt of ~`system_tokens` with tools, then per turn the assistant's reply and a
+    ~200-token tool result. Each turn's TTFT beside a cold prompt of the same length (a fresh nonce in front)."""
+    rng = random.Random(1)
+    # Tokens per word of this vocabulary, from the server's own counts (probes behind fresh nonces).
+    probe = lambda words: client.chat_stream(model, f"[probe {time.time_ns()}] {words_text(rng, words)}", 1)
+    per_word = (probe(400)["prompt_tokens"] - probe(40)["prompt_tokens"]) / 360
+    tools = "\n".join(
+        f'{{"name": "tool_{i}", "description": "{words_text(rng, 12)}", "parameters": {{"type": "object", '
+        f'"properties": {{"arg": {{"type": "string", "description": "{words_text(rng, 8)}"}}}}}}}}'
+        for i in range(8)
+    )
+    system = f"You are an agent. Call the tools below as needed.\n\n# Tools\n{tools}\n\n# Rules\n"
+    probe_system = [{"role": "system", "content": f"[probe {time.time_ns()}] {system}"}]
+    tools_tokens = client.chat_stream(model, None, 1, messages=probe_system)["prompt_tokens"]
+    system += words_text(rng, max(1, round((system_tokens - tools_tokens) / per_word)))
+    tool_words = max(1, round(200 / per_word))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Begin the task."}]
+    results = []
+    for turn in range(1, turns + 1):
+        warm = client.chat_stream(model, None, reply_tokens, messages=messages)
+        cold_messages = [{"role": "system", "content": f"[cold {time.time_ns()}] {system}"}] + messages[1:]
+        cold = client.chat_stream(model, None, reply_tokens, messages=cold_messages)
+        ratio = warm["ttft_s"] / cold["ttft_s"] if cold["ttft_s"] > 0 else None
+        results.append({"turn": turn, "warm": warm, "cold": cold, "ttft_ratio": ratio})
+        print(
+            f"turn {turn}: {warm['prompt_tokens']} prompt tokens, {warm['cached_tokens']} cached, "
+            f"TTFT {warm['ttft_s']:.3f} s vs cold {cold['ttft_s']:.3f} s ({ratio:.3f})",
+            file=sys.stderr,
+        )
+        messages = messages + [
+            {"role": "assistant", "content": warm["text"]},
+            {"role": "user", "content": f"Tool result (tool_{turn % 8}):\n{words_text(rng, tool_words)}"},
+        ]
+    return results
+
+
+def run_agent_loop(client, model, args):
+    turns = agent_loop(client, model, 8, args.reply_tokens, args.system_tokens)
+    later = [t["ttft_ratio"] for t in turns[1:] if t["ttft_ratio"] is not None]
+    summary = {
+        "turns": len(turns),
+        "first_turn_prompt_tokens": turns[0]["warm"]["prompt_tokens"],
+        "max_ttft_ratio_turn_2_on": max(later) if later else None,
+        "mean_ttft_ratio_turn_2_on": mean(later),
+    }
+    print(f"\n{'turn':<6}{'prompt':>8}{'cached':>8}{'TTFT s':>10}{'cold s':>10}{'ratio':>8}")
+    for t in turns:
+        w, c = t["warm"], t["cold"]
+        print(f"{t['turn']:<6}{w['prompt_tokens']:>8}{w['cached_tokens'] or 0:>8}{w['ttft_s']:>10.3f}"
+              f"{c['ttft_s']:>10.3f}{t['ttft_ratio']:>8.3f}")
+    results = {"workload": "agent-loop", "summary": summary, "turns": turns}
+    if args.compare:
+        with open(args.compare) as f:
+            other = json.load(f)["turns"]
+        differing = [t["turn"] for t, o in zip(turns, other) if t["warm"]["text"] != o["warm"]["text"]]
+        results["replies_equal_to"] = {"file": args.compare, "differing_turns": differing}
+        print(f"replies vs {args.compare}: " + (f"turns {differing} differ" if differing else "identical"))
+    return results
 
 
 def mean(values):
@@ -146,10 +222,23 @@ def main():
     )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--label", default="", help="free text stored in the JSON (machine, budget, ...)")
+    parser.add_argument("--workload", choices=["standard", "agent-loop"], default="standard")
+    parser.add_argument("--reply-tokens", type=int, default=64, help="agent-loop: tokens of each assistant reply")
+    parser.add_argument("--system-tokens", type=int, default=4096, help="agent-loop: the system prompt's size")
+    parser.add_argument("--compare", help="agent-loop: another run's JSON whose replies must be identical")
     args = parser.parse_args()
 
     client = Client(args.base_url, args.api_key, args.timeout)
     model = args.model or client.get_json("/v1/models")["data"][0]["id"]
+    if args.workload == "agent-loop":
+        results = run_agent_loop(client, model, args)
+        results.update({"model": model, "label": args.label, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"\nwrote {args.out}", file=sys.stderr)
+        if results.get("replies_equal_to", {}).get("differing_turns"):
+            sys.exit(1)
+        return
     rng = random.Random(0)
     nonce = iter(range(10**6))
     prompt = lambda words=40: make_prompt(rng, words, f"{time.time_ns()}-{next(nonce)}")

@@ -4,7 +4,8 @@
 # WORKLOAD: q30-resident | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
 # q30-1536-uniform (the same under a uniformly random routing trace) | q30-15.8 | q36-22.3 | q36-15.8 (4K and 32K
 # prompts) | serve-q30 | serve-q36 (bench/serve_bench.py against `ferry serve`; SERVE_BENCH_ARGS passes more
-# arguments to it). Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
+# arguments to it) | agent-q30 | agent-q36 (serve_bench.py's agent loop with prefix caching, then with
+# --no-prefix-cache, whose greedy replies must be identical). Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/ferry-bench}
@@ -18,6 +19,14 @@ bench() {
     echo "== $name: ferry bench $*"
     "$ferry" bench "$@" --output "$out/$name.json" >"$out/$name.log" 2>&1 || echo "$name failed (rc $?)"
     grep -v INFO "$out/$name.log" | tail -25
+}
+# The agent loop on a server with prefix caching, then on one without, comparing their replies.
+agent() {
+    local name=$1 label=$2
+    shift 2
+    SERVE_BENCH_ARGS="--workload agent-loop" bench/serve_and_bench.sh "$out/$name.json" "$label" "$@" || return 1
+    SERVE_BENCH_ARGS="--workload agent-loop --compare $out/$name.json" \
+        bench/serve_and_bench.sh "$out/$name-no-prefix-cache.json" "$label, --no-prefix-cache" "$@" --no-prefix-cache
 }
 status=0
 for workload in "$@"; do
@@ -47,6 +56,12 @@ for workload in "$@"; do
         bench/serve_and_bench.sh "$out/serve-q36-15.8GiB.json" "H200, q36, --gpu-memory-budget 15.8GiB" \
             $q36 --tokenizer tests/fixtures/qwen3_5_moe --gpu-memory-budget 15.8GiB --kv-reserve-tokens 33000 \
             --max-model-len 33000 ;;
+    agent-q30)
+        agent agent-q30-22.3GiB "H200, q30, --gpu-memory-budget 22.3GiB" $q30 --tokenizer tests/fixtures/qwen3_moe \
+            --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 || status=1 ;;
+    agent-q36)
+        agent agent-q36-15.8GiB "H200, q36, --gpu-memory-budget 15.8GiB" $q36 --tokenizer tests/fixtures/qwen3_5_moe \
+            --gpu-memory-budget 15.8GiB --kv-reserve-tokens 16384 || status=1 ;;
     *)
         echo "unknown workload $workload" >&2
         status=1

@@ -58,6 +58,9 @@ pub struct OffloadArgs {
     /// workspace (each prefill chunk streams nearly the whole expert bank, so longer chunks stream it fewer times).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pub max_batch_tokens: Option<u64>,
+    /// Not a flag: recurrent-state snapshots the plan keeps room for (`serve` sets it unless --no-prefix-cache).
+    #[arg(skip)]
+    pub snapshot_slots: usize,
 }
 
 impl OffloadArgs {
@@ -87,6 +90,7 @@ impl OffloadArgs {
             slots: self.moe_cache_slots,
             kv_reserve_tokens: self.kv_reserve_tokens,
             max_batch_tokens: self.max_batch_tokens.map(|n| n as usize),
+            snapshot_slots: self.snapshot_slots,
         };
         Ok(plan_memory(&info, &spec, &request)?)
     }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use ferry_core::backend::Backend;
-use ferry_core::engine::plan::MemoryPlan;
+use ferry_core::engine::plan::{MemoryPlan, PREFIX_SNAPSHOT_SLOTS};
 use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{Checkpoint, Tokenizer};
@@ -67,6 +67,10 @@ pub struct ServeArgs {
     device: Device,
     #[command(flatten)]
     offload: OffloadArgs,
+    /// Compute every prompt from scratch: no reuse of the KV blocks (and hybrid models' saved states) of earlier
+    /// requests' prefixes.
+    #[arg(long)]
+    no_prefix_cache: bool,
     #[command(flatten)]
     limits: ConnectionArgs,
 }
@@ -208,6 +212,9 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     if let Some(n) = args.max_model_len {
         offload.kv_reserve_tokens = offload.kv_reserve_tokens.max(n);
     }
+    if !args.no_prefix_cache {
+        offload.snapshot_slots = PREFIX_SNAPSHOT_SLOTS;
+    }
     let (backends, plan) = open_backend(args.device, &offload, &checkpoint)?;
     let plan = plan.as_ref();
     let mut shown = LoadProgress::new(&args.model_label());
@@ -286,14 +293,23 @@ fn start_engine<B: Backend + 'static>(
             (max_model_len.saturating_mul(args.max_running_requests)).clamp(max_model_len, kv_budget.max(max_model_len))
         }
     };
-    let kv = backend.new_kv(model.kv_spec(kv_tokens))?;
+    let mut kv = backend.new_kv(model.kv_spec(kv_tokens))?;
+    if !args.no_prefix_cache {
+        // The snapshot slots the GPU plan kept room for; on the CPU, as many in host memory.
+        let slots = match kv.has_recurrent_state() {
+            true => plan.map_or(PREFIX_SNAPSHOT_SLOTS, |p| p.snapshot_slots),
+            false => 0,
+        };
+        kv.blocks_mut().enable_prefix_cache(slots);
+    }
     tracing::info!(
-        "loaded {} on {} in {:.2?}; context {max_model_len}, KV {} blocks of {} tokens",
+        "loaded {} on {} in {:.2?}; context {max_model_len}, KV {} blocks of {} tokens, prefix cache {}",
         model.spec.model_type,
         backend.name(),
         started.elapsed(),
         kv.blocks().num_blocks(),
-        kv.blocks().block_size()
+        kv.blocks().block_size(),
+        if args.no_prefix_cache { "off" } else { "on" }
     );
     let vocab_size = model.spec.vocab_size;
     let scheduler = Scheduler::new(

@@ -52,7 +52,10 @@ fn plain_and_streamed_answers_agree_and_only_health_is_open() {
     );
     let finish = chunks.iter().find_map(|c| c["choices"][0]["finish_reason"].as_str());
     assert_eq!(finish, Some("length"));
-    assert_eq!(chunks.last().unwrap()["usage"], whole["usage"]);
+    let usage = &chunks.last().unwrap()["usage"];
+    for field in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(usage[field], whole["usage"][field], "{field}");
+    }
 
     let text = json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0});
     let (status, whole) = server.post("/v1/completions", &text);
@@ -69,6 +72,40 @@ fn plain_and_streamed_answers_agree_and_only_health_is_open() {
         })
         .collect();
     assert_eq!(joined, whole["choices"][0]["text"].as_str().unwrap());
+}
+
+#[test]
+fn a_repeated_prompt_is_answered_from_the_prefix_cache_unless_it_is_off() {
+    for (flags, caching) in [(&[][..], true), (&["--no-prefix-cache"][..], false)] {
+        let server = Server::start(flags);
+        let request = chat(
+            &"Tell me about ferries. ".repeat(8),
+            json!({"max_tokens": 8, "temperature": 0}),
+        );
+        let (_, cold) = server.post("/v1/chat/completions", &request);
+        let (_, warm) = server.post("/v1/chat/completions", &request);
+        assert_eq!(warm["choices"], cold["choices"], "the same greedy answer");
+        let cached = |body: &Value| {
+            body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        };
+        let prompt_tokens = warm["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(cached(&cold), 0);
+        if caching {
+            // Every full 16-token block but the one holding the prompt's last token.
+            assert_eq!(cached(&warm), (prompt_tokens - 1) / 16 * 16, "{warm}");
+            assert_eq!(
+                server.metric("ferry_prefix_cache_hit_tokens_total"),
+                cached(&warm) as f64
+            );
+            assert_eq!(server.metric("ferry_prefix_cache_queries_total"), 2.0);
+        } else {
+            assert_eq!(cached(&warm), 0);
+            assert_eq!(server.metric("ferry_prefix_cache_queries_total"), 0.0);
+        }
+        assert!(server.log().contains("from the prefix cache"), "{}", server.log());
+    }
 }
 
 #[test]

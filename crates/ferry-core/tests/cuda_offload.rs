@@ -252,6 +252,7 @@ fn what_ferry_allocates_stays_under_the_budget() {
         slots: None,
         kv_reserve_tokens: 4096,
         max_batch_tokens: None,
+        snapshot_slots: 0,
     };
     let plan = plan_memory(&info, &spec, &request).unwrap();
     assert!(plan.offload);

@@ -60,6 +60,12 @@ impl Metrics {
             gauge!("ferry_kv_blocks_total").set(s.kv_blocks_total as f64);
             gauge!("ferry_decode_tokens_per_second").set(status.decode_tokens_per_s);
             counter!("ferry_preemptions_total").absolute(s.preemptions);
+            gauge!("ferry_kv_blocks_cached").set(s.kv_blocks_cached as f64);
+            counter!("ferry_prefix_cache_queries_total").absolute(s.prefix.queries);
+            counter!("ferry_prefix_cache_queried_tokens_total").absolute(s.prefix.queried_tokens);
+            counter!("ferry_prefix_cache_hit_tokens_total").absolute(s.prefix.hit_tokens);
+            counter!("ferry_prefix_cache_evicted_blocks_total").absolute(s.prefix.evicted_blocks);
+            counter!("ferry_prefix_cache_evicted_snapshots_total").absolute(s.prefix.evicted_snapshots);
             if let Some(offload) = &status.offload {
                 counter!("ferry_expert_cache_hits_total").absolute(offload.hits());
                 counter!("ferry_expert_cache_misses_total").absolute(offload.misses());
@@ -102,6 +108,30 @@ mod tests {
             "ferry_expert_cache_bytes_copied_total 4096",
         ] {
             assert!(offloaded.contains(line), "no {line:?} in\n{offloaded}");
+        }
+    }
+
+    #[test]
+    fn prefix_cache_counters_come_from_the_scheduler() {
+        let mut status = EngineStatus::default();
+        status.scheduler.kv_blocks_cached = 7;
+        status.scheduler.prefix = ferry_core::kv::PrefixStats {
+            queries: 3,
+            queried_tokens: 300,
+            hit_tokens: 128,
+            evicted_blocks: 2,
+            evicted_snapshots: 1,
+        };
+        let text = Metrics::new().render(Some(status));
+        for line in [
+            "ferry_kv_blocks_cached 7",
+            "ferry_prefix_cache_queries_total 3",
+            "ferry_prefix_cache_queried_tokens_total 300",
+            "ferry_prefix_cache_hit_tokens_total 128",
+            "ferry_prefix_cache_evicted_blocks_total 2",
+            "ferry_prefix_cache_evicted_snapshots_total 1",
+        ] {
+            assert!(text.contains(line), "no {line:?} in\n{text}");
         }
     }
 }

@@ -80,9 +80,10 @@ impl ResponseMeta {
     }
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+fn usage(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize) -> Value {
     json!({
         "prompt_tokens": prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     })
@@ -353,6 +354,7 @@ async fn respond_whole(
             Event::Finished {
                 reason,
                 prompt_tokens,
+                cached_tokens,
                 completion_tokens,
             } => {
                 let rest = flush_text(&mut prepared.reasoning);
@@ -365,7 +367,7 @@ async fn respond_whole(
                     choice["message"]["reasoning_content"] = Value::Null;
                 }
                 let mut body = meta.envelope(vec![choice], false);
-                body.insert("usage".into(), usage(prompt_tokens, completion_tokens));
+                body.insert("usage".into(), usage(prompt_tokens, cached_tokens, completion_tokens));
                 return Json(Value::Object(body)).into_response();
             }
             Event::Failed { message } => {
@@ -419,6 +421,7 @@ impl StreamState {
             Event::Finished {
                 reason,
                 prompt_tokens,
+                cached_tokens,
                 completion_tokens,
             } => {
                 self.ended = true;
@@ -431,7 +434,7 @@ impl StreamState {
                 out.push(self.chunk(&Split::default(), Some(reason.as_str())));
                 if self.prepared.params.include_usage {
                     let mut body = self.prepared.meta.envelope(vec![], true);
-                    body.insert("usage".into(), usage(prompt_tokens, completion_tokens));
+                    body.insert("usage".into(), usage(prompt_tokens, cached_tokens, completion_tokens));
                     out.push(SseEvent::default().data(Value::Object(body).to_string()));
                 }
                 out.push(done());

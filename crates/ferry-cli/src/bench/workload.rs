@@ -5,7 +5,7 @@
 
 use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::{Executor, ModelExecutor};
-use ferry_core::kv::{KvCache, BLOCK_SIZE};
+use ferry_core::kv::{KvCache, SeqId, BLOCK_SIZE};
 use ferry_core::model::ModelInfo;
 use ferry_core::moe::{OffloadStats, RoutingTap, RoutingTrace, TraceHeader, TraceRecorder, TraceReplayer};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -137,6 +137,14 @@ impl<B: Backend> Executor for BenchExecutor<'_, B> {
             }
         }
         Ok(logits)
+    }
+
+    fn save_state(&mut self, seq: SeqId, slot: usize) -> ferry_core::Result<()> {
+        self.model.save_state(seq, slot)
+    }
+
+    fn restore_state(&mut self, seq: SeqId, slot: usize) -> ferry_core::Result<()> {
+        self.model.restore_state(seq, slot)
     }
 
     fn offload_stats(&self) -> Option<OffloadStats> {

@@ -251,6 +251,13 @@ pub trait Backend: Send + Sync + Sized {
     /// Reserves KV room for the batch's new tokens and prepares its per-row positions and slots; fails (before
     /// any work) when a sequence is unknown, out of step with the batch, or the cache is full.
     fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Result<Self::Batch>;
+    /// Copies `seq`'s recurrent state (every Gated DeltaNet layer's conv and delta-rule state) into the cache's
+    /// snapshot slot `slot`, replacing what the slot held: prefix caching's anchor for a hybrid model. Ordered
+    /// after every op issued before it.
+    fn save_state(&self, kv: &mut Self::Kv, seq: SeqId, slot: usize) -> Result<()>;
+    /// Replaces `seq`'s recurrent state with a copy of snapshot `slot`, so that `seq` continues from the prefix
+    /// the snapshot was saved after; an empty slot is an error.
+    fn restore_state(&self, kv: &mut Self::Kv, seq: SeqId, slot: usize) -> Result<()>;
 
     /// A tensor holding `data` (`rows * cols` values).
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;

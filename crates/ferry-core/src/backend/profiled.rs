@@ -10,7 +10,7 @@ use super::{
     AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
     RouterKind, SeqSlice,
 };
-use crate::kv::KvSpec;
+use crate::kv::{KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::Result;
 
@@ -105,6 +105,12 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     }
     fn new_kv(&self, spec: KvSpec) -> Result<Self::Kv> {
         self.inner.new_kv(spec)
+    }
+    fn save_state(&self, kv: &mut Self::Kv, seq: SeqId, slot: usize) -> Result<()> {
+        self.inner.save_state(kv, seq, slot)
+    }
+    fn restore_state(&self, kv: &mut Self::Kv, seq: SeqId, slot: usize) -> Result<()> {
+        self.inner.restore_state(kv, seq, slot)
     }
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor> {
         self.inner.upload(data, rows, cols)

@@ -5,7 +5,7 @@ use std::borrow::Borrow;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, SeqSlice};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, SeqId};
 use crate::model::Model;
 use crate::moe::{OffloadStats, RoutingTap};
 use crate::Result;
@@ -18,6 +18,10 @@ pub trait Executor: Send {
     /// Runs one batch (`ids` are the rows of `batch`'s slices, in order) and returns the logits of each slice's
     /// last token, `batch.len()` rows of `vocab_size()` values one after another.
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>>;
+    /// Copies `seq`'s recurrent state into the cache's snapshot slot `slot` ([`Backend::save_state`]).
+    fn save_state(&mut self, seq: SeqId, slot: usize) -> Result<()>;
+    /// Replaces `seq`'s recurrent state with snapshot `slot`'s ([`Backend::restore_state`]).
+    fn restore_state(&mut self, seq: SeqId, slot: usize) -> Result<()>;
     /// The expert offload's counters, when experts are offloaded.
     fn offload_stats(&self) -> Option<OffloadStats> {
         None
@@ -80,6 +84,14 @@ impl<B: Backend, Be: Borrow<B> + Send> Executor for ModelExecutor<'_, B, Be> {
         let logits = self.model.forward_routed(backend, ids, batch, &mut self.kv, tap)?;
         self.issue_time += issued.elapsed();
         backend.to_host(&logits)
+    }
+
+    fn save_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
+        self.backend.borrow().save_state(&mut self.kv, seq, slot)
+    }
+
+    fn restore_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
+        self.backend.borrow().restore_state(&mut self.kv, seq, slot)
     }
 
     fn offload_stats(&self) -> Option<OffloadStats> {

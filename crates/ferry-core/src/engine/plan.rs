@@ -38,7 +38,16 @@ pub struct BudgetRequest {
     /// The most tokens one forward pass carries (the prefill chunk), which sizes the activation workspace; None:
     /// [`MAX_BATCH_TOKENS`], or [`OFFLOAD_STEP_TOKENS`] when the experts are offloaded.
     pub max_batch_tokens: Option<usize>,
+    /// Recurrent-state snapshots kept for prefix caching (0: none), each a whole sequence's state of a hybrid
+    /// model (nothing for a model without recurrent state): [`PREFIX_SNAPSHOT_SLOTS`] when it is on.
+    pub snapshot_slots: usize,
 }
+
+/// Recurrent-state snapshots a hybrid model keeps for prefix caching. Each is a whole sequence's state (about 63 MiB
+/// for Qwen3.6-35B-A3B, as much as ~1,600 tokens of its KV): 8 keep the anchors of the latest turns of a few
+/// conversations at once (a turn resumes from the previous turn's prompt end) for 0.5 GiB, taken from the expert
+/// cache under offload. An evicted snapshot costs a recompute, never a wrong answer.
+pub const PREFIX_SNAPSHOT_SLOTS: usize = 8;
 
 /// How the budget is spent.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -54,6 +63,9 @@ pub struct MemoryPlan {
     pub kv_bytes: u64,
     /// The most tokens one forward pass carries, which the workspace was sized for.
     pub step_tokens: usize,
+    /// Recurrent-state snapshot slots for prefix caching, and their bytes (0 for a model without recurrent state).
+    pub snapshot_slots: usize,
+    pub snapshot_bytes: u64,
 }
 
 /// KV bytes per token on the GPU, in the element type the device cache stores.
@@ -101,7 +113,9 @@ fn workspace_bytes(spec: &ModelSpec, rows: usize) -> u64 {
 pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) -> Result<MemoryPlan> {
     let dense = info.dense_bytes;
     let kv_per_token = gpu_kv_bytes_per_token(info).max(1);
-    let floor = request.kv_reserve_tokens as u64 * kv_per_token;
+    let snapshots = request.snapshot_slots as u64 * info.recurrent_state_bytes_per_seq;
+    // The KV floor and the snapshots: what the budget keeps besides weights and workspace.
+    let floor = request.kv_reserve_tokens as u64 * kv_per_token + snapshots;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     // Dense weights, workspace and KV floor for a step of `step_tokens`, or why the budget cannot hold them.
     let fixed_for = |step_tokens: usize| -> Result<(u64, u64)> {
@@ -110,11 +124,12 @@ pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) 
         if fixed > request.budget_bytes {
             return Err(Error::Config(format!(
                 "a budget of {:.2} GiB cannot hold the dense weights ({:.2} GiB), the workspace for {step_tokens}-token \
-                 steps ({:.2} GiB) and KV for {} tokens ({:.2} GiB)",
+                 steps ({:.2} GiB) and KV for {} tokens with {} recurrent-state snapshots ({:.2} GiB)",
                 gib(request.budget_bytes),
                 gib(dense),
                 gib(workspace),
                 request.kv_reserve_tokens,
+                request.snapshot_slots,
                 gib(floor)
             )));
         }
@@ -173,7 +188,7 @@ pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) 
     } else {
         (0, info.expert_bank_bytes)
     };
-    let kv_tokens = ((request.budget_bytes - dense - workspace - expert_bytes) / kv_per_token) as usize;
+    let kv_tokens = ((request.budget_bytes - dense - workspace - expert_bytes - snapshots) / kv_per_token) as usize;
     Ok(MemoryPlan {
         offload,
         slots,
@@ -183,6 +198,8 @@ pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) 
         expert_bytes,
         kv_bytes: kv_tokens as u64 * kv_per_token,
         step_tokens,
+        snapshot_slots: request.snapshot_slots,
+        snapshot_bytes: snapshots,
     })
 }
 
@@ -242,6 +259,7 @@ mod tests {
             slots,
             kv_reserve_tokens: 8192,
             max_batch_tokens: None,
+            snapshot_slots: 0,
         }
     }
 
@@ -309,6 +327,38 @@ mod tests {
             plan.slots > offloaded.slots,
             "a shorter step leaves more room for slots"
         );
+    }
+
+    #[test]
+    fn prefix_snapshots_of_a_hybrid_come_out_of_the_budget_and_cost_an_attention_model_nothing() {
+        let (info, spec) = model("bench/q36.json");
+        assert!(info.recurrent_state_bytes_per_seq > 0);
+        let with = |snapshot_slots| BudgetRequest {
+            snapshot_slots,
+            ..request("15.8GiB", OffloadMode::Auto, None)
+        };
+        let (none, some) = (
+            plan_memory(&info, &spec, &with(0)).unwrap(),
+            plan_memory(&info, &spec, &with(PREFIX_SNAPSHOT_SLOTS)).unwrap(),
+        );
+        let bytes = PREFIX_SNAPSHOT_SLOTS as u64 * info.recurrent_state_bytes_per_seq;
+        assert_eq!(
+            (some.snapshot_slots, some.snapshot_bytes),
+            (PREFIX_SNAPSHOT_SLOTS, bytes)
+        );
+        let spent = |p: &MemoryPlan| p.dense_bytes + p.workspace_bytes + p.expert_bytes + p.kv_bytes + p.snapshot_bytes;
+        assert!(spent(&some) <= parse_size("15.8GiB").unwrap());
+        assert!(
+            some.expert_bytes < none.expert_bytes,
+            "under offload the slots pay for them"
+        );
+        let (info, spec) = q30();
+        let (none, some) = (
+            plan_memory(&info, &spec, &with(0)).unwrap(),
+            plan_memory(&info, &spec, &with(PREFIX_SNAPSHOT_SLOTS)).unwrap(),
+        );
+        assert_eq!(some.snapshot_bytes, 0);
+        assert_eq!((some.slots, some.kv_tokens), (none.slots, none.kv_tokens));
     }
 
     #[test]
@@ -430,6 +480,7 @@ mod tests {
                 slots,
                 kv_reserve_tokens,
                 max_batch_tokens,
+                snapshot_slots: 0,
             };
             let plan = plan_memory(&info, &spec, &request).unwrap();
             let got = (

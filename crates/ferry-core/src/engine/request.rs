@@ -106,6 +106,8 @@ pub enum Event {
     Finished {
         reason: FinishReason,
         prompt_tokens: usize,
+        /// Prompt tokens found in the prefix cache, not computed.
+        cached_tokens: usize,
         completion_tokens: usize,
     },
     Failed {

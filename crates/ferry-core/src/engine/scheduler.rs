@@ -8,6 +8,13 @@
 //! oldest request is never preempted, and the cache holds at least one whole context window, so it always
 //! finishes. A forward pass that fails is retried one request at a time, so a failing request fails alone.
 //!
+//! With prefix caching on (the cache's [`crate::kv::BlockAllocator::enable_prefix_cache`]), a request starts after
+//! the longest prefix of its tokens whose blocks are cached, always leaving its last token to compute; the blocks it
+//! fills are published after each step. A hybrid model resumes only where its recurrent state was saved: after
+//! the last full block of every prompt and every [`ANCHOR_EVERY_BLOCKS`] blocks of a long one. Those anchors must
+//! be the end of a forward slice, so a chunk that would cross the prompt's last block boundary stops there, and a
+//! chunk that does not end the prompt ends on a block boundary.
+//!
 //! What a request may ask is request.rs's business, what becomes of its logits emit.rs's.
 
 use std::collections::VecDeque;
@@ -18,9 +25,15 @@ use super::emit::Emitter;
 use super::executor::Executor;
 use super::request::{Event, EventSink, Request, RequestId};
 use crate::backend::SeqSlice;
-use crate::kv::SeqId;
+use crate::kv::{PrefixStats, SeqId};
 use crate::loader::TextDecoder;
 use crate::{Error, Result};
+
+/// A hybrid model's prompt saves its recurrent state at least this often (in blocks) besides its end: each
+/// snapshot costs a copy of the whole state (about 63 MiB for Qwen3.6-35B-A3B, as much as ~1,600 tokens of its KV)
+/// and a slot, so only long prompts get intermediate ones. 256 blocks (4,096 tokens) is the offloaded step, so an
+/// offloaded prefill's chunks end on anchors anyway, and a prompt that diverges mid-way recomputes at most that much.
+pub const ANCHOR_EVERY_BLOCKS: usize = 256;
 
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
@@ -44,6 +57,10 @@ struct Sequence {
     tokens: Vec<u32>,
     /// Tokens whose keys and values are in the KV cache.
     computed: usize,
+    /// Prompt tokens found in the prefix cache when it was first admitted (None until then).
+    cached: Option<usize>,
+    /// Where its recurrent state was last saved (or restored from), for a hybrid model's anchors.
+    last_anchor: usize,
     kv: Option<SeqId>,
     emitter: Emitter,
     sink: EventSink,
@@ -74,6 +91,10 @@ pub struct SchedulerStats {
     pub kv_blocks_total: usize,
     /// Requests preempted (KV freed, to be recomputed) since the start.
     pub preemptions: u64,
+    /// Prefix caching's counters (all zero when it is off).
+    pub prefix: PrefixStats,
+    /// Cached blocks no request reads, kept for later prompts (counted free: evicted when room is needed).
+    pub kv_blocks_cached: usize,
 }
 
 /// What one step did.
@@ -154,6 +175,8 @@ impl<E: Executor> Scheduler<E> {
             kv_blocks_used: blocks.used_blocks(),
             kv_blocks_total: blocks.num_blocks(),
             preemptions: self.preemptions,
+            prefix: blocks.prefix_stats().unwrap_or_default(),
+            kv_blocks_cached: blocks.cached_blocks(),
         }
     }
 
@@ -183,6 +206,8 @@ impl<E: Executor> Scheduler<E> {
             id,
             tokens: request.prompt_ids.clone(),
             computed: 0,
+            cached: None,
+            last_anchor: 0,
             kv: None,
             emitter: Emitter::new(&request),
             request,
@@ -206,6 +231,49 @@ impl<E: Executor> Scheduler<E> {
             self.executor.kv_mut().free_seq(kv);
         }
         seq.computed = 0;
+        seq.last_anchor = 0;
+    }
+
+    /// Starts `kv` on the longest cached prefix of `tokens` (all but the last, whose logits are needed), restoring
+    /// the recurrent state saved there; the tokens reused.
+    fn reuse_prefix(&mut self, kv: SeqId, tokens: &[u32]) -> Result<usize> {
+        let cache = self.executor.kv_mut();
+        let needs_snapshot = cache.has_recurrent_state();
+        let reused = cache
+            .blocks_mut()
+            .attach_prefix(kv, &tokens[..tokens.len() - 1], needs_snapshot)?;
+        if let Some(slot) = reused.snapshot {
+            self.executor.restore_state(kv, slot)?;
+        }
+        Ok(reused.tokens)
+    }
+
+    /// After a step computed up to `seq.computed`: publishes the blocks it filled and, at an anchor of a hybrid
+    /// model, saves its recurrent state.
+    fn cache_prefix(&mut self, i: usize) {
+        let seq = &mut self.running[i];
+        let cache = self.executor.kv_mut();
+        let blocks = cache.blocks_mut();
+        if !blocks.caches_prefixes() {
+            return;
+        }
+        blocks.publish(seq.kv(), &seq.tokens);
+        let block_size = blocks.block_size();
+        let prompt_end = seq.request.prompt_ids.len() / block_size * block_size;
+        let at_anchor = seq.computed == prompt_end
+            || (seq.computed < prompt_end && seq.computed - seq.last_anchor >= ANCHOR_EVERY_BLOCKS * block_size);
+        if !cache.has_recurrent_state() || !at_anchor || !seq.computed.is_multiple_of(block_size) {
+            return;
+        }
+        let Some(slot) = cache.blocks_mut().snapshot_slot(seq.kv()) else {
+            return;
+        };
+        seq.last_anchor = seq.computed;
+        let kv = seq.kv();
+        if let Err(e) = self.executor.save_state(kv, slot) {
+            tracing::warn!("cannot save a recurrent-state snapshot: {e}");
+            self.executor.kv_mut().blocks_mut().discard_snapshot(slot);
+        }
     }
 
     /// Moves the newest running request back to the front of the queue, freeing its KV.
@@ -235,7 +303,25 @@ impl<E: Executor> Scheduler<E> {
                 break;
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
-            seq.kv = Some(self.executor.kv_mut().alloc_seq());
+            let mut kv = self.executor.kv_mut().alloc_seq();
+            let reused = match self.reuse_prefix(kv, &seq.tokens) {
+                Ok(reused) => reused,
+                Err(e) => {
+                    // Reusing is an optimisation: start afresh (a failed restore may have left cached blocks
+                    // attached) and compute the prompt.
+                    tracing::warn!(
+                        "request {}: the prefix cache failed ({e}); computing its prompt",
+                        seq.id.0
+                    );
+                    self.executor.kv_mut().free_seq(kv);
+                    kv = self.executor.kv_mut().alloc_seq();
+                    0
+                }
+            };
+            seq.kv = Some(kv);
+            seq.computed = reused;
+            seq.last_anchor = reused;
+            seq.cached.get_or_insert(reused.min(seq.request.prompt_ids.len()));
             self.running.push(seq);
         }
     }
@@ -271,7 +357,15 @@ impl<E: Executor> Scheduler<E> {
         let seq = &self.running[i];
         let kv = self.executor.kv_mut();
         let room = kv.blocks().max_tokens_for(seq.kv()).saturating_sub(seq.computed);
-        let len = seq.pending().min(budget).min(room);
+        let mut len = seq.pending().min(budget).min(room);
+        if kv.has_recurrent_state() && kv.blocks().caches_prefixes() {
+            len = anchored_chunk(
+                seq.computed,
+                len,
+                seq.request.prompt_ids.len(),
+                kv.blocks().block_size(),
+            );
+        }
         match len > 0 && kv.grow(seq.kv(), seq.computed + len) {
             true => len,
             false => 0,
@@ -354,8 +448,9 @@ impl<E: Executor> Scheduler<E> {
         let mut report = StepReport::default();
         let mut retired = Vec::new();
         for (row, &(i, len)) in plan.iter().enumerate() {
+            self.running[i].computed += len;
+            self.cache_prefix(i);
             let seq = &mut self.running[i];
-            seq.computed += len;
             if seq.pending() > 0 {
                 report.prefill_tokens += len;
                 continue;
@@ -406,11 +501,22 @@ impl<E: Executor> Scheduler<E> {
         }
         match emitted.finish {
             None => Next::Running,
-            Some(reason) => Next::Finished(Event::Finished {
-                reason,
-                prompt_tokens: seq.request.prompt_ids.len(),
-                completion_tokens: seq.generated(),
-            }),
+            Some(reason) => {
+                let (prompt_tokens, cached_tokens) = (seq.request.prompt_ids.len(), seq.cached.unwrap_or(0));
+                tracing::info!(
+                    "request {} finished: {prompt_tokens} prompt tokens, {cached_tokens} from the prefix cache \
+                     ({:.0}%), {} generated",
+                    seq.id.0,
+                    100.0 * cached_tokens as f64 / prompt_tokens as f64,
+                    seq.generated()
+                );
+                Next::Finished(Event::Finished {
+                    reason,
+                    prompt_tokens,
+                    cached_tokens,
+                    completion_tokens: seq.generated(),
+                })
+            }
         }
     }
 
@@ -439,6 +545,22 @@ impl<E: Executor> Scheduler<E> {
             seq.computed = 0;
             seq.solo = true;
         }
+    }
+}
+
+/// The length of a hybrid model's chunk of `len` tokens from `computed`, cut so that it ends where an anchor can
+/// be saved: at the prompt's last block boundary if it would cross it, else, if it does not end the prompt, at a
+/// block boundary (unless that leaves nothing). Recomputed generated tokens are not cut.
+fn anchored_chunk(computed: usize, len: usize, prompt_len: usize, block_size: usize) -> usize {
+    let end = computed + len;
+    let prompt_anchor = prompt_len / block_size * block_size;
+    if computed < prompt_anchor && prompt_anchor < end {
+        return prompt_anchor - computed;
+    }
+    let aligned = end / block_size * block_size;
+    match end < prompt_len && aligned > computed {
+        true => aligned - computed,
+        false => len,
     }
 }
 

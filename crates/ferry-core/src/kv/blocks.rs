@@ -4,7 +4,14 @@
 //! step ([`BlockAllocator::grow`]), so running out of KV is a scheduling decision (wait, or preempt a sequence)
 //! instead of an error in the middle of a forward pass, and the forward pass finds its blocks already taken.
 //! Pure logic: where the slots physically live is the cache's business.
+//!
+//! With prefix caching ([`BlockAllocator::enable_prefix_cache`]), full blocks are also published under their
+//! prefix's key ([`super::prefix`]) and shared read-only: a new sequence starts on the cached blocks of its prompt's
+//! longest cached prefix, each block counts the sequences reading it, and a cached block no one reads stays until a
+//! new block is needed. Only full blocks are shared and a sequence only writes past its last full block, into a
+//! block of its own, so no block is ever written while another sequence reads it.
 
+use super::prefix::{BlockKey, PrefixIndex, PrefixStats};
 use super::SeqId;
 use crate::{Error, Result};
 
@@ -12,13 +19,29 @@ struct SeqBlocks {
     blocks: Vec<u32>,
     /// Positions written (or being written by the batch in flight); the blocks may hold more.
     len: usize,
+    /// The keys of its first blocks, published or found in the prefix cache.
+    keys: Vec<BlockKey>,
+}
+
+/// What a sequence found in the prefix cache when it started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reused {
+    /// Leading tokens whose keys and values (and, for a hybrid, state) need no computing.
+    pub tokens: usize,
+    /// The recurrent-state snapshot slot to resume from, for a model with recurrent state.
+    pub snapshot: Option<usize>,
 }
 
 pub struct BlockAllocator {
     block_size: usize,
     num_blocks: usize,
+    /// Blocks holding nothing anyone may read.
     free: Vec<u32>,
+    /// Per block, the sequences reading it.
+    refs: Vec<u32>,
     seqs: Vec<Option<SeqBlocks>>,
+    /// None: prefix caching is off.
+    prefix: Option<PrefixIndex>,
 }
 
 impl BlockAllocator {
@@ -29,8 +52,26 @@ impl BlockAllocator {
             num_blocks,
             // Reversed so blocks are handed out from 0 upwards.
             free: (0..num_blocks as u32).rev().collect(),
+            refs: vec![0; num_blocks],
             seqs: Vec::new(),
+            prefix: None,
         }
+    }
+
+    /// Turns prefix caching on, with `snapshot_slots` slots for recurrent-state snapshots (0 for a model without
+    /// recurrent state), before any sequence starts.
+    pub fn enable_prefix_cache(&mut self, snapshot_slots: usize) {
+        self.prefix = Some(PrefixIndex::new(self.block_size, self.num_blocks, snapshot_slots));
+    }
+
+    /// Prefix caching's counters; None when it is off.
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefix.as_ref().map(PrefixIndex::stats)
+    }
+
+    /// Cached blocks that no sequence reads (counted free: they are given up when a new block is needed).
+    pub fn cached_blocks(&self) -> usize {
+        self.prefix.as_ref().map_or(0, PrefixIndex::evictable_blocks)
     }
 
     pub fn block_size(&self) -> usize {
@@ -41,12 +82,14 @@ impl BlockAllocator {
         self.num_blocks
     }
 
+    /// Blocks sequences hold.
     pub fn used_blocks(&self) -> usize {
-        self.num_blocks - self.free.len()
+        self.num_blocks - self.free_blocks()
     }
 
+    /// Blocks a sequence may take: free ones and cached ones no sequence reads.
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.cached_blocks()
     }
 
     /// Tokens the whole cache holds.
@@ -68,6 +111,7 @@ impl BlockAllocator {
         let fresh = Some(SeqBlocks {
             blocks: Vec::new(),
             len: 0,
+            keys: Vec::new(),
         });
         match self.seqs.iter().position(Option::is_none) {
             Some(i) => {
@@ -81,11 +125,93 @@ impl BlockAllocator {
         }
     }
 
-    /// Ends `seq`; its blocks are free at once.
+    /// Ends `seq`; the blocks no other sequence reads are free at once (cached ones wait in the evictable pool,
+    /// its last blocks to be given up first).
     pub fn free_seq(&mut self, seq: SeqId) {
-        if let Some(s) = self.seqs.get_mut(seq.0 as usize).and_then(Option::take) {
-            self.free.extend(s.blocks.into_iter().rev());
+        let Some(s) = self.seqs.get_mut(seq.0 as usize).and_then(Option::take) else {
+            return;
+        };
+        for block in s.blocks.into_iter().rev() {
+            let refs = &mut self.refs[block as usize];
+            *refs -= 1;
+            if *refs == 0 && !self.prefix.as_mut().is_some_and(|p| p.release(block)) {
+                self.free.push(block);
+            }
         }
+    }
+
+    /// A block for a new use: a free one, else the least recently read cached one.
+    fn take_block(&mut self) -> Option<u32> {
+        let block = self.free.pop().or_else(|| self.prefix.as_mut()?.evict())?;
+        self.refs[block as usize] = 1;
+        Some(block)
+    }
+
+    /// Starts `seq`, which must hold nothing yet, on the longest cached prefix of `tokens` (the tokens that may
+    /// be reused: the caller leaves out at least the last one, whose logits it needs). With `needs_snapshot` (a
+    /// model with recurrent state), only as far as the deepest block with a state snapshot. Nothing is reused
+    /// when prefix caching is off.
+    pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32], needs_snapshot: bool) -> Result<Reused> {
+        if self.get(seq)?.len > 0 || self.held_by(seq) > 0 {
+            return Err(Error::Kv(format!("sequence {} already holds tokens", seq.0)));
+        }
+        let Some(prefix) = self.prefix.as_mut() else {
+            return Ok(Reused::default());
+        };
+        let hit = prefix.lookup(tokens, needs_snapshot);
+        for &block in &hit.blocks {
+            prefix.reuse(block);
+            self.refs[block as usize] += 1;
+        }
+        let s = self.seqs[seq.0 as usize].as_mut().expect("checked above");
+        s.len = hit.blocks.len() * self.block_size;
+        s.blocks = hit.blocks;
+        s.keys = hit.keys;
+        Ok(Reused {
+            tokens: s.len,
+            snapshot: hit.snapshot,
+        })
+    }
+
+    /// Publishes `seq`'s full blocks that `tokens` (its tokens from position 0, at least as far as it has
+    /// computed) describe, so later sequences may reuse them. A block whose prefix is already cached elsewhere
+    /// stays this sequence's own.
+    pub fn publish(&mut self, seq: SeqId, tokens: &[u32]) {
+        let Some(prefix) = self.prefix.as_mut() else { return };
+        let Some(s) = self.seqs.get_mut(seq.0 as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        let full = s.len.min(tokens.len()) / self.block_size;
+        for i in s.keys.len()..full {
+            let chunk = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let parent = s.keys.last().copied();
+            let key = prefix.key(parent, chunk);
+            prefix.insert(s.blocks[i], key, parent, chunk);
+            s.keys.push(key);
+        }
+    }
+
+    /// A snapshot slot for `seq`'s recurrent state as it is now, after its last published block, which the caller
+    /// fills at once; None when `seq` does not end at a published block or that prefix has a snapshot already.
+    pub fn snapshot_slot(&mut self, seq: SeqId) -> Option<usize> {
+        let s = self.get(seq).ok()?;
+        if s.len == 0 || s.len != s.keys.len() * self.block_size {
+            return None;
+        }
+        let key = *s.keys.last()?;
+        self.prefix.as_mut()?.snapshot_slot(key)
+    }
+
+    /// Snapshot slot `slot` could not be filled: no sequence may resume from it.
+    pub fn discard_snapshot(&mut self, slot: usize) {
+        if let Some(prefix) = self.prefix.as_mut() {
+            prefix.discard_snapshot(slot);
+        }
+    }
+
+    /// Whether prefix caching is on.
+    pub fn caches_prefixes(&self) -> bool {
+        self.prefix.is_some()
     }
 
     fn get(&self, seq: SeqId) -> Result<&SeqBlocks> {
@@ -124,11 +250,13 @@ impl BlockAllocator {
     /// [`grow`](Self::grow), returning the grown sequence.
     fn take_blocks(&mut self, seq: SeqId, tokens: usize) -> Option<&mut SeqBlocks> {
         let extra = self.shortfall(seq, tokens);
-        let s = self.seqs.get_mut(seq.0 as usize)?.as_mut()?;
-        if extra > self.free.len() {
+        self.get(seq).ok()?;
+        if extra > self.free_blocks() {
             return None;
         }
-        s.blocks.extend(self.free.drain(self.free.len() - extra..).rev());
+        let taken: Vec<u32> = (0..extra).map_while(|_| self.take_block()).collect();
+        let s = self.seqs[seq.0 as usize].as_mut().expect("checked above");
+        s.blocks.extend(taken);
         Some(s)
     }
 
@@ -151,11 +279,11 @@ impl BlockAllocator {
         for &(seq, start_pos, len) in slices {
             needed += self.blocks_needed(seq, start_pos, len)?;
         }
-        if needed > self.free.len() {
+        if needed > self.free_blocks() {
             return Err(Error::Kv(format!(
                 "full: the batch needs {needed} more blocks of {} tokens, {} of {} are free",
                 self.block_size,
-                self.free.len(),
+                self.free_blocks(),
                 self.num_blocks
             )));
         }
@@ -250,3 +378,6 @@ mod tests {
         assert_eq!(a.used_blocks(), 0);
     }
 }
+
+#[cfg(test)]
+mod prefix_tests;

@@ -9,9 +9,11 @@
 //! mid-forward).
 
 mod blocks;
+pub mod prefix;
 pub mod recurrent;
 
-pub use blocks::BlockAllocator;
+pub use blocks::{BlockAllocator, Reused};
+pub use prefix::PrefixStats;
 pub use recurrent::{RecurrentLayer, RecurrentSpec};
 
 use crate::{Error, Result};
@@ -27,6 +29,13 @@ pub trait KvCache: Send {
     /// Ends a sequence and frees its room at once.
     fn free_seq(&mut self, seq: SeqId);
     fn blocks(&self) -> &BlockAllocator;
+    /// For what starts and ends no sequence: growing, and prefix caching's lookups and publishing. Sequences
+    /// start and end through [`alloc_seq`](Self::alloc_seq) and [`free_seq`](Self::free_seq), which also keep
+    /// their recurrent state.
+    fn blocks_mut(&mut self) -> &mut BlockAllocator;
+    /// Whether sequences carry recurrent state (a hybrid model): a cached prefix is then reusable only as far as
+    /// a saved state goes.
+    fn has_recurrent_state(&self) -> bool;
     /// Takes blocks for `seq` to hold `tokens` positions in all, ahead of the batch that writes them
     /// ([`BlockAllocator::grow`]); false, taking nothing, when too few are free.
     #[must_use = "a sequence that could not grow must not be given the tokens"]
@@ -63,42 +72,76 @@ pub struct KvSpec {
     pub recurrent: Option<RecurrentSpec>,
 }
 
-/// One sequence's keys and values in host memory: per layer, `[positions, kv_heads * head_dim]` rows.
+/// One sequence's own part of the host cache (its keys and values live in the shared pools, by block).
 struct HostSeq {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
     /// Per Gated DeltaNet layer.
     recurrent: Vec<RecurrentLayer>,
 }
 
-/// The KV cache in host memory (the CPU backend's): its capacity is counted in blocks of [`BLOCK_SIZE`] tokens,
-/// as the device cache's is, though each sequence's keys and values are one growing array per layer.
+/// The KV cache in host memory (the CPU backend's), laid out as the device cache is: per attention layer, keys and
+/// values by token slot (block * [`BLOCK_SIZE`] + offset) of the blocks its [`BlockAllocator`] hands out, so
+/// sequences share cached prefix blocks here too. The pools grow to the highest block used, not the capacity.
 pub struct HostKv {
     spec: KvSpec,
-    /// Each sequence's length and its share of the capacity; indexed like `seqs`.
     blocks: BlockAllocator,
+    /// Per attention layer, `[slots, width]` rows.
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    /// Indexed like the allocator's sequences.
     seqs: Vec<Option<HostSeq>>,
+    /// Recurrent-state snapshots by slot (prefix caching of a hybrid model).
+    snapshots: Vec<Option<Vec<RecurrentLayer>>>,
+}
+
+/// One sequence's keys and values in one attention layer, by position.
+pub struct LayerView<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    blocks: &'a [u32],
+    width: usize,
+    len: usize,
+}
+
+impl LayerView<'_> {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn row(&self, pos: usize) -> std::ops::Range<usize> {
+        let slot = self.blocks[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
+        slot * self.width..(slot + 1) * self.width
+    }
+
+    /// The keys of position `pos` (`kv_heads * head_dim`).
+    pub fn key(&self, pos: usize) -> &[f32] {
+        &self.keys[self.row(pos)]
+    }
+
+    pub fn value(&self, pos: usize) -> &[f32] {
+        &self.values[self.row(pos)]
+    }
 }
 
 impl HostKv {
     pub fn new(spec: KvSpec) -> Self {
         let blocks = BlockAllocator::new(BLOCK_SIZE, spec.capacity_tokens.div_ceil(BLOCK_SIZE));
         HostKv {
+            keys: vec![Vec::new(); spec.layers.len()],
+            values: vec![Vec::new(); spec.layers.len()],
             spec,
             blocks,
             seqs: Vec::new(),
+            snapshots: Vec::new(),
         }
     }
 
     pub fn spec(&self) -> &KvSpec {
         &self.spec
-    }
-
-    fn seq(&self, seq: SeqId) -> Result<&HostSeq> {
-        self.seqs
-            .get(seq.0 as usize)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
     }
 
     fn seq_mut(&mut self, seq: SeqId) -> Result<&mut HostSeq> {
@@ -111,7 +154,19 @@ impl HostKv {
     /// Reserves room for a batch's slices, all or none: each must continue its sequence where it ends, and the
     /// cache must hold the new tokens.
     pub fn reserve(&mut self, slices: &[(SeqId, usize, usize)]) -> Result<()> {
-        self.blocks.extend(slices)
+        self.blocks.extend(slices)?;
+        let mut highest = 0;
+        for &(seq, _, _) in slices {
+            highest = highest.max(self.blocks.blocks(seq)?.iter().max().map_or(0, |&b| b as usize + 1));
+        }
+        for (layer, spec) in self.spec.layers.iter().enumerate() {
+            let rows = highest * BLOCK_SIZE * spec.width();
+            if self.keys[layer].len() < rows {
+                self.keys[layer].resize(rows, 0.0);
+                self.values[layer].resize(rows, 0.0);
+            }
+        }
+        Ok(())
     }
 
     /// The shape of attention layer `layer`'s keys and values.
@@ -123,7 +178,7 @@ impl HostKv {
             .ok_or_else(|| Error::Kv(format!("no KV layer {layer} of {}", self.spec.layers.len())))
     }
 
-    /// Appends rows of keys and values to `seq` at `layer`; the sequence must be at `start_pos` in that layer.
+    /// Writes rows of keys and values of `seq` at `layer` from `start_pos`: the last positions its batch reserved.
     pub fn append(&mut self, seq: SeqId, layer: usize, start_pos: usize, keys: &[f32], values: &[f32]) -> Result<()> {
         let width = self.layer_spec(layer)?.width();
         if keys.len() != values.len() || !keys.len().is_multiple_of(width) {
@@ -133,16 +188,20 @@ impl HostKv {
                 values.len()
             )));
         }
-        let entry = self.seq_mut(seq)?;
-        let cached = entry.keys[layer].len() / width;
-        if cached != start_pos {
+        let rows = keys.len() / width;
+        let reserved = self.blocks.seq_len(seq);
+        if start_pos + rows != reserved {
             return Err(Error::Kv(format!(
-                "sequence {} has {cached} cached tokens at layer {layer}, batch starts at position {start_pos}",
+                "sequence {} has {reserved} positions reserved, layer {layer} writes {rows} from position {start_pos}",
                 seq.0
             )));
         }
-        entry.keys[layer].extend_from_slice(keys);
-        entry.values[layer].extend_from_slice(values);
+        for r in 0..rows {
+            let slot = self.blocks.slot(seq, start_pos + r)? as usize;
+            let (from, to) = (r * width..(r + 1) * width, slot * width..(slot + 1) * width);
+            self.keys[layer][to.clone()].copy_from_slice(&keys[from.clone()]);
+            self.values[layer][to].copy_from_slice(&values[from]);
+        }
         Ok(())
     }
 
@@ -154,11 +213,37 @@ impl HostKv {
             .ok_or_else(|| Error::Kv(format!("no recurrent state for layer {layer}")))
     }
 
-    /// All cached keys and values of `seq` at `layer`.
-    pub fn layer(&self, seq: SeqId, layer: usize) -> Result<(&[f32], &[f32])> {
-        self.layer_spec(layer)?;
-        let s = self.seq(seq)?;
-        Ok((&s.keys[layer], &s.values[layer]))
+    /// The keys and values of `seq` at `layer`, every position it holds.
+    pub fn layer(&self, seq: SeqId, layer: usize) -> Result<LayerView<'_>> {
+        let width = self.layer_spec(layer)?.width();
+        Ok(LayerView {
+            keys: &self.keys[layer],
+            values: &self.values[layer],
+            blocks: self.blocks.blocks(seq)?,
+            width,
+            len: self.blocks.seq_len(seq),
+        })
+    }
+
+    /// Copies `seq`'s recurrent state into snapshot slot `slot`.
+    pub fn save_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
+        let state = self.seq_mut(seq)?.recurrent.clone();
+        if self.snapshots.len() <= slot {
+            self.snapshots.resize_with(slot + 1, || None);
+        }
+        self.snapshots[slot] = Some(state);
+        Ok(())
+    }
+
+    /// Replaces `seq`'s recurrent state with snapshot `slot`'s.
+    pub fn restore_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
+        let state = self
+            .snapshots
+            .get(slot)
+            .and_then(Option::clone)
+            .ok_or_else(|| Error::Kv(format!("no recurrent-state snapshot in slot {slot}")))?;
+        self.seq_mut(seq)?.recurrent = state;
+        Ok(())
     }
 }
 
@@ -168,17 +253,12 @@ impl KvCache for HostKv {
             Some(r) => vec![RecurrentLayer::new(r); r.num_layers],
             None => Vec::new(),
         };
-        let fresh = HostSeq {
-            keys: vec![Vec::new(); self.spec.layers.len()],
-            values: vec![Vec::new(); self.spec.layers.len()],
-            recurrent,
-        };
         let seq = self.blocks.alloc_seq();
         let index = seq.0 as usize;
         if self.seqs.len() <= index {
             self.seqs.resize_with(index + 1, || None);
         }
-        self.seqs[index] = Some(fresh);
+        self.seqs[index] = Some(HostSeq { recurrent });
         seq
     }
 
@@ -191,6 +271,14 @@ impl KvCache for HostKv {
 
     fn blocks(&self) -> &BlockAllocator {
         &self.blocks
+    }
+
+    fn blocks_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.blocks
+    }
+
+    fn has_recurrent_state(&self) -> bool {
+        self.spec.recurrent.is_some()
     }
 
     fn grow(&mut self, seq: SeqId, tokens: usize) -> bool {
@@ -243,7 +331,8 @@ mod tests {
             matches!(kv.append(a, 1, 3, &[1.0; 6], &[2.0; 6]), Err(Error::Shape(_))),
             "layer 1's rows are 8 wide"
         );
-        assert_eq!(kv.layer(a, 1).unwrap().0.len(), 24);
+        assert_eq!(kv.layer(a, 1).unwrap().len(), 3);
+        assert_eq!(kv.layer(a, 1).unwrap().key(2), &[1.0; 8]);
         assert!(kv.layer(a, 2).is_err(), "two KV layers");
         assert_eq!(kv.blocks().seq_len(a), 3);
         assert_eq!(kv.blocks().seq_len(b), 0);

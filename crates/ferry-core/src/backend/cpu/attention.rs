@@ -94,7 +94,7 @@ impl AttentionInputs<'_> {
                 &k.data[rows.start * kv_width..rows.end * kv_width],
                 &v.data[rows.start * kv_width..rows.end * kv_width],
             )?;
-            let (keys, values) = kv.layer(s.seq, layer)?;
+            let cached = kv.layer(s.seq, layer)?;
             let out_rows = &mut out.data[rows.start * q.cols..rows.end * q.cols];
             out_rows.par_chunks_mut(p.head_dim).enumerate().for_each(|(i, o)| {
                 let (t, h) = (i / p.num_heads, i % p.num_heads);
@@ -104,7 +104,7 @@ impl AttentionInputs<'_> {
                 let qh = &q.row(row0 + t)[h * p.head_dim..(h + 1) * p.head_dim];
                 let scores: Vec<f32> = (first..=pos)
                     .map(|j| {
-                        let kj = &keys[j * kv_width + kh * p.head_dim..][..p.head_dim];
+                        let kj = &cached.key(j)[kh * p.head_dim..][..p.head_dim];
                         dot(qh, kj) * p.scale
                     })
                     .collect();
@@ -112,7 +112,7 @@ impl AttentionInputs<'_> {
                 let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
                 let total: f32 = exps.iter().sum();
                 for (j, e) in (first..=pos).zip(&exps) {
-                    let vj = &values[j * kv_width + kh * p.head_dim..][..p.head_dim];
+                    let vj = &cached.value(j)[kh * p.head_dim..][..p.head_dim];
                     let w = e / total;
                     o.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
                 }

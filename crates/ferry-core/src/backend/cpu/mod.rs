@@ -17,7 +17,7 @@ use super::{
     batch_positions, check_upload, AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors,
     QkNormWeights, Rope, Router, RouterKind, SeqSlice,
 };
-use crate::kv::{HostKv, KvSpec};
+use crate::kv::{HostKv, KvSpec, SeqId};
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
 use gemv::WeightDType;
@@ -188,6 +188,14 @@ impl Backend for CpuBackend {
             slices: batch.to_vec(),
             positions: batch_positions(batch),
         })
+    }
+
+    fn save_state(&self, kv: &mut HostKv, seq: SeqId, slot: usize) -> Result<()> {
+        kv.save_state(seq, slot)
+    }
+
+    fn restore_state(&self, kv: &mut HostKv, seq: SeqId, slot: usize) -> Result<()> {
+        kv.restore_state(seq, slot)
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {

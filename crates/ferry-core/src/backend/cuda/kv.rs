@@ -1,6 +1,7 @@
 //! The KV cache in device memory: per layer, a key pool and a value pool of `BLOCK_SIZE`-token blocks, handed
 //! to sequences by a [`BlockAllocator`] as they grow; and, for hybrid models, each sequence's recurrent state
-//! (one zeroed allocation per sequence, made when it starts: see gdn.cu for its layout).
+//! (one zeroed allocation per sequence, made when it starts: see gdn.cu for its layout) and, with prefix caching,
+//! snapshots of it in slots the memory plan counted, copied on the device.
 
 use std::sync::Arc;
 
@@ -18,6 +19,8 @@ pub struct DeviceKv {
     recurrent: Option<RecurrentSpec>,
     /// By sequence id: the recurrent state of every Gated DeltaNet layer.
     states: Vec<Option<CudaSlice<f32>>>,
+    /// By snapshot slot: a saved recurrent state, allocated when the slot is first filled.
+    snapshots: Vec<Option<CudaSlice<f32>>>,
 }
 
 /// Where one Gated DeltaNet layer's state sits inside a sequence's recurrent-state allocation (in floats).
@@ -66,7 +69,44 @@ impl DeviceKv {
             values: spec.layers.iter().map(pool).collect::<Result<_>>()?,
             recurrent: spec.recurrent,
             states: Vec::new(),
+            snapshots: Vec::new(),
         })
+    }
+
+    /// Floats of one sequence's recurrent state.
+    fn state_len(&self) -> Result<usize> {
+        self.recurrent
+            .as_ref()
+            .map(|r| r.bytes_per_seq() / 4)
+            .ok_or_else(|| Error::Kv("this model keeps no recurrent state".into()))
+    }
+
+    /// [`crate::backend::Backend::save_state`] on the device: one device-to-device copy on `stream`.
+    pub(super) fn save_state(&mut self, stream: &Arc<CudaStream>, seq: SeqId, slot: usize) -> Result<()> {
+        let len = self.state_len()?;
+        let state = self
+            .states
+            .get(seq.0 as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::Kv(format!("sequence {} has no recurrent state to save", seq.0)))?;
+        let snapshot = state_at(&mut self.snapshots, slot, stream, len)?;
+        stream
+            .memcpy_dtod(state, snapshot)
+            .map_err(cuda_err("saving a recurrent state"))
+    }
+
+    /// [`crate::backend::Backend::restore_state`] on the device: one device-to-device copy on `stream`.
+    pub(super) fn restore_state(&mut self, stream: &Arc<CudaStream>, seq: SeqId, slot: usize) -> Result<()> {
+        let len = self.state_len()?;
+        let snapshot = self
+            .snapshots
+            .get(slot)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::Kv(format!("no recurrent-state snapshot in slot {slot}")))?;
+        let state = state_at(&mut self.states, seq.0 as usize, stream, len)?;
+        stream
+            .memcpy_dtod(snapshot, state)
+            .map_err(cuda_err("restoring a recurrent state"))
     }
 
     /// Gated DeltaNet layer `layer`'s conv and delta-rule state offsets in a sequence's recurrent state.
@@ -85,28 +125,20 @@ impl DeviceKv {
 
     /// The recurrent state of each slice's sequence, zeroed for sequences that start with this batch.
     fn recurrent_batch(&mut self, stream: &Arc<CudaStream>, batch: &[SeqSlice]) -> Result<Option<RecurrentBatch>> {
-        let Some(r) = &self.recurrent else { return Ok(None) };
-        let len = r.bytes_per_seq() / 4;
+        if self.recurrent.is_none() {
+            return Ok(None);
+        }
+        let len = self.state_len()?;
         let (mut row_slice, mut slice_start_row, mut slice_len, mut slice_state) = (vec![], vec![], vec![], vec![]);
         for (i, s) in batch.iter().enumerate() {
             let index = s.seq.0 as usize;
-            if self.states.len() <= index {
-                self.states.resize_with(index + 1, || None);
+            let allocated = self.states.get(index).is_some_and(Option::is_some);
+            let state = state_at(&mut self.states, index, stream, len)?;
+            if allocated && s.start_pos == 0 {
+                stream
+                    .memset_zeros(state)
+                    .map_err(cuda_err("resetting a recurrent state"))?;
             }
-            let state = match (&mut self.states[index], s.start_pos) {
-                (Some(state), 0) => {
-                    stream
-                        .memset_zeros(state)
-                        .map_err(cuda_err("resetting a recurrent state"))?;
-                    state
-                }
-                (Some(state), _) => state,
-                (slot @ None, _) => slot.insert(
-                    stream
-                        .alloc_zeros::<f32>(len)
-                        .map_err(cuda_err("allocating a recurrent state"))?,
-                ),
-            };
             slice_state.push(state.device_ptr(stream).0);
             slice_start_row.push(row_slice.len() as u32);
             slice_len.push(s.len as u32);
@@ -167,6 +199,26 @@ impl DeviceKv {
     }
 }
 
+/// The recurrent state at `index` of `states`, allocated (zeroed, `len` floats) if there is none yet.
+fn state_at<'a>(
+    states: &'a mut Vec<Option<CudaSlice<f32>>>,
+    index: usize,
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<&'a mut CudaSlice<f32>> {
+    if states.len() <= index {
+        states.resize_with(index + 1, || None);
+    }
+    match &mut states[index] {
+        Some(state) => Ok(state),
+        empty @ None => Ok(empty.insert(
+            stream
+                .alloc_zeros::<f32>(len)
+                .map_err(cuda_err("allocating a recurrent state"))?,
+        )),
+    }
+}
+
 impl KvCache for DeviceKv {
     fn alloc_seq(&mut self) -> SeqId {
         self.blocks.alloc_seq()
@@ -181,6 +233,14 @@ impl KvCache for DeviceKv {
 
     fn blocks(&self) -> &BlockAllocator {
         &self.blocks
+    }
+
+    fn blocks_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.blocks
+    }
+
+    fn has_recurrent_state(&self) -> bool {
+        self.recurrent.is_some()
     }
 
     fn grow(&mut self, seq: SeqId, tokens: usize) -> bool {

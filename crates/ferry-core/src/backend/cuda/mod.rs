@@ -36,7 +36,7 @@ use super::{
     AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
     RouterKind, SeqSlice,
 };
-use crate::kv::KvSpec;
+use crate::kv::{KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::moe::OffloadStats;
 use crate::{Error, Result};
@@ -205,6 +205,14 @@ impl Backend for CudaBackend {
 
     fn prepare_batch(&self, kv: &mut DeviceKv, batch: &[SeqSlice]) -> Result<DeviceBatch> {
         kv.prepare(&self.stream, batch)
+    }
+
+    fn save_state(&self, kv: &mut DeviceKv, seq: SeqId, slot: usize) -> Result<()> {
+        kv.save_state(&self.stream, seq, slot)
+    }
+
+    fn restore_state(&self, kv: &mut DeviceKv, seq: SeqId, slot: usize) -> Result<()> {
+        kv.restore_state(&self.stream, seq, slot)
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {

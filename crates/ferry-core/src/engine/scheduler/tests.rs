@@ -1,7 +1,7 @@
 //! The scheduler on a fake model whose next token depends on the whole history (so a wrong position or a bad
 //! recompute shows): batching, chunked prefill, preemption, cancellation, failure isolation, refusals.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::mpsc;
 
 use super::*;
@@ -14,26 +14,47 @@ const VOCAB: usize = 16;
 const FAILS: u32 = 15;
 const PANICS: u32 = 14;
 
-/// A cache of blocks that keeps each sequence's tokens.
+/// A paged cache that keeps the token each slot holds, and for a fake hybrid, each sequence's "recurrent state":
+/// how many tokens it has seen and their sum.
 struct FakeKv {
     blocks: BlockAllocator,
-    tokens: HashMap<SeqId, Vec<u32>>,
+    /// Sequences started and not yet ended.
+    live: HashSet<SeqId>,
+    /// The token in each physical slot (block * block size + offset).
+    slots: HashMap<u32, u32>,
+    /// None: attention only.
+    states: Option<HashMap<SeqId, (usize, u32)>>,
+    snapshots: HashMap<usize, (usize, u32)>,
 }
 
 impl KvCache for FakeKv {
     fn alloc_seq(&mut self) -> SeqId {
         let seq = self.blocks.alloc_seq();
-        self.tokens.insert(seq, Vec::new());
+        self.live.insert(seq);
+        if let Some(states) = &mut self.states {
+            states.insert(seq, (0, 0));
+        }
         seq
     }
 
     fn free_seq(&mut self, seq: SeqId) {
         self.blocks.free_seq(seq);
-        self.tokens.remove(&seq);
+        self.live.remove(&seq);
+        if let Some(states) = &mut self.states {
+            states.remove(&seq);
+        }
     }
 
     fn blocks(&self) -> &BlockAllocator {
         &self.blocks
+    }
+
+    fn blocks_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.blocks
+    }
+
+    fn has_recurrent_state(&self) -> bool {
+        self.states.is_some()
     }
 
     fn grow(&mut self, seq: SeqId, tokens: usize) -> bool {
@@ -41,10 +62,10 @@ impl KvCache for FakeKv {
     }
 }
 
-/// Next token = (sum of the sequence's tokens so far) mod 13: depends on the whole history, so a wrong KV
-/// position, a lost token or a bad recompute changes the output. Takes each batch's blocks as a real cache does
-/// (a batch the scheduler did not grow the blocks for fails) and checks every slice starts where its sequence
-/// ends.
+/// Next token = (sum of the tokens in the sequence's KV blocks) mod 13, plus, for a fake hybrid, 3 x its state's
+/// sum: depends on the whole history, so a wrong KV position or block, a lost token, a bad recompute or a wrong
+/// restored state changes the output. Takes each batch's blocks as a real cache does (a batch the scheduler did
+/// not grow the blocks for fails) and checks every slice starts where its sequence (and its state) ends.
 struct FakeModel {
     kv: FakeKv,
     batches: Vec<Vec<usize>>,
@@ -55,12 +76,23 @@ impl FakeModel {
     fn new(blocks: usize) -> Self {
         let kv = FakeKv {
             blocks: BlockAllocator::new(4, blocks),
-            tokens: HashMap::new(),
+            live: HashSet::new(),
+            slots: HashMap::new(),
+            states: None,
+            snapshots: HashMap::new(),
         };
         FakeModel {
             kv,
             batches: Vec::new(),
         }
+    }
+
+    /// With prefix caching (and `snapshot_slots` for a hybrid, whose sequences then keep a state).
+    fn caching(blocks: usize, hybrid: bool, snapshot_slots: usize) -> Self {
+        let mut model = FakeModel::new(blocks);
+        model.kv.blocks.enable_prefix_cache(snapshot_slots);
+        model.kv.states = hybrid.then(HashMap::new);
+        model
     }
 }
 
@@ -96,14 +128,36 @@ impl Executor for FakeModel {
         let mut logits = Vec::new();
         let mut row = 0;
         for slice in batch {
-            let cached = self.kv.tokens.get_mut(&slice.seq).expect("allocated sequence");
-            assert_eq!(cached.len(), slice.start_pos, "slice starts where the sequence ends");
-            cached.extend_from_slice(&ids[row..row + slice.len]);
+            let fed = &ids[row..row + slice.len];
             row += slice.len;
-            let next = cached.iter().sum::<u32>() % 13;
-            logits.extend((0..VOCAB as u32).map(|t| if t == next { 1.0 } else { 0.0 }));
+            for (pos, &token) in (slice.start_pos..).zip(fed) {
+                self.kv.slots.insert(self.kv.blocks.slot(slice.seq, pos)?, token);
+            }
+            let end = slice.start_pos + slice.len;
+            let mut next = (0..end)
+                .map(|pos| Ok(self.kv.slots[&self.kv.blocks.slot(slice.seq, pos)?]))
+                .sum::<Result<u32>>()?;
+            if let Some(states) = &mut self.kv.states {
+                let state = states.get_mut(&slice.seq).expect("allocated sequence");
+                assert_eq!(state.0, slice.start_pos, "slice starts where the state ends");
+                *state = (end, state.1 + fed.iter().sum::<u32>());
+                next += 3 * state.1;
+            }
+            logits.extend((0..VOCAB as u32).map(|t| if t == next % 13 { 1.0 } else { 0.0 }));
         }
         Ok(logits)
+    }
+
+    fn save_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
+        let state = self.kv.states.as_ref().expect("a hybrid")[&seq];
+        self.kv.snapshots.insert(slot, state);
+        Ok(())
+    }
+
+    fn restore_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
+        let snapshot = self.kv.snapshots[&slot];
+        self.kv.states.as_mut().expect("a hybrid").insert(seq, snapshot);
+        Ok(())
     }
 }
 
@@ -208,7 +262,7 @@ fn batched_requests_generate_what_they_generate_alone() {
         ));
     }
     assert_eq!(s.stats().kv_blocks_used, 0);
-    assert!(s.executor.kv.tokens.is_empty(), "every sequence was freed");
+    assert!(s.executor.kv.live.is_empty(), "every sequence was freed");
 }
 
 #[test]
@@ -245,7 +299,7 @@ fn when_kv_runs_out_the_newest_is_preempted_and_recomputed() {
     assert!(s.stats().preemptions > 0);
     assert_eq!(outcome(&a).0, alone(&[1, 2, 3, 4, 5], 7));
     assert_eq!(outcome(&b).0, alone(&[6, 7, 8, 9, 10], 7));
-    assert!(s.executor.kv.tokens.is_empty());
+    assert!(s.executor.kv.live.is_empty());
 }
 
 #[test]
@@ -257,7 +311,7 @@ fn cancelling_or_hanging_up_frees_kv_at_once() {
     assert_eq!(s.stats().kv_blocks_used, 2 + 3);
     s.cancel(RequestId(0));
     assert_eq!(s.stats().kv_blocks_used, 3);
-    assert_eq!(s.executor.kv.tokens.len(), 1);
+    assert_eq!(s.executor.kv.live.len(), 1);
     drop(hung_up);
     s.step();
     assert_eq!(s.stats().kv_blocks_used, 0);
@@ -278,6 +332,7 @@ fn a_request_that_stops_early_is_retired_with_its_counts() {
     let full = submit(&mut s, 2, request(&[1], 6));
     run_to_idle(&mut s);
     let finished = |reason, completion_tokens| Event::Finished {
+        cached_tokens: 0,
         reason,
         prompt_tokens: 1,
         completion_tokens,
@@ -285,7 +340,7 @@ fn a_request_that_stops_early_is_retired_with_its_counts() {
     assert_eq!(outcome(&eos), ("bc".into(), finished(FinishReason::Stop, 3)));
     assert_eq!(outcome(&stopped), ("bc".into(), finished(FinishReason::Stop, 4)));
     assert_eq!(outcome(&full).1, finished(FinishReason::Length, 6));
-    assert!(s.executor.kv.tokens.is_empty());
+    assert!(s.executor.kv.live.is_empty());
 }
 
 #[test]
@@ -299,7 +354,7 @@ fn a_failing_request_fails_alone() {
         assert_eq!(outcome(&good).0, alone(&[1, 2], 4));
         assert_eq!(outcome(&other).0, alone(&[5], 4));
         assert!(matches!(outcome(&bad).1, Event::Failed { .. }));
-        assert!(s.executor.kv.tokens.is_empty());
+        assert!(s.executor.kv.live.is_empty());
         assert_eq!(s.stats().kv_blocks_used, 0);
     }
 }
@@ -352,3 +407,5 @@ fn a_cache_shorter_than_the_context_window_is_refused() {
         .unwrap();
     assert!(err.to_string().contains("hold 12 tokens"), "{err}");
 }
+
+mod prefix;
