@@ -12,12 +12,13 @@ import json
 import random
 
 
-def moe_layers(config):
+def moe_shape(config):
+    """(MoE layers, experts per layer, top-k) of a model's config.json; bench/locality_trace.py shares it."""
     text = config.get("text_config", config)
-    layers = text["num_hidden_layers"]
     dense = set(text.get("mlp_only_layers", []))
     step = text.get("decoder_sparse_step", 1)
-    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    layers = sum(1 for i in range(text["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return layers, text.get("num_experts", text.get("num_local_experts")), text["num_experts_per_tok"]
 
 
 def main():
@@ -29,10 +30,7 @@ def main():
     args = parser.parse_args()
     with open(args.config) as f:
         config = json.load(f)
-    text = config.get("text_config", config)
-    experts = text.get("num_experts", text.get("num_local_experts"))
-    top_k = text["num_experts_per_tok"]
-    layers = moe_layers(config)
+    layers, experts, top_k = moe_shape(config)
     rng = random.Random(args.seed)
     with open(args.out, "w") as out:
         out.write(json.dumps({"num_layers": layers, "num_experts": experts, "top_k": top_k}) + "\n")

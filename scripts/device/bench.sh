@@ -2,10 +2,12 @@
 # Runs, on the GPU machine, the benchmarks docs/perf.md records, with the staged binary (scripts/device/stage.sh):
 #   scripts/device/bench.sh WORKLOAD...
 # WORKLOAD: q30-resident | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
-# q30-1536-uniform (the same under a uniformly random routing trace) | q30-15.8 | q36-22.3 | q36-15.8 (4K and 32K
-# prompts) | serve-q30 | serve-q36 (bench/serve_bench.py against `ferry serve`; SERVE_BENCH_ARGS passes more
-# arguments to it) | agent-q30 | agent-q36 (serve_bench.py's agent loop with prefix caching, then with
-# --no-prefix-cache, whose greedy replies must be identical). Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
+# q30-1536-uniform (the same under a uniformly random routing trace) | q30-1536-locality (the same under
+# bench/locality_trace.py's trace, calibrated to Qwen3-30B-A3B's published locality) | q30-15.8 | q36-22.3 |
+# q36-15.8 (4K and 32K prompts) | q36-22.3-uniform | q36-22.3-locality (q36-22.3 under each trace) | serve-q30 |
+# serve-q36 (bench/serve_bench.py against `ferry serve`; SERVE_BENCH_ARGS passes more arguments to it) | agent-q30 |
+# agent-q36 (serve_bench.py's agent loop with prefix caching, then with --no-prefix-cache, whose greedy replies must
+# be identical). Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/ferry-bench}
@@ -36,17 +38,25 @@ for workload in "$@"; do
         bench q30-22.3GiB-1536 $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 --kv-reserve-tokens 16384 \
             --decode-tokens 64
         ;;
-    q30-1536-uniform)
-        python3 bench/uniform_trace.py --config bench/q30.json --tokens 8192 --out "$out/q30-uniform.jsonl"
-        bench q30-22.3GiB-1536-uniform $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 \
-            --kv-reserve-tokens 16384 --decode-tokens 32 --routing-trace "$out/q30-uniform.jsonl"
-        rm -f "$out/q30-uniform.jsonl"
+    q30-1536-uniform | q30-1536-locality)
+        routing=${workload#q30-1536-}
+        python3 "bench/${routing}_trace.py" --config bench/q30.json --tokens 8192 --out "$out/q30-$routing.jsonl"
+        bench "q30-22.3GiB-1536-$routing" $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 \
+            --kv-reserve-tokens 16384 --decode-tokens 32 --routing-trace "$out/q30-$routing.jsonl"
+        rm -f "$out/q30-$routing.jsonl"
         ;;
     q30-15.8) bench q30-15.8GiB $q30 --gpu-memory-budget 15.8GiB --decode-tokens 64 ;;
     q36-22.3 | q36-15.8)
         budget=${workload#q36-}GiB
         bench "q36-$budget" $q36 --gpu-memory-budget "$budget" --kv-reserve-tokens 33000 --decode-tokens 32 \
             --long-prompt-tokens 32768
+        ;;
+    q36-22.3-uniform | q36-22.3-locality)
+        routing=${workload#q36-22.3-}
+        python3 "bench/${routing}_trace.py" --config bench/q36.json --tokens 8192 --out "$out/q36-$routing.jsonl"
+        bench "q36-22.3GiB-$routing" $q36 --gpu-memory-budget 22.3GiB --kv-reserve-tokens 33000 --decode-tokens 32 \
+            --long-prompt-tokens 32768 --routing-trace "$out/q36-$routing.jsonl"
+        rm -f "$out/q36-$routing.jsonl"
         ;;
     serve-q30)
         bench/serve_and_bench.sh "$out/serve-q30-22.3GiB.json" "H200, q30, --gpu-memory-budget 22.3GiB" \

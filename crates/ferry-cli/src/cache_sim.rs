@@ -1,46 +1,45 @@
-//! `ferry cache-sim`: replays a routing trace through one expert cache of N slots shared by all MoE layers, so a
-//! user can size the cache and we can measure a policy's regret against Belady's optimum.
+//! `ferry cache-sim`: replays a routing trace through one expert cache of N slots shared by all MoE layers, under
+//! every eviction policy (or those asked for) beside Belady's optimum, at one or more cache sizes, so a user can size
+//! the cache and we can measure each policy's regret (its misses beyond Belady's). `--prefill-every T` interleaves
+//! a new prompt's prefill every T tokens, to measure what prefill-aware admission keeps of the decode working set.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use ferry_core::moe::{Belady, EvictionPolicy, ExpertCache, LayerCounts, Lru, RoutingTrace};
+use ferry_core::moe::{
+    Access, Belady, EvictionPolicy, ExpertCache, ExpertKey, LayerCounts, PolicyChoice, RoutingTrace,
+};
 
 #[derive(clap::Args)]
 pub struct CacheSimArgs {
-    /// A routing trace, as `--record-routing` writes it.
+    /// A routing trace, as `--record-routing` or bench/locality_trace.py writes it.
     #[arg(long)]
     trace: PathBuf,
-    /// Cache slots (one expert each), shared by all MoE layers.
+    /// Cache slots (one expert each), shared by all MoE layers; several sizes separated by commas.
+    #[arg(long, required = true, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
+    slots: Vec<u32>,
+    /// Eviction policies to compare (default: every one): `default`, or `lru`/`lrfu` followed by any of `+floors`
+    /// and `+prefill`; several separated by commas. Belady's optimum is always replayed as the yardstick.
+    #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
+    policy: Vec<PolicyChoice>,
+    /// Every this many tokens, a new prompt's prefill joins that token's step: in every MoE layer, after the
+    /// token's own experts, every other expert of the layer is used once by the prefill.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    slots: u32,
-    /// Eviction policy: lru, or belady (the optimum for the trace's known future).
-    #[arg(long, value_enum, default_value_t = PolicyName::Lru)]
-    policy: PolicyName,
+    prefill_every: Option<u32>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
-enum PolicyName {
-    Lru,
-    Belady,
+fn parse_policy(name: &str) -> Result<PolicyChoice, String> {
+    name.parse().map_err(|e: ferry_core::Error| e.to_string())
 }
 
-impl PolicyName {
-    fn name(self) -> &'static str {
-        match self {
-            PolicyName::Lru => "lru",
-            PolicyName::Belady => "belady",
-        }
-    }
-}
-
-/// Hits and misses of one replay, per MoE layer (every layer appears in every token of a trace).
+/// One replay's counts: per MoE layer over all accesses, and over decode accesses alone.
 struct Replay {
     layers: Vec<LayerCounts>,
+    decode: LayerCounts,
 }
 
 impl Replay {
@@ -55,19 +54,90 @@ impl Replay {
     }
 }
 
-/// Feeds the trace's accesses to the cache one at a time, in trace order (token, then layer, then router order).
-fn replay(trace: &RoutingTrace, slots: u32, policy: PolicyName) -> Result<Replay> {
-    let policy: Box<dyn EvictionPolicy> = match policy {
-        PolicyName::Lru => Box::new(Lru::new()),
-        PolicyName::Belady => Box::new(Belady::new(trace.accesses())),
-    };
+/// The trace's accesses in simulator order (token, then layer, then router order), with a prefill's accesses after
+/// the token's own in each layer of every `prefill_every`-th token (from the first).
+fn accesses(trace: &RoutingTrace, prefill_every: Option<u32>) -> Vec<(ExpertKey, Access)> {
+    let header = trace.header();
+    let mut sequence = Vec::new();
+    for token in 0..trace.num_tokens() {
+        let prefill = prefill_every.is_some_and(|every| token % every as usize == 0);
+        for layer in 0..header.num_layers {
+            let routed = trace.routed(token, layer);
+            sequence.extend(routed.iter().map(|&expert| ((layer, expert), Access::Decode)));
+            if prefill {
+                let others = (0..header.num_experts).filter(|expert| !routed.contains(expert));
+                sequence.extend(others.map(|expert| ((layer, expert), Access::Prefill)));
+            }
+        }
+    }
+    sequence
+}
+
+/// Feeds `sequence` to a cache of `slots` slots under `policy`, one access at a time.
+fn replay(sequence: &[(ExpertKey, Access)], slots: u32, policy: Box<dyn EvictionPolicy>) -> Result<Replay> {
     let mut cache = ExpertCache::new(slots, policy);
-    for key in trace.accesses() {
-        cache.access(key)?;
+    let mut decode = LayerCounts::default();
+    for &(key, access) in sequence {
+        let hit = cache.access_as(key, access)?;
+        if access == Access::Decode {
+            decode.hits += u64::from(hit);
+            decode.misses += u64::from(!hit);
+        }
     }
     Ok(Replay {
         layers: cache.layer_counts().to_vec(),
+        decode,
     })
+}
+
+/// One policy's replay at one cache size.
+struct Row {
+    slots: u32,
+    /// Its name, or `belady`.
+    policy: String,
+    is_default: bool,
+    replay: Replay,
+    /// Misses beyond Belady's at the same size.
+    regret: u64,
+    /// Misses over Belady's (1 when both are 0).
+    miss_ratio: f64,
+}
+
+fn simulate(trace: &RoutingTrace, args: &CacheSimArgs) -> Result<Vec<Row>> {
+    let header = trace.header();
+    let sequence = accesses(trace, args.prefill_every);
+    let policies = if args.policy.is_empty() {
+        PolicyChoice::all()
+    } else {
+        args.policy.clone()
+    };
+    let mut rows = Vec::new();
+    for &slots in &args.slots {
+        let belady = Belady::new(sequence.iter().map(|&(key, _)| key));
+        let optimum = replay(&sequence, slots, Box::new(belady))?;
+        let best = optimum.total().misses;
+        let mut row = |policy: String, is_default: bool, replay: Replay| {
+            let misses = replay.total().misses;
+            rows.push(Row {
+                slots,
+                policy,
+                is_default,
+                replay,
+                regret: misses - best,
+                miss_ratio: if best == 0 { 1.0 } else { misses as f64 / best as f64 },
+            });
+        };
+        row("belady".into(), false, optimum);
+        for &choice in &policies {
+            let policy = choice.build(slots, header.num_layers, header.top_k);
+            row(
+                choice.to_string(),
+                choice == PolicyChoice::DEFAULT,
+                replay(&sequence, slots, policy)?,
+            );
+        }
+    }
+    Ok(rows)
 }
 
 pub fn run(args: CacheSimArgs) -> Result<()> {
@@ -75,39 +145,52 @@ pub fn run(args: CacheSimArgs) -> Result<()> {
     if trace.num_tokens() == 0 {
         bail!("{}: the trace holds no tokens, only a header", args.trace.display());
     }
-    let replay =
-        replay(&trace, args.slots, args.policy).with_context(|| format!("replaying {}", args.trace.display()))?;
+    let rows = simulate(&trace, &args).with_context(|| format!("replaying {}", args.trace.display()))?;
     let header = trace.header();
-    let total = replay.total();
     // Written through a handle, not println!, so a closed pipe (`| head`) is an error rather than a panic.
     let mut out = std::io::stdout().lock();
     if args.json {
-        let layers: Vec<serde_json::Value> = replay
-            .layers
+        let results: Vec<serde_json::Value> = rows
             .iter()
-            .enumerate()
-            .map(|(layer, counts)| {
+            .map(|row| {
+                let total = row.replay.total();
+                let layers: Vec<serde_json::Value> = row
+                    .replay
+                    .layers
+                    .iter()
+                    .enumerate()
+                    .map(|(layer, counts)| {
+                        serde_json::json!({
+                            "layer": layer,
+                            "hits": counts.hits,
+                            "misses": counts.misses,
+                            "hit_rate": counts.hit_rate(),
+                        })
+                    })
+                    .collect();
                 serde_json::json!({
-                    "layer": layer,
-                    "hits": counts.hits,
-                    "misses": counts.misses,
-                    "hit_rate": counts.hit_rate(),
+                    "slots": row.slots,
+                    "policy": row.policy,
+                    "default": row.is_default,
+                    "accesses": total.hits + total.misses,
+                    "hits": total.hits,
+                    "misses": total.misses,
+                    "hit_rate": total.hit_rate(),
+                    "decode_hit_rate": row.replay.decode.hit_rate(),
+                    "regret": row.regret,
+                    "miss_ratio": row.miss_ratio,
+                    "layers": layers,
                 })
             })
             .collect();
         let summary = serde_json::json!({
             "trace": args.trace.display().to_string(),
-            "policy": args.policy.name(),
-            "slots": args.slots,
             "tokens": trace.num_tokens(),
             "num_layers": header.num_layers,
             "num_experts": header.num_experts,
             "top_k": header.top_k,
-            "accesses": total.hits + total.misses,
-            "hits": total.hits,
-            "misses": total.misses,
-            "hit_rate": total.hit_rate(),
-            "layers": layers,
+            "prefill_every": args.prefill_every,
+            "results": results,
         });
         writeln!(out, "{summary}")?;
         return Ok(());
@@ -115,30 +198,38 @@ pub fn run(args: CacheSimArgs) -> Result<()> {
     let experts = u64::from(header.num_layers) * u64::from(header.num_experts);
     writeln!(
         out,
-        "trace     {} tokens, {} MoE layers x {} experts, top-{}",
+        "trace  {} tokens, {} MoE layers x {} experts, top-{}{}",
         trace.num_tokens(),
         header.num_layers,
         header.num_experts,
-        header.top_k
+        header.top_k,
+        args.prefill_every
+            .map(|every| format!(", a prefill of every expert every {every} tokens"))
+            .unwrap_or_default()
     )?;
     writeln!(
         out,
-        "cache     {} slots ({:.1}% of {experts} experts), {}",
-        args.slots,
-        100.0 * f64::from(args.slots) / experts as f64,
-        args.policy.name()
+        "{:>6} {:>6}  {:<24} {:>9} {:>11} {:>10} {:>10} {:>7}",
+        "slots", "share", "policy", "hit rate", "decode hit", "misses", "regret", "x best"
     )?;
-    writeln!(
-        out,
-        "accesses  {} ({} hits, {} misses)",
-        total.hits + total.misses,
-        total.hits,
-        total.misses
-    )?;
-    writeln!(out, "hit rate  {:.2}%", 100.0 * total.hit_rate())?;
-    writeln!(out, "per layer")?;
-    for (layer, counts) in replay.layers.iter().enumerate() {
-        writeln!(out, "  {layer:>4}  {:6.2}%", 100.0 * counts.hit_rate())?;
+    for row in &rows {
+        let total = row.replay.total();
+        let name = if row.is_default {
+            format!("{} (default)", row.policy)
+        } else {
+            row.policy.clone()
+        };
+        writeln!(
+            out,
+            "{:>6} {:>5.1}%  {name:<24} {:>8.2}% {:>10.2}% {:>10} {:>10} {:>7.3}",
+            row.slots,
+            100.0 * f64::from(row.slots) / experts as f64,
+            100.0 * total.hit_rate(),
+            100.0 * row.replay.decode.hit_rate(),
+            total.misses,
+            row.regret,
+            row.miss_ratio
+        )?;
     }
     Ok(())
 }
@@ -167,9 +258,21 @@ mod tests {
         RoutingTrace::read(&path).unwrap()
     }
 
-    fn hits_per_layer(trace: &RoutingTrace, slots: u32, policy: PolicyName) -> Vec<(u64, u64)> {
-        replay(trace, slots, policy)
-            .unwrap()
+    /// The policy `name` (or Belady's) replayed over `trace`'s decode accesses.
+    fn run(trace: &RoutingTrace, slots: u32, name: &str) -> Replay {
+        let sequence = accesses(trace, None);
+        let policy: Box<dyn EvictionPolicy> = match name {
+            "belady" => Box::new(Belady::new(sequence.iter().map(|&(key, _)| key))),
+            name => name
+                .parse::<PolicyChoice>()
+                .unwrap()
+                .build(slots, trace.header().num_layers, 8),
+        };
+        replay(&sequence, slots, policy).unwrap()
+    }
+
+    fn hits_per_layer(trace: &RoutingTrace, slots: u32, policy: &str) -> Vec<(u64, u64)> {
+        run(trace, slots, policy)
             .layers
             .iter()
             .map(|layer| (layer.hits, layer.misses))
@@ -184,10 +287,10 @@ mod tests {
         let trace = trace(4, &tokens);
         // LRU: 0 1 2 miss; 0 1 hit; 3 misses and evicts 2 (used at 2); 0 1 hit; 2 misses, evicts 3;
         // 3 misses, evicts 0. 4 hits.
-        assert_eq!(hits_per_layer(&trace, 3, PolicyName::Lru), vec![(4, 6)]);
+        assert_eq!(hits_per_layer(&trace, 3, "lru"), vec![(4, 6)]);
         // Belady: 0 1 2 miss; 0 1 hit; 3 misses at time 5 and evicts 2 (next at 8; 0 at 6, 1 at 7); 0 1 hit;
         // 2 misses at time 8 and evicts 0 or 1 (neither used again); 3 hits. 5 hits.
-        assert_eq!(hits_per_layer(&trace, 3, PolicyName::Belady), vec![(5, 5)]);
+        assert_eq!(hits_per_layer(&trace, 3, "belady"), vec![(5, 5)]);
     }
 
     #[test]
@@ -195,13 +298,13 @@ mod tests {
         // One layer, top-3, every token routed to 0 1 2; 2 slots cannot hold one token's experts.
         let trace = trace(3, &vec![vec![vec![0, 1, 2]]; 3]);
         // LRU cycles through 3 keys in 2 slots and never hits.
-        assert_eq!(hits_per_layer(&trace, 2, PolicyName::Lru), vec![(0, 9)]);
+        assert_eq!(hits_per_layer(&trace, 2, "lru"), vec![(0, 9)]);
         // Belady, accesses 0 1 2 | 0 1 2 | 0 1 2: at 2 it evicts 1 (next at 4; 0 at 3), 0 hits; at 4 it evicts
         // 0 (next at 6; 2 at 5), 2 hits; at 6 it evicts 2 (next at 8; 1 at 7), 1 hits; at 8 both residents are
         // never used again (a tie: either gives the same count). 3 hits.
-        assert_eq!(hits_per_layer(&trace, 2, PolicyName::Belady), vec![(3, 6)]);
+        assert_eq!(hits_per_layer(&trace, 2, "belady"), vec![(3, 6)]);
         // With room for the working set only the first token misses.
-        assert_eq!(hits_per_layer(&trace, 3, PolicyName::Lru), vec![(6, 3)]);
+        assert_eq!(hits_per_layer(&trace, 3, "lru"), vec![(6, 3)]);
     }
 
     #[test]
@@ -210,12 +313,12 @@ mod tests {
         let token = vec![vec![0, 1], vec![0, 1]];
         let trace = trace(2, &vec![token; 2]);
         // 4 slots hold both layers: the second token hits everywhere.
-        assert_eq!(hits_per_layer(&trace, 4, PolicyName::Lru), vec![(2, 2), (2, 2)]);
+        assert_eq!(hits_per_layer(&trace, 4, "lru"), vec![(2, 2), (2, 2)]);
         // 3 slots: LRU evicts each key just before its reuse (a cycle of 4 over 3 slots).
-        assert_eq!(hits_per_layer(&trace, 3, PolicyName::Lru), vec![(0, 4), (0, 4)]);
+        assert_eq!(hits_per_layer(&trace, 3, "lru"), vec![(0, 4), (0, 4)]);
         // Belady, accesses (0,0) (0,1) (1,0) (1,1) | (0,0) (0,1) (1,0) (1,1): at 3 it evicts (1,0) (next at 6);
         // (0,0) and (0,1) hit; at 6 it evicts (0,0) or (0,1) (never used again); (1,1) hits. 3 hits.
-        assert_eq!(hits_per_layer(&trace, 3, PolicyName::Belady), vec![(2, 2), (1, 3)]);
+        assert_eq!(hits_per_layer(&trace, 3, "belady"), vec![(2, 2), (1, 3)]);
     }
 
     #[test]
@@ -237,13 +340,60 @@ mod tests {
                 .collect();
             let trace = trace(num_experts as u32, &tokens);
             let slots = rng.random_range(1..(num_layers * num_experts) as u32);
-            let lru = replay(&trace, slots, PolicyName::Lru).unwrap().total();
-            let belady = replay(&trace, slots, PolicyName::Belady).unwrap().total();
+            let lru = run(&trace, slots, "lru").total();
+            let belady = run(&trace, slots, "belady").total();
             assert_eq!(lru.hits + lru.misses, (100 * num_layers * top_k) as u64);
             assert!(
                 belady.hits >= lru.hits,
                 "{slots} slots: Belady {belady:?} < LRU {lru:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_prefill_uses_every_other_expert_after_the_tokens_own() {
+        // Two layers of 3 experts, top-1, three tokens; a prefill every 2 tokens (tokens 0 and 2).
+        let trace = trace(
+            3,
+            &[vec![vec![0], vec![1]], vec![vec![2], vec![2]], vec![vec![1], vec![0]]],
+        );
+        let decode = |layer, expert| ((layer, expert), Access::Decode);
+        let prefill = |layer, expert| ((layer, expert), Access::Prefill);
+        assert_eq!(
+            accesses(&trace, Some(2)),
+            vec![
+                decode(0, 0),
+                prefill(0, 1),
+                prefill(0, 2),
+                decode(1, 1),
+                prefill(1, 0),
+                prefill(1, 2),
+                decode(0, 2),
+                decode(1, 2),
+                decode(0, 1),
+                prefill(0, 0),
+                prefill(0, 2),
+                decode(1, 0),
+                prefill(1, 1),
+                prefill(1, 2),
+            ]
+        );
+        assert_eq!(accesses(&trace, None).len(), 6);
+    }
+
+    #[test]
+    fn prefill_aware_admission_keeps_the_decode_working_set_through_a_prefill() {
+        // Two layers of 4 experts, top-1, every token routed to expert 0 of both; 5 slots; a prefill every 4 tokens.
+        let trace = trace(4, &vec![vec![vec![0], vec![0]]; 8]);
+        let sequence = accesses(&trace, Some(4));
+        let decode_misses = |name: &str| {
+            let policy = name.parse::<PolicyChoice>().unwrap().build(5, 2, 1);
+            replay(&sequence, 5, policy).unwrap().decode.misses
+        };
+        // LRU: the two first uses, and after each prefill (tokens 0 and 4) layer 0's expert 0, which layer 1's
+        // sweep evicted as the least recently used.
+        assert_eq!(decode_misses("lru"), 4);
+        // On probation, layer 0's prefill-only keys make room for layer 1's: only the first uses miss.
+        assert_eq!(decode_misses("lru+prefill"), 2);
     }
 }

@@ -10,7 +10,7 @@ use ferry_core::backend::cuda::{CudaBackend, OffloadConfig};
 use ferry_core::engine::plan::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode, MAX_BATCH_TOKENS};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, ModelInfo};
-use ferry_core::moe::Lru;
+use ferry_core::moe::PolicyChoice;
 
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -50,6 +50,10 @@ pub struct OffloadArgs {
     /// Offload the experts with exactly this many GPU cache slots (the rest of the budget goes to KV).
     #[arg(long)]
     pub moe_cache_slots: Option<usize>,
+    /// Which expert leaves a full cache: `default`, or `lru`/`lrfu` followed by any of `+floors` (per-layer floors)
+    /// and `+prefill` (prefill-aware admission); `ferry cache-sim` compares them on a routing trace.
+    #[arg(long, default_value = "default", value_parser = parse_policy)]
+    pub moe_cache_policy: PolicyChoice,
     /// KV tokens kept before expert cache slots are sized.
     #[arg(long, default_value_t = 8192)]
     pub kv_reserve_tokens: usize,
@@ -61,6 +65,10 @@ pub struct OffloadArgs {
     /// Not a flag: recurrent-state snapshots the plan keeps room for (`serve` sets it unless --no-prefix-cache).
     #[arg(skip)]
     pub snapshot_slots: usize,
+}
+
+fn parse_policy(name: &str) -> std::result::Result<PolicyChoice, String> {
+    name.parse().map_err(|e: ferry_core::Error| e.to_string())
 }
 
 impl OffloadArgs {
@@ -77,7 +85,10 @@ impl OffloadArgs {
     }
 
     fn is_default(&self) -> bool {
-        self.gpu_memory_budget.is_none() && self.offload == OffloadChoice::Auto && self.moe_cache_slots.is_none()
+        self.gpu_memory_budget.is_none()
+            && self.offload == OffloadChoice::Auto
+            && self.moe_cache_slots.is_none()
+            && self.moe_cache_policy == PolicyChoice::DEFAULT
     }
 
     /// The plan for `checkpoint` under a budget of `budget_bytes`.
@@ -112,7 +123,7 @@ impl OffloadArgs {
 }
 
 /// Opens the backend; on a GPU, divides its memory budget for `checkpoint` and builds the backend with expert
-/// offload (an LRU cache) when the plan says so. Returns the plan (None on the CPU).
+/// offload (a cache under `--moe-cache-policy`) when the plan says so. Returns the plan (None on the CPU).
 pub fn open_backend(
     device: Device,
     offload: &OffloadArgs,
@@ -158,9 +169,15 @@ pub fn open_backend(
         plan.kv_tokens
     );
     let gpu = if plan.offload {
+        let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
+        let info = ModelInfo::new(&spec, checkpoint.weight_dtype());
+        let slots = u32::try_from(plan.slots).context("expert cache slots")?;
+        tracing::info!("expert cache policy {}", offload.moe_cache_policy);
         gpu.offload(OffloadConfig {
             slots: plan.slots,
-            policy: Box::new(Lru::new()),
+            policy: offload
+                .moe_cache_policy
+                .build(slots, info.num_moe_layers as u32, info.experts_per_token as u32),
             decode_prefetch: true,
         })
     } else {

@@ -490,13 +490,14 @@ fn recorded_routing_replays_in_the_cache_simulator() {
         "--slots",
         "8",
         "--policy",
-        "belady",
+        "lru",
         "--json",
     ]);
     assert!(sim.status.success(), "{}", String::from_utf8_lossy(&sim.stderr));
     let report: serde_json::Value = serde_json::from_slice(&sim.stdout).unwrap();
     let layers = header["num_layers"].as_u64().unwrap();
-    assert_eq!(report["accesses"].as_u64().unwrap(), 8 * layers * 2);
+    // Belady's row, then LRU's.
+    assert_eq!(report["results"][1]["accesses"].as_u64().unwrap(), 8 * layers * 2);
 }
 
 /// `ferry info --json` of the fixture under a 1 GiB GPU budget, with `extra` arguments.

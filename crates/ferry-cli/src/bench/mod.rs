@@ -97,6 +97,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
             bench_on(be, &checkpoint, &args, &machine, &ceiling, |_| {})
         }
     })?;
+    report.moe_cache_policy = plan
+        .as_ref()
+        .filter(|p| p.offload)
+        .map(|_| args.offload.moe_cache_policy.to_string());
     report.memory_plan = plan;
     print_report(&report);
     if let Some(path) = &args.output {

@@ -53,6 +53,9 @@ pub(super) struct BenchReport {
     pub(super) model: String,
     pub(super) model_info: ModelInfo,
     pub(super) memory_plan: Option<MemoryPlan>,
+    /// Under expert offload, the cache's eviction policy (`--moe-cache-policy`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) moe_cache_policy: Option<String>,
     pub(super) routing: String,
     pub(super) load_seconds: f64,
     pub(super) prompt_tokens: usize,

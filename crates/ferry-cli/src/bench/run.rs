@@ -225,6 +225,7 @@ pub(super) fn bench_on<B: Backend>(
         model: checkpoint.dir.display().to_string(),
         model_info: info,
         memory_plan: None,
+        moe_cache_policy: None,
         routing: Taps::routing(args),
         load_seconds,
         prompt_tokens: first_prefill.prompt_tokens,

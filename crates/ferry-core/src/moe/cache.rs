@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::policy::{EvictionPolicy, ExpertKey};
+use super::policy::{Access, EvictionPolicy, ExpertKey};
 use crate::{Error, Result};
 
 /// What one MoE layer of one step needs: its distinct routed experts, each with the slot it runs from (or, for
@@ -29,6 +29,8 @@ pub struct Plan {
     placement: Placement,
     /// Every distinct expert, in first-routed order: the order the commit tells the policy of their use.
     experts: Vec<u32>,
+    /// What each of `experts` is used for: decode if any decode row routes to it.
+    accesses: Vec<Access>,
     /// The cache's version the plan was made against: it commits only to that state.
     version: u64,
 }
@@ -137,11 +139,28 @@ impl ExpertCache {
         self.plan_elsewhere(layer, routed, |_| false)
     }
 
+    /// [`Self::plan`] for a batch whose rows are decode steps or prefill chunks: `routed` holds the ids of
+    /// `prefill_rows.len()` rows, equally many per row, and an expert that only prefill rows route to is told to the
+    /// policy as an [`Access::Prefill`]. With no rows given, every row is a decode step.
+    pub fn plan_batch(&mut self, layer: u32, routed: &[u32], prefill_rows: &[bool]) -> Result<Plan> {
+        if !prefill_rows.is_empty() && !routed.len().is_multiple_of(prefill_rows.len()) {
+            return Err(Error::Shape(format!(
+                "{} routed ids are not a whole number of ids for each of {} rows",
+                routed.len(),
+                prefill_rows.len()
+            )));
+        }
+        let mut plan = Plan::default();
+        self.begin(routed, prefill_rows, &mut plan);
+        self.place(layer, Placement::Step, &|_| false, &mut plan)?;
+        Ok(plan)
+    }
+
     /// [`Self::plan`], except that the missing experts for which `elsewhere` holds are not fetched but listed in
     /// [`Plan::elsewhere`], for the caller to compute off the device: they take no slot, and count as misses.
     pub fn plan_elsewhere(&mut self, layer: u32, routed: &[u32], elsewhere: impl Fn(u32) -> bool) -> Result<Plan> {
         let mut plan = Plan::default();
-        self.begin(routed, &mut plan);
+        self.begin(routed, &[], &mut plan);
         self.place(layer, Placement::Step, &elsewhere, &mut plan)?;
         Ok(plan)
     }
@@ -152,7 +171,8 @@ impl ExpertCache {
     /// first uses one counts a miss, as it would have without the prefetch.
     pub fn plan_prefetch(&mut self, layer: u32, experts: &[u32]) -> Result<Plan> {
         let mut plan = Plan::default();
-        self.begin(experts, &mut plan);
+        // A prefetch is not yet a use by a decode step: it is admitted as a prefill's keys are.
+        self.begin(experts, &[true], &mut plan);
         let busy_outside = if layer == self.step_layer {
             self.step_experts
                 .iter()
@@ -174,11 +194,16 @@ impl ExpertCache {
         Ok(plan)
     }
 
-    /// Uses one key, as a committed plan of that key alone would: true on a hit. The simulator replays traces with
-    /// it.
+    /// Uses one key by a decode step, as a committed plan of that key alone would: true on a hit. The simulator
+    /// replays traces with it.
     pub fn access(&mut self, key: ExpertKey) -> Result<bool> {
+        self.access_as(key, Access::Decode)
+    }
+
+    /// [`Self::access`] for a use of the given kind.
+    pub fn access_as(&mut self, key: ExpertKey, access: Access) -> Result<bool> {
         let mut plan = std::mem::take(&mut self.access_plan);
-        self.begin(&[key.1], &mut plan);
+        self.begin(&[key.1], &[access == Access::Prefill], &mut plan);
         let applied = self
             .place(key.0, Placement::Step, &|_| false, &mut plan)
             .and_then(|()| self.commit(&plan));
@@ -199,7 +224,7 @@ impl ExpertCache {
         self.free_slots.truncate(self.free_slots.len() - from_free);
         let step = plan.placement == Placement::Step;
         let mut fetches = plan.fetch.iter().enumerate().peekable();
-        for &expert in &plan.experts {
+        for (&expert, &access) in plan.experts.iter().zip(&plan.accesses) {
             let key = (layer, expert);
             let counts = &mut self.counts[layer as usize];
             if self.slot_of.contains_key(&key) {
@@ -228,7 +253,7 @@ impl ExpertCache {
                 self.clock += 1;
                 continue;
             }
-            self.policy.on_access(key, self.clock);
+            self.policy.on_access(key, self.clock, access);
             self.clock += 1;
         }
         if step {
@@ -271,17 +296,31 @@ impl ExpertCache {
         }
     }
 
-    /// Starts `plan` afresh with `routed`'s experts, deduplicated in first-seen order (also kept as a set).
-    fn begin(&mut self, routed: &[u32], plan: &mut Plan) {
+    /// Starts `plan` afresh with `routed`'s experts, deduplicated in first-seen order (also kept as a set), each a
+    /// decode access unless only rows that `prefill_rows` marks (see [`Self::plan_batch`]) route to it.
+    fn begin(&mut self, routed: &[u32], prefill_rows: &[bool], plan: &mut Plan) {
         plan.resident.clear();
         plan.fetch.clear();
         plan.evicted.clear();
         plan.elsewhere.clear();
         plan.experts.clear();
+        plan.accesses.clear();
         self.in_plan.clear();
-        for &expert in routed {
+        let per_row = (routed.len() / prefill_rows.len().max(1)).max(1);
+        let mut any_prefill = false;
+        for (index, &expert) in routed.iter().enumerate() {
+            let prefill = prefill_rows.get(index / per_row) == Some(&true);
+            let access = if prefill { Access::Prefill } else { Access::Decode };
             if self.in_plan.insert(expert) {
                 plan.experts.push(expert);
+                plan.accesses.push(access);
+                any_prefill |= prefill;
+            } else if access == Access::Decode && any_prefill {
+                // Perhaps seen first on a prefill row: a decode row's use makes it a decode access. Linear, but only
+                // when a decode row follows a prefill row (the scheduler puts decodes first), over one layer's experts.
+                if let Some(position) = plan.experts.iter().position(|&e| e == expert) {
+                    plan.accesses[position] = Access::Decode;
+                }
             }
         }
     }

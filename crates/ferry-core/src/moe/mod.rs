@@ -1,16 +1,24 @@
-//! The expert cache's pure logic: eviction policies, the per-layer planner over one slot pool shared by all MoE
-//! layers, the offload's counters, and routing traces. A backend that offloads experts (host bank, device slots,
+//! The expert cache's pure logic: eviction policies (and their names), the per-layer planner over one slot pool
+//! shared by all MoE layers, the offload's counters, and routing traces. A backend that offloads experts (host bank, device slots,
 //! copies) applies the plans made here; nothing in this module touches a device, so all of it is tested on the
 //! CPU. Not here: how a GPU budget is divided (`engine::plan`), which needs the model and the backend.
 
 pub mod cache;
+pub mod choice;
+pub mod floors;
+pub mod lrfu;
 pub mod policy;
+pub mod prefill;
 pub mod stats;
 pub mod tap;
 pub mod trace;
 
 pub use cache::{ExpertCache, LayerCounts, Plan};
-pub use policy::{Belady, EvictionPolicy, ExpertKey, Lru};
+pub use choice::{BaseOrder, PolicyChoice};
+pub use floors::LayerFloors;
+pub use lrfu::Lrfu;
+pub use policy::{Access, Belady, EvictionPolicy, ExpertKey, Lru};
+pub use prefill::PrefillAware;
 pub use stats::OffloadStats;
 pub use tap::{RoutingTap, TraceRecorder, TraceReplayer};
 pub use trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};

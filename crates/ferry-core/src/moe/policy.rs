@@ -10,11 +10,20 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 /// id in two layers is two keys.
 pub type ExpertKey = (u32, u32);
 
+/// What a use of a key serves: a running sequence's decode step, or only a prompt's prefill (or a prefetch ahead of
+/// the step that will use it). A prefill routes to nearly every expert of every layer once, so a policy may keep such
+/// keys from displacing the decode working set ([`super::PrefillAware`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Decode,
+    Prefill,
+}
+
 /// Decides which resident key to evict. The cache calls `on_access` for every key it uses (hits and freshly loaded
 /// keys alike) and `on_evict` for every key it drops, so a policy's resident set is exactly the cache's.
 pub trait EvictionPolicy: Send {
-    /// `key` was used (a hit, or just loaded) at logical time `now` (strictly increasing across calls).
-    fn on_access(&mut self, key: ExpertKey, now: u64);
+    /// `key` was used (a hit, or just loaded) at logical time `now` (strictly increasing across calls), by `access`.
+    fn on_access(&mut self, key: ExpertKey, now: u64, access: Access);
     /// `key` left the cache.
     fn on_evict(&mut self, key: ExpertKey);
     /// The resident key to evict next, never one in `pinned`; None if every resident key is pinned. Changes
@@ -39,7 +48,7 @@ impl Lru {
 }
 
 impl EvictionPolicy for Lru {
-    fn on_access(&mut self, key: ExpertKey, now: u64) {
+    fn on_access(&mut self, key: ExpertKey, now: u64, _: Access) {
         if let Some(previous) = self.last_use.insert(key, now) {
             self.by_last_use.remove(&previous);
         }
@@ -102,7 +111,7 @@ impl Belady {
 }
 
 impl EvictionPolicy for Belady {
-    fn on_access(&mut self, key: ExpertKey, now: u64) {
+    fn on_access(&mut self, key: ExpertKey, now: u64, _: Access) {
         let next = self.next_use_after(key, now);
         if let Some(previous) = self.next_use.insert(key, next) {
             self.by_next_use.remove(&(previous, key));
@@ -136,12 +145,12 @@ mod tests {
     #[test]
     fn lru_evicts_the_least_recently_used_key() {
         let mut lru = Lru::new();
-        lru.on_access((0, 1), 0);
-        lru.on_access((0, 2), 1);
-        lru.on_access((1, 1), 2);
+        lru.on_access((0, 1), 0, Access::Decode);
+        lru.on_access((0, 2), 1, Access::Decode);
+        lru.on_access((1, 1), 2, Access::Decode);
         assert_eq!(lru.choose_victim(&nothing_pinned), Some((0, 1)));
         // A hit refreshes a key: (0, 1) is now the newest.
-        lru.on_access((0, 1), 3);
+        lru.on_access((0, 1), 3, Access::Decode);
         assert_eq!(lru.choose_victim(&nothing_pinned), Some((0, 2)));
         lru.on_evict((0, 2));
         assert_eq!(lru.choose_victim(&nothing_pinned), Some((1, 1)));
@@ -150,8 +159,8 @@ mod tests {
     #[test]
     fn lru_skips_pinned_keys_and_gives_none_when_all_are_pinned() {
         let mut lru = Lru::new();
-        lru.on_access((0, 1), 0);
-        lru.on_access((0, 2), 1);
+        lru.on_access((0, 1), 0, Access::Decode);
+        lru.on_access((0, 2), 1, Access::Decode);
         assert_eq!(lru.choose_victim(&|key| key == (0, 1)), Some((0, 2)));
         assert_eq!(lru.choose_victim(&|key| key.0 == 0), None);
         assert_eq!(Lru::new().choose_victim(&nothing_pinned), None);
@@ -163,12 +172,12 @@ mod tests {
         let sequence = [(0, 1), (0, 2), (0, 3), (0, 2), (0, 1), (0, 3)];
         let mut belady = Belady::new(sequence);
         for (now, &key) in sequence[..3].iter().enumerate() {
-            belady.on_access(key, now as u64);
+            belady.on_access(key, now as u64, Access::Decode);
         }
         // Next uses: (0, 1) at 4, (0, 2) at 3, (0, 3) at 5.
         assert_eq!(belady.choose_victim(&nothing_pinned), Some((0, 3)));
         assert_eq!(belady.choose_victim(&|key| key == (0, 3)), Some((0, 1)));
-        belady.on_access((0, 2), 3);
+        belady.on_access((0, 2), 3, Access::Decode);
         // (0, 2) is never used again after time 3.
         assert_eq!(belady.choose_victim(&nothing_pinned), Some((0, 2)));
         belady.on_evict((0, 2));
@@ -178,9 +187,9 @@ mod tests {
     #[test]
     fn belady_breaks_ties_among_keys_never_used_again_by_the_largest_key() {
         let mut belady = Belady::new([(0, 5), (1, 0), (0, 7)]);
-        belady.on_access((0, 5), 0);
-        belady.on_access((1, 0), 1);
-        belady.on_access((0, 7), 2);
+        belady.on_access((0, 5), 0, Access::Decode);
+        belady.on_access((1, 0), 1, Access::Decode);
+        belady.on_access((0, 7), 2, Access::Decode);
         assert_eq!(belady.choose_victim(&nothing_pinned), Some((1, 0)));
         assert_eq!(belady.choose_victim(&|key| key.0 == 1), Some((0, 7)));
     }
@@ -188,8 +197,8 @@ mod tests {
     #[test]
     fn belady_treats_a_key_outside_its_sequence_as_never_used_again() {
         let mut belady = Belady::new([(0, 1), (0, 1)]);
-        belady.on_access((0, 1), 0);
-        belady.on_access((3, 3), 1);
+        belady.on_access((0, 1), 0, Access::Decode);
+        belady.on_access((3, 3), 1, Access::Decode);
         assert_eq!(belady.choose_victim(&nothing_pinned), Some((3, 3)));
     }
 }

@@ -204,6 +204,9 @@ impl Backend for CudaBackend {
     }
 
     fn prepare_batch(&self, kv: &mut DeviceKv, batch: &[SeqSlice]) -> Result<DeviceBatch> {
+        if let Some(offload) = &self.offload {
+            offload.lock().unwrap_or_else(|e| e.into_inner()).start_batch(batch);
+        }
         kv.prepare(&self.stream, batch)
     }
 

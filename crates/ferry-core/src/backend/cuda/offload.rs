@@ -27,7 +27,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, P
 
 use super::bank::HostBank;
 use super::{cuda_err, CudaBackend, CudaRouting};
-use crate::backend::ExpertTensors;
+use crate::backend::{ExpertTensors, SeqSlice};
 use crate::moe::{EvictionPolicy, ExpertCache, OffloadStats, Plan};
 use crate::{Error, Result};
 
@@ -180,6 +180,9 @@ pub struct Offload {
     guess_precision: GuessPrecision,
     /// Every counter of [`OffloadStats`] the cache does not keep.
     counters: OffloadStats,
+    /// Per row of the batch being run, whether it is a prefill chunk's (a slice of more than one token): what the
+    /// cache tells its policy of each expert's use.
+    prefill_rows: Vec<bool>,
 }
 
 impl Offload {
@@ -201,6 +204,7 @@ impl Offload {
             next_guess: None,
             guess_precision: GuessPrecision::default(),
             counters: OffloadStats::default(),
+            prefill_rows: Vec::new(),
         })
     }
 
@@ -257,6 +261,14 @@ impl Offload {
             table_host,
         });
         Ok(self.layers.len() - 1)
+    }
+
+    /// Notes which rows of the next batch are prefill rows (see `prefill_rows`).
+    pub fn start_batch(&mut self, batch: &[SeqSlice]) {
+        self.prefill_rows.clear();
+        for slice in batch {
+            self.prefill_rows.extend(std::iter::repeat_n(slice.len > 1, slice.len));
+        }
     }
 
     /// The device address of `slot`, given the slab's base.
@@ -420,7 +432,13 @@ impl Offload {
         routings.extend(guess.as_ref().map(|g| &g.routing));
         let all_ids = self.read_ids(compute, &routings)?;
         let ids: Vec<u32> = all_ids[..routed].iter().map(|&e| e as u32).collect();
-        let plan = self.cache.plan(layer as u32, &ids)?;
+        // Rows of a batch that was not started here (an op called on its own) all count as decode rows.
+        let prefill_rows = if self.prefill_rows.len() == routing.rows {
+            &self.prefill_rows[..]
+        } else {
+            &[]
+        };
+        let plan = self.cache.plan_batch(layer as u32, &ids, prefill_rows)?;
         let routed_experts: Vec<u32> = plan.resident.iter().chain(&plan.fetch).map(|&(e, _)| e).collect();
         if let Some(scored) = self.next_guess.take().filter(|g| g.layer == layer) {
             let hits = scored.experts.iter().filter(|e| routed_experts.contains(e)).count();

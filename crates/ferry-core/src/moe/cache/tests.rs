@@ -4,7 +4,8 @@
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::*;
-use crate::moe::policy::{Belady, Lru};
+use crate::moe::policy::{Access, Belady, Lru};
+use crate::moe::PrefillAware;
 
 fn lru_cache(num_slots: u32) -> ExpertCache {
     ExpertCache::new(num_slots, Box::new(Lru::new()))
@@ -252,7 +253,7 @@ fn experts_computed_elsewhere_are_listed_neither_fetched_nor_made_resident() {
 struct NoVictim;
 
 impl EvictionPolicy for NoVictim {
-    fn on_access(&mut self, _: ExpertKey, _: u64) {}
+    fn on_access(&mut self, _: ExpertKey, _: u64, _: Access) {}
     fn on_evict(&mut self, _: ExpertKey) {}
     fn choose_victim(&self, _: &dyn Fn(ExpertKey) -> bool) -> Option<ExpertKey> {
         None
@@ -391,4 +392,72 @@ fn belady_with_plans_uses_each_plans_distinct_keys_as_its_sequence() {
     assert_eq!(plans[3].resident, vec![(1, 1)]);
     assert_eq!(plans[3].fetch, vec![(2, 2)]);
     assert_eq!(plans[3].evicted, vec![(0, 3)]);
+}
+
+/// A policy that records what it is told, in order, and evicts the oldest key it was told of.
+struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<(ExpertKey, Access)>>>);
+
+impl EvictionPolicy for Recorder {
+    fn on_access(&mut self, key: ExpertKey, _: u64, access: Access) {
+        self.0.lock().unwrap().push((key, access));
+    }
+    fn on_evict(&mut self, _: ExpertKey) {}
+    fn choose_victim(&self, _: &dyn Fn(ExpertKey) -> bool) -> Option<ExpertKey> {
+        None
+    }
+}
+
+#[test]
+fn a_batch_tells_the_policy_which_experts_only_prefill_rows_route_to() {
+    let told = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut cache = ExpertCache::new(8, Box::new(Recorder(told.clone())));
+    // Rows of top-2: a decode row (1, 2), a prefill row (2, 3), a decode row after it (3, 4).
+    let plan = cache.plan_batch(0, &[1, 2, 2, 3, 3, 4], &[false, true, false]).unwrap();
+    cache.commit(&plan).unwrap();
+    let decode = |e| ((0, e), Access::Decode);
+    assert_eq!(*told.lock().unwrap(), vec![decode(1), decode(2), decode(3), decode(4)]);
+    told.lock().unwrap().clear();
+    let plan = cache.plan_batch(1, &[5, 6, 6, 7], &[true, false]).unwrap();
+    cache.commit(&plan).unwrap();
+    assert_eq!(
+        *told.lock().unwrap(),
+        vec![
+            ((1, 5), Access::Prefill),
+            ((1, 6), Access::Decode),
+            ((1, 7), Access::Decode)
+        ]
+    );
+    // No rows given: all decode. Ids that do not divide into the rows: a shape error.
+    assert!(cache.plan_batch(0, &[1, 2, 3], &[true, false]).is_err());
+    told.lock().unwrap().clear();
+    let plan = cache.plan_batch(2, &[1], &[]).unwrap();
+    cache.commit(&plan).unwrap();
+    assert_eq!(*told.lock().unwrap(), vec![((2, 1), Access::Decode)]);
+}
+
+#[test]
+fn a_prefill_between_decode_steps_keeps_the_decode_working_set_under_prefill_aware_admission() {
+    // Two MoE layers of 4 experts, 5 slots; the decode working set is expert 0 of each layer.
+    let decode_misses = |cache: &mut ExpertCache| -> u64 {
+        let before: u64 = cache.layer_counts().iter().map(|c| c.misses).sum();
+        for layer in 0..2 {
+            let plan = cache.plan_batch(layer, &[0], &[false]).unwrap();
+            cache.commit(&plan).unwrap();
+        }
+        cache.layer_counts().iter().map(|c| c.misses).sum::<u64>() - before
+    };
+    for (policy, misses_after_prefill) in [
+        (Box::new(Lru::new()) as Box<dyn EvictionPolicy>, 1),
+        (Box::new(PrefillAware::new(Lru::new())), 0),
+    ] {
+        let mut cache = ExpertCache::new(5, policy);
+        assert_eq!(decode_misses(&mut cache), 2);
+        // A one-row batch of a prompt's prefill routes to every expert of both layers.
+        for layer in 0..2 {
+            let plan = cache.plan_batch(layer, &[0, 1, 2, 3], &[true]).unwrap();
+            cache.commit(&plan).unwrap();
+        }
+        // LRU let layer 1's prefill evict layer 0's expert 0; on probation, layer 0's prefill-only keys went first.
+        assert_eq!(decode_misses(&mut cache), misses_after_prefill);
+    }
 }
