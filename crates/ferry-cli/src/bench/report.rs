@@ -37,9 +37,8 @@ pub(super) struct OffloadReport {
     /// experts that layer routed, and of its routed experts that were guessed.
     guess_precision: f64,
     guess_recall: f64,
-    /// Guessed misses queued right behind a layer's own copies, copied while the copy stream idled, dropped because
-    /// their layer routed first, and prefetched copies (guessed or prefill's) that a step then used.
-    guesses_early: u64,
+    /// Guessed misses copied while the copy stream idled, dropped because their layer routed first, and
+    /// prefetched copies (guessed or prefill's) that a step then used.
     guesses_copied: u64,
     guesses_dropped: u64,
     prefetches_used: u64,
@@ -136,7 +135,6 @@ pub(super) fn offload_report(
         router_wait_ms_per_token: (after.router_wait_ns - before.router_wait_ns) as f64 / 1e6 / tokens as f64,
         guess_precision: ratio(guessed_routed, after.guessed - before.guessed),
         guess_recall: ratio(guessed_routed, after.routed_after_guess - before.routed_after_guess),
-        guesses_early: after.guesses_early - before.guesses_early,
         guesses_copied: after.guesses_copied - before.guesses_copied,
         guesses_dropped: after.guesses_dropped - before.guesses_dropped,
         prefetches_used: after.prefetches_used - before.prefetches_used,
@@ -256,10 +254,9 @@ pub(super) fn print_report(r: &BenchReport) {
         rows.push((
             "next-layer guesses",
             format!(
-                "precision {:.1} %, recall {:.1} %; {} queued early, {} copied idle, {} dropped, {} prefetches used",
+                "precision {:.1} %, recall {:.1} %; {} copied, {} dropped, {} prefetches used",
                 100.0 * o.guess_precision,
                 100.0 * o.guess_recall,
-                o.guesses_early,
                 o.guesses_copied,
                 o.guesses_dropped,
                 o.prefetches_used

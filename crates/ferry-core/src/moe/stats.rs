@@ -31,9 +31,7 @@ pub struct OffloadStats {
     pub guessed: u64,
     pub guessed_routed: u64,
     pub routed_after_guess: u64,
-    /// Guessed misses queued right behind a layer's own copies (while recent guesses were precise enough), those
-    /// copied while the copy stream was idle, and those dropped because their layer routed first.
-    pub guesses_early: u64,
+    /// Guessed misses copied while the copy stream was idle, and those dropped because their layer routed first.
     pub guesses_copied: u64,
     pub guesses_dropped: u64,
     /// The host's waits for a layer's routed ids (one per MoE layer and step), and their total time: the serial

@@ -9,12 +9,10 @@
 //! Prefetch, of two kinds. A step that routes to nearly all of a layer's experts (prefill) queues the next layer's
 //! experts behind its own, so the bank streams while the layers compute. In decode, the model hands over a guess of
 //! the next MoE layer's routing (that layer's router applied to this layer's input, [`Offload::guess_next`]); its
-//! ids come to the host with this layer's. While recent guesses have been right often enough ([`GuessPrecision`]),
-//! a few guessed misses are queued right behind this layer's own copies, so they run while this layer's tail and the
-//! next layer's attention and router compute, a gap in which the copy stream would otherwise idle. The rest are
-//! copied one at a time, only while the copy stream is idle and the host waits for the next router anyway: there a
-//! guess never goes ahead of a needed copy, at most one guessed copy is still in flight when the next layer's own
-//! copies are queued, and the guesses not yet copied when that layer routes are dropped.
+//! ids come to the host with this layer's, and the guessed misses are copied one at a time, only while the copy
+//! stream is idle and the host waits for the next router anyway: a guess never goes ahead of a needed copy, at
+//! most one guessed copy is still in flight when the next layer's own copies are queued, and the guesses not yet
+//! copied when that layer routes are dropped.
 //!
 //! The offload is part of the backend from its construction ([`CudaBackend::builder`]), with the eviction policy
 //! its caller chose.
@@ -84,41 +82,6 @@ impl CudaBackendBuilder {
 /// layer's experts: a batch that wide is a prefill chunk, and the next layer will want nearly all of its experts.
 const PREFETCH_SHARE: (usize, usize) = (7, 8);
 
-/// Guessed misses are queued right behind a layer's own copies only while recent guessed misses were right at
-/// least this often. A wrong one queued there delays the next layer's own copies by one expert copy; a right one
-/// takes one copy off them: break-even at one half (a little below, as the first such copy partly runs in the gap
-/// the copy stream would idle in anyway, so one half errs on the side of today's idle-only copying).
-const EARLY_GUESS_PRECISION: f64 = 0.5;
-
-/// How much [`GuessPrecision`] remembers: each layer's guessed misses weigh one, earlier layers' decay by this
-/// factor per layer, so about the last ten layers count, a fraction of one token's pass: it follows the locality of
-/// the moment.
-const GUESS_PRECISION_DECAY: f64 = 0.9;
-
-/// The running precision of decode's guessed misses (the guessed experts not resident when guessed: those a guess
-/// copies), weighted toward recent layers; it decides whether guesses are queued behind a layer's own copies.
-#[derive(Debug, Default)]
-struct GuessPrecision {
-    right: f64,
-    guessed: f64,
-}
-
-impl GuessPrecision {
-    /// Counts one layer's guessed misses, `right` of `guessed` then routed by that layer.
-    fn record(&mut self, right: usize, guessed: usize) {
-        if guessed == 0 {
-            return;
-        }
-        self.right = self.right * GUESS_PRECISION_DECAY + right as f64;
-        self.guessed = self.guessed * GUESS_PRECISION_DECAY + guessed as f64;
-    }
-
-    /// Whether guesses have earned their place ahead of the next layer's own copies; not before any was scored.
-    fn earned(&self) -> bool {
-        self.guessed > 0.0 && self.right >= EARLY_GUESS_PRECISION * self.guessed
-    }
-}
-
 /// One MoE layer under offload: where its experts sit in the bank, and its slot table (device and a pinned host
 /// mirror the table is uploaded from).
 struct OffloadLayer {
@@ -152,12 +115,11 @@ struct RoutingGuess {
     routing: CudaRouting,
 }
 
-/// A guess read on the host: the distinct guessed experts of `layer` and those of them not resident when guessed
-/// (both scored against what the layer routes), and the guessed misses still to copy, the next one last.
+/// A guess read on the host: the distinct guessed experts of `layer` (scored against what the layer routes), and
+/// the guessed misses still to copy, the next one last.
 struct NextLayerGuess {
     layer: usize,
     experts: Vec<u32>,
-    misses: Vec<u32>,
     to_copy: Vec<u32>,
 }
 
@@ -177,7 +139,6 @@ pub struct Offload {
     guess: Option<RoutingGuess>,
     /// The guess read with the last layer's ids, being copied while the host waits for its layer's router.
     next_guess: Option<NextLayerGuess>,
-    guess_precision: GuessPrecision,
     /// Every counter of [`OffloadStats`] the cache does not keep.
     counters: OffloadStats,
     /// Per row of the batch being run, whether it is a prefill chunk's (a slice of more than one token): what the
@@ -202,7 +163,6 @@ impl Offload {
             last_copy: None,
             guess: None,
             next_guess: None,
-            guess_precision: GuessPrecision::default(),
             counters: OffloadStats::default(),
             prefill_rows: Vec::new(),
         })
@@ -363,7 +323,10 @@ impl Offload {
     /// Copies the next guessed expert if the copy stream is idle; returns whether guessed copies remain (queued now
     /// or still to queue), so that the caller knows whether polling can still start one.
     fn copy_guess_if_idle(&mut self) -> Result<bool> {
-        if self.next_guess.as_ref().is_none_or(|g| g.to_copy.is_empty()) {
+        let Some(guess) = self.next_guess.as_mut() else {
+            return Ok(false);
+        };
+        if guess.to_copy.is_empty() {
             return Ok(false);
         }
         if let Some(last) = &self.last_copy {
@@ -371,25 +334,13 @@ impl Offload {
                 return Ok(true);
             }
         }
-        if self.copy_next_guess()? {
-            self.counters.guesses_copied += 1;
-        }
-        Ok(self.next_guess.as_ref().is_some_and(|g| !g.to_copy.is_empty()))
-    }
-
-    /// Queues the copy of the next guessed miss on the copy stream (placed as a prefetch: the experts of the layer
-    /// computing are spared) and makes it the last copy; returns whether one was queued (none when no guess is
-    /// left, or the next one became resident meanwhile).
-    fn copy_next_guess(&mut self) -> Result<bool> {
-        let Some((layer, expert)) = self
-            .next_guess
-            .as_mut()
-            .and_then(|guess| guess.to_copy.pop().map(|expert| (guess.layer, expert)))
-        else {
-            return Ok(false);
+        let (layer, expert) = match guess.to_copy.pop() {
+            Some(expert) => (guess.layer, expert),
+            None => return Ok(false),
         };
+        let more = !guess.to_copy.is_empty();
         if self.cache.slot_of((layer as u32, expert)).is_some() {
-            return Ok(false);
+            return Ok(more);
         }
         let (Some(bank), Some(slab)) = (self.bank.as_mut(), self.slab.as_ref()) else {
             return Err(Error::Cuda(
@@ -406,18 +357,16 @@ impl Offload {
         let fetched = Self::apply(&mut self.cache, bank, blocks, &plan, base, &self.copy_stream)?;
         self.counters.copies += fetched.len() as u64;
         self.counters.prefetched += fetched.len() as u64;
-        match fetched.into_iter().last() {
-            Some((_, event)) => {
-                self.last_copy = Some(event);
-                Ok(true)
-            }
-            None => Ok(false),
+        self.counters.guesses_copied += fetched.len() as u64;
+        if let Some((_, event)) = fetched.into_iter().last() {
+            self.last_copy = Some(event);
         }
+        Ok(more)
     }
 
     /// Makes the routed experts of `layer` resident for this step: reads the routed ids (and those of a guess
-    /// handed over for the next layer), plans, queues the copies of the misses, each with its event (then, while
-    /// guesses have earned it, a few of the next layer's guessed misses), and the slot table's upload on `compute`. The caller makes `compute` wait for the returned events before the kernels that
+    /// handed over for the next layer), plans, queues the copies of the misses, each with its event, and the slot
+    /// table's upload on `compute`. The caller makes `compute` wait for the returned events before the kernels that
     /// read the experts.
     pub fn prepare_layer(
         &mut self,
@@ -445,8 +394,6 @@ impl Offload {
             self.counters.guessed += scored.experts.len() as u64;
             self.counters.guessed_routed += hits as u64;
             self.counters.routed_after_guess += routed_experts.len() as u64;
-            let right = scored.misses.iter().filter(|e| routed_experts.contains(e)).count();
-            self.guess_precision.record(right, scored.misses.len());
         }
         self.counters.routed_pairs += routed as u64;
         let (Some(bank), Some(slab)) = (self.bank.as_mut(), self.slab.as_ref()) else {
@@ -508,19 +455,6 @@ impl Offload {
         self.last_copy = Some(self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?);
         if let Some(guess) = guess {
             self.keep_guess(guess.layer, &all_ids[routed..], routed_experts.len());
-            // Behind this layer's own copies, while this layer's tail and the next layer's attention and router
-            // compute: the copy stream's gap there is about one expert copy, and the next layer tends to miss about
-            // as many experts as this one, so as many guesses as this layer's misses plus one.
-            if self.guess_precision.earned() {
-                for _ in 0..=plan.fetch.len() {
-                    if self.next_guess.as_ref().is_none_or(|g| g.to_copy.is_empty()) {
-                        break;
-                    }
-                    if self.copy_next_guess()? {
-                        self.counters.guesses_early += 1;
-                    }
-                }
-            }
         }
         Ok(LayerCopies {
             addresses,
@@ -540,19 +474,17 @@ impl Offload {
                 experts.push(e as u32);
             }
         }
-        let misses: Vec<u32> = experts
+        let mut to_copy: Vec<u32> = experts
             .iter()
             .copied()
             .filter(|&e| self.cache.slot_of((layer as u32, e)).is_none())
             .collect();
-        let mut to_copy = misses.clone();
         to_copy.truncate(self.slots.saturating_sub(in_use + 1));
         // Copied from the end: the first guessed (the most likely) first.
         to_copy.reverse();
         self.next_guess = Some(NextLayerGuess {
             layer,
             experts,
-            misses,
             to_copy,
         });
     }
@@ -572,45 +504,5 @@ impl Offload {
             prefetches_used: self.cache.prefetches_used(),
             ..self.counters.clone()
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::GuessPrecision;
-
-    #[test]
-    fn guesses_earn_the_early_queue_at_half_right_and_lose_it_below() {
-        let mut precision = GuessPrecision::default();
-        assert!(!precision.earned(), "nothing scored yet");
-        precision.record(0, 0);
-        assert!(!precision.earned(), "a layer without guessed misses scores nothing");
-        precision.record(1, 2);
-        assert!(precision.earned(), "one half is break-even");
-        precision.record(0, 1);
-        assert!(
-            !precision.earned(),
-            "0.9 right of 2.8 weighted guesses is below one half"
-        );
-    }
-
-    #[test]
-    fn guess_precision_follows_recent_layers() {
-        let mut precision = GuessPrecision::default();
-        // A long run of wrong guesses, then right ones: the old misses fade, so a few right layers earn it back.
-        for _ in 0..100 {
-            precision.record(0, 2);
-        }
-        let mut layers = 0;
-        while !precision.earned() {
-            precision.record(2, 2);
-            layers += 1;
-        }
-        assert_eq!(layers, 7, "0.9^n <= 1/2 first at n = 7");
-        // Without decay the 200 wrong guesses would need 100 right layers.
-        for _ in 0..7 {
-            precision.record(0, 2);
-        }
-        assert!(!precision.earned());
     }
 }
