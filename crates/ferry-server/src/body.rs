@@ -163,6 +163,19 @@ impl Body {
         }
     }
 
+    /// A required, non-empty array; `expected` says of what (`"an array of messages"`).
+    pub fn nonempty_array(&self, name: &str, expected: &str) -> Result<&Vec<Value>, ApiError> {
+        let param = self.param(name);
+        match self.get(name) {
+            None => Err(ApiError::invalid_param(&param, format!("`{param}` is required"))),
+            Some(Value::Array(list)) if list.is_empty() => {
+                Err(ApiError::invalid_param(&param, format!("`{param}` must not be empty")))
+            }
+            Some(Value::Array(list)) => Ok(list),
+            Some(other) => Err(wrong_type(&param, expected, other)),
+        }
+    }
+
     pub fn object(&self, name: &str) -> Result<Option<&Map<String, Value>>, ApiError> {
         match self.get(name) {
             None => Ok(None),

@@ -164,14 +164,7 @@ fn chat_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError> 
 
 /// `messages`: a non-empty array of messages.
 pub fn messages(body: &Body) -> Result<Vec<ChatMessage>, ApiError> {
-    let messages = match body.raw("messages") {
-        None | Some(Value::Null) => return Err(ApiError::invalid_param("messages", "`messages` is required")),
-        Some(Value::Array(list)) if list.is_empty() => {
-            return Err(ApiError::invalid_param("messages", "`messages` must not be empty"))
-        }
-        Some(Value::Array(list)) => list,
-        Some(other) => return Err(wrong_type("messages", "an array of messages", other)),
-    };
+    let messages = body.nonempty_array("messages", "an array of messages")?;
     messages.iter().enumerate().map(|(i, m)| chat_message(i, m)).collect()
 }
 

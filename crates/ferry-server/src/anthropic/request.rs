@@ -50,14 +50,7 @@ impl MessagesBody {
             return Err(ApiError::invalid_param("max_tokens", "`max_tokens` is required"));
         }
         let mut messages = system_message(body)?.into_iter().collect::<Vec<_>>();
-        let sent = match body.raw("messages") {
-            None | Some(Value::Null) => return Err(ApiError::invalid_param("messages", "`messages` is required")),
-            Some(Value::Array(list)) if list.is_empty() => {
-                return Err(ApiError::invalid_param("messages", "`messages` must not be empty"))
-            }
-            Some(Value::Array(list)) => list,
-            Some(other) => return Err(wrong_type("messages", "an array of messages", other)),
-        };
+        let sent = body.nonempty_array("messages", "an array of messages")?;
         for (index, message) in sent.iter().enumerate() {
             messages.push(message_of(index, message, splits_reasoning)?);
         }
