@@ -234,7 +234,7 @@ fn prepare_chat(state: &AppState, body: &[u8]) -> Result<(Prepared, Request), Ap
         ));
     }
     let prompt = tokenizer
-        .apply_chat_template(&body.messages, true, &body.chat_template_kwargs)
+        .apply_chat_template(&body.messages, &[], true, &body.chat_template_kwargs)
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     let prompt_ids = tokenizer
         .encode(&prompt, false)

@@ -265,10 +265,7 @@ impl ChatBody {
                         ))
                     }
                 };
-                Ok(ChatMessage {
-                    role,
-                    content: message_content(i, m.get("content"))?,
-                })
+                Ok(ChatMessage::text(&role, &message_content(i, m.get("content"))?))
             })
             .collect::<Result<_, _>>()?;
         let chat_template_kwargs = match field(obj, "chat_template_kwargs") {
