@@ -109,10 +109,7 @@ fn system_message(body: &Body) -> Result<Option<ChatMessage>, ApiError> {
         }
         Some(other) => return Err(wrong_type("system", "a string or an array of text blocks", other)),
     };
-    Ok(Some(ChatMessage {
-        role: "system".into(),
-        content,
-    }))
+    Ok(Some(ChatMessage::text("system", &content)))
 }
 
 /// A content block this server reads.
@@ -220,7 +217,7 @@ fn message_of(index: usize, message: &Value, splits_reasoning: bool) -> Result<C
             ))
         }
     };
-    Ok(ChatMessage { role, content })
+    Ok(ChatMessage::text(&role, &content))
 }
 
 /// `thinking`: `{"type": "enabled", "budget_tokens": N}` (N below `max_tokens`, which bounds the thinking with the
