@@ -1,5 +1,5 @@
-//! The two generation endpoints: chat completions (through the chat template, with reasoning split out) and text
-//! completions, each plain or streamed. Both validate, tokenize and submit the same way and read the same engine
+//! The two generation endpoints: chat completions (through the chat template, with reasoning and tool calls split
+//! out) and text completions, each plain or streamed. Both validate, tokenize and submit the same way and read the same engine
 //! events; they differ only in the JSON they write.
 
 use std::convert::Infallible;
@@ -19,7 +19,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::error::ApiError;
 use crate::params::{json_object, ChatBody, CompletionBody, GenerationParams, Prompt};
-use crate::reasoning::{ReasoningParser, Split};
+use crate::reasoning::ReasoningParser;
+use crate::tools::output::{OutputParser, Piece};
 use crate::{unix_seconds, AppState, LoadedModel};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -46,26 +47,38 @@ impl ResponseMeta {
     }
 
     /// One choice's worth of new output, as a chat delta or a text fragment.
-    fn choice(&self, split: &Split, finish_reason: Option<&str>, streamed: bool) -> Value {
+    fn choice(&self, delta: &Delta, finish_reason: Option<&str>, streamed: bool) -> Value {
         match self.endpoint {
             Endpoint::Text => json!({
-                "index": 0, "text": split.content, "logprobs": null, "finish_reason": finish_reason,
+                "index": 0, "text": delta.content, "logprobs": null, "finish_reason": finish_reason,
             }),
             Endpoint::Chat => {
                 let mut message = serde_json::Map::new();
                 if !streamed {
                     message.insert("role".into(), "assistant".into());
                 }
-                if !streamed || !split.content.is_empty() {
-                    message.insert("content".into(), split.content.clone().into());
+                if !streamed && delta.content.is_empty() && !delta.tool_calls.is_empty() {
+                    // OpenAI's content when the reply is only tool calls.
+                    message.insert("content".into(), Value::Null);
+                } else if !streamed || !delta.content.is_empty() {
+                    message.insert("content".into(), delta.content.clone().into());
                 }
-                if !split.reasoning.is_empty() {
-                    message.insert("reasoning_content".into(), split.reasoning.clone().into());
+                if !delta.reasoning.is_empty() {
+                    message.insert("reasoning_content".into(), delta.reasoning.clone().into());
+                }
+                if !delta.tool_calls.is_empty() {
+                    message.insert("tool_calls".into(), delta.tool_calls.clone().into());
                 }
                 let key = if streamed { "delta" } else { "message" };
                 json!({"index": 0, key: message, "logprobs": null, "finish_reason": finish_reason})
             }
         }
+    }
+
+    /// Unique within the response (its id's) and the process.
+    fn tool_call_id(&self, index: usize) -> String {
+        let response = self.id.rsplit('-').next().unwrap_or_default();
+        format!("call_{response}{index:02x}")
     }
 
     fn envelope(&self, choices: Vec<Value>, streamed: bool) -> serde_json::Map<String, Value> {
@@ -76,6 +89,79 @@ impl ResponseMeta {
         out.insert("model".into(), self.model.clone().into());
         out.insert("choices".into(), choices.into());
         out
+    }
+}
+
+/// New output for one response object: text, and tool calls in OpenAI's shape (whole calls in a plain response,
+/// the deltas of calls in a streamed chunk).
+#[derive(Default)]
+struct Delta {
+    reasoning: String,
+    content: String,
+    tool_calls: Vec<Value>,
+}
+
+impl Delta {
+    fn is_empty(&self) -> bool {
+        self.reasoning.is_empty() && self.content.is_empty() && self.tool_calls.is_empty()
+    }
+
+    /// Adds pieces to a plain response: a call's argument pieces are joined into its one `arguments` string.
+    fn gather(&mut self, meta: &ResponseMeta, pieces: Vec<Piece>) {
+        for piece in pieces {
+            match piece {
+                Piece::Reasoning(text) => self.reasoning += &text,
+                Piece::Content(text) => self.content += &text,
+                Piece::ToolCallStart { index, name } => self.tool_calls.push(json!({
+                    "id": meta.tool_call_id(index), "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                })),
+                Piece::ToolCallArguments { index, fragment } => {
+                    if let Some(Value::String(arguments)) = self
+                        .tool_calls
+                        .get_mut(index)
+                        .and_then(|call| call.pointer_mut("/function/arguments"))
+                    {
+                        arguments.push_str(&fragment);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The pieces of one streamed chunk: a call's first delta has its index, id, type and name (arguments ""),
+    /// the next ones its argument pieces.
+    fn streamed(meta: &ResponseMeta, pieces: Vec<Piece>) -> Self {
+        let mut delta = Delta::default();
+        for piece in pieces {
+            match piece {
+                Piece::Reasoning(text) => delta.reasoning += &text,
+                Piece::Content(text) => delta.content += &text,
+                Piece::ToolCallStart { index, name } => delta.tool_calls.push(json!({
+                    "index": index, "id": meta.tool_call_id(index), "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                })),
+                Piece::ToolCallArguments { index, fragment } => {
+                    // Pieces of one call in one chunk make one delta.
+                    let last = delta.tool_calls.last_mut().filter(|call| call["index"] == index);
+                    match last.and_then(|call| call.pointer_mut("/function/arguments")) {
+                        Some(Value::String(arguments)) => arguments.push_str(&fragment),
+                        _ => delta
+                            .tool_calls
+                            .push(json!({"index": index, "function": {"arguments": fragment}})),
+                    }
+                }
+            }
+        }
+        delta
+    }
+}
+
+/// The finish reason a client sees: a turn that ended by calling tools ends with "tool_calls".
+fn finish_reason(reason: &'static str, output: &Option<OutputParser>) -> &'static str {
+    match output.as_ref().map_or(0, OutputParser::tool_calls) {
+        calls if calls > 0 && reason == "stop" => "tool_calls",
+        _ => reason,
     }
 }
 
@@ -144,8 +230,8 @@ struct Prepared {
     model: Arc<LoadedModel>,
     params: GenerationParams,
     meta: ResponseMeta,
-    /// Splits `<think>` reasoning out of chat output.
-    reasoning: Option<ReasoningParser>,
+    /// Splits `<think>` reasoning and tool calls out of chat output (none for text completions).
+    output: Option<OutputParser>,
 }
 
 /// Builds the engine request for `prompt_ids`, refusing a prompt that leaves no room in the context window.
@@ -233,19 +319,28 @@ fn prepare_chat(state: &AppState, body: &[u8]) -> Result<(Prepared, Request), Ap
             "this model has no chat template; use /v1/completions",
         ));
     }
+    let tools = body.tools.template_tools();
+    // A template without a tool section would drop the tools without a word.
+    if !tools.is_empty() && !tokenizer.chat_template_mentions("tools") {
+        return Err(ApiError::invalid_param(
+            "tools",
+            "this model's chat template does not render tools",
+        ));
+    }
     let prompt = tokenizer
-        .apply_chat_template(&body.messages, &[], true, &body.chat_template_kwargs)
+        .apply_chat_template(&body.messages, &tools, true, &body.chat_template_kwargs)
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     let prompt_ids = tokenizer
         .encode(&prompt, false)
         .map_err(|e| ApiError::internal(e.to_string()))?;
     let reasoning = model.splits_reasoning().then(|| ReasoningParser::new(&prompt));
+    let output = OutputParser::new(reasoning, body.tools.parser(model.tool_call_format));
     let request = engine_request(&model, &body.params, prompt_ids)?;
     let prepared = Prepared {
         model,
         params: body.params,
         meta: meta(state, Endpoint::Chat),
-        reasoning,
+        output: Some(output),
     };
     Ok((prepared, request))
 }
@@ -271,7 +366,7 @@ fn prepare_text(state: &AppState, body: &[u8]) -> Result<(Prepared, Request), Ap
         model,
         params: body.params,
         meta: meta(state, Endpoint::Text),
-        reasoning: None,
+        output: None,
     };
     Ok((prepared, request))
 }
@@ -309,18 +404,15 @@ fn submit(
     Ok((in_flight, events))
 }
 
-fn split_text(reasoning: &mut Option<ReasoningParser>, text: &str) -> Split {
-    match reasoning {
+fn output_pieces(output: &mut Option<OutputParser>, text: &str) -> Vec<Piece> {
+    match output {
         Some(parser) => parser.push(text),
-        None => Split {
-            reasoning: String::new(),
-            content: text.to_string(),
-        },
+        None => vec![Piece::Content(text.to_string())],
     }
 }
 
-fn flush_text(reasoning: &mut Option<ReasoningParser>) -> Split {
-    reasoning.as_mut().map(ReasoningParser::finish).unwrap_or_default()
+fn flush_pieces(output: &mut Option<OutputParser>) -> Vec<Piece> {
+    output.as_mut().map(OutputParser::finish).unwrap_or_default()
 }
 
 fn engine_failure(message: String) -> ApiError {
@@ -333,27 +425,27 @@ async fn respond_whole(
     mut in_flight: InFlight,
     mut events: UnboundedReceiver<Event>,
 ) -> Response {
-    let mut output = Split::default();
+    let mut output = Delta::default();
     while let Some(event) = events.recv().await {
         match event {
             Event::Token { text, .. } => {
                 in_flight.on_token();
-                let split = split_text(&mut prepared.reasoning, &text);
-                output.reasoning += &split.reasoning;
-                output.content += &split.content;
+                let pieces = output_pieces(&mut prepared.output, &text);
+                output.gather(&prepared.meta, pieces);
             }
             Event::Finished {
                 reason,
                 prompt_tokens,
                 completion_tokens,
             } => {
-                let rest = flush_text(&mut prepared.reasoning);
-                output.reasoning += &rest.reasoning;
-                output.content += &rest.content;
+                let rest = flush_pieces(&mut prepared.output);
+                output.gather(&prepared.meta, rest);
                 in_flight.finish(reason.as_str());
                 let meta = &prepared.meta;
-                let mut choice = meta.choice(&output, Some(reason.as_str()), false);
-                if prepared.reasoning.is_some() && output.reasoning.is_empty() {
+                let finish = finish_reason(reason.as_str(), &prepared.output);
+                let mut choice = meta.choice(&output, Some(finish), false);
+                let splits_reasoning = prepared.output.as_ref().is_some_and(OutputParser::splits_reasoning);
+                if splits_reasoning && output.reasoning.is_empty() {
                     choice["message"]["reasoning_content"] = Value::Null;
                 }
                 let mut body = meta.envelope(vec![choice], false);
@@ -379,9 +471,9 @@ struct StreamState {
 }
 
 impl StreamState {
-    fn chunk(&self, split: &Split, finish: Option<&str>) -> SseEvent {
+    fn chunk(&self, delta: &Delta, finish: Option<&str>) -> SseEvent {
         let meta = &self.prepared.meta;
-        let mut body = meta.envelope(vec![meta.choice(split, finish, true)], true);
+        let mut body = meta.envelope(vec![meta.choice(delta, finish, true)], true);
         if self.prepared.params.include_usage {
             body.insert("usage".into(), Value::Null);
         }
@@ -402,10 +494,11 @@ impl StreamState {
         Some(match event {
             Event::Token { text, .. } => {
                 self.in_flight.on_token();
-                let split = split_text(&mut self.prepared.reasoning, &text);
-                match split.content.is_empty() && split.reasoning.is_empty() {
+                let pieces = output_pieces(&mut self.prepared.output, &text);
+                let delta = Delta::streamed(&self.prepared.meta, pieces);
+                match delta.is_empty() {
                     true => vec![],
-                    false => vec![self.chunk(&split, None)],
+                    false => vec![self.chunk(&delta, None)],
                 }
             }
             Event::Finished {
@@ -415,12 +508,14 @@ impl StreamState {
             } => {
                 self.ended = true;
                 self.in_flight.finish(reason.as_str());
-                let rest = flush_text(&mut self.prepared.reasoning);
+                let rest = flush_pieces(&mut self.prepared.output);
+                let rest = Delta::streamed(&self.prepared.meta, rest);
                 let mut out = vec![];
-                if !rest.content.is_empty() || !rest.reasoning.is_empty() {
+                if !rest.is_empty() {
                     out.push(self.chunk(&rest, None));
                 }
-                out.push(self.chunk(&Split::default(), Some(reason.as_str())));
+                let finish = finish_reason(reason.as_str(), &self.prepared.output);
+                out.push(self.chunk(&Delta::default(), Some(finish)));
                 if self.prepared.params.include_usage {
                     let mut body = self.prepared.meta.envelope(vec![], true);
                     body.insert("usage".into(), usage(prompt_tokens, completion_tokens));

@@ -6,6 +6,8 @@ use ferry_core::loader::ChatMessage;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::tools::request::parse_tool_calls;
+use crate::tools::ToolRequest;
 
 /// Fields shared by chat and text completions.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -28,6 +30,7 @@ pub struct GenerationParams {
 #[derive(Clone, Debug)]
 pub struct ChatBody {
     pub messages: Vec<ChatMessage>,
+    pub tools: ToolRequest,
     pub chat_template_kwargs: Map<String, Value>,
     pub params: GenerationParams,
 }
@@ -55,12 +58,12 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
-fn wrong_type(name: &str, expected: &str, got: &Value) -> ApiError {
+pub(crate) fn wrong_type(name: &str, expected: &str, got: &Value) -> ApiError {
     ApiError::invalid_param(name, format!("`{name}` must be {expected}, got {}", type_name(got)))
 }
 
 /// A field's value; null counts as absent.
-fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+pub(crate) fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
     obj.get(name).filter(|v| !v.is_null())
 }
 
@@ -265,7 +268,28 @@ impl ChatBody {
                         ))
                     }
                 };
-                Ok(ChatMessage::text(&role, &message_content(i, m.get("content"))?))
+                let mut message = ChatMessage::text(&role, &message_content(i, m.get("content"))?);
+                if let Some(calls) = field(m, "tool_calls") {
+                    if role != "assistant" {
+                        return Err(ApiError::invalid_param(
+                            &format!("messages[{i}].tool_calls"),
+                            "only assistant messages carry `tool_calls`",
+                        ));
+                    }
+                    message.tool_calls = parse_tool_calls(&format!("messages[{i}]"), calls)?;
+                }
+                message.tool_call_id = match field(m, "tool_call_id") {
+                    None => None,
+                    Some(Value::String(id)) if role == "tool" => Some(id.clone()),
+                    Some(Value::String(_)) => {
+                        return Err(ApiError::invalid_param(
+                            &format!("messages[{i}].tool_call_id"),
+                            "only tool messages carry `tool_call_id`",
+                        ))
+                    }
+                    Some(other) => return Err(wrong_type(&format!("messages[{i}].tool_call_id"), "a string", other)),
+                };
+                Ok(message)
             })
             .collect::<Result<_, _>>()?;
         let chat_template_kwargs = match field(obj, "chat_template_kwargs") {
@@ -275,6 +299,7 @@ impl ChatBody {
         };
         Ok(ChatBody {
             messages,
+            tools: ToolRequest::parse(obj)?,
             chat_template_kwargs,
             params: GenerationParams::parse(obj, &["max_completion_tokens", "max_tokens"])?,
         })
