@@ -10,7 +10,6 @@
 //! written inside the reasoning stays reasoning.
 
 mod hermes;
-pub mod output;
 mod qwen_xml;
 pub mod request;
 

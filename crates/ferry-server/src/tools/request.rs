@@ -10,8 +10,8 @@ use ferry_core::loader::{FunctionCall, ToolCall};
 use serde_json::{Map, Value};
 
 use super::{ToolCallFormat, ToolCallParser};
+use crate::body::{wrong_type, Body};
 use crate::error::ApiError;
-use crate::params::{field, wrong_type};
 
 /// Longest tool name accepted (Anthropic's limit; OpenAI's is 64).
 const MAX_NAME_CHARS: usize = 128;
@@ -64,28 +64,30 @@ fn check_name(param: &str, name: &str) -> Result<(), ApiError> {
     }
 }
 
-fn object<'a>(param: &str, value: &'a Value) -> Result<&'a Map<String, Value>, ApiError> {
-    value.as_object().ok_or_else(|| wrong_type(param, "an object", value))
-}
-
-fn required_string<'a>(obj: &'a Map<String, Value>, param: &str, name: &str) -> Result<&'a str, ApiError> {
-    let param = format!("{param}.{name}");
-    match field(obj, name) {
-        Some(Value::String(s)) => Ok(s),
-        Some(other) => Err(wrong_type(&param, "a string", other)),
-        None => Err(ApiError::invalid_param(&param, format!("`{param}` is required"))),
+/// The object at `param` as a [`Body`] of its own, so that its fields are checked and its unknown ones refused.
+fn nested(param: &str, value: &Value) -> Result<Body, ApiError> {
+    match value {
+        Value::Object(fields) => Ok(Body::nested(fields.clone(), format!("{param}."))),
+        other => Err(wrong_type(param, "an object", other)),
     }
 }
 
+fn required<T>(body: &Body, name: &str, value: Option<T>) -> Result<T, ApiError> {
+    let param = body.param(name);
+    value.ok_or_else(|| ApiError::invalid_param(&param, format!("`{param}` is required")))
+}
+
 /// `type` is optional but, when given, must be "function".
-fn check_function_type(obj: &Map<String, Value>, param: &str) -> Result<(), ApiError> {
-    match field(obj, "type") {
-        None => Ok(()),
-        Some(Value::String(t)) if t == "function" => Ok(()),
-        Some(_) => Err(ApiError::invalid_param(
-            &format!("{param}.type"),
-            format!("`{param}.type` must be \"function\", the only tool type ferry serves"),
-        )),
+fn check_function_type(body: &Body) -> Result<(), ApiError> {
+    match body.string("type")?.as_deref() {
+        None | Some("function") => Ok(()),
+        Some(_) => {
+            let param = body.param("type");
+            Err(ApiError::invalid_param(
+                &param,
+                format!("`{param}` must be \"function\", the only tool type ferry serves"),
+            ))
+        }
     }
 }
 
@@ -110,35 +112,26 @@ impl ToolSpec {
     }
 
     fn parse(index: usize, value: &Value) -> Result<Self, ApiError> {
-        let param = format!("tools[{index}]");
-        let tool = object(&param, value)?;
-        check_function_type(tool, &param)?;
-        let param = format!("{param}.function");
-        let function = match field(tool, "function") {
-            Some(function) => object(&param, function)?,
-            None => return Err(ApiError::invalid_param(&param, format!("`{param}` is required"))),
-        };
-        let name = required_string(function, &param, "name")?;
-        check_name(&format!("{param}.name"), name)?;
-        if let Some(description) = field(function, "description").filter(|d| !d.is_string()) {
-            return Err(wrong_type(&format!("{param}.description"), "a string", description));
+        let tool = nested(&format!("tools[{index}]"), value)?;
+        check_function_type(&tool)?;
+        let function = required(&tool, "function", tool.get("function"))?;
+        let function = nested(&tool.param("function"), function)?;
+        let name = required(&function, "name", function.string("name")?)?;
+        check_name(&function.param("name"), &name)?;
+        // Read to check its type; the template renders it from `definition`.
+        function.string("description")?;
+        let parameters = Value::Object(function.object("parameters")?.cloned().unwrap_or_default());
+        if function.boolean("strict")? {
+            let param = function.param("strict");
+            return Err(ApiError::invalid_param(
+                &param,
+                format!("`{param}` needs constrained decoding, which ferry does not do for tool calls"),
+            ));
         }
-        let parameters = match field(function, "parameters") {
-            None => Value::Object(Map::new()),
-            Some(schema) => Value::Object(object(&format!("{param}.parameters"), schema)?.clone()),
-        };
-        match field(function, "strict") {
-            None | Some(Value::Bool(false)) => {}
-            Some(Value::Bool(true)) => {
-                return Err(ApiError::invalid_param(
-                    &format!("{param}.strict"),
-                    format!("`{param}.strict` needs constrained decoding, which ferry does not do for tool calls"),
-                ))
-            }
-            Some(other) => return Err(wrong_type(&format!("{param}.strict"), "a boolean", other)),
-        }
+        function.refuse_unread(&[])?;
+        tool.refuse_unread(&[])?;
         Ok(ToolSpec {
-            name: name.to_string(),
+            name,
             parameters,
             definition: value.clone(),
         })
@@ -147,8 +140,8 @@ impl ToolSpec {
 
 impl ToolRequest {
     /// `tools`, `tool_choice` and `parallel_tool_calls` of an OpenAI chat request.
-    pub fn parse(obj: &Map<String, Value>) -> Result<Self, ApiError> {
-        let tools: Vec<ToolSpec> = match field(obj, "tools") {
+    pub fn parse(body: &Body) -> Result<Self, ApiError> {
+        let tools: Vec<ToolSpec> = match body.get("tools") {
             None => vec![],
             Some(Value::Array(list)) => list
                 .iter()
@@ -165,7 +158,7 @@ impl ToolRequest {
                 ));
             }
         }
-        let choice = match field(obj, "tool_choice") {
+        let choice = match body.get("tool_choice") {
             None => ToolChoice::Auto,
             Some(Value::String(choice)) if choice == "auto" => ToolChoice::Auto,
             Some(Value::String(choice)) if choice == "none" => ToolChoice::None,
@@ -179,7 +172,7 @@ impl ToolRequest {
                 ))
             }
         };
-        let parallel_calls = match field(obj, "parallel_tool_calls") {
+        let parallel_calls = match body.get("parallel_tool_calls") {
             None => true,
             Some(Value::Bool(parallel)) => *parallel,
             Some(other) => return Err(wrong_type("parallel_tool_calls", "a boolean", other)),
@@ -218,34 +211,27 @@ fn needs_constraints(what: &str) -> ApiError {
     )
 }
 
-/// An assistant message's `tool_calls` (`param` names the message): each call's `arguments`, a JSON string in
-/// OpenAI's API (an object is taken too), becomes the object templates expect.
-pub fn parse_tool_calls(param: &str, value: &Value) -> Result<Vec<ToolCall>, ApiError> {
-    let param = format!("{param}.tool_calls");
-    let Value::Array(calls) = value else {
-        return Err(wrong_type(&param, "an array of tool calls", value));
+/// A message's `tool_calls` (OpenAI's shape): each call's `arguments`, a JSON string in OpenAI's API (an object is
+/// taken too), becomes the object templates expect.
+pub fn parse_tool_calls(message: &Body) -> Result<Vec<ToolCall>, ApiError> {
+    let param = message.param("tool_calls");
+    let calls = match message.get("tool_calls") {
+        None => return Ok(vec![]),
+        Some(Value::Array(calls)) => calls,
+        Some(other) => return Err(wrong_type(&param, "an array of tool calls", other)),
     };
     calls
         .iter()
         .enumerate()
         .map(|(j, call)| {
-            let param = format!("{param}[{j}]");
-            let call = object(&param, call)?;
-            check_function_type(call, &param)?;
-            let id = required_string(call, &param, "id")?.to_string();
-            let function_param = format!("{param}.function");
-            let function = match field(call, "function") {
-                Some(function) => object(&function_param, function)?,
-                None => {
-                    return Err(ApiError::invalid_param(
-                        &function_param,
-                        format!("`{function_param}` is required"),
-                    ))
-                }
-            };
-            let name = required_string(function, &function_param, "name")?.to_string();
-            let arguments_param = format!("{function_param}.arguments");
-            let arguments = match field(function, "arguments") {
+            let call = nested(&format!("{param}[{j}]"), call)?;
+            check_function_type(&call)?;
+            let id = required(&call, "id", call.string("id")?)?;
+            let function = required(&call, "function", call.get("function"))?;
+            let function = nested(&call.param("function"), function)?;
+            let name = required(&function, "name", function.string("name")?)?;
+            let arguments_param = function.param("arguments");
+            let arguments = match function.get("arguments") {
                 None => Map::new(),
                 Some(Value::Object(arguments)) => arguments.clone(),
                 Some(Value::String(text)) => match serde_json::from_str(text) {
@@ -259,6 +245,8 @@ pub fn parse_tool_calls(param: &str, value: &Value) -> Result<Vec<ToolCall>, Api
                 },
                 Some(other) => return Err(wrong_type(&arguments_param, "a string holding a JSON object", other)),
             };
+            function.refuse_unread(&[])?;
+            call.refuse_unread(&[])?;
             Ok(ToolCall {
                 id,
                 function: FunctionCall { name, arguments },
@@ -273,7 +261,15 @@ mod tests {
     use serde_json::json;
 
     fn parse(body: Value) -> Result<ToolRequest, ApiError> {
-        ToolRequest::parse(body.as_object().unwrap())
+        ToolRequest::parse(&Body::new(body.as_object().unwrap().clone()))
+    }
+
+    fn read_calls(calls: Value) -> Result<Vec<ToolCall>, ApiError> {
+        let message = json!({"role": "assistant", "tool_calls": calls});
+        parse_tool_calls(&Body::nested(
+            message.as_object().unwrap().clone(),
+            "messages[1].".into(),
+        ))
     }
 
     fn weather() -> Value {
@@ -352,7 +348,7 @@ mod tests {
             {"id": "call_2", "function": {"name": "g", "arguments": {"x": "y"}}},
             {"id": "call_3", "function": {"name": "h"}}
         ]);
-        let calls = parse_tool_calls("messages[1]", &calls).unwrap();
+        let calls = read_calls(calls).unwrap();
         assert_eq!(
             Value::Object(calls[0].function.arguments.clone()),
             json!({"a": [1, {"b": null}]})
@@ -388,7 +384,7 @@ mod tests {
                 "messages[1].tool_calls[0].function.arguments",
             ),
         ] {
-            let error = parse_tool_calls("messages[1]", &calls).unwrap_err();
+            let error = read_calls(calls.clone()).unwrap_err();
             assert_eq!(error.param.as_deref(), Some(param), "{calls}");
         }
     }
