@@ -14,7 +14,7 @@ use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
-use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig};
+use ferry_server::{AppState, LoadedModel, SamplingDefaults, ServerConfig, ToolCallParserChoice};
 
 use crate::device::{open_backend, Backends, Device, OffloadArgs};
 use crate::hub::{self, HubAccess};
@@ -56,6 +56,11 @@ pub struct ServeArgs {
     /// --max-running-requests, so preemption is a last resort.
     #[arg(long)]
     kv_cache_tokens: Option<usize>,
+    /// How tool calls are read out of the model's output: hermes (`<tool_call>{"name": ..., "arguments":
+    /// ...}</tool_call>`, Qwen3, Qwen2.5), qwen3_xml (`<tool_call><function=NAME><parameter=P>...`,
+    /// Qwen3-Coder, Qwen3.5, Qwen3.6) or none. Default: the format the chat template's tool section uses.
+    #[arg(long, value_parser = |name: &str| name.parse::<ToolCallParserChoice>())]
+    tool_call_parser: Option<ToolCallParserChoice>,
     /// Browser origins allowed to call the API cross-site (CORS), comma-separated, e.g. http://localhost:3000;
     /// `*` allows any. Default: none, so no web page can call the API.
     #[arg(long, value_delimiter = ',', value_parser = parse_origin)]
@@ -196,6 +201,8 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan)?,
     };
     let defaults = &checkpoint.generation;
+    let tool_call_format = args.tool_call_parser.unwrap_or_default().format(&tokenizer);
+    tracing::info!("tool calls parsed as {tool_call_format:?}");
     Ok(LoadedModel {
         engine,
         eos_token_ids,
@@ -207,6 +214,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
             top_p: defaults.top_p,
             top_k: defaults.top_k,
         },
+        tool_call_format,
     })
 }
 

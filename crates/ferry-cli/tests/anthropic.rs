@@ -86,8 +86,13 @@ fn message_from_stream(events: &[(String, Value)]) -> Value {
                 let block = &mut blocks[index];
                 let (key, delta_type) = match block["type"].as_str().unwrap() {
                     "thinking" => ("thinking", "thinking_delta"),
+                    // The input's JSON text, parsed once the block closes.
+                    "tool_use" => ("partial_json", "input_json_delta"),
                     _ => ("text", "text_delta"),
                 };
+                if block[key].is_null() {
+                    block[key] = "".into();
+                }
                 assert_eq!(data["delta"]["type"], delta_type);
                 block[key] = format!(
                     "{}{}",
@@ -97,7 +102,12 @@ fn message_from_stream(events: &[(String, Value)]) -> Value {
                 .into();
             }
             "content_block_stop" => {
-                assert_eq!(data["index"], open.take().expect("a stop closes an open block"));
+                let index = open.take().expect("a stop closes an open block");
+                assert_eq!(data["index"], index);
+                let block = blocks[index].as_object_mut().unwrap();
+                if let Some(json) = block.remove("partial_json") {
+                    block.insert("input".into(), serde_json::from_str(json.as_str().unwrap()).unwrap());
+                }
             }
             "ping" => {}
             other => panic!("unexpected event {other}: {names:?}"),
@@ -252,4 +262,71 @@ fn errors_on_the_anthropic_routes_are_in_anthropic_shape() {
     );
     assert_eq!(status, 200, "{body}");
     assert!(!server.log().contains("panicked"));
+}
+
+/// The calls of a message: (name, input) of its tool_use blocks, each id checked.
+fn tool_uses(message: &Value) -> Vec<(String, Value)> {
+    let blocks = message["content"].as_array().unwrap();
+    blocks
+        .iter()
+        .filter(|block| block["type"] == "tool_use")
+        .map(|block| {
+            assert!(block["id"].as_str().unwrap().starts_with("toolu_"), "{block}");
+            (block["name"].as_str().unwrap().to_string(), block["input"].clone())
+        })
+        .collect()
+}
+
+#[test]
+fn a_model_that_calls_a_tool_answers_with_tool_use_blocks_plain_and_streamed() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tool_calls_hermes");
+    let server = Server::start_serving(&["--model", fixture.to_str().unwrap(), "--api-key", KEY]);
+    let weather = json!({"name": "get_weather", "description": "The weather forecast for a city.", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}});
+    let question = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let request = json!({"model": "tiny", "max_tokens": 200, "tools": [weather], "messages": question});
+    let (status, whole) = post_json(&server, "/v1/messages", &request);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["stop_reason"], "tool_use", "{whole}");
+    let calls = tool_uses(&whole);
+    assert!(
+        !calls.is_empty()
+            && calls
+                .iter()
+                .all(|(name, input)| name == "get_weather" && input["city"].is_string()),
+        "{whole}"
+    );
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = post(&server, "/v1/messages", &streamed);
+    assert_eq!(status, 200, "{text}");
+    let streamed = message_from_stream(&events(&text));
+    assert_eq!(streamed["stop_reason"], "tool_use");
+    assert_eq!(tool_uses(&streamed), calls);
+
+    // The calls and their results go back in the history, as an agent sends them.
+    let tool_use_blocks: Vec<Value> = whole["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["type"] == "tool_use")
+        .cloned()
+        .collect();
+    let results: Vec<Value> = tool_use_blocks
+        .iter()
+        .map(|call| json!({"type": "tool_result", "tool_use_id": call["id"], "content": "sunny"}))
+        .collect();
+    let mut history = request.clone();
+    history["messages"] =
+        json!([question[0], {"role": "assistant", "content": tool_use_blocks}, {"role": "user", "content": results}]);
+    let (status, counted) = post_json(&server, "/v1/messages/count_tokens", &history);
+    assert_eq!(status, 200, "{counted}");
+    let (status, again) = post_json(&server, "/v1/messages", &history);
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["usage"]["input_tokens"], counted["input_tokens"]);
+    assert!(
+        counted["input_tokens"].as_u64() > whole["usage"]["input_tokens"].as_u64(),
+        "the history grew the prompt"
+    );
 }

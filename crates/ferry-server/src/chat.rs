@@ -11,6 +11,7 @@ use serde_json::{Map, Value};
 use crate::error::ApiError;
 use crate::generation::PieceParser;
 use crate::reasoning::ReasoningParser;
+use crate::tools::ToolRequest;
 use crate::{AppState, LoadedModel};
 
 /// What every generation asks of the engine, in either protocol.
@@ -38,6 +39,8 @@ pub struct ChatRequest {
     pub template_kwargs: Map<String, Value>,
     /// The template's thinking switch (`enable_thinking`), when the protocol sets it; it wins over the kwargs.
     pub thinking: Option<bool>,
+    /// The tools offered, what the model may do with them, and so how its output is parsed for calls.
+    pub tools: ToolRequest,
     pub params: GenerationParams,
 }
 
@@ -73,12 +76,20 @@ impl ChatRequest {
                 "this model has no chat template; use /v1/completions",
             ));
         }
+        let tools = self.tools.template_tools();
+        // A template without a tool section would drop the tools without a word.
+        if !tools.is_empty() && !tokenizer.chat_template_mentions("tools") {
+            return Err(ApiError::invalid_param(
+                "tools",
+                "this model's chat template does not render tools",
+            ));
+        }
         let mut kwargs = self.template_kwargs.clone();
         if let Some(thinking) = self.thinking {
             kwargs.insert("enable_thinking".into(), thinking.into());
         }
         tokenizer
-            .apply_chat_template(&self.messages, &[], add_generation_prompt, &kwargs)
+            .apply_chat_template(&self.messages, &tools, add_generation_prompt, &kwargs)
             .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
     }
 
@@ -89,7 +100,7 @@ impl ChatRequest {
         let reasoning = model.splits_reasoning().then(|| ReasoningParser::new(&text));
         Ok(PreparedPrompt {
             ids,
-            parser: PieceParser::new(reasoning),
+            parser: PieceParser::new(reasoning, self.tools.parser(model.tool_call_format)),
         })
     }
 }
@@ -102,7 +113,7 @@ impl Prompt {
         };
         Ok(PreparedPrompt {
             ids,
-            parser: PieceParser::new(None),
+            parser: PieceParser::new(None, None),
         })
     }
 }

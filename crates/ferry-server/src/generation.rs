@@ -1,6 +1,7 @@
 //! A generation's life after its request was read, whichever protocol renders it: admission (a 503 past the
 //! in-flight limit), submission to the engine, and the output as protocol-neutral [`Output`]s: the engine's text
-//! turned into [`Piece`]s (reasoning split out), then how it finished and what it used. Dropping a [`Generation`]
+//! turned into [`Piece`]s (reasoning split out, then tool calls parsed out of the rest), then how it finished and
+//! what it used. Dropping a [`Generation`]
 //! before it finished (the client went away) cancels it in the engine, which frees its KV at once.
 //!
 //! Not here: reading requests (chat.rs, params.rs, anthropic/), JSON and event shapes (openai.rs, anthropic/).
@@ -14,6 +15,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::error::ApiError;
 use crate::reasoning::{ReasoningParser, Split};
+use crate::tools::{ToolCallParser, ToolEvent};
 use crate::{AppState, LoadedModel};
 
 /// A part of the output, in the order generated. Consecutive pieces of one kind continue each other.
@@ -23,6 +25,10 @@ pub enum Piece {
     Reasoning(String),
     /// The answer's text.
     Content(String),
+    /// A tool call begins: its index among the answer's calls and the function's name.
+    ToolCallStart { index: usize, name: String },
+    /// The next piece of a call's arguments (a JSON object's text once joined).
+    ToolCallArguments { index: usize, fragment: String },
 }
 
 /// Why a generation ended.
@@ -34,6 +40,8 @@ pub enum FinishReason {
     StopString(String),
     /// `max_tokens` or the context window was reached.
     Length,
+    /// The model ended its turn after calling tools.
+    ToolCalls,
 }
 
 /// The end of a generation that succeeded.
@@ -55,15 +63,23 @@ pub enum Output {
     Failed(ApiError),
 }
 
-/// Turns the engine's text into pieces: reasoning split from content.
+/// Turns the engine's text into pieces: reasoning split from content, then tool calls out of the content, so that
+/// a call written while reasoning stays reasoning.
 pub struct PieceParser {
     reasoning: Option<ReasoningParser>,
+    tools: Option<ToolCallParser>,
 }
 
 impl PieceParser {
-    /// `reasoning` splits `<think>` reasoning out, for models that reason.
-    pub fn new(reasoning: Option<ReasoningParser>) -> Self {
-        PieceParser { reasoning }
+    /// `reasoning` splits `<think>` reasoning out, for models that reason; `tools` parses tool calls, for requests
+    /// that offer tools.
+    pub fn new(reasoning: Option<ReasoningParser>, tools: Option<ToolCallParser>) -> Self {
+        PieceParser { reasoning, tools }
+    }
+
+    /// Tool calls in the output so far.
+    fn tool_calls(&self) -> usize {
+        self.tools.as_ref().map_or(0, ToolCallParser::calls)
     }
 
     /// Whether the output may hold reasoning.
@@ -72,21 +88,52 @@ impl PieceParser {
     }
 
     fn push(&mut self, text: &str) -> Vec<Piece> {
-        match &mut self.reasoning {
+        let pieces = match &mut self.reasoning {
             Some(parser) => {
                 let split = parser.push(text);
                 pieces(split, parser.in_reasoning())
             }
             None if text.is_empty() => vec![],
             None => vec![Piece::Content(text.to_string())],
-        }
+        };
+        self.parse_tool_calls(pieces, false)
     }
 
     /// Whatever was held back, at the end.
     fn finish(&mut self) -> Vec<Piece> {
-        self.reasoning
+        let pieces = self
+            .reasoning
             .as_mut()
-            .map_or_else(Vec::new, |parser| pieces(parser.finish(), parser.in_reasoning()))
+            .map_or_else(Vec::new, |parser| pieces(parser.finish(), parser.in_reasoning()));
+        self.parse_tool_calls(pieces, true)
+    }
+
+    /// Content pieces through the tool call parser (`last`: the end of the output, which closes an open call).
+    fn parse_tool_calls(&mut self, pieces: Vec<Piece>, last: bool) -> Vec<Piece> {
+        let Some(tools) = &mut self.tools else {
+            return pieces;
+        };
+        let mut out = vec![];
+        for piece in pieces {
+            match piece {
+                Piece::Content(text) => out.extend(tools.push(&text).into_iter().map(Piece::from)),
+                other => out.push(other),
+            }
+        }
+        if last {
+            out.extend(tools.finish().into_iter().map(Piece::from));
+        }
+        out
+    }
+}
+
+impl From<ToolEvent> for Piece {
+    fn from(event: ToolEvent) -> Self {
+        match event {
+            ToolEvent::Content(text) => Piece::Content(text),
+            ToolEvent::Start { index, name } => Piece::ToolCallStart { index, name },
+            ToolEvent::Arguments { index, fragment } => Piece::ToolCallArguments { index, fragment },
+        }
     }
 }
 
@@ -241,12 +288,14 @@ impl Generation {
             } => {
                 self.ended = true;
                 self.in_flight.finish(reason.as_str());
+                // The parser first: the end of the output may close a tool call.
+                let pieces = self.parser.finish();
                 let finish = Finish {
                     reason: self.finish_reason(reason),
                     prompt_tokens,
                     completion_tokens,
                 };
-                Output::Finished(self.parser.finish(), finish)
+                Output::Finished(pieces, finish)
             }
             Event::Failed { message } => self.fail(message),
         })
@@ -258,6 +307,14 @@ impl Generation {
         Output::Failed(ApiError::internal(format!("generation failed: {message}")))
     }
 
+    /// A turn the model ended: by calling tools if it called any.
+    fn end_of_turn(&self) -> FinishReason {
+        match self.parser.tool_calls() {
+            0 => FinishReason::EndOfTurn,
+            _ => FinishReason::ToolCalls,
+        }
+    }
+
     /// The engine says "stop" for an end-of-sequence token and a stop string alike; its last token tells which,
     /// and the text generated past what was released (the stop string is never released) tells which string.
     fn finish_reason(&self, reason: engine::FinishReason) -> FinishReason {
@@ -265,15 +322,13 @@ impl Generation {
         let last = self.generated.last();
         match reason {
             engine::FinishReason::Length => FinishReason::Length,
-            engine::FinishReason::Stop if last.is_some_and(|id| model.eos_token_ids.contains(id)) => {
-                FinishReason::EndOfTurn
-            }
+            engine::FinishReason::Stop if last.is_some_and(|id| model.eos_token_ids.contains(id)) => self.end_of_turn(),
             engine::FinishReason::Stop => {
                 let decoded = model.tokenizer.decode(&self.generated, true).unwrap_or_default();
                 let unreleased = decoded.get(self.released.len()..).unwrap_or(&decoded);
                 match matched_stop_string(unreleased, &self.stop_strings) {
                     Some(stop) => FinishReason::StopString(stop.to_string()),
-                    None => FinishReason::EndOfTurn,
+                    None => self.end_of_turn(),
                 }
             }
         }
@@ -304,20 +359,55 @@ mod tests {
 
     #[test]
     fn pieces_keep_reasoning_before_content_and_drop_empty_text() {
-        let mut plain = PieceParser::new(None);
+        let mut plain = PieceParser::new(None, None);
         assert_eq!(plain.push(""), vec![]);
         assert_eq!(plain.push("hi"), vec![Piece::Content("hi".into())]);
-        let mut thinking = PieceParser::new(Some(ReasoningParser::new("<|im_start|>assistant\n<think>\n")));
+        let mut thinking = PieceParser::new(Some(ReasoningParser::new("<|im_start|>assistant\n<think>\n")), None);
         assert_eq!(
             thinking.push("so</think>\n\nyes"),
             vec![Piece::Reasoning("so".into()), Piece::Content("yes".into())]
         );
         assert_eq!(thinking.push(" <thi"), vec![Piece::Content(" ".into())]);
-        let mut opens = PieceParser::new(Some(ReasoningParser::new("<|im_start|>assistant\n")));
+        let mut opens = PieceParser::new(Some(ReasoningParser::new("<|im_start|>assistant\n")), None);
         assert_eq!(
             opens.push("ok<think>hm"),
             vec![Piece::Content("ok".into()), Piece::Reasoning("hm".into())]
         );
         assert_eq!(thinking.finish(), vec![Piece::Content("<thi".into())]);
+    }
+
+    #[test]
+    fn tool_calls_are_parsed_after_reasoning_and_not_inside_it() {
+        use crate::tools::{ToolCallFormat, ToolSpec};
+        let tools = vec![ToolSpec::function("f", None, serde_json::json!({}))];
+        let calls = ToolCallParser::new(ToolCallFormat::Hermes, tools, true);
+        // Qwen3.5's generation prompt opens <think>.
+        let reasoning = ReasoningParser::new("<|im_start|>assistant\n<think>\n");
+        let mut parser = PieceParser::new(Some(reasoning), Some(calls));
+        let mut pieces = vec![];
+        for text in [
+            "maybe <tool_call>{\"name\": \"f\"}</tool_call>",
+            "</thi",
+            "nk>\n\nok <tool_",
+            "call>",
+            "{\"name\": \"f\"}",
+        ] {
+            pieces.extend(parser.push(text));
+        }
+        pieces.extend(parser.finish());
+        let expected = vec![
+            Piece::Reasoning("maybe <tool_call>{\"name\": \"f\"}</tool_call>".into()),
+            Piece::Content("ok".into()),
+            Piece::ToolCallStart {
+                index: 0,
+                name: "f".into(),
+            },
+            Piece::ToolCallArguments {
+                index: 0,
+                fragment: "{}".into(),
+            },
+        ];
+        assert_eq!(pieces, expected);
+        assert_eq!(parser.tool_calls(), 1);
     }
 }

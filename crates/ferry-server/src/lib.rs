@@ -22,6 +22,7 @@ mod metrics;
 mod openai;
 mod params;
 mod reasoning;
+mod tools;
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, RwLock};
@@ -38,6 +39,7 @@ use ferry_core::loader::Tokenizer;
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 pub use error::ApiError;
+pub use tools::{ToolCallFormat, ToolCallParserChoice};
 
 /// What the operator chose on the command line.
 #[derive(Clone, Debug)]
@@ -67,6 +69,9 @@ pub struct LoadedModel {
     pub max_model_len: usize,
     pub vocab_size: usize,
     pub defaults: SamplingDefaults,
+    /// How tool calls are read out of the output (`--tool-call-parser`, by default the chat template's format);
+    /// none: a request's tools still reach the template, and calls come back as the text the model wrote.
+    pub tool_call_format: Option<ToolCallFormat>,
 }
 
 impl LoadedModel {

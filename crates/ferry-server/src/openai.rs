@@ -1,4 +1,5 @@
-//! The OpenAI renderer: chat completions (reasoning in `reasoning_content`) and text completions over the
+//! The OpenAI renderer: chat completions (reasoning in `reasoning_content`, tool calls in `tool_calls`) and text
+//! completions over the
 //! protocol-neutral layer (chat.rs, generation.rs), each as one JSON object or as server-sent events ending with
 //! `data: [DONE]`.
 
@@ -37,31 +38,62 @@ struct Renderer {
     splits_reasoning: bool,
 }
 
-/// New output as text: reasoning and content joined in order.
+/// New output: reasoning and content joined in order, and tool calls in OpenAI's shape: whole calls in a plain
+/// answer, the calls' deltas in a streamed chunk (a call's first delta has its index, id, type and name with
+/// arguments "", the next ones pieces of its arguments).
 #[derive(Default)]
 struct Text {
     reasoning: String,
     content: String,
+    tool_calls: Vec<Value>,
 }
 
 impl Text {
-    fn add(&mut self, pieces: &[Piece]) {
+    fn add(&mut self, renderer: &Renderer, pieces: &[Piece], streamed: bool) {
         for piece in pieces {
             match piece {
                 Piece::Reasoning(text) => self.reasoning += text,
                 Piece::Content(text) => self.content += text,
+                Piece::ToolCallStart { index, name } => {
+                    let mut call = json!({
+                        "id": renderer.tool_call_id(*index), "type": "function",
+                        "function": {"name": name, "arguments": ""},
+                    });
+                    if streamed {
+                        call["index"] = (*index).into();
+                    }
+                    self.tool_calls.push(call);
+                }
+                Piece::ToolCallArguments { index, fragment } => {
+                    // A plain answer's call takes the piece, as does this chunk's arguments delta of the call
+                    // (not its first delta, whose arguments are "").
+                    let call = match streamed {
+                        true => self
+                            .tool_calls
+                            .last_mut()
+                            .filter(|call| call["index"] == *index && call.get("id").is_none()),
+                        false => self.tool_calls.get_mut(*index),
+                    };
+                    match call.and_then(|call| call.pointer_mut("/function/arguments")) {
+                        Some(Value::String(arguments)) => arguments.push_str(fragment),
+                        _ => self
+                            .tool_calls
+                            .push(json!({"index": index, "function": {"arguments": fragment}})),
+                    }
+                }
             }
         }
     }
 
-    fn of(pieces: &[Piece]) -> Text {
+    /// One streamed chunk's output.
+    fn of(renderer: &Renderer, pieces: &[Piece]) -> Text {
         let mut text = Text::default();
-        text.add(pieces);
+        text.add(renderer, pieces, true);
         text
     }
 
     fn is_empty(&self) -> bool {
-        self.reasoning.is_empty() && self.content.is_empty()
+        self.reasoning.is_empty() && self.content.is_empty() && self.tool_calls.is_empty()
     }
 }
 
@@ -69,6 +101,7 @@ fn finish_reason(reason: &FinishReason) -> &'static str {
     match reason {
         FinishReason::EndOfTurn | FinishReason::StopString(_) => "stop",
         FinishReason::Length => "length",
+        FinishReason::ToolCalls => "tool_calls",
     }
 }
 
@@ -96,6 +129,12 @@ impl Renderer {
         }
     }
 
+    /// A tool call's id, unique within the response (whose id it carries) and so within the process.
+    fn tool_call_id(&self, index: usize) -> String {
+        let response = self.id.rsplit('-').next().unwrap_or_default();
+        format!("call_{response}{index:02x}")
+    }
+
     fn object(&self, streamed: bool) -> &'static str {
         match (self.endpoint, streamed) {
             (Endpoint::Chat, false) => "chat.completion",
@@ -115,13 +154,19 @@ impl Renderer {
                 if !streamed {
                     message.insert("role".into(), "assistant".into());
                 }
-                if !streamed || !text.content.is_empty() {
+                if !streamed && text.content.is_empty() && !text.tool_calls.is_empty() {
+                    // OpenAI's content when the answer is tool calls alone.
+                    message.insert("content".into(), Value::Null);
+                } else if !streamed || !text.content.is_empty() {
                     message.insert("content".into(), text.content.clone().into());
                 }
                 if !text.reasoning.is_empty() {
                     message.insert("reasoning_content".into(), text.reasoning.clone().into());
                 } else if !streamed && self.splits_reasoning {
                     message.insert("reasoning_content".into(), Value::Null);
+                }
+                if !text.tool_calls.is_empty() {
+                    message.insert("tool_calls".into(), text.tool_calls.clone().into());
                 }
                 let key = if streamed { "delta" } else { "message" };
                 json!({"index": 0, key: message, "logprobs": null, "finish_reason": finish_reason})
@@ -152,14 +197,14 @@ impl Renderer {
     fn events(&self, output: Output) -> Vec<SseEvent> {
         match output {
             Output::Pieces(pieces) => {
-                let text = Text::of(&pieces);
+                let text = Text::of(self, &pieces);
                 match text.is_empty() {
                     true => vec![],
                     false => vec![self.chunk(self.choice(&text, None, true))],
                 }
             }
             Output::Finished(pieces, finish) => {
-                let text = Text::of(&pieces);
+                let text = Text::of(self, &pieces);
                 let mut out = vec![];
                 if !text.is_empty() {
                     out.push(self.chunk(self.choice(&text, None, true)));
@@ -213,9 +258,9 @@ async fn respond_whole(renderer: Renderer, mut generation: Generation) -> Respon
     let mut text = Text::default();
     while let Some(output) = generation.next().await {
         match output {
-            Output::Pieces(pieces) => text.add(&pieces),
+            Output::Pieces(pieces) => text.add(&renderer, &pieces, false),
             Output::Finished(pieces, finish) => {
-                text.add(&pieces);
+                text.add(&renderer, &pieces, false);
                 let choice = renderer.choice(&text, Some(finish_reason(&finish.reason)), false);
                 let mut body = renderer.envelope(vec![choice], false);
                 body.insert("usage".into(), usage(&finish));

@@ -10,6 +10,8 @@ use serde_json::{Map, Value};
 use crate::body::{wrong_type, Body};
 use crate::chat::{ChatRequest, GenerationParams, Prompt};
 use crate::error::ApiError;
+use crate::tools::request::parse_tool_calls;
+use crate::tools::ToolRequest;
 
 /// Fields accepted although nothing reads them, because by their nature they ask nothing of this server.
 pub const NO_ACTION_FIELDS: &[&str] = &[
@@ -158,8 +160,29 @@ fn chat_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError> 
         }
     };
     let content = message_content(&m)?;
+    let tool_calls = parse_tool_calls(&m)?;
+    if !tool_calls.is_empty() && role != "assistant" {
+        let param = m.param("tool_calls");
+        return Err(ApiError::invalid_param(
+            &param,
+            "only assistant messages carry `tool_calls`",
+        ));
+    }
+    let tool_call_id = m.string("tool_call_id")?;
+    if tool_call_id.is_some() && role != "tool" {
+        let param = m.param("tool_call_id");
+        return Err(ApiError::invalid_param(
+            &param,
+            "only tool messages carry `tool_call_id`",
+        ));
+    }
     m.refuse_unread(&[])?;
-    Ok(ChatMessage::text(&role, &content))
+    Ok(ChatMessage {
+        role,
+        content,
+        tool_calls,
+        tool_call_id,
+    })
 }
 
 /// `messages`: a non-empty array of messages.
@@ -179,6 +202,7 @@ impl ChatBody {
             messages: messages(body)?,
             template_kwargs: template_kwargs(body)?,
             thinking: None,
+            tools: ToolRequest::parse(body)?,
             params: generation_params(body, &["max_completion_tokens", "max_tokens"])?,
         };
         let options = options(body)?;
@@ -328,7 +352,7 @@ mod tests {
             ("best_of", json!(2)),
             ("logprobs", json!(true)),
             ("response_format", json!({"type": "json_object"})),
-            ("tools", json!([])),
+            ("functions", json!([])),
         ] {
             let mut body = json!({"messages": user});
             body[name] = value;

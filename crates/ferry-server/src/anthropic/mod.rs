@@ -6,6 +6,7 @@
 
 mod request;
 mod stream;
+mod tools;
 
 use std::sync::Arc;
 
@@ -80,6 +81,7 @@ fn stop_reason(reason: &FinishReason) -> (&'static str, Option<&str>) {
         FinishReason::EndOfTurn => ("end_turn", None),
         FinishReason::StopString(stop) => ("stop_sequence", Some(stop)),
         FinishReason::Length => ("max_tokens", None),
+        FinishReason::ToolCalls => ("tool_use", None),
     }
 }
 
@@ -92,13 +94,27 @@ fn read(state: &AppState, body: &[u8], purpose: Purpose) -> Result<(Arc<LoadedMo
     Ok((model, messages))
 }
 
-/// A message's content blocks from its pieces: consecutive pieces of one kind make one block.
-fn content_blocks(pieces: &[Piece]) -> Vec<Value> {
+/// A message's content blocks from its pieces: consecutive pieces of one kind make one block; each tool call is a
+/// `tool_use` block whose `input` is its arguments.
+fn content_blocks(meta: &MessageMeta, pieces: &[Piece]) -> Vec<Value> {
     let mut blocks: Vec<Value> = vec![];
+    // (block, arguments' text) of each tool call
+    let mut calls: Vec<(usize, String)> = vec![];
     for piece in pieces {
         let (kind, key, text) = match piece {
             Piece::Reasoning(text) => ("thinking", "thinking", text),
             Piece::Content(text) => ("text", "text", text),
+            Piece::ToolCallStart { index, name } => {
+                calls.push((blocks.len(), String::new()));
+                blocks.push(json!({"type": "tool_use", "id": meta.tool_use_id(*index), "name": name, "input": {}}));
+                continue;
+            }
+            Piece::ToolCallArguments { fragment, .. } => {
+                if let Some((_, arguments)) = calls.last_mut() {
+                    arguments.push_str(fragment);
+                }
+                continue;
+            }
         };
         match blocks.last_mut() {
             Some(last) if last["type"] == kind => {
@@ -108,6 +124,10 @@ fn content_blocks(pieces: &[Piece]) -> Vec<Value> {
             _ if kind == "thinking" => blocks.push(json!({"type": kind, key: text, "signature": ""})),
             _ => blocks.push(json!({"type": kind, key: text})),
         }
+    }
+    for (block, arguments) in calls {
+        // The tool call parser's arguments are always a JSON object.
+        blocks[block]["input"] = serde_json::from_str(&arguments).unwrap_or_else(|_| json!({}));
     }
     blocks
 }
@@ -123,6 +143,11 @@ struct MessageMeta {
 }
 
 impl MessageMeta {
+    /// A `tool_use` block's id, unique within the message (whose id it carries) and so within the process.
+    fn tool_use_id(&self, index: usize) -> String {
+        format!("toolu_{}{index:02x}", self.id.trim_start_matches("msg_"))
+    }
+
     fn message(&self, content: Vec<Value>, finish: Option<&Finish>, input_tokens: usize) -> Value {
         let (stop_reason, stop_sequence) = match finish.map(|f| stop_reason(&f.reason)) {
             Some((reason, sequence)) => (Some(reason), sequence),
@@ -146,7 +171,7 @@ async fn respond_whole(meta: MessageMeta, mut generation: Generation) -> Respons
             Output::Pieces(new) => pieces.extend(new),
             Output::Finished(last, finish) => {
                 pieces.extend(last);
-                let message = meta.message(content_blocks(&pieces), Some(&finish), finish.prompt_tokens);
+                let message = meta.message(content_blocks(&meta, &pieces), Some(&finish), finish.prompt_tokens);
                 return Json(message).into_response();
             }
             Output::Failed(error) => return error.into_response(),
@@ -206,14 +231,49 @@ mod tests {
             Piece::Content("c".into()),
             Piece::Content("d".into()),
         ];
+        let meta = MessageMeta {
+            id: "msg_00ab".into(),
+            model: "m".into(),
+        };
         assert_eq!(
-            content_blocks(&pieces),
+            content_blocks(&meta, &pieces),
             vec![
                 json!({"type": "thinking", "thinking": "ab", "signature": ""}),
                 json!({"type": "text", "text": "cd"}),
             ]
         );
-        assert_eq!(content_blocks(&[]), Vec::<Value>::new());
+        assert_eq!(content_blocks(&meta, &[]), Vec::<Value>::new());
+        let calls = [
+            Piece::Content("c".into()),
+            Piece::ToolCallStart {
+                index: 0,
+                name: "f".into(),
+            },
+            Piece::ToolCallArguments {
+                index: 0,
+                fragment: "{\"a\":".into(),
+            },
+            Piece::ToolCallArguments {
+                index: 0,
+                fragment: "1}".into(),
+            },
+            Piece::ToolCallStart {
+                index: 1,
+                name: "g".into(),
+            },
+            Piece::ToolCallArguments {
+                index: 1,
+                fragment: "{}".into(),
+            },
+        ];
+        assert_eq!(
+            content_blocks(&meta, &calls),
+            vec![
+                json!({"type": "text", "text": "c"}),
+                json!({"type": "tool_use", "id": "toolu_00ab00", "name": "f", "input": {"a": 1}}),
+                json!({"type": "tool_use", "id": "toolu_00ab01", "name": "g", "input": {}}),
+            ]
+        );
     }
 
     #[test]

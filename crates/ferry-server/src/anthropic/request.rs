@@ -10,9 +10,11 @@ use ferry_core::engine::validate_stop_strings;
 use ferry_core::loader::ChatMessage;
 use serde_json::Value;
 
-use crate::body::{type_name, wrong_type, Body};
+use super::tools;
+use crate::body::{wrong_type, Body};
 use crate::chat::{ChatRequest, GenerationParams};
 use crate::error::ApiError;
+use ferry_core::loader::ToolCall;
 
 /// Fields Anthropic defines that this server cannot honour; ignoring them would change the answer's meaning.
 const REFUSED_FIELDS: [&str; 2] = ["mcp_servers", "container"];
@@ -60,9 +62,8 @@ impl MessagesBody {
         let mut messages = system_message(body)?.into_iter().collect::<Vec<_>>();
         let sent = body.nonempty_array("messages", "an array of messages")?;
         for (index, message) in sent.iter().enumerate() {
-            messages.push(message_of(index, message, splits_reasoning)?);
+            messages.extend(messages_of(index, message, splits_reasoning)?);
         }
-        refuse_tools(body)?;
         let stop = body.strings("stop_sequences", false)?;
         validate_stop_strings(&stop).map_err(|message| ApiError::invalid_param("stop_sequences", message))?;
         let top_k = match body.integer("top_k")? {
@@ -82,6 +83,7 @@ impl MessagesBody {
             messages,
             template_kwargs: Default::default(),
             thinking: thinking(body, max_tokens)?,
+            tools: tools::tool_request(body)?,
             params: GenerationParams {
                 max_tokens,
                 temperature: body.number_in("temperature", 0.0, 1.0)?,
@@ -126,6 +128,9 @@ enum Block {
     Thinking(String),
     /// Thinking the model's provider encrypted: nothing a template could render.
     RedactedThinking,
+    ToolUse(ToolCall),
+    /// The id of the call answered, and the answer.
+    ToolResult(String, String),
 }
 
 fn block_of(param: &str, block: &Value) -> Result<Block, ApiError> {
@@ -147,10 +152,11 @@ fn block_of(param: &str, block: &Value) -> Result<Block, ApiError> {
             param,
             format!("{kind} blocks are not supported: this server serves a text-only model"),
         )),
-        Some(kind @ ("tool_use" | "tool_result")) => Err(ApiError::invalid_param(
-            param,
-            format!("{kind} blocks are not supported by this server yet"),
-        )),
+        Some("tool_use") => Ok(Block::ToolUse(tools::tool_use(&block)?)),
+        Some("tool_result") => {
+            let (id, content) = tools::tool_result(&block)?;
+            Ok(Block::ToolResult(id, content))
+        }
         Some(kind) => Err(ApiError::invalid_param(
             param,
             format!(
@@ -165,12 +171,11 @@ fn block_of(param: &str, block: &Value) -> Result<Block, ApiError> {
     }
 }
 
-fn message_of(index: usize, message: &Value, splits_reasoning: bool) -> Result<ChatMessage, ApiError> {
+/// A message as the chat messages the templates read: an assistant's text (after its thinking, for a model that
+/// reasons) with its tool calls; a user's tool results as `tool` messages, then its text.
+fn messages_of(index: usize, message: &Value, splits_reasoning: bool) -> Result<Vec<ChatMessage>, ApiError> {
     let param = format!("messages[{index}]");
-    let fields = message
-        .as_object()
-        .ok_or_else(|| wrong_type(&param, "an object", message))?;
-    let message = Body::nested(fields.clone(), format!("{param}."));
+    let message = tools::nested(&param, message)?;
     let role = match message.string("role")?.as_deref() {
         Some(role @ ("user" | "assistant")) => role.to_string(),
         Some(_) => {
@@ -186,31 +191,9 @@ fn message_of(index: usize, message: &Value, splits_reasoning: bool) -> Result<C
             ))
         }
     };
-    let content = match message.get("content") {
-        Some(Value::String(text)) => text.clone(),
-        Some(Value::Array(blocks)) => {
-            let mut thinking = String::new();
-            let mut texts = vec![];
-            for (i, block) in blocks.iter().enumerate() {
-                let block_param = format!("{param}.content[{i}]");
-                match block_of(&block_param, block)? {
-                    Block::Text(text) => texts.push(text),
-                    Block::Thinking(_) | Block::RedactedThinking if role != "assistant" => {
-                        return Err(ApiError::invalid_param(
-                            &block_param,
-                            "thinking blocks belong to assistant messages",
-                        ))
-                    }
-                    Block::Thinking(text) => thinking += &text,
-                    Block::RedactedThinking => {}
-                }
-            }
-            let text = texts.join("\n");
-            match splits_reasoning && !thinking.is_empty() {
-                true => format!("<think>\n{thinking}\n</think>\n\n{text}"),
-                false => text,
-            }
-        }
+    let blocks = match message.get("content") {
+        Some(Value::String(text)) => return Ok(vec![ChatMessage::text(&role, text)]),
+        Some(Value::Array(blocks)) => blocks,
         Some(other) => {
             return Err(wrong_type(
                 &message.param("content"),
@@ -225,7 +208,55 @@ fn message_of(index: usize, message: &Value, splits_reasoning: bool) -> Result<C
             ))
         }
     };
-    Ok(ChatMessage::text(&role, &content))
+    let mut out = vec![];
+    let mut thinking = String::new();
+    let mut texts = vec![];
+    let mut tool_calls = vec![];
+    for (i, block) in blocks.iter().enumerate() {
+        let block_param = format!("{param}.content[{i}]");
+        let misplaced = |what: &str| {
+            Err(ApiError::invalid_param(
+                &block_param,
+                format!(
+                    "{what} belong to {} messages",
+                    match role.as_str() {
+                        "user" => "assistant",
+                        _ => "user",
+                    }
+                ),
+            ))
+        };
+        match (block_of(&block_param, block)?, role.as_str()) {
+            (Block::Text(text), _) => texts.push(text),
+            (Block::Thinking(text), "assistant") => thinking += &text,
+            (Block::RedactedThinking, "assistant") => {}
+            (Block::ToolUse(call), "assistant") => tool_calls.push(call),
+            (Block::ToolResult(id, content), "user") => out.push(ChatMessage {
+                role: "tool".into(),
+                content,
+                tool_call_id: Some(id),
+                ..Default::default()
+            }),
+            (Block::Thinking(_) | Block::RedactedThinking, _) => return misplaced("thinking blocks"),
+            (Block::ToolUse(_), _) => return misplaced("tool_use blocks"),
+            (Block::ToolResult(..), _) => return misplaced("tool_result blocks"),
+        }
+    }
+    let text = texts.join("\n");
+    let content = match splits_reasoning && !thinking.is_empty() {
+        true => format!("<think>\n{thinking}\n</think>\n\n{text}"),
+        false => text,
+    };
+    // A user message of tool results alone adds no user turn of its own.
+    if out.is_empty() || !content.is_empty() || !tool_calls.is_empty() {
+        out.push(ChatMessage {
+            role,
+            content,
+            tool_calls,
+            ..Default::default()
+        });
+    }
+    Ok(out)
 }
 
 /// `thinking`: `{"type": "enabled", "budget_tokens": N}` (N below `max_tokens`, which bounds the thinking with the
@@ -261,36 +292,6 @@ fn thinking(body: &Body, max_tokens: Option<usize>) -> Result<Option<bool>, ApiE
         _ => Err(ApiError::invalid_param(
             "thinking.type",
             "`thinking.type` must be \"enabled\", \"adaptive\", \"between_tools\" or \"disabled\"",
-        )),
-    }
-}
-
-/// Tools need tool-call support in the template and the output, which this server does not have yet: a request
-/// that offers tools is refused rather than answered as if it had none.
-fn refuse_tools(body: &Body) -> Result<(), ApiError> {
-    match body.get("tools") {
-        None => {}
-        Some(Value::Array(tools)) if tools.is_empty() => {}
-        Some(Value::Array(_)) => {
-            return Err(ApiError::invalid_param(
-                "tools",
-                "tools are not supported by this server yet",
-            ))
-        }
-        Some(other) => return Err(wrong_type("tools", "an array of tools", other)),
-    }
-    match body.get("tool_choice") {
-        None => Ok(()),
-        Some(choice) if matches!(choice.get("type").and_then(Value::as_str), Some("auto" | "none")) => Ok(()),
-        Some(choice) => Err(ApiError::invalid_param(
-            "tool_choice",
-            format!(
-                "`tool_choice` {} needs `tools`, which this server does not support yet",
-                match choice.get("type").and_then(Value::as_str) {
-                    Some(_) => "naming a tool or requiring one",
-                    None => type_name(choice),
-                }
-            ),
         )),
     }
 }
@@ -427,15 +428,61 @@ mod tests {
                 ),
                 "output_config.format",
             ),
+            (with("tools", json!([{"name": "f"}])), "tools[0].input_schema"),
             (
-                with("tools", json!([{"name": "f", "input_schema": {"type": "object"}}])),
-                "tools",
+                with("tools", json!([{"type": "web_search_20250305", "name": "web_search"}])),
+                "tools[0].type",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
+                ),
+                "messages[0].content[0]",
             ),
             (with("tool_choice", json!({"type": "any"})), "tool_choice"),
             (with("mcp_servers", json!([])), "mcp_servers"),
         ] {
             assert_eq!(param_of(body.clone()), Some(param.to_string()), "{body}");
         }
+    }
+
+    #[test]
+    fn tools_reach_the_template_and_tool_blocks_become_calls_and_tool_messages() {
+        let body = parse(
+            json!({"model": "m", "max_tokens": 20,
+            "tools": [{"name": "get_weather", "description": "now", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "auto", "disable_parallel_tool_use": true},
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "checking"},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+                ]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "cold"}]}
+                ]}
+            ]}),
+            false,
+        )
+        .unwrap();
+        let tools = &body.chat.tools;
+        assert!(!tools.parallel_calls);
+        assert_eq!(
+            tools.template_tools(),
+            vec![json!({"type": "function", "function": {
+                "name": "get_weather", "description": "now", "parameters": {"type": "object"}}})]
+        );
+        let messages = &body.chat.messages;
+        let roles: Vec<_> = messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["user", "assistant", "tool"]);
+        assert_eq!(messages[1].content, "checking");
+        assert_eq!(messages[1].tool_calls[0].id, "toolu_1");
+        assert_eq!(messages[1].tool_calls[0].function.arguments["city"], "Oslo");
+        assert_eq!(
+            (messages[2].content.as_str(), messages[2].tool_call_id.as_deref()),
+            ("cold", Some("toolu_1"))
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! A streamed Anthropic message: `message_start`, a `ping`, then per content block `content_block_start`, its
-//! `content_block_delta`s (`thinking_delta`, `text_delta`) and `content_block_stop`, then `message_delta` with the
+//! `content_block_delta`s (`thinking_delta`, `text_delta`, a `tool_use` block's `input_json_delta`s) and
+//! `content_block_stop`, then `message_delta` with the
 //! stop reason and usage and `message_stop`; `ping`s keep an idle stream alive, and an engine failure ends it with
 //! an `error` event.
 
@@ -31,34 +32,49 @@ struct Blocks {
 }
 
 impl Blocks {
-    /// The events for one piece: a block change if its kind differs from the open block's, then its delta.
-    fn piece(&mut self, piece: &Piece, out: &mut Vec<SseEvent>) {
+    /// The events for one piece: a block change if its kind differs from the open block's (each tool call opens a
+    /// block of its own), then its delta.
+    fn piece(&mut self, meta: &MessageMeta, piece: &Piece, out: &mut Vec<SseEvent>) {
         let (kind, delta) = match piece {
             Piece::Reasoning(text) => ("thinking", json!({"type": "thinking_delta", "thinking": text})),
             Piece::Content(text) => ("text", json!({"type": "text_delta", "text": text})),
+            Piece::ToolCallStart { index, name } => {
+                let block = json!({"type": "tool_use", "id": meta.tool_use_id(*index), "name": name, "input": {}});
+                self.open("tool_use", block, out);
+                return;
+            }
+            Piece::ToolCallArguments { fragment, .. } => (
+                "tool_use",
+                json!({"type": "input_json_delta", "partial_json": fragment}),
+            ),
         };
         let index = match self.open {
             Some((open, index)) if open == kind => index,
             _ => {
-                self.close(out);
                 let block = match kind {
                     "thinking" => json!({"type": "thinking", "thinking": "", "signature": ""}),
                     _ => json!({"type": "text", "text": ""}),
                 };
-                let index = self.next;
-                self.next += 1;
-                self.open = Some((kind, index));
-                out.push(event(
-                    "content_block_start",
-                    json!({"type": "content_block_start", "index": index, "content_block": block}),
-                ));
-                index
+                self.open(kind, block, out)
             }
         };
         out.push(event(
             "content_block_delta",
             json!({"type": "content_block_delta", "index": index, "delta": delta}),
         ));
+    }
+
+    /// Closes the open block and opens `block`; returns its index.
+    fn open(&mut self, kind: &'static str, block: Value, out: &mut Vec<SseEvent>) -> usize {
+        self.close(out);
+        let index = self.next;
+        self.next += 1;
+        self.open = Some((kind, index));
+        out.push(event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": block}),
+        ));
+        index
     }
 
     fn close(&mut self, out: &mut Vec<SseEvent>) {
@@ -72,12 +88,12 @@ impl Blocks {
 }
 
 /// The events for the next output.
-fn events(blocks: &mut Blocks, output: Output) -> Vec<SseEvent> {
+fn events(blocks: &mut Blocks, meta: &MessageMeta, output: Output) -> Vec<SseEvent> {
     let mut out = vec![];
     match output {
-        Output::Pieces(pieces) => pieces.iter().for_each(|piece| blocks.piece(piece, &mut out)),
+        Output::Pieces(pieces) => pieces.iter().for_each(|piece| blocks.piece(meta, piece, &mut out)),
         Output::Finished(pieces, finish) => {
-            pieces.iter().for_each(|piece| blocks.piece(piece, &mut out));
+            pieces.iter().for_each(|piece| blocks.piece(meta, piece, &mut out));
             blocks.close(&mut out);
             let (reason, sequence) = stop_reason(&finish.reason);
             out.push(event(
@@ -100,10 +116,10 @@ pub fn respond(meta: MessageMeta, input_tokens: usize, generation: Generation) -
     let start = json!({"type": "message_start", "message": meta.message(vec![], None, input_tokens)});
     let opening = vec![event("message_start", start), ping()];
     let rest = stream::unfold(
-        (Blocks::default(), generation),
-        |(mut blocks, mut generation)| async move {
+        (Blocks::default(), meta, generation),
+        |(mut blocks, meta, mut generation)| async move {
             let output = generation.next().await?;
-            Some((events(&mut blocks, output), (blocks, generation)))
+            Some((events(&mut blocks, &meta, output), (blocks, meta, generation)))
         },
     );
     let all = stream::iter([opening])
