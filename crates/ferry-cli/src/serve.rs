@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use axum::http::HeaderValue;
 use ferry_core::backend::Backend;
 use ferry_core::engine::plan::MemoryPlan;
 use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig};
@@ -55,10 +56,22 @@ pub struct ServeArgs {
     /// --max-running-requests, so preemption is a last resort.
     #[arg(long)]
     kv_cache_tokens: Option<usize>,
+    /// Browser origins allowed to call the API cross-site (CORS), comma-separated, e.g. http://localhost:3000;
+    /// `*` allows any. Default: none, so no web page can call the API.
+    #[arg(long, value_delimiter = ',', value_parser = parse_origin)]
+    allowed_origins: Vec<HeaderValue>,
+    /// A Jinja chat template file that replaces the checkpoint's.
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     #[command(flatten)]
     offload: OffloadArgs,
+}
+
+/// An origin as the `Origin` header carries it.
+fn parse_origin(origin: &str) -> Result<HeaderValue, String> {
+    HeaderValue::from_str(origin).map_err(|_| format!("{origin:?} is not an origin such as http://localhost:3000"))
 }
 
 impl ServeArgs {
@@ -93,6 +106,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         served_model_name: args.served_model_name.clone().unwrap_or_else(|| args.model_label()),
         api_key: args.api_key.clone(),
         max_in_flight: args.max_running_requests + args.max_queued_requests,
+        allowed_origins: args.allowed_origins.clone(),
     });
     tracing::info!("listening on http://{bound} (loading {})", args.model_label());
     let app = ferry_server::router(state.clone());
@@ -158,12 +172,18 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         _ => bail!("give --model, or --synthetic with --tokenizer"),
     };
     let eos_token_ids = checkpoint.eos_token_ids();
-    let tokenizer = Arc::new(
-        checkpoint
-            .tokenizer
-            .take()
-            .context("the checkpoint has no tokenizer.json, which the server needs")?,
-    );
+    let mut tokenizer = checkpoint
+        .tokenizer
+        .take()
+        .context("the checkpoint has no tokenizer.json, which the server needs")?;
+    if let Some(path) = &args.chat_template {
+        let template =
+            std::fs::read_to_string(path).with_context(|| format!("cannot read --chat-template {}", path.display()))?;
+        tokenizer
+            .set_chat_template(template)
+            .with_context(|| format!("--chat-template {} does not compile", path.display()))?;
+    }
+    let tokenizer = Arc::new(tokenizer);
     // One request of --max-model-len tokens must fit the KV cache, so the budget keeps at least that much for it.
     let mut offload = args.offload.clone();
     if let Some(n) = args.max_model_len {

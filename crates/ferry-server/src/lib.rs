@@ -1,7 +1,8 @@
 //! ferry-server: the OpenAI-compatible HTTP API in front of ferry's engine.
 //!
-//! - `POST /v1/chat/completions` and `POST /v1/completions`, plain or streamed as server-sent events;
-//! - `GET /v1/models`, `GET /health` (503 with load progress until the model is ready), `GET /metrics` (Prometheus).
+//! - `POST /v1/chat/completions` and `POST /v1/completions` (OpenAI), `POST /v1/messages` (Anthropic), plain or
+//!   streamed as server-sent events, over one protocol-neutral request layer; `POST /v1/messages/count_tokens`;
+//! - `GET /v1/models` and `/v1/models/{id}`, `POST /tokenize` and `/detokenize` (vLLM's), `GET /health` (503 with load progress until the model is ready), `GET /metrics` (Prometheus).
 //!
 //! The server binds before the model loads so that /health can report progress; [`AppState::set_ready`] hands it
 //! the engine. Requests pass the API key and JSON-only checks (guard.rs), are validated here (400 with the field
@@ -10,25 +11,32 @@
 //!
 //! Not here: the model, the scheduler (ferry-core), argument parsing and model download (ferry-cli).
 
+mod anthropic;
+mod body;
+mod chat;
+mod endpoints;
 mod error;
+mod generation;
 mod guard;
 mod metrics;
 mod openai;
 mod params;
 mod reasoning;
+mod sampling;
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use ferry_core::engine::EngineHandle;
 use ferry_core::loader::Tokenizer;
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 pub use error::ApiError;
 
@@ -40,6 +48,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Requests admitted at once: running plus queued; more get a 503.
     pub max_in_flight: usize,
+    /// Browser origins answered with CORS headers (`*`: any); none by default, so browsers keep web pages out.
+    pub allowed_origins: Vec<HeaderValue>,
 }
 
 /// The checkpoint's sampling defaults (generation_config.json), used where a request sets none.
@@ -81,6 +91,8 @@ struct Shared {
     /// Requests admitted and not yet done.
     in_flight: AtomicUsize,
     started_at: u64,
+    /// The served model's response_format compiler, built on first use.
+    grammar: sampling::Compiler,
 }
 
 /// The server's state, shared by every handler.
@@ -102,6 +114,7 @@ impl AppState {
             metrics: metrics::Metrics::new(),
             in_flight: AtomicUsize::new(0),
             started_at: unix_seconds(),
+            grammar: Default::default(),
         }))
     }
 
@@ -140,21 +153,6 @@ async fn health(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn models(State(state): State<AppState>) -> Response {
-    let max_model_len = state.model().ok().map(|m| m.max_model_len);
-    Json(serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": state.0.config.served_model_name,
-            "object": "model",
-            "created": state.0.started_at,
-            "owned_by": "ferry",
-            "max_model_len": max_model_len,
-        }],
-    }))
-    .into_response()
-}
-
 async fn prometheus(State(state): State<AppState>) -> Response {
     let engine = state.model().ok().map(|m| m.engine.status());
     (
@@ -175,12 +173,18 @@ async fn not_found(request: Request) -> ApiError {
 }
 
 /// Every route; /health is the one outside the guards. The API key layer wraps the JSON one, so a request without
-/// the key gets a 401 whatever it sends.
+/// the key gets a 401 whatever it sends. CORS, when the operator allows origins, does not loosen the JSON-only rule:
+/// an allowed page may send JSON, never a form.
 pub fn router(state: AppState) -> Router {
     let guarded = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
-        .route("/v1/models", get(models))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/models", get(endpoints::models))
+        .route("/v1/models/{id}", get(endpoints::model))
+        .route("/tokenize", post(endpoints::tokenize_route))
+        .route("/detokenize", post(endpoints::detokenize_route))
         .route("/metrics", get(prometheus))
         .fallback(not_found)
         .layer(middleware::from_fn(guard::require_json));
@@ -188,8 +192,27 @@ pub fn router(state: AppState) -> Router {
         Some(key) => guarded.layer(middleware::from_fn_with_state(key.clone(), guard::require_api_key)),
         None => guarded,
     };
-    Router::new()
+    let origins = &state.0.config.allowed_origins;
+    let app = Router::new()
         .route("/health", get(health))
         .merge(guarded)
-        .with_state(state)
+        .layer(middleware::from_fn(anthropic::errors_in_anthropic_shape));
+    let app = match origins.is_empty() {
+        true => app,
+        // Outermost, so that a preflight is answered before the key check (browsers send it without the key).
+        false => app.layer(cors(origins)),
+    };
+    app.with_state(state)
+}
+
+/// CORS for these origins: any request header a client asks for (the key, the SDKs' own), GET and POST.
+fn cors(origins: &[HeaderValue]) -> CorsLayer {
+    let origins = match origins.iter().any(|origin| origin == "*") {
+        true => AllowOrigin::any(),
+        false => AllowOrigin::list(origins.iter().cloned()),
+    };
+    CorsLayer::new()
+        .allow_origin(origins)
+        .allow_methods([Method::GET, Method::POST])
+        .allow_headers(AllowHeaders::mirror_request())
 }

@@ -32,6 +32,7 @@ fn health_reports_progress_until_the_model_is_ready() {
         served_model_name: "m".into(),
         api_key: Some("k".into()),
         max_in_flight: 4,
+        allowed_origins: vec![],
     });
     state.set_loading("downloading model-00002-of-00004.safetensors (2/4)", 0.25);
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();

@@ -112,6 +112,15 @@ impl Tokenizer {
         self.chat_template.is_some()
     }
 
+    /// Replaces the checkpoint's chat template (`ferry serve --chat-template`); an error if it does not compile.
+    pub fn set_chat_template(&mut self, template: String) -> Result<()> {
+        minijinja::Environment::new()
+            .template_from_str(&template)
+            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        self.chat_template = Some(template);
+        Ok(())
+    }
+
     /// Whether the chat template's source contains `text` (e.g. a reasoning tag it emits).
     pub fn chat_template_mentions(&self, text: &str) -> bool {
         self.chat_template.as_deref().is_some_and(|t| t.contains(text))
