@@ -157,6 +157,7 @@ pub fn open_backend(
         gpu.offload(OffloadConfig {
             slots: plan.slots,
             policy: Box::new(Lru::new()),
+            decode_prefetch: true,
         })
     } else {
         gpu

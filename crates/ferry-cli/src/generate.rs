@@ -90,11 +90,8 @@ fn generate_on<B: Backend>(
                 .as_ref()
                 .context("--prompt needs the checkpoint's tokenizer.json; use --prompt-ids without one")?;
             if args.chat {
-                let messages = [ChatMessage {
-                    role: "user".into(),
-                    content: text.clone(),
-                }];
-                let rendered = tokenizer.apply_chat_template(&messages, true, &Default::default())?;
+                let messages = [ChatMessage::text("user", text)];
+                let rendered = tokenizer.apply_chat_template(&messages, &[], true, &Default::default())?;
                 tokenizer.encode(&rendered, false)?
             } else {
                 tokenizer.encode(text, true)?

@@ -1,7 +1,9 @@
 //! Expert offload on the GPU (ignored unless asked for: scripts/device/gpu-tests.sh runs them on the GPU machine).
 //!
 //! - The offload path computes exactly what the all-resident path computes: same kernels, only where the expert
-//!   weights live differs, so tokens and logits must be equal bit for bit, with a cache far smaller than the bank.
+//!   weights live (and, in decode, in what order the experts' work starts while copies land) differs, so tokens and
+//!   logits must be equal bit for bit, with a cache far smaller than the bank, with decode steps where every
+//!   expert hits, where every expert misses and where both mix, and with decode prefetch on and off.
 //! - Everything ferry allocates on the GPU stays under `--gpu-memory-budget`, measured with cuMemGetInfo.
 
 use std::path::{Path, PathBuf};
@@ -23,16 +25,24 @@ fn fixtures() -> PathBuf {
     }
 }
 
-/// Offload with `slots` LRU cache slots, as the CLI builds it.
-fn lru(slots: usize) -> OffloadConfig {
+/// Offload with `slots` LRU cache slots and decode prefetch on or off (the CLI turns it on).
+fn lru(slots: usize, decode_prefetch: bool) -> OffloadConfig {
     OffloadConfig {
         slots,
         policy: Box::new(Lru::new()),
+        decode_prefetch,
     }
 }
 
-/// Greedy decode of `steps` tokens after `prompt`; every step's logits.
-fn run(backend: &CudaBackend, checkpoint: &Checkpoint, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+/// A greedy run: its tokens, every decode step's logits, and (under offload) the counters once the prompt is in.
+struct Run {
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    after_prefill: Option<OffloadStats>,
+}
+
+/// Greedy decode of `steps` tokens after `prompt`.
+fn run(backend: &CudaBackend, checkpoint: &Checkpoint, prompt: &[u32], steps: usize) -> Run {
     let model = Model::load(backend, checkpoint).unwrap();
     let mut kv = backend.new_kv(model.kv_spec(prompt.len() + steps)).unwrap();
     let seq = kv.alloc_seq();
@@ -47,6 +57,7 @@ fn run(backend: &CudaBackend, checkpoint: &Checkpoint, prompt: &[u32], steps: us
             .to_host(&model.forward(backend, chunk, &[slice], &mut kv).unwrap())
             .unwrap();
     }
+    let after_prefill = backend.offload_stats();
     let (mut tokens, mut all) = (Vec::new(), Vec::new());
     for pos in prompt.len()..prompt.len() + steps {
         let token = argmax(&logits) as u32;
@@ -61,41 +72,68 @@ fn run(backend: &CudaBackend, checkpoint: &Checkpoint, prompt: &[u32], steps: us
             .to_host(&model.forward(backend, &[token], &[slice], &mut kv).unwrap())
             .unwrap();
     }
-    (tokens, all)
+    Run {
+        tokens,
+        logits: all,
+        after_prefill,
+    }
 }
 
-/// Runs `prompt` and `steps` decode steps all-resident and offloaded with `slots` cache slots, asserts the two are
+/// What the decode steps of an offloaded run did: its counters at the end, and its hits and misses after the
+/// prompt.
+struct Decoded {
+    stats: OffloadStats,
+    hits: u64,
+    misses: u64,
+}
+
+/// Runs `prompt` and `steps` decode steps all-resident and offloaded as `config` says, asserts the two are
 /// bit-identical, and returns the offload's counters.
 fn check_offload_is_exact(
     checkpoint: &Checkpoint,
     prompt: &[u32],
     steps: usize,
-    slots: usize,
+    config: OffloadConfig,
     label: &str,
-) -> OffloadStats {
+) -> Decoded {
+    let slots = config.slots;
     let resident = run(&CudaBackend::new(0).unwrap(), checkpoint, prompt, steps);
-    let backend = CudaBackend::builder(0).unwrap().offload(lru(slots)).build().unwrap();
+    let backend = CudaBackend::builder(0).unwrap().offload(config).build().unwrap();
     let offloaded = run(&backend, checkpoint, prompt, steps);
     let stats = backend.offload_stats().unwrap();
     assert!(
         stats.copies > 0,
         "{label}: nothing was copied: the cache is not smaller than the bank"
     );
-    assert_eq!(offloaded.0, resident.0, "{label}: tokens differ");
-    for (step, (a, b)) in offloaded.1.iter().zip(&resident.1).enumerate() {
+    assert_eq!(offloaded.tokens, resident.tokens, "{label}: tokens differ");
+    for (step, (a, b)) in offloaded.logits.iter().zip(&resident.logits).enumerate() {
         assert!(
             a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
             "{label}: logits of step {step} differ"
         );
     }
+    let prefilled = offloaded.after_prefill.unwrap();
+    let decoded = Decoded {
+        hits: stats.hits() - prefilled.hits(),
+        misses: stats.misses() - prefilled.misses(),
+        stats,
+    };
+    let s = &decoded.stats;
     println!(
-        "{label}, {slots} slots: {} tokens bit-identical; {} copies ({} prefetched), hit rate {:.2}",
-        steps,
-        stats.copies,
-        stats.prefetched,
-        stats.hit_rate()
+        "{label}, {slots} slots: {steps} tokens bit-identical; {} copies ({} prefetched, {} used), hit rate {:.2}; \
+         decode {} hits, {} misses; guesses: precision {:.2}, recall {:.2}, {} copied, {} dropped",
+        s.copies,
+        s.prefetched,
+        s.prefetches_used,
+        s.hit_rate(),
+        decoded.hits,
+        decoded.misses,
+        s.guess_precision(),
+        s.guess_recall(),
+        s.guesses_copied,
+        s.guesses_dropped,
     );
-    stats
+    decoded
 }
 
 #[test]
@@ -115,19 +153,73 @@ fn offload_equals_resident_for_every_fixture_family() {
         let experts = spec.moe.as_ref().unwrap().num_experts;
         // A prompt long enough to take the grouped (prefill) expert path, then decode steps.
         let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % spec.vocab_size as u32).collect();
-        // One layer's experts: every layer evicts the last; no room to prefetch the next layer beside them.
-        let stats = check_offload_is_exact(&checkpoint, &prompt, 12, experts, family);
-        assert_eq!(stats.prefetched, 0, "{family}");
-        // Two layers' experts: the prefill chunk, which routes to all of a layer's experts, prefetches the next
-        // MoE layer's (where there is one) while the slots of the layer computing are spared.
-        let stats = check_offload_is_exact(&checkpoint, &prompt, 12, 2 * experts, family);
         let moe_layers = spec.num_moe_layers();
+        // One layer's experts: every layer evicts the last; no room to prefetch the next layer beside them, in
+        // prefill or in decode (a guess must spare the experts of the layer computing).
+        let decoded = check_offload_is_exact(&checkpoint, &prompt, 12, lru(experts, false), family);
+        assert_eq!(decoded.stats.prefetched, 0, "{family}");
+        assert_eq!(decoded.stats.guessed, 0, "{family}: guesses with decode prefetch off");
+        // Two layers' experts: the prefill chunk, which routes to all of a layer's experts, prefetches the next
+        // MoE layer's (where there is one) while the slots of the layer computing are spared; decode guesses the
+        // next layer's routing (where there is one) and may copy what it guesses.
+        let decoded = check_offload_is_exact(&checkpoint, &prompt, 12, lru(2 * experts, true), family);
+        let stats = &decoded.stats;
         assert_eq!(
             stats.prefetched > 0,
             moe_layers > 1,
             "{family}: {} prefetched",
             stats.prefetched
         );
+        assert_eq!(stats.guessed > 0, moe_layers > 1, "{family}: {} guessed", stats.guessed);
+        assert!(
+            stats.guessed_routed <= stats.guessed.min(stats.routed_after_guess),
+            "{family}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn decode_steps_where_every_expert_hits_or_hits_and_misses_mix_equal_resident() {
+    for family in ["qwen3_moe", "mixtral", "olmoe", "qwen3_next"] {
+        let checkpoint = Checkpoint::open(&fixtures().join(family)).unwrap();
+        let spec = spec_for(&checkpoint.model_type, &checkpoint.config).unwrap();
+        let experts = spec.moe.as_ref().unwrap().num_experts;
+        let all = experts * spec.num_moe_layers();
+        // 200 tokens route to every expert of every layer: all resident once the prompt is in.
+        let prompt: Vec<u32> = (0..200).map(|i| (i * 13 + 5) % spec.vocab_size as u32).collect();
+        for prefetch in [false, true] {
+            let label = format!("{family}, every expert fits, decode prefetch {prefetch}");
+            let decoded = check_offload_is_exact(&checkpoint, &prompt, 12, lru(all, prefetch), &label);
+            assert_eq!(decoded.misses, 0, "{label}: decode missed");
+            assert_eq!(decoded.stats.copies, all as u64, "{label}: an expert was copied twice");
+        }
+        // A cache of one layer's experts and a short prompt: decode steps mix hits with misses.
+        let prompt = &prompt[..6];
+        let label = format!("{family}, one layer's experts");
+        let decoded = check_offload_is_exact(&checkpoint, prompt, 24, lru(experts, true), &label);
+        assert!(
+            decoded.hits > 0 && decoded.misses > 0,
+            "{label}: decode did not mix hits and misses"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn decode_steps_where_every_expert_misses_equal_resident_for_q30() {
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/q30.json");
+    let config = std::env::var_os("FERRY_BENCH_DIR").map_or(config, |d| PathBuf::from(d).join("q30.json"));
+    let checkpoint = Checkpoint::synthetic(&config, 0).unwrap();
+    let prompt: Vec<u32> = (0..20).map(|i| i * 7919 % 151_936).collect();
+    // 128 slots, one layer's experts: a decode step uses 48 layers x 8 experts, so LRU has evicted each layer's
+    // experts of the last step before it routes again; every decode expert misses (a guessed copy's first use
+    // counts as the miss it replaced).
+    for prefetch in [false, true] {
+        let label = format!("q30, one layer's experts, decode prefetch {prefetch}");
+        let decoded = check_offload_is_exact(&checkpoint, &prompt, 6, lru(128, prefetch), &label);
+        assert_eq!(decoded.hits, 0, "{label}: decode hit");
+        assert_eq!(decoded.stats.guessed > 0, prefetch, "{label}");
     }
 }
 
@@ -141,8 +233,8 @@ fn offload_equals_resident_for_q30_with_a_small_cache() {
     let prompt: Vec<u32> = (0..300).map(|i| i * 1009 % 151_936).collect();
     // 256 slots of 6144 experts: a cache 24 times smaller than the bank, two layers' worth, so every prefetch
     // evicts and must spare the layer computing.
-    let stats = check_offload_is_exact(&checkpoint, &prompt, 6, 256, "q30");
-    assert!(stats.prefetched > 0, "q30: the prefill prefetched nothing");
+    let decoded = check_offload_is_exact(&checkpoint, &prompt, 6, lru(256, true), "q30");
+    assert!(decoded.stats.prefetched > 0, "q30: the prefill prefetched nothing");
 }
 
 #[test]
@@ -169,7 +261,7 @@ fn what_ferry_allocates_stays_under_the_budget() {
     );
     let gpu = CudaBackend::builder(0).unwrap();
     let (free_before, _) = gpu.memory_info().unwrap();
-    let backend = gpu.offload(lru(plan.slots)).build().unwrap();
+    let backend = gpu.offload(lru(plan.slots, true)).build().unwrap();
     let model = Model::load(&backend, &checkpoint).unwrap();
     let mut kv = backend.new_kv(model.kv_spec(plan.kv_tokens)).unwrap();
     // The largest pass the plan allows: a full prefill chunk, then decode steps.

@@ -64,14 +64,16 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
 }
 
 // act[(r * top_k + k), i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), e = ids[r * top_k + k].
-// Grid: (ceil(inter / MOE_WARPS), rows * top_k); one warp per output feature, its gate and up rows read together.
+// Grid: (ceil(inter / MOE_WARPS), pairs); one warp per output feature, its gate and up rows read together. Block y
+// takes pair order[y], or pair y when order is null: under offload a step runs the pairs of resident experts
+// first and each copied expert's pairs once its copy has landed, each pair computed exactly as in one launch.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_gate_up(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                const uint16_t* const* __restrict__ experts, float* __restrict__ act) {
+                const int* __restrict__ order, const uint16_t* const* __restrict__ experts, float* __restrict__ act) {
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
     const int i = blockIdx.x * MOE_WARPS + warp;
-    const int pair = blockIdx.y;
+    const int pair = order != nullptr ? order[blockIdx.y] : blockIdx.y;
     if (i >= inter) return;
     const uint16_t* block = experts[ids[pair]];
     const uint16_t* rows[2] = {block + static_cast<size_t>(i) * hidden,
@@ -125,6 +127,34 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     }
 }
 
+// y[pair, h] = down_e[h] . act[pair], e = ids[pair], for the pairs order[blockIdx.y]: moe_down's products, one
+// (row, k) pair at a time, for the offload's decode path, which runs each copied expert's pairs once its copy has
+// landed; moe_combine then sums a row's products in router order exactly as moe_down does, so the result is the
+// same to the bit. Grid: (ceil(hidden / (MOE_WARPS * MOE_DOWN_ROWS)), pairs of this launch); each warp takes a group
+// of MOE_DOWN_ROWS features, the same groups (multiples of MOE_DOWN_ROWS) as moe_down's.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down_pairs(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
+                   const int* __restrict__ order, const uint16_t* const* __restrict__ experts, float* __restrict__ y) {
+    __shared__ WarpStaging staging[MOE_WARPS];
+    const int warp = threadIdx.x >> 5;
+    const int pair = order[blockIdx.y];
+    const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
+    if (first >= hidden) return;
+    const uint16_t* down = experts[ids[pair]] + 2 * static_cast<size_t>(inter) * hidden;
+    // Features past hidden (the last group) repeat feature hidden - 1 and are not stored, as in moe_down.
+    const uint16_t* rows[MOE_DOWN_ROWS];
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = down + static_cast<size_t>(min(first + j, hidden - 1)) * inter;
+    float acc[MOE_DOWN_ROWS][1] = {};
+    warp_rows_dot<MOE_DOWN_ROWS, 1>(rows, act + static_cast<size_t>(pair) * inter, inter, inter, 0, 1, staging[warp],
+                                    acc);
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
+        const float s = warp_sum(acc[j][0]);
+        if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = s;
+    }
+}
+
 // Gathers rows of x: out[i] = x[rows[i]] (the tokens routed to one expert, for its GEMMs in prefill).
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const uint32_t* __restrict__ rows,
                                        float* __restrict__ out, int cols) {
@@ -133,7 +163,8 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const uint32
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
 }
 
-// out[r] = sum_k weights[r, k] * y[r * top_k + k], in router order (the prefill path's combine).
+// out[r] = sum_k weights[r, k] * y[r * top_k + k], in router order (the prefill path's combine, and the offload
+// decode path's after moe_down_pairs: the same sum, in the same order, as moe_down's).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights, int top_k,
                                        int hidden, float* __restrict__ out) {
     const int r = blockIdx.x;

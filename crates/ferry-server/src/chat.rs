@@ -86,7 +86,7 @@ impl ChatRequest {
             kwargs.insert("enable_thinking".into(), thinking.into());
         }
         tokenizer
-            .apply_chat_template(&self.messages, add_generation_prompt, &kwargs)
+            .apply_chat_template(&self.messages, &[], add_generation_prompt, &kwargs)
             .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
     }
 

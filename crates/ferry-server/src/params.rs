@@ -177,7 +177,7 @@ fn chat_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError> 
     };
     let content = message_content(&m)?;
     m.refuse_unread(&[])?;
-    Ok(ChatMessage { role, content })
+    Ok(ChatMessage::text(&role, &content))
 }
 
 /// `messages`: a non-empty array of messages.

@@ -28,6 +28,20 @@ pub(super) struct OffloadReport {
     achieved_over_pcie_bound: f64,
     layer_hit_rates: Vec<f64>,
     bank_pinned: bool,
+    /// (row, k) pairs routed per distinct expert a layer's step needed: above 1 when a batch's sequences share
+    /// experts, each copied once per step.
+    routed_pairs_per_expert: f64,
+    /// Milliseconds per token the host waited for routed ids (one wait per MoE layer): the serial point left.
+    router_wait_ms_per_token: f64,
+    /// Decode guesses of the next layer's routing (the next router on this layer's input): the share of guessed
+    /// experts that layer routed, and of its routed experts that were guessed.
+    guess_precision: f64,
+    guess_recall: f64,
+    /// Guessed misses copied while the copy stream idled, dropped because their layer routed first, and
+    /// prefetched copies (guessed or prefill's) that a step then used.
+    guesses_copied: u64,
+    guesses_dropped: u64,
+    prefetches_used: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -59,6 +73,8 @@ pub(super) struct BenchReport {
     pub(super) decode_bound_tok_s: f64,
     pub(super) decode_achieved_over_bound: f64,
     pub(super) offload: Option<OffloadReport>,
+    /// Expert offload during the concurrent decode (its tokens counted over all sequences).
+    pub(super) offload_concurrent: Option<OffloadReport>,
     pub(super) peak_gpu_memory_bytes: Option<u64>,
     /// With --profile: per phase (prefill, decode_batch1, decode_concurrent), where the time went.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -94,6 +110,8 @@ pub(super) fn offload_report(
     let all_hits: u64 = hits.iter().sum();
     let all = all_hits + misses.iter().sum::<u64>();
     let bytes = (after.bytes_copied - before.bytes_copied) as f64;
+    let guessed_routed = after.guessed_routed - before.guessed_routed;
+    let ratio = |part: u64, whole: u64| if whole == 0 { 0.0 } else { part as f64 / whole as f64 };
     let bytes_missed_per_token = bytes / tokens as f64;
     let pcie_bound = h2d * 1e9 / bytes_missed_per_token.max(1.0);
     Some(OffloadReport {
@@ -110,6 +128,13 @@ pub(super) fn offload_report(
             .map(|(&h, &m)| if h + m == 0 { 0.0 } else { h as f64 / (h + m) as f64 })
             .collect(),
         bank_pinned: after.bank_pinned,
+        routed_pairs_per_expert: ratio(after.routed_pairs - before.routed_pairs, all),
+        router_wait_ms_per_token: (after.router_wait_ns - before.router_wait_ns) as f64 / 1e6 / tokens as f64,
+        guess_precision: ratio(guessed_routed, after.guessed - before.guessed),
+        guess_recall: ratio(guessed_routed, after.routed_after_guess - before.routed_after_guess),
+        guesses_copied: after.guesses_copied - before.guesses_copied,
+        guesses_dropped: after.guesses_dropped - before.guesses_dropped,
+        prefetches_used: after.prefetches_used - before.prefetches_used,
     })
 }
 
@@ -217,6 +242,32 @@ pub(super) fn print_report(r: &BenchReport) {
                 "{:.1} tok/s ({:.1} % achieved)",
                 o.pcie_bound_tok_s,
                 100.0 * o.achieved_over_pcie_bound
+            ),
+        ));
+        rows.push((
+            "router waits",
+            format!("{:.2} ms per token", o.router_wait_ms_per_token),
+        ));
+        rows.push((
+            "next-layer guesses",
+            format!(
+                "precision {:.1} %, recall {:.1} %; {} copied, {} dropped, {} prefetches used",
+                100.0 * o.guess_precision,
+                100.0 * o.guess_recall,
+                o.guesses_copied,
+                o.guesses_dropped,
+                o.prefetches_used
+            ),
+        ));
+    }
+    if let Some(o) = &r.offload_concurrent {
+        rows.push((
+            "expert cache, concurrent",
+            format!(
+                "hit rate {:.1} %, {:.2} GB missed per token, {:.2} routed pairs per expert copied or hit",
+                100.0 * o.hit_rate,
+                o.bytes_missed_per_token / 1e9,
+                o.routed_pairs_per_expert
             ),
         ));
     }

@@ -183,9 +183,20 @@ pub(super) fn bench_on<B: Backend>(
     // Decode `concurrency` sequences together, once their prompts are in.
     let mut phase = Phase::submit(&mut scheduler, &workload.short_prompts, decode_tokens + 1)?;
     phase.step_until(&mut scheduler, Phase::prefilled)?;
+    let before = scheduler.offload_stats();
     let started = Instant::now();
     phase.step_until(&mut scheduler, Phase::finished)?;
-    let decode_aggregate = (decode_tokens * args.concurrency) as f64 / started.elapsed().as_secs_f64();
+    let concurrent_seconds = started.elapsed().as_secs_f64();
+    let concurrent_tokens = decode_tokens * args.concurrency;
+    let decode_aggregate = concurrent_tokens as f64 / concurrent_seconds;
+    let offload_concurrent = offload_report(
+        before,
+        scheduler.offload_stats(),
+        concurrent_tokens,
+        concurrent_seconds,
+        decode_aggregate,
+        machine.h2d_gb_s,
+    );
     machine.track(&mut peak);
     phase_done("decode_concurrent");
 
@@ -229,6 +240,7 @@ pub(super) fn bench_on<B: Backend>(
         decode_achieved_over_bound: decode_batch1 / bound,
         memory_ceiling: ceiling.clone(),
         offload,
+        offload_concurrent,
         peak_gpu_memory_bytes: peak,
         profile: Vec::new(),
     })

@@ -345,6 +345,21 @@ pub trait Backend: Send + Sync + Sized {
     fn routing_from_host(&self, ids: &[u32], weights: &[f32], top_k: usize) -> Result<Self::Routing>;
     /// `sum_k weight_k * expert_k(x)` for each row, summed in router order: the routed part of a MoE block.
     fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor>;
+    /// Whether the MoE blocks of a step of `rows` rows should hand [`Backend::guess_routing`] a guess of the next
+    /// MoE layer's routing: only a backend that can copy experts ahead of their use (expert offload) wants one, so
+    /// that no other pays for the guess.
+    fn wants_routing_guess(&self, rows: usize) -> bool {
+        let _ = rows;
+        false
+    }
+    /// A guess of how the MoE layer of `experts` will route this step (that layer's router applied to an earlier
+    /// layer's input), handed over before the current layer's [`Backend::moe_experts`]: an offloading backend may
+    /// copy the guessed experts ahead. A guess changes no result, only what is copied when; a backend that keeps
+    /// its experts where they run has nothing to copy and ignores it.
+    fn guess_routing(&self, experts: &Self::Experts, routing: Self::Routing) -> Result<()> {
+        let _ = (experts, routing);
+        Ok(())
+    }
     /// The rows `rows` of `x`, in that order.
     fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
 }

@@ -112,6 +112,12 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn shape(&self, x: &Self::Tensor) -> (usize, usize) {
         self.inner.shape(x)
     }
+    fn wants_routing_guess(&self, rows: usize) -> bool {
+        self.inner.wants_routing_guess(rows)
+    }
+    fn guess_routing(&self, experts: &Self::Experts, routing: Self::Routing) -> Result<()> {
+        self.inner.guess_routing(experts, routing)
+    }
     timed_ops! {
         fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Self::Batch;
         fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;

@@ -8,10 +8,45 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+/// One message of a conversation, with the fields chat templates read (transformers passes a message's dict as
+/// the client sent it, so absent fields stay absent here too).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's calls of tools.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of plain text.
+    pub fn text(role: &str, content: &str) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            ..Default::default()
+        }
+    }
+}
+
+/// A call of a tool in an assistant message, shaped as OpenAI sends it (`{"id", "type": "function", "function":
+/// {"name", "arguments"}}`) except that `arguments` is an object: templates iterate or `tojson` it, and
+/// transformers' templates expect a mapping where OpenAI sends a JSON string.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename = "function")]
+pub struct ToolCall {
+    pub id: String,
+    pub function: FunctionCall,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: serde_json::Map<String, serde_json::Value>,
 }
 
 pub struct Tokenizer {
@@ -127,10 +162,13 @@ impl Tokenizer {
     }
 
     /// Renders the chat template as transformers does (trim_blocks, lstrip_blocks, Python string methods,
-    /// `raise_exception`, Python-style `tojson`). `extra` holds `chat_template_kwargs` (e.g. enable_thinking).
+    /// `raise_exception`, Python-style `tojson`). `tools` are the tool definitions as transformers' `tools=`
+    /// passes them (`{"type": "function", "function": {...}}` objects; none: `tools` is left undefined, as
+    /// transformers leaves it). `extra` holds `chat_template_kwargs` (e.g. enable_thinking).
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
+        tools: &[serde_json::Value],
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
@@ -154,6 +192,9 @@ impl Tokenizer {
             .map_err(|e| Error::ChatTemplate(e.to_string()))?;
         let mut context = extra.clone();
         context.insert("messages".into(), serde_json::to_value(messages).unwrap_or_default());
+        if !tools.is_empty() {
+            context.insert("tools".into(), tools.to_vec().into());
+        }
         context.insert("add_generation_prompt".into(), add_generation_prompt.into());
         context.insert("bos_token".into(), self.bos_token.clone().unwrap_or_default().into());
         context.insert("eos_token".into(), self.eos_token.clone().unwrap_or_default().into());

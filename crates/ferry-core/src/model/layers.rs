@@ -378,20 +378,31 @@ impl<B: Backend> MoeBlock<B> {
         })
     }
 
+    fn router(&self) -> Router<'_, B::Weight> {
+        Router {
+            kind: self.router_kind,
+            top_k: self.top_k,
+            correction_bias: self.correction_bias.as_ref(),
+        }
+    }
+
     /// `moe_layer` is this block's index among the model's MoE layers; `tap` sees (and may replace) its routing.
+    /// `next`, the model's next MoE block: when the backend wants a guess of its routing (expert offload in
+    /// decode), its router is applied to this block's input `x`, available before this block's experts run, so
+    /// the guess reaches the host with this block's own routing and its experts can be copied while this block
+    /// computes. The input of the next block differs by one layer's residual update and that block's norm; the
+    /// guess is only ever a prefetch, never a result. Not when a tap replays routes: the router's guess would
+    /// not predict replayed choices.
     pub fn forward(
         &self,
         be: &B,
         x: &B::Tensor,
         moe_layer: usize,
         tap: Option<&mut (dyn RoutingTap + '_)>,
+        next: Option<&MoeBlock<B>>,
     ) -> Result<B::Tensor> {
-        let router = Router {
-            kind: self.router_kind,
-            top_k: self.top_k,
-            correction_bias: self.correction_bias.as_ref(),
-        };
-        let mut routing = be.route(&be.linear(x, &self.router, None)?, router)?;
+        let mut routing = be.route(&be.linear(x, &self.router, None)?, self.router())?;
+        let mut replayed = false;
         if let Some(tap) = tap {
             let routed = match tap.wants_router_choice() {
                 true => Some(be.routing_to_host(&routing)?),
@@ -408,7 +419,12 @@ impl<B: Backend> MoeBlock<B> {
                 // A replayed choice, weighted uniformly: the trace records which experts, not how much.
                 let weights = vec![1.0 / self.top_k as f32; ids.len()];
                 routing = be.routing_from_host(&ids, &weights, self.top_k)?;
+                replayed = true;
             }
+        }
+        if let Some(next) = next.filter(|_| !replayed && be.wants_routing_guess(be.shape(x).0)) {
+            let guess = be.route(&be.linear(x, &next.router, None)?, next.router())?;
+            be.guess_routing(&next.experts, guess)?;
         }
         let mut out = be.moe_experts(x, &routing, &self.experts)?;
         if let Some(shared) = &self.shared {

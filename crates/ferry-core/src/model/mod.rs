@@ -205,7 +205,11 @@ impl<B: Backend> Model<B> {
                 Ffn::Dense(mlp) => mlp.forward(be, &normed)?,
                 Ffn::Moe(moe) => {
                     moe_layer += 1;
-                    moe.forward(be, &normed, moe_layer - 1, tap.as_deref_mut())?
+                    let next = self.layers[i + 1..].iter().find_map(|l| match &l.ffn {
+                        Ffn::Moe(next) => Some(next),
+                        Ffn::Dense(_) => None,
+                    });
+                    moe.forward(be, &normed, moe_layer - 1, tap.as_deref_mut(), next)?
                 }
             };
             // The residual add fused with the next layer's input norm; after the last layer, a plain add (the final

@@ -76,6 +76,8 @@ pub struct ExpertCache {
     step_experts: HashSet<u32>,
     /// Keys copied in by a prefetch and not yet used by a step: their first use counts as the miss it replaced.
     prefetched: HashSet<ExpertKey>,
+    /// Prefetched keys a step used.
+    prefetches_used: u64,
     /// Counts the changes to which slots hold what (commits, and aborts that free slots).
     version: u64,
 }
@@ -104,6 +106,7 @@ impl ExpertCache {
             step_layer: 0,
             step_experts: HashSet::new(),
             prefetched: HashSet::new(),
+            prefetches_used: 0,
             version: 0,
         }
     }
@@ -115,6 +118,11 @@ impl ExpertCache {
     /// The slot `key` occupies, if it is resident.
     pub fn slot_of(&self, key: ExpertKey) -> Option<u32> {
         self.slot_of.get(&key).copied()
+    }
+
+    /// How many prefetched keys a step has used so far.
+    pub fn prefetches_used(&self) -> u64 {
+        self.prefetches_used
     }
 
     /// Hits and misses so far, indexed by MoE layer (layers never planned count zero).
@@ -197,6 +205,7 @@ impl ExpertCache {
             if self.slot_of.contains_key(&key) {
                 if step && self.prefetched.remove(&key) {
                     counts.misses += 1;
+                    self.prefetches_used += 1;
                 } else if step {
                     counts.hits += 1;
                 }

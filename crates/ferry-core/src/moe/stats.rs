@@ -17,8 +17,27 @@ pub struct OffloadStats {
     pub layer_misses: Vec<u64>,
     pub bytes_copied: u64,
     pub copies: u64,
-    /// Of `copies`, those made ahead of a layer's router by a prefetch.
+    /// Of `copies`, those made ahead of a layer's router by a prefetch (prefill's next-layer copies and decode's
+    /// guessed copies).
     pub prefetched: u64,
+    /// Prefetched copies a step then used (each counted as the miss it replaced).
+    pub prefetches_used: u64,
+    /// (row, k) pairs routed over all planned layers: against hits + misses (distinct experts per layer and step),
+    /// how much a batch shares experts, each copied once per step.
+    pub routed_pairs: u64,
+    /// Decode guesses of the next layer's routing: distinct experts guessed, how many of them that layer then
+    /// routed, and the distinct experts those layers routed (precision = guessed_routed / guessed, recall =
+    /// guessed_routed / routed_after_guess).
+    pub guessed: u64,
+    pub guessed_routed: u64,
+    pub routed_after_guess: u64,
+    /// Guessed misses copied while the copy stream was idle, and those dropped because their layer routed first.
+    pub guesses_copied: u64,
+    pub guesses_dropped: u64,
+    /// The host's waits for a layer's routed ids (one per MoE layer and step), and their total time: the serial
+    /// point that copies and compute cannot overlap.
+    pub router_waits: u64,
+    pub router_wait_ns: u64,
 }
 
 impl OffloadStats {
@@ -30,6 +49,16 @@ impl OffloadStats {
         self.layer_misses.iter().sum()
     }
 
+    /// Of the experts decode guessed for a layer, the share it routed; 0 before any guess.
+    pub fn guess_precision(&self) -> f64 {
+        ratio(self.guessed_routed, self.guessed)
+    }
+
+    /// Of the experts routed by layers that had a guess, the share guessed; 0 before any guess.
+    pub fn guess_recall(&self) -> f64 {
+        ratio(self.guessed_routed, self.routed_after_guess)
+    }
+
     /// Hits over accesses; 0 before any access.
     pub fn hit_rate(&self) -> f64 {
         LayerCounts {
@@ -37,5 +66,13 @@ impl OffloadStats {
             misses: self.misses(),
         }
         .hit_rate()
+    }
+}
+
+fn ratio(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
     }
 }

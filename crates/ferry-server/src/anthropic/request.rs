@@ -42,6 +42,14 @@ impl MessagesBody {
                 ));
             }
         }
+        if let Some(config) = body.object("output_config")? {
+            if config.get("format").is_some_and(|format| !format.is_null()) {
+                return Err(ApiError::invalid_param(
+                    "output_config.format",
+                    "`output_config.format` (structured outputs) is not supported by this server",
+                ));
+            }
+        }
         let model = body
             .string("model")?
             .ok_or_else(|| ApiError::invalid_param("model", "`model` is required"))?;
@@ -109,10 +117,7 @@ fn system_message(body: &Body) -> Result<Option<ChatMessage>, ApiError> {
         }
         Some(other) => return Err(wrong_type("system", "a string or an array of text blocks", other)),
     };
-    Ok(Some(ChatMessage {
-        role: "system".into(),
-        content,
-    }))
+    Ok(Some(ChatMessage::text("system", &content)))
 }
 
 /// A content block this server reads.
@@ -220,11 +225,12 @@ fn message_of(index: usize, message: &Value, splits_reasoning: bool) -> Result<C
             ))
         }
     };
-    Ok(ChatMessage { role, content })
+    Ok(ChatMessage::text(&role, &content))
 }
 
 /// `thinking`: `{"type": "enabled", "budget_tokens": N}` (N below `max_tokens`, which bounds the thinking with the
-/// answer) or `{"type": "disabled"}`, as the template's thinking switch.
+/// answer), `{"type": "adaptive"}` or `{"type": "between_tools"}` (on: the model decides), or
+/// `{"type": "disabled"}`, as the template's thinking switch.
 fn thinking(body: &Body, max_tokens: Option<usize>) -> Result<Option<bool>, ApiError> {
     let Some(fields) = body.object("thinking")? else {
         return Ok(None);
@@ -232,6 +238,14 @@ fn thinking(body: &Body, max_tokens: Option<usize>) -> Result<Option<bool>, ApiE
     let thinking = Body::nested(fields.clone(), "thinking.".into());
     match thinking.string("type")?.as_deref() {
         Some("disabled") => Ok(Some(false)),
+        // The model decides whether and how long to think, in its answer and between tool calls alike.
+        Some("adaptive" | "between_tools") => match thinking.string("display")?.as_deref() {
+            None | Some("summarized") => Ok(Some(true)),
+            Some(_) => Err(ApiError::invalid_param(
+                "thinking.display",
+                "`thinking.display` may only be \"summarized\": this server returns the thinking as written",
+            )),
+        },
         Some("enabled") => {
             let budget = thinking.positive("budget_tokens")?.ok_or_else(|| {
                 ApiError::invalid_param("thinking.budget_tokens", "`thinking.budget_tokens` is required")
@@ -246,7 +260,7 @@ fn thinking(body: &Body, max_tokens: Option<usize>) -> Result<Option<bool>, ApiE
         }
         _ => Err(ApiError::invalid_param(
             "thinking.type",
-            "`thinking.type` must be \"enabled\" or \"disabled\"",
+            "`thinking.type` must be \"enabled\", \"adaptive\", \"between_tools\" or \"disabled\"",
         )),
     }
 }
@@ -344,6 +358,9 @@ mod tests {
         let disabled = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
             "thinking": {"type": "disabled"}});
         assert_eq!(parse(disabled, true).unwrap().chat.thinking, Some(false));
+        let adaptive = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "low"}});
+        assert_eq!(parse(adaptive, true).unwrap().chat.thinking, Some(true));
     }
 
     #[test]
@@ -399,6 +416,17 @@ mod tests {
                 "thinking.budget_tokens",
             ),
             (with("thinking", json!({"type": "sometimes"})), "thinking.type"),
+            (
+                with("thinking", json!({"type": "adaptive", "display": "omitted"})),
+                "thinking.display",
+            ),
+            (
+                with(
+                    "output_config",
+                    json!({"format": {"type": "json_schema", "schema": {}}}),
+                ),
+                "output_config.format",
+            ),
             (
                 with("tools", json!([{"name": "f", "input_schema": {"type": "object"}}])),
                 "tools",

@@ -56,6 +56,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "route_softmax_topk",
             "moe_gate_up",
             "moe_down",
+            "moe_down_pairs",
             "gather_rows",
             "scatter_rows",
             "moe_combine",

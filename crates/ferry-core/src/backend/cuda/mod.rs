@@ -307,6 +307,24 @@ impl Backend for CudaBackend {
         moe::moe_experts(self, x, routing, experts)
     }
 
+    fn wants_routing_guess(&self, rows: usize) -> bool {
+        self.offload.as_ref().is_some_and(|o| {
+            o.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .wants_guess(rows, moe::MOE_DECODE_MAX_ROWS)
+        })
+    }
+
+    fn guess_routing(&self, experts: &CudaExperts, routing: CudaRouting) -> Result<()> {
+        if let (Some(offload), CudaExperts::Offloaded { layer, .. }) = (&self.offload, experts) {
+            offload
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .guess_next(*layer, routing);
+        }
+        Ok(())
+    }
+
     fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
         elementwise::select_rows(self, x, rows)
     }

@@ -1,8 +1,7 @@
 //! The MoE block on the GPU (moe.cu): loading a layer's routed experts (a resident slab, or the offload's bank),
-//! routing on the device, the decode kernels that read the experts through the layer's table of block addresses,
-//! and the grouped prefill path, which gathers each expert's rows and runs them through cuBLAS.
-
-use std::borrow::Cow;
+//! routing on the device, the decode kernels that read the experts through the layer's table of block addresses
+//! (under offload, resident experts first and each copied expert once its copy lands), and the grouped prefill
+//! path, which gathers each expert's rows and runs them through cuBLAS.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{GEMV_MAX_ROWS, MOE_DOWN_ROWS, MOE_WARPS, ROUTER_MAX_EXPERTS};
@@ -10,13 +9,15 @@ use ferry_kernels::constants::{GEMV_MAX_ROWS, MOE_DOWN_ROWS, MOE_WARPS, ROUTER_M
 use super::elementwise::copy_rows;
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::memory::bf16_bytes;
+use super::offload::LayerCopies;
 use super::workspace::MOE_GROUP_ROWS;
 use super::{cuda_err, Bf16Matrix, CudaBackend, CudaExperts, CudaRouting, CudaTensor, CudaWeight};
 use crate::backend::{ExpertActivation, ExpertTensors, Router, RouterKind};
 use crate::{Error, Result};
 
-/// Rows of a batch up to which the MoE block runs its decode kernels (routing never leaves the device).
-const MOE_DECODE_MAX_ROWS: usize = GEMV_MAX_ROWS;
+/// Rows of a batch up to which the MoE block runs its decode kernels (routing never leaves the device, unless the
+/// experts are offloaded).
+pub(super) const MOE_DECODE_MAX_ROWS: usize = GEMV_MAX_ROWS;
 
 kernel! {
     /// moe.cu's `route_softmax_topk`: softmax over each row's `num_experts` logits, then its `top_k` largest, one
@@ -32,16 +33,31 @@ kernel! {
 }
 
 kernel! {
-    /// moe.cu's `moe_gate_up`: `act[pair] = silu(gate_e x_r) * (up_e x_r)` for each (row, k) pair, the expert
-    /// blocks read through the table `experts`.
+    /// moe.cu's `moe_gate_up`: `act[pair] = silu(gate_e x_r) * (up_e x_r)` for each (row, k) pair of the launch
+    /// (`order[y]`, or every pair when `order` is null), the expert blocks read through the table `experts`.
     struct MoeGateUp = "moe_gate_up" {
         x: Ptr<f32>,
         hidden: i32,
         inter: i32,
         top_k: i32,
         ids: Ptr<i32>,
+        order: Ptr<i32>,
         experts: Ptr<Ptr<u16>>,
         act: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// moe.cu's `moe_down_pairs`: `y[pair] = down_e act[pair]` for the pairs `order[y]` of the launch, unweighted
+    /// (moe_combine sums them).
+    struct MoeDownPairs = "moe_down_pairs" {
+        act: Ptr<f32>,
+        hidden: i32,
+        inter: i32,
+        ids: Ptr<i32>,
+        order: Ptr<i32>,
+        experts: Ptr<Ptr<u16>>,
+        y: Ptr<f32>,
     }
 }
 
@@ -219,47 +235,54 @@ pub(super) fn moe_experts(
     routing: &CudaRouting,
     experts: &CudaExperts,
 ) -> Result<CudaTensor> {
-    let (table, addresses) = match experts {
-        // Borrowed: the decode path never reads the addresses, only the grouped prefill path does.
-        CudaExperts::Resident { table, addresses, .. } => (table, Cow::Borrowed(addresses.as_slice())),
-        CudaExperts::Offloaded { layer, table, .. } => {
-            let offload = cuda
-                .offload
-                .as_ref()
-                .ok_or_else(|| Error::Cuda("offloaded experts without offload".into()))?;
-            let addresses = offload.lock().unwrap_or_else(|e| e.into_inner()).prepare_layer(
-                &cuda.stream,
-                *layer,
-                routing,
-                table,
-            )?;
-            (table, Cow::Owned(addresses))
-        }
-    };
     let (hidden, inter) = experts.shape();
-    if x.rows > MOE_DECODE_MAX_ROWS {
-        return moe_experts_grouped(cuda, x, routing, &addresses, hidden, inter);
+    let (table, layer) = match experts {
+        CudaExperts::Resident { table, addresses, .. } => {
+            if x.rows > MOE_DECODE_MAX_ROWS {
+                let ids = cuda
+                    .stream
+                    .clone_dtoh(&routing.ids)
+                    .map_err(cuda_err("routing to host"))?;
+                return moe_experts_grouped(cuda, x, routing, &ids, addresses, hidden, inter);
+            }
+            return moe_decode(cuda, x, routing, table, hidden, inter);
+        }
+        CudaExperts::Offloaded { layer, table, .. } => (table, *layer),
+    };
+    let offload = cuda
+        .offload
+        .as_ref()
+        .ok_or_else(|| Error::Cuda("offloaded experts without offload".into()))?;
+    let copies =
+        offload
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .prepare_layer(&cuda.stream, layer, routing, table)?;
+    if x.rows > MOE_DECODE_MAX_ROWS || copies.fetched.is_empty() {
+        cuda.stream
+            .wait(copies.all_ready())
+            .map_err(cuda_err("waiting for expert copies"))?;
+        if x.rows > MOE_DECODE_MAX_ROWS {
+            return moe_experts_grouped(cuda, x, routing, &copies.ids, &copies.addresses, hidden, inter);
+        }
+        return moe_decode(cuda, x, routing, table, hidden, inter);
     }
+    moe_decode_under_copies(cuda, x, routing, table, &copies, hidden, inter)
+}
+
+/// The decode kernels over every (row, k) pair: moe_gate_up, then moe_down, which sums a row's experts in router
+/// order.
+fn moe_decode(
+    cuda: &CudaBackend,
+    x: &CudaTensor,
+    routing: &CudaRouting,
+    table: &CudaSlice<u64>,
+    hidden: usize,
+    inter: usize,
+) -> Result<CudaTensor> {
     let pairs = routing.rows * routing.top_k;
     let act = cuda.tensor(pairs, inter)?;
-    let block = (MOE_WARPS as u32 * 32, 1, 1);
-    let gate_up = MoeGateUp {
-        x: ptr(&x.data),
-        hidden: hidden as i32,
-        inter: inter as i32,
-        top_k: routing.top_k as i32,
-        ids: ptr(&routing.ids),
-        experts: ptr(table).cast(),
-        act: ptr(&act.data),
-    };
-    gate_up.launch(
-        cuda,
-        LaunchConfig {
-            grid_dim: (inter.div_ceil(MOE_WARPS) as u32, pairs as u32, 1),
-            block_dim: block,
-            shared_mem_bytes: 0,
-        },
-    )?;
+    launch_gate_up(cuda, x, routing, table, Ptr::null(), pairs, &act)?;
     let out = cuda.tensor(routing.rows, hidden)?;
     // Each warp takes (expert, feature group) items: with few experts per row, more feature groups per block
     // keep every warp busy.
@@ -280,28 +303,129 @@ pub(super) fn moe_experts(
         cuda,
         LaunchConfig {
             grid_dim: (hidden.div_ceil(block_features) as u32, routing.rows as u32, 1),
-            block_dim: block,
+            block_dim: (MOE_WARPS as u32 * 32, 1, 1),
             shared_mem_bytes: (routing.top_k * block_features * std::mem::size_of::<f32>()) as u32,
         },
     )?;
     Ok(out)
 }
 
-/// The MoE block for a batch too large for the decode kernels: the routing comes to the host, and the rows run in
+/// moe_gate_up over `pairs` pairs: those listed from `order`, or the first `pairs` when `order` is null.
+fn launch_gate_up(
+    cuda: &CudaBackend,
+    x: &CudaTensor,
+    routing: &CudaRouting,
+    table: &CudaSlice<u64>,
+    order: Ptr<i32>,
+    pairs: usize,
+    act: &CudaTensor,
+) -> Result<()> {
+    let inter = act.cols;
+    let gate_up = MoeGateUp {
+        x: ptr(&x.data),
+        hidden: x.cols as i32,
+        inter: inter as i32,
+        top_k: routing.top_k as i32,
+        ids: ptr(&routing.ids),
+        order,
+        experts: ptr(table).cast(),
+        act: ptr(&act.data),
+    };
+    gate_up.launch(
+        cuda,
+        LaunchConfig {
+            grid_dim: (inter.div_ceil(MOE_WARPS) as u32, pairs as u32, 1),
+            block_dim: (MOE_WARPS as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        },
+    )
+}
+
+/// The decode kernels under offload while this layer's copies are in flight: the (row, k) pairs of resident
+/// experts run at once, each copied expert's pairs as soon as its copy has landed (the compute stream waits on its
+/// event), each pair's down product kept apart (moe_down_pairs), and moe_combine sums each row's products in router
+/// order. Every pair is computed as in moe_gate_up + moe_down over all pairs, and summed in the same order, so the
+/// result is the same to the bit; only when each expert's work starts differs.
+fn moe_decode_under_copies(
+    cuda: &CudaBackend,
+    x: &CudaTensor,
+    routing: &CudaRouting,
+    table: &CudaSlice<u64>,
+    copies: &LayerCopies,
+    hidden: usize,
+    inter: usize,
+) -> Result<CudaTensor> {
+    let pairs = routing.rows * routing.top_k;
+    let ids = &copies.ids[..pairs];
+    let fetched = |e: i32| copies.fetched.iter().any(|&(f, _)| f as i32 == e);
+    // The run order: pairs on resident experts, then each fetched expert's pairs, in plan order.
+    let mut order: Vec<i32> = (0..pairs as i32).filter(|&p| !fetched(ids[p as usize])).collect();
+    let mut runs = vec![(None, 0, order.len())];
+    for (expert, event) in &copies.fetched {
+        let first = order.len();
+        order.extend((0..pairs as i32).filter(|&p| ids[p as usize] == *expert as i32));
+        runs.push((Some(event), first, order.len() - first));
+    }
+    let order = cuda.copy_to_device(&order)?;
+    let act = cuda.tensor(pairs, inter)?;
+    let y = cuda.tensor(pairs, hidden)?;
+    let down_blocks = hidden.div_ceil(MOE_WARPS * MOE_DOWN_ROWS) as u32;
+    cuda.stream
+        .wait(&copies.resident_ready)
+        .map_err(cuda_err("waiting for resident experts"))?;
+    for (ready, first, len) in runs {
+        if let Some(event) = ready {
+            cuda.stream
+                .wait(event)
+                .map_err(cuda_err("waiting for an expert copy"))?;
+        }
+        if len == 0 {
+            continue;
+        }
+        let run = ptr(&order).offset(first);
+        launch_gate_up(cuda, x, routing, table, run, len, &act)?;
+        let down = MoeDownPairs {
+            act: ptr(&act.data),
+            hidden: hidden as i32,
+            inter: inter as i32,
+            ids: ptr(&routing.ids),
+            order: run,
+            experts: ptr(table).cast(),
+            y: ptr(&y.data),
+        };
+        down.launch(
+            cuda,
+            LaunchConfig {
+                grid_dim: (down_blocks, len as u32, 1),
+                block_dim: (MOE_WARPS as u32 * 32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        )?;
+    }
+    let out = cuda.tensor(routing.rows, hidden)?;
+    let combine = MoeCombine {
+        y: ptr(&y.data),
+        weights: ptr(&routing.weights),
+        top_k: routing.top_k as i32,
+        hidden: hidden as i32,
+        out: ptr(&out.data),
+    };
+    combine.launch(cuda, per_row(routing.rows, BLOCK_THREADS))?;
+    Ok(out)
+}
+
+/// The MoE block for a batch too large for the decode kernels, its routed `ids` on the host: the rows run in
 /// groups of at most [`MOE_GROUP_ROWS`] (bounding the workspace of long steps), each expert's rows of a group
 /// gathered and run through cuBLAS, and the results combined in router order.
 fn moe_experts_grouped(
     cuda: &CudaBackend,
     x: &CudaTensor,
     routing: &CudaRouting,
+    ids: &[i32],
     addresses: &[u64],
     hidden: usize,
     inter: usize,
 ) -> Result<CudaTensor> {
-    let ids = cuda
-        .stream
-        .clone_dtoh(&routing.ids)
-        .map_err(cuda_err("routing to host"))?;
     let out = cuda.tensor(routing.rows, hidden)?;
     for first_row in (0..routing.rows).step_by(MOE_GROUP_ROWS) {
         let group = ExpertGroup {
@@ -310,7 +434,7 @@ fn moe_experts_grouped(
             hidden,
             inter,
         };
-        moe_expert_group(cuda, x, routing, &ids, addresses, &group, &out)?;
+        moe_expert_group(cuda, x, routing, ids, addresses, &group, &out)?;
     }
     Ok(out)
 }

@@ -1,17 +1,27 @@
 //! Expert offload: the routed experts live in the host [`HostBank`]; one device slab of equal slots, shared by all
-//! MoE layers, caches the hot ones. Per layer and step the routed ids of the whole batch come to the host, the
-//! [`ExpertCache`] plans hits and misses, misses are copied bank -> slot on a dedicated copy stream, the layer's
-//! device slot table is rewritten for the routed experts, and the compute stream waits on an event for all of it
-//! before the same expert kernels as the all-resident path run: only where the weights live differs. A step that
-//! routes to nearly all of a layer's experts (prefill) also queues the next layer's experts behind its own, so the
-//! bank streams while the layers compute.
+//! MoE layers, caches the hot ones. Per layer and step the routed ids of the whole batch come to the host (the
+//! layer's one wait for the device, whose time [`OffloadStats`] counts), the [`ExpertCache`] plans hits and misses,
+//! misses are copied bank -> slot on a dedicated copy stream with an event after each, and the layer's device slot
+//! table is rewritten for the routed experts. moe.rs then runs the same expert kernels as the all-resident path:
+//! in decode over the resident experts at once and over each copied expert as soon as its event fires, so compute
+//! runs under the copies; only where the weights live, and when each expert's work starts, differ.
+//!
+//! Prefetch, of two kinds. A step that routes to nearly all of a layer's experts (prefill) queues the next layer's
+//! experts behind its own, so the bank streams while the layers compute. In decode, the model hands over a guess of
+//! the next MoE layer's routing (that layer's router applied to this layer's input, [`Offload::guess_next`]); its
+//! ids come to the host with this layer's, and the guessed misses are copied one at a time, only while the copy
+//! stream is idle and the host waits for the next router anyway: a guess never goes ahead of a needed copy, at
+//! most one guessed copy is still in flight when the next layer's own copies are queued, and the guesses not yet
+//! copied when that layer routes are dropped.
 //!
 //! The offload is part of the backend from its construction ([`CudaBackend::builder`]), with the eviction policy
 //! its caller chose.
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use std::time::Instant;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use super::bank::HostBank;
 use super::{cuda_err, CudaBackend, CudaRouting};
@@ -24,6 +34,8 @@ use crate::{Error, Result};
 pub struct OffloadConfig {
     pub slots: usize,
     pub policy: Box<dyn EvictionPolicy>,
+    /// Whether decode steps copy the guessed experts of the next MoE layer ahead of its router.
+    pub decode_prefetch: bool,
 }
 
 /// A GPU opened (context, kernels, cuBLAS) but not yet a backend: its memory can be measured to plan a budget, and
@@ -77,17 +89,58 @@ struct OffloadLayer {
     table_host: PinnedHostSlice<u64>,
 }
 
+/// What the expert kernels of one layer wait for under offload ([`Offload::prepare_layer`]).
+pub struct LayerCopies {
+    /// The layer's slot addresses by expert (0 for experts not routed now).
+    pub addresses: Vec<u64>,
+    /// The routed ids, `[rows * top_k]`, as the host read them.
+    pub ids: Vec<i32>,
+    /// Recorded on the copy stream before this layer's own copies: every expert resident before them has landed
+    /// (a prefetch's copies included).
+    pub resident_ready: CudaEvent,
+    /// Each expert copied in for this layer, in plan order, with the event recorded after its copy.
+    pub fetched: Vec<(u32, CudaEvent)>,
+}
+
+impl LayerCopies {
+    /// The event after the last of this layer's copies (all of them have landed once it fires).
+    pub fn all_ready(&self) -> &CudaEvent {
+        self.fetched.last().map_or(&self.resident_ready, |(_, event)| event)
+    }
+}
+
+/// A guess of a later MoE layer's routing, as the model handed it ([`Offload::guess_next`]).
+struct RoutingGuess {
+    layer: usize,
+    routing: CudaRouting,
+}
+
+/// A guess read on the host: the distinct guessed experts of `layer` (scored against what the layer routes), and
+/// the guessed misses still to copy, the next one last.
+struct NextLayerGuess {
+    layer: usize,
+    experts: Vec<u32>,
+    to_copy: Vec<u32>,
+}
+
 pub struct Offload {
     ctx: Arc<CudaContext>,
     copy_stream: Arc<CudaStream>,
     slots: usize,
+    decode_prefetch: bool,
     bank: Option<HostBank>,
     slab: Option<CudaSlice<u8>>,
     cache: ExpertCache,
     layers: Vec<OffloadLayer>,
     routed_host: Option<PinnedHostSlice<i32>>,
-    copies: u64,
-    prefetched: u64,
+    /// The last copy queued on the copy stream: the stream is idle once it has fired.
+    last_copy: Option<CudaEvent>,
+    /// The guess handed over for the next layer, its ids still on the device.
+    guess: Option<RoutingGuess>,
+    /// The guess read with the last layer's ids, being copied while the host waits for its layer's router.
+    next_guess: Option<NextLayerGuess>,
+    /// Every counter of [`OffloadStats`] the cache does not keep.
+    counters: OffloadStats,
 }
 
 impl Offload {
@@ -98,14 +151,28 @@ impl Offload {
             copy_stream: ctx.new_stream().map_err(cuda_err("creating the copy stream"))?,
             ctx,
             slots: config.slots,
+            decode_prefetch: config.decode_prefetch,
             bank: None,
             slab: None,
             cache: ExpertCache::new(slots, config.policy),
             layers: Vec::new(),
             routed_host: None,
-            copies: 0,
-            prefetched: 0,
+            last_copy: None,
+            guess: None,
+            next_guess: None,
+            counters: OffloadStats::default(),
         })
+    }
+
+    /// Whether the MoE blocks of a step of `rows` rows should guess the next layer's routing: decode steps (at
+    /// most `decode_rows` rows), when decode prefetch is on.
+    pub fn wants_guess(&self, rows: usize, decode_rows: usize) -> bool {
+        self.decode_prefetch && rows <= decode_rows
+    }
+
+    /// Keeps `routing`, a guess of how MoE layer `layer` will route, to be read with the next layer's own ids.
+    pub fn guess_next(&mut self, layer: usize, routing: CudaRouting) {
+        self.guess = Some(RoutingGuess { layer, routing });
     }
 
     /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
@@ -158,8 +225,9 @@ impl Offload {
     }
 
     /// Queues on `stream` the copies of `plan`'s fetches from the layer's bank `blocks` into the slab at
-    /// `slab_base`, then commits the plan to `cache`; returns how many copies. If a copy fails to queue, the plan is
-    /// given up instead, so that the cache never believes an expert resident whose copy was not queued.
+    /// `slab_base`, each followed by an event, then commits the plan to `cache`; returns each fetched expert with its
+    /// event. If a copy or event fails to queue, the plan is given up instead, so that the cache never believes an
+    /// expert resident whose copy was not queued.
     fn apply(
         cache: &mut ExpertCache,
         bank: &mut HostBank,
@@ -167,7 +235,8 @@ impl Offload {
         plan: &Plan,
         slab_base: u64,
         stream: &Arc<CudaStream>,
-    ) -> Result<u64> {
+    ) -> Result<Vec<(u32, CudaEvent)>> {
+        let mut fetched = Vec::with_capacity(plan.fetch.len());
         for (queued, &(expert, slot)) in plan.fetch.iter().enumerate() {
             let dst = Self::slot_address(slab_base, bank.block_bytes(), slot);
             let copied = match blocks.get(expert as usize) {
@@ -181,41 +250,134 @@ impl Offload {
                 cache.abort(plan, queued)?;
                 return Err(error);
             }
+            match stream.record_event(None) {
+                Ok(event) => fetched.push((expert, event)),
+                Err(error) => {
+                    cache.abort(plan, queued + 1)?;
+                    return Err(cuda_err("copy event")(error));
+                }
+            }
         }
         cache.commit(plan)?;
-        Ok(plan.fetch.len() as u64)
+        Ok(fetched)
     }
 
-    /// Makes the routed experts of `layer` resident for this step: returns the layer's slot addresses by expert
-    /// (0 for experts not routed now) after queueing the copies and the table upload, which `compute` waits for.
+    /// Brings the ids of `routings` (the layer's own, then a guess's) to the host, one after the other: the
+    /// layer's one wait for the device (every kernel queued so far has finished after it, so no slot is still being
+    /// read). While it waits, the host copies guessed experts whenever the copy stream is idle; those still
+    /// uncopied when the ids arrive are dropped.
+    fn read_ids(&mut self, compute: &Arc<CudaStream>, routings: &[&CudaRouting]) -> Result<Vec<i32>> {
+        let len: usize = routings.iter().map(|r| r.rows * r.top_k).sum();
+        if self.routed_host.as_ref().is_none_or(|h| h.len() < len) {
+            self.routed_host = Some(
+                unsafe { self.ctx.alloc_pinned_with_flags::<i32>(len.next_power_of_two(), 0) }
+                    .map_err(cuda_err("pinning the routing buffer"))?,
+            );
+        }
+        {
+            let Some(host) = self.routed_host.as_mut() else {
+                return Err(Error::Cuda("no routing buffer".into()));
+            };
+            let mut dst = host.as_mut_slice().map_err(cuda_err("routing buffer"))?;
+            for routing in routings {
+                let (part, rest) = dst.split_at_mut(routing.rows * routing.top_k);
+                let ids_address = routing.ids.device_ptr(compute).0;
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(part, ids_address, compute.cu_stream()) }
+                    .map_err(cuda_err("routing to the host"))?;
+                dst = rest;
+            }
+        }
+        let arrived = compute.record_event(None).map_err(cuda_err("routing event"))?;
+        let waiting = Instant::now();
+        while !arrived.try_is_complete().map_err(cuda_err("waiting for the router"))? {
+            if !self.copy_guess_if_idle()? {
+                arrived.synchronize().map_err(cuda_err("waiting for the router"))?;
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        self.counters.router_waits += 1;
+        self.counters.router_wait_ns += waiting.elapsed().as_nanos() as u64;
+        if let Some(guess) = self.next_guess.as_mut() {
+            self.counters.guesses_dropped += guess.to_copy.len() as u64;
+            guess.to_copy.clear();
+        }
+        let Some(host) = self.routed_host.as_ref() else {
+            return Err(Error::Cuda("no routing buffer".into()));
+        };
+        Ok(host.as_slice().map_err(cuda_err("routing buffer"))?[..len].to_vec())
+    }
+
+    /// Copies the next guessed expert if the copy stream is idle; returns whether guessed copies remain (queued now
+    /// or still to queue), so that the caller knows whether polling can still start one.
+    fn copy_guess_if_idle(&mut self) -> Result<bool> {
+        let Some(guess) = self.next_guess.as_mut() else {
+            return Ok(false);
+        };
+        if guess.to_copy.is_empty() {
+            return Ok(false);
+        }
+        if let Some(last) = &self.last_copy {
+            if !last.try_is_complete().map_err(cuda_err("copy event"))? {
+                return Ok(true);
+            }
+        }
+        let (layer, expert) = match guess.to_copy.pop() {
+            Some(expert) => (guess.layer, expert),
+            None => return Ok(false),
+        };
+        let more = !guess.to_copy.is_empty();
+        if self.cache.slot_of((layer as u32, expert)).is_some() {
+            return Ok(more);
+        }
+        let (Some(bank), Some(slab)) = (self.bank.as_mut(), self.slab.as_ref()) else {
+            return Err(Error::Cuda(
+                "expert offload used before any MoE layer was loaded".into(),
+            ));
+        };
+        let blocks = &self
+            .layers
+            .get(layer)
+            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?
+            .bank_blocks;
+        let plan = self.cache.plan_prefetch(layer as u32, &[expert])?;
+        let base = slab.device_ptr(&self.copy_stream).0;
+        let fetched = Self::apply(&mut self.cache, bank, blocks, &plan, base, &self.copy_stream)?;
+        self.counters.copies += fetched.len() as u64;
+        self.counters.prefetched += fetched.len() as u64;
+        self.counters.guesses_copied += fetched.len() as u64;
+        if let Some((_, event)) = fetched.into_iter().last() {
+            self.last_copy = Some(event);
+        }
+        Ok(more)
+    }
+
+    /// Makes the routed experts of `layer` resident for this step: reads the routed ids (and those of a guess
+    /// handed over for the next layer), plans, queues the copies of the misses, each with its event, and the slot
+    /// table's upload on `compute`. The caller makes `compute` wait for the returned events before the kernels that
+    /// read the experts.
     pub fn prepare_layer(
         &mut self,
         compute: &Arc<CudaStream>,
         layer: usize,
         routing: &CudaRouting,
         table: &CudaSlice<u64>,
-    ) -> Result<Vec<u64>> {
+    ) -> Result<LayerCopies> {
         let routed = routing.rows * routing.top_k;
-        if self.routed_host.as_ref().is_none_or(|h| h.len() < routed) {
-            self.routed_host = Some(
-                unsafe { self.ctx.alloc_pinned_with_flags::<i32>(routed.next_power_of_two(), 0) }
-                    .map_err(cuda_err("pinning the routing buffer"))?,
-            );
-        }
-        let Some(host) = self.routed_host.as_mut() else {
-            return Err(Error::Cuda("no routing buffer".into()));
-        };
-        let ids_address = routing.ids.device_ptr(compute).0;
-        let dst = &mut host.as_mut_slice().map_err(cuda_err("routing buffer"))?[..routed];
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, ids_address, compute.cu_stream()) }
-            .map_err(cuda_err("routing to the host"))?;
-        // The host needs the ids to plan; every earlier kernel has finished too, so no slot is still being read.
-        compute.synchronize().map_err(cuda_err("waiting for the router"))?;
-        let ids: Vec<u32> = host.as_slice().map_err(cuda_err("routing buffer"))?[..routed]
-            .iter()
-            .map(|&e| e as u32)
-            .collect();
+        let guess = self.guess.take();
+        let mut routings = vec![routing];
+        routings.extend(guess.as_ref().map(|g| &g.routing));
+        let all_ids = self.read_ids(compute, &routings)?;
+        let ids: Vec<u32> = all_ids[..routed].iter().map(|&e| e as u32).collect();
         let plan = self.cache.plan(layer as u32, &ids)?;
+        let routed_experts: Vec<u32> = plan.resident.iter().chain(&plan.fetch).map(|&(e, _)| e).collect();
+        if let Some(scored) = self.next_guess.take().filter(|g| g.layer == layer) {
+            let hits = scored.experts.iter().filter(|e| routed_experts.contains(e)).count();
+            self.counters.guessed += scored.experts.len() as u64;
+            self.counters.guessed_routed += hits as u64;
+            self.counters.routed_after_guess += routed_experts.len() as u64;
+        }
+        self.counters.routed_pairs += routed as u64;
         let (Some(bank), Some(slab)) = (self.bank.as_mut(), self.slab.as_ref()) else {
             return Err(Error::Cuda(
                 "expert offload used before any MoE layer was loaded".into(),
@@ -227,7 +389,8 @@ impl Offload {
             .get_mut(layer)
             .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
         let layer_experts = layer_state.bank_blocks.len();
-        self.copies += Self::apply(
+        let resident_ready = self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?;
+        let fetched = Self::apply(
             &mut self.cache,
             bank,
             &layer_state.bank_blocks,
@@ -235,28 +398,27 @@ impl Offload {
             base,
             &self.copy_stream,
         )?;
+        self.counters.copies += fetched.len() as u64;
         let mirror = layer_state.table_host.as_mut_slice().map_err(cuda_err("slot table"))?;
         mirror.fill(0);
         for &(expert, slot) in plan.resident.iter().chain(&plan.fetch) {
             mirror[expert as usize] = Self::slot_address(base, block_bytes, slot);
         }
-        let table_address = table.device_ptr(&self.copy_stream).0;
+        // On the compute stream, ahead of the kernels that read it. The pinned mirror is next rewritten at this
+        // layer's next step, after the host has waited for a later router, so this upload is done by then.
+        let table_address = table.device_ptr(compute).0;
         let mirror = layer_state.table_host.as_slice().map_err(cuda_err("slot table"))?;
-        unsafe { cudarc::driver::result::memcpy_htod_async(table_address, mirror, self.copy_stream.cu_stream()) }
+        unsafe { cudarc::driver::result::memcpy_htod_async(table_address, mirror, compute.cu_stream()) }
             .map_err(cuda_err("uploading a slot table"))?;
         let addresses = mirror.to_vec();
-        let ready = self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?;
-        compute.wait(&ready).map_err(cuda_err("waiting for expert copies"))?;
         // A batch that routes to nearly all of this layer's experts (a prefill chunk) will route to nearly all of
         // the next layer's: copy those now, behind this layer's copies and while this layer computes, instead of
-        // after the next router. The next layer's event covers them (one copy stream, in order). Only this
-        // layer's experts are still read by a kernel (the compute stream was synchronized above), and the
-        // prefetch spares them.
-        let routed_experts = plan.resident.len() + plan.fetch.len();
+        // after the next router. The next layer's kernels wait for them (its `resident_ready`). Only this layer's
+        // experts are still read by a kernel (every earlier one has finished), and the prefetch spares them.
         if let Some(next) = self.layers.get(layer + 1) {
             let next_experts = next.bank_blocks.len();
-            if routed_experts * PREFETCH_SHARE.1 >= layer_experts * PREFETCH_SHARE.0
-                && routed_experts + next_experts <= self.slots
+            if routed_experts.len() * PREFETCH_SHARE.1 >= layer_experts * PREFETCH_SHARE.0
+                && routed_experts.len() + next_experts <= self.slots
             {
                 let all: Vec<u32> = (0..next_experts as u32).collect();
                 let prefetch = self.cache.plan_prefetch(layer as u32 + 1, &all)?;
@@ -268,26 +430,61 @@ impl Offload {
                     base,
                     &self.copy_stream,
                 )?;
-                self.copies += copied;
-                self.prefetched += copied;
+                self.counters.copies += copied.len() as u64;
+                self.counters.prefetched += copied.len() as u64;
             }
         }
-        Ok(addresses)
+        self.last_copy = Some(self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?);
+        if let Some(guess) = guess {
+            self.keep_guess(guess.layer, &all_ids[routed..], routed_experts.len());
+        }
+        Ok(LayerCopies {
+            addresses,
+            ids: all_ids[..routed].to_vec(),
+            resident_ready,
+            fetched,
+        })
+    }
+
+    /// Keeps the guessed experts of `layer` (`ids`, as read) to copy while the host waits for that layer's router:
+    /// the misses among them, as many as fit beside the `in_use` experts of the layer computing, which a prefetch
+    /// must spare.
+    fn keep_guess(&mut self, layer: usize, ids: &[i32], in_use: usize) {
+        let mut experts: Vec<u32> = Vec::new();
+        for &e in ids {
+            if !experts.contains(&(e as u32)) {
+                experts.push(e as u32);
+            }
+        }
+        let mut to_copy: Vec<u32> = experts
+            .iter()
+            .copied()
+            .filter(|&e| self.cache.slot_of((layer as u32, e)).is_none())
+            .collect();
+        to_copy.truncate(self.slots.saturating_sub(in_use + 1));
+        // Copied from the end: the first guessed (the most likely) first.
+        to_copy.reverse();
+        self.next_guess = Some(NextLayerGuess {
+            layer,
+            experts,
+            to_copy,
+        });
     }
 
     pub fn stats(&self) -> OffloadStats {
         let counts = self.cache.layer_counts();
         let bank = self.bank.as_ref();
+        let bytes_per_expert = bank.map_or(0, |b| b.block_bytes());
         OffloadStats {
             slots: self.slots,
-            bytes_per_expert: bank.map_or(0, |b| b.block_bytes()),
+            bytes_per_expert,
             bank_bytes: bank.map_or(0, |b| b.bytes()),
             bank_pinned: bank.is_some_and(|b| b.is_pinned()),
             layer_hits: counts.iter().map(|c| c.hits).collect(),
             layer_misses: counts.iter().map(|c| c.misses).collect(),
-            bytes_copied: self.copies * bank.map_or(0, |b| b.block_bytes()) as u64,
-            copies: self.copies,
-            prefetched: self.prefetched,
+            bytes_copied: self.counters.copies * bytes_per_expert as u64,
+            prefetches_used: self.cache.prefetches_used(),
+            ..self.counters.clone()
         }
     }
 }

@@ -112,8 +112,33 @@ fn a_prefetch_spares_the_last_steps_experts_and_its_keys_count_as_misses_when_us
     let used = step(&mut cache, 2, &[6, 9]);
     assert_eq!(used.resident, vec![(6, 1)]);
     assert_eq!(cache.layer_counts()[2], LayerCounts { hits: 0, misses: 2 });
+    assert_eq!(
+        cache.prefetches_used(),
+        1,
+        "the prefetched (2, 6) was used, (2, 5) was evicted unused"
+    );
     step(&mut cache, 2, &[6]);
     assert_eq!(cache.layer_counts()[2], LayerCounts { hits: 1, misses: 2 });
+    assert_eq!(
+        cache.prefetches_used(),
+        1,
+        "a prefetched key is used once as a prefetch"
+    );
+}
+
+#[test]
+fn experts_shared_by_a_batchs_sequences_are_fetched_once_per_step() {
+    let mut cache = lru_cache(16);
+    // Four sequences, top-2 each, routed as [row 0: 3, 1], [row 1: 1, 4], [row 2: 3, 4], [row 3: 9, 1]: eight
+    // (row, k) pairs on four distinct experts, each copied once.
+    let plan = step(&mut cache, 0, &[3, 1, 1, 4, 3, 4, 9, 1]);
+    assert_eq!(plan.fetch, vec![(3, 0), (1, 1), (4, 2), (9, 3)]);
+    assert_eq!(cache.layer_counts(), &[LayerCounts { hits: 0, misses: 4 }]);
+    // The next step shares expert 4 and 9 with the last and 7 between its rows: one copy, for 7.
+    let plan = step(&mut cache, 0, &[7, 4, 9, 7, 4, 7, 9, 4]);
+    assert_eq!(plan.fetch, vec![(7, 4)]);
+    assert_eq!(plan.resident, vec![(4, 2), (9, 3)]);
+    assert_eq!(cache.layer_counts(), &[LayerCounts { hits: 2, misses: 5 }]);
 }
 
 #[test]
