@@ -109,6 +109,7 @@ fn generate_on<B: Backend>(
             top_p: args.top_p.or(defaults.top_p).unwrap_or(1.0),
             top_k: args.top_k.or(defaults.top_k),
             seed: args.seed,
+            ..SamplingParams::default()
         },
         stop: StopRules {
             eos_token_ids: checkpoint.eos_token_ids(),
@@ -161,7 +162,7 @@ fn generate_on<B: Backend>(
         scheduler.step();
         for event in events.try_iter() {
             match event {
-                Event::Token { id, text } => {
+                Event::Token { id, text, .. } => {
                     token_ids.push(id);
                     if !text.is_empty() {
                         let _ = write!(stdout, "{text}");

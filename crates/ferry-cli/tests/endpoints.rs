@@ -79,13 +79,7 @@ fn openai_fields_the_server_does_not_implement_are_refused_by_name() {
     let server = Server::start(&[]);
     let user = json!([{"role": "user", "content": "hi"}]);
     for (path, field, value) in [
-        ("/v1/chat/completions", "logprobs", json!(true)),
-        (
-            "/v1/chat/completions",
-            "response_format",
-            json!({"type": "json_object"}),
-        ),
-        ("/v1/chat/completions", "logit_bias", json!({"1": 5})),
+        ("/v1/chat/completions", "functions", json!([{"name": "f"}])),
         ("/v1/completions", "suffix", json!("end")),
         ("/v1/completions", "best_of", json!(2)),
     ] {

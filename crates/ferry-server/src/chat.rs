@@ -4,7 +4,7 @@
 //!
 //! Not here: reading a protocol's JSON (params.rs, anthropic/), admission and output (generation.rs).
 
-use ferry_core::engine::{Request, SamplingParams, StopRules};
+use ferry_core::engine::{Request, ResponseFormat, SamplingParams, StopRules};
 use ferry_core::loader::{ChatMessage, ChatPrompt};
 use serde_json::{Map, Value};
 
@@ -25,6 +25,14 @@ pub struct GenerationParams {
     pub stop: Vec<String>,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    /// (token id, bias) added to the logits.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Each token's logprob and this many alternatives; None: no logprobs.
+    pub logprobs: Option<usize>,
+    /// Constrained decoding; compiled for the served model where the request is started.
+    pub response_format: Option<ResponseFormat>,
     /// Generate past end-of-sequence tokens (vLLM's extension; benchmarks use it to fix the output length).
     pub ignore_eos: bool,
     /// Answer as a stream of events rather than one object.
@@ -160,6 +168,19 @@ pub fn engine_request(
         )
         .with_code("context_length_exceeded"));
     }
+    if let Some((id, _)) = params
+        .logit_bias
+        .iter()
+        .find(|(id, _)| *id as usize >= model.vocab_size)
+    {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!(
+                "`logit_bias`: token id {id} is outside the vocabulary (size {})",
+                model.vocab_size
+            ),
+        ));
+    }
     let room = window - prompt_ids.len();
     let defaults = model.defaults;
     let request = Request {
@@ -168,10 +189,15 @@ pub fn engine_request(
             temperature: params.temperature.or(defaults.temperature).unwrap_or(1.0),
             top_p: params.top_p.or(defaults.top_p).unwrap_or(1.0),
             top_k: params.top_k.or(defaults.top_k),
+            min_p: params.min_p.unwrap_or(0.0),
             seed: params.seed,
         },
         presence_penalty: params.presence_penalty,
         frequency_penalty: params.frequency_penalty,
+        repetition_penalty: params.repetition_penalty.unwrap_or(1.0),
+        logit_bias: params.logit_bias.clone(),
+        logprobs: params.logprobs,
+        constraint: None,
         stop_strings: params.stop.clone(),
         stop: StopRules {
             eos_token_ids: model.eos_token_ids.clone(),

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferry_core::engine::{self, Event, Request, RequestId};
+use ferry_core::engine::{self, Event, Request, RequestId, TokenLogprobs};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::error::ApiError;
@@ -217,6 +217,8 @@ pub struct Generation {
     generated: Vec<u32>,
     released: String,
     ended: bool,
+    /// Logprobs of the tokens generated since a renderer last took them (when the request asked for them).
+    logprobs: Vec<(u32, TokenLogprobs)>,
 }
 
 impl Generation {
@@ -257,6 +259,7 @@ impl Generation {
             parser,
             stop_strings,
             generated: vec![],
+            logprobs: vec![],
             released: String::new(),
             ended: false,
         })
@@ -271,8 +274,9 @@ impl Generation {
             return Some(self.fail("the engine stopped".into()));
         };
         Some(match event {
-            Event::Token { id, text } => {
+            Event::Token { id, text, logprobs } => {
                 self.in_flight.on_token();
+                self.logprobs.extend(logprobs.map(|lp| (id, lp)));
                 self.generated.push(id);
                 self.released += &text;
                 Output::Pieces(self.parser.push(&text))
@@ -297,6 +301,11 @@ impl Generation {
             }
             Event::Failed { message } => self.fail(message),
         })
+    }
+
+    /// The logprobs of the tokens generated since the last call, in order.
+    pub fn take_logprobs(&mut self) -> Vec<(u32, TokenLogprobs)> {
+        std::mem::take(&mut self.logprobs)
     }
 
     fn fail(&mut self, message: String) -> Output {

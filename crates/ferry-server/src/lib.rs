@@ -33,6 +33,7 @@ mod openai;
 mod params;
 mod prompt_work;
 mod reasoning;
+mod sampling;
 mod tools;
 
 use std::sync::atomic::AtomicUsize;
@@ -122,6 +123,8 @@ struct Shared {
     /// Prompts being prepared at once (prompt_work.rs).
     prompt_workers: Arc<tokio::sync::Semaphore>,
     started_at: u64,
+    /// The served model's response_format compiler, built on first use.
+    grammar: sampling::Compiler,
 }
 
 /// The server's state, shared by every handler.
@@ -144,6 +147,7 @@ impl AppState {
             in_flight: AtomicUsize::new(0),
             prompt_workers: prompt_work::workers(),
             started_at: unix_seconds(),
+            grammar: Default::default(),
         }))
     }
 

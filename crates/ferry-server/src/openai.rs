@@ -1,10 +1,12 @@
 //! The OpenAI renderer: chat completions (reasoning in `reasoning_content`, tool calls in `tool_calls`) and text
 //! completions over the
 //! protocol-neutral layer (chat.rs, generation.rs), each as one JSON object or as server-sent events ending with
-//! `data: [DONE]`.
+//! `data: [DONE]`; logprobs ride with the text of the tokens they are about (sampling.rs renders them).
 
+use std::cell::Cell;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -15,11 +17,13 @@ use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Map, Value};
 
 use crate::body::Body;
-use crate::chat::{check_model_name, engine_request};
+use crate::chat::{check_model_name, engine_request, GenerationParams};
 use crate::error::ApiError;
 use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output, Piece};
 use crate::params::{ChatBody, CompletionBody, OpenAiOptions};
-use crate::{unix_seconds, AppState};
+use crate::sampling;
+use crate::{unix_seconds, AppState, LoadedModel};
+use ferry_core::engine::{Request, TokenLogprobs};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
@@ -36,6 +40,10 @@ struct Renderer {
     include_usage: bool,
     /// The model may reason: a whole chat answer then says `reasoning_content: null` when it did not.
     splits_reasoning: bool,
+    /// The model whose tokens logprobs name, when the request asked for logprobs.
+    logprobs_of: Option<Arc<LoadedModel>>,
+    /// Where the next token starts in a text completion's output (its logprobs' `text_offset`).
+    text_offset: Cell<usize>,
 }
 
 /// New output: reasoning and content joined in order, and tool calls in OpenAI's shape: whole calls in a plain
@@ -115,7 +123,13 @@ fn usage(finish: &Finish) -> Value {
 }
 
 impl Renderer {
-    fn new(state: &AppState, endpoint: Endpoint, options: &OpenAiOptions, splits_reasoning: bool) -> Self {
+    fn new(
+        state: &AppState,
+        endpoint: Endpoint,
+        options: &OpenAiOptions,
+        splits_reasoning: bool,
+        logprobs_of: Option<Arc<LoadedModel>>,
+    ) -> Self {
         let prefix = match endpoint {
             Endpoint::Chat => "chatcmpl",
             Endpoint::Text => "cmpl",
@@ -127,6 +141,24 @@ impl Renderer {
             model: state.0.config.served_model_name.clone(),
             include_usage: options.include_usage,
             splits_reasoning,
+            logprobs_of,
+            text_offset: Cell::new(0),
+        }
+    }
+
+    /// The `logprobs` field of a choice holding these tokens: null unless the request asked for logprobs.
+    fn logprobs(&self, tokens: &[(u32, TokenLogprobs)]) -> Value {
+        let Some(model) = &self.logprobs_of else {
+            return Value::Null;
+        };
+        match self.endpoint {
+            Endpoint::Chat => sampling::chat_json(model, tokens),
+            Endpoint::Text => {
+                let mut offset = self.text_offset.get();
+                let rendered = sampling::completion_json(model, tokens, &mut offset);
+                self.text_offset.set(offset);
+                rendered
+            }
         }
     }
 
@@ -144,11 +176,19 @@ impl Renderer {
         }
     }
 
-    /// One choice's worth of new output, as a chat delta or message, or a text fragment.
-    fn choice(&self, text: &Text, finish_reason: Option<&str>, streamed: bool) -> Value {
+    /// One choice's worth of new output (with the logprobs of its tokens), as a chat delta or message, or a text
+    /// fragment.
+    fn choice(
+        &self,
+        text: &Text,
+        tokens: &[(u32, TokenLogprobs)],
+        finish_reason: Option<&str>,
+        streamed: bool,
+    ) -> Value {
+        let logprobs = self.logprobs(tokens);
         match self.endpoint {
             Endpoint::Text => json!({
-                "index": 0, "text": text.content, "logprobs": null, "finish_reason": finish_reason,
+                "index": 0, "text": text.content, "logprobs": logprobs, "finish_reason": finish_reason,
             }),
             Endpoint::Chat => {
                 let mut message = Map::new();
@@ -170,7 +210,7 @@ impl Renderer {
                     message.insert("tool_calls".into(), text.tool_calls.clone().into());
                 }
                 let key = if streamed { "delta" } else { "message" };
-                json!({"index": 0, key: message, "logprobs": null, "finish_reason": finish_reason})
+                json!({"index": 0, key: message, "logprobs": logprobs, "finish_reason": finish_reason})
             }
         }
     }
@@ -194,24 +234,26 @@ impl Renderer {
         SseEvent::default().data(Value::Object(body).to_string())
     }
 
-    /// The SSE events for the next output: a chunk of new text, or the last ones.
-    fn events(&self, output: Output) -> Vec<SseEvent> {
+    /// The SSE events for the next output: a chunk of new text, or the last ones. Logprobs of tokens whose text
+    /// is held back wait in `generation` for the chunk that carries it.
+    fn events(&self, output: Output, generation: &mut Generation) -> Vec<SseEvent> {
         match output {
             Output::Pieces(pieces) => {
                 let text = Text::of(self, &pieces);
                 match text.is_empty() {
                     true => vec![],
-                    false => vec![self.chunk(self.choice(&text, None, true))],
+                    false => vec![self.chunk(self.choice(&text, &generation.take_logprobs(), None, true))],
                 }
             }
             Output::Finished(pieces, finish) => {
                 let text = Text::of(self, &pieces);
+                let tokens = generation.take_logprobs();
                 let mut out = vec![];
-                if !text.is_empty() {
-                    out.push(self.chunk(self.choice(&text, None, true)));
+                if !text.is_empty() || !tokens.is_empty() {
+                    out.push(self.chunk(self.choice(&text, &tokens, None, true)));
                 }
                 let reason = finish_reason(&finish.reason);
-                out.push(self.chunk(self.choice(&Text::default(), Some(reason), true)));
+                out.push(self.chunk(self.choice(&Text::default(), &[], Some(reason), true)));
                 if self.include_usage {
                     let mut body = self.envelope(vec![], true);
                     body.insert("usage".into(), usage(&finish));
@@ -262,7 +304,8 @@ async fn respond_whole(renderer: Renderer, mut generation: Generation) -> Respon
             Output::Pieces(pieces) => text.add(&renderer, &pieces, false),
             Output::Finished(pieces, finish) => {
                 text.add(&renderer, &pieces, false);
-                let choice = renderer.choice(&text, Some(finish_reason(&finish.reason)), false);
+                let tokens = generation.take_logprobs();
+                let choice = renderer.choice(&text, &tokens, Some(finish_reason(&finish.reason)), false);
                 let mut body = renderer.envelope(vec![choice], false);
                 body.insert("usage".into(), usage(&finish));
                 return Json(Value::Object(body)).into_response();
@@ -278,7 +321,8 @@ fn respond_streamed(renderer: Renderer, generation: Generation) -> Response {
     let opening = renderer.opening();
     let rest = stream::unfold((renderer, generation), |(renderer, mut generation)| async move {
         let output = generation.next().await?;
-        Some((renderer.events(output), (renderer, generation)))
+        let events = renderer.events(output, &mut generation);
+        Some((events, (renderer, generation)))
     });
     let all = stream::iter([opening])
         .chain(rest)
@@ -301,13 +345,34 @@ async fn respond(state: AppState, started: Result<Started, ApiError>) -> Respons
     }
 }
 
+/// The request with its `response_format` compiled for the served model, if it has one.
+fn constrained(
+    state: &AppState,
+    model: &LoadedModel,
+    params: &GenerationParams,
+    mut request: Request,
+) -> Result<Request, ApiError> {
+    if let Some(format) = &params.response_format {
+        request.constraint = Some(sampling::constraint(&state.0.grammar, model, format)?);
+    }
+    Ok(request)
+}
+
 fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let ChatBody { chat, options } = ChatBody::parse(&Body::parse(body)?)?;
     check_model_name(state, options.model.as_deref())?;
     let model = state.model()?;
     let prompt = chat.prepare(&model)?;
     let request = engine_request(&model, &chat.params, prompt.ids, "messages")?;
-    let renderer = Renderer::new(state, Endpoint::Chat, &options, prompt.parser.splits_reasoning());
+    let request = constrained(state, &model, &chat.params, request)?;
+    let logprobs_of = chat.params.logprobs.map(|_| model.clone());
+    let renderer = Renderer::new(
+        state,
+        Endpoint::Chat,
+        &options,
+        prompt.parser.splits_reasoning(),
+        logprobs_of,
+    );
     let generation = Generation::start(state, &model, request, prompt.parser)?;
     Ok((renderer, generation, chat.params.stream))
 }
@@ -322,7 +387,9 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let model = state.model()?;
     let prompt = prompt.prepare(&model)?;
     let request = engine_request(&model, &params, prompt.ids, "prompt")?;
-    let renderer = Renderer::new(state, Endpoint::Text, &options, false);
+    let request = constrained(state, &model, &params, request)?;
+    let logprobs_of = params.logprobs.map(|_| model.clone());
+    let renderer = Renderer::new(state, Endpoint::Text, &options, false, logprobs_of);
     let generation = Generation::start(state, &model, request, prompt.parser)?;
     Ok((renderer, generation, params.stream))
 }

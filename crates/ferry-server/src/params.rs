@@ -12,6 +12,7 @@ use crate::chat::{ChatRequest, GenerationParams, Prompt};
 use crate::error::ApiError;
 use crate::tools::request::parse_tool_calls;
 use crate::tools::ToolRequest;
+use crate::sampling;
 
 /// Fields accepted although nothing reads them, because by their nature they ask nothing of this server.
 pub const NO_ACTION_FIELDS: &[&str] = &[
@@ -81,9 +82,26 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         stop,
         presence_penalty: body.number_in("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         frequency_penalty: body.number_in("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+        min_p: body.number_in("min_p", 0.0, 1.0)?,
+        repetition_penalty: repetition_penalty(body)?,
+        logit_bias: sampling::logit_bias(body)?,
+        // Chat and text completions spell it differently: their parsers fill it in.
+        logprobs: None,
+        response_format: sampling::response_format(body)?,
         ignore_eos: body.boolean("ignore_eos")?,
         stream: body.boolean("stream")?,
     })
+}
+
+/// transformers' `repetition_penalty` (vLLM's extension): greater than 0, 1 for none.
+fn repetition_penalty(body: &Body) -> Result<Option<f32>, ApiError> {
+    match body.number("repetition_penalty")? {
+        Some(p) if !(p > 0.0 && p.is_finite()) => Err(ApiError::invalid_param(
+            "repetition_penalty",
+            format!("`repetition_penalty` must be greater than 0, got {p}"),
+        )),
+        p => Ok(p.map(|p| p as f32)),
+    }
 }
 
 fn options(body: &Body) -> Result<OpenAiOptions, ApiError> {
@@ -203,7 +221,10 @@ impl ChatBody {
             template_kwargs: template_kwargs(body)?,
             thinking: None,
             tools: ToolRequest::parse(body)?,
-            params: generation_params(body, &["max_completion_tokens", "max_tokens"])?,
+            params: GenerationParams {
+                logprobs: sampling::chat_logprobs(body)?,
+                ..generation_params(body, &["max_completion_tokens", "max_tokens"])?
+            },
         };
         let options = options(body)?;
         body.refuse_unread(NO_ACTION_FIELDS)?;
@@ -244,7 +265,10 @@ impl CompletionBody {
         if body.boolean("echo")? {
             return Err(ApiError::invalid_param("echo", "`echo` is not supported"));
         }
-        let params = generation_params(body, &["max_tokens"])?;
+        let params = GenerationParams {
+            logprobs: sampling::completion_logprobs(body)?,
+            ..generation_params(body, &["max_tokens"])?
+        };
         let options = options(body)?;
         body.refuse_unread(NO_ACTION_FIELDS)?;
         Ok(CompletionBody {
@@ -347,13 +371,7 @@ mod tests {
     #[test]
     fn a_field_this_server_does_not_implement_is_refused_by_name() {
         let user = json!([{"role": "user", "content": "hi"}]);
-        for (name, value) in [
-            ("suffix", json!("x")),
-            ("best_of", json!(2)),
-            ("logprobs", json!(true)),
-            ("response_format", json!({"type": "json_object"})),
-            ("functions", json!([])),
-        ] {
+        for (name, value) in [("suffix", json!("x")), ("best_of", json!(2)), ("functions", json!([]))] {
             let mut body = json!({"messages": user});
             body[name] = value;
             let error = chat(body).unwrap_err();

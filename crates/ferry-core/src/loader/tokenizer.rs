@@ -167,6 +167,15 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// tokenizer.json as loaded: where constrained decoding reads the bytes each token stands for.
+    pub fn to_json(&self) -> Result<serde_json::Value> {
+        let text = self
+            .inner
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        serde_json::from_str(&text).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
