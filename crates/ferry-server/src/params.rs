@@ -165,7 +165,7 @@ fn chat_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError> 
         let param = m.param("tool_calls");
         return Err(ApiError::invalid_param(
             &param,
-            format!("only assistant messages carry `tool_calls`"),
+            "only assistant messages carry `tool_calls`",
         ));
     }
     let tool_call_id = m.string("tool_call_id")?;
@@ -173,7 +173,7 @@ fn chat_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError> 
         let param = m.param("tool_call_id");
         return Err(ApiError::invalid_param(
             &param,
-            format!("only tool messages carry `tool_call_id`"),
+            "only tool messages carry `tool_call_id`",
         ));
     }
     m.refuse_unread(&[])?;
