@@ -85,11 +85,7 @@ fn openai_fields_the_server_does_not_implement_are_refused_by_name() {
             "response_format",
             json!({"type": "json_object"}),
         ),
-        (
-            "/v1/chat/completions",
-            "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
-        ),
+        ("/v1/chat/completions", "functions", json!([{"name": "f"}])),
         ("/v1/chat/completions", "logit_bias", json!({"1": 5})),
         ("/v1/completions", "suffix", json!("end")),
         ("/v1/completions", "best_of", json!(2)),
