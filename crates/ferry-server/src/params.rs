@@ -10,9 +10,9 @@ use serde_json::{Map, Value};
 use crate::body::{wrong_type, Body};
 use crate::chat::{ChatRequest, GenerationParams, Prompt};
 use crate::error::ApiError;
+use crate::sampling;
 use crate::tools::request::parse_tool_calls;
 use crate::tools::ToolRequest;
-use crate::sampling;
 
 /// Fields accepted although nothing reads them, because by their nature they ask nothing of this server.
 pub const NO_ACTION_FIELDS: &[&str] = &[
