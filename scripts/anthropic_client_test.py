@@ -33,6 +33,11 @@ def blocks(message):
     return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
 
 
+def prompt_tokens(usage):
+    """The prompt's tokens: Anthropic's usage counts those read from the cache apart from `input_tokens`."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def test_create_and_stream_agree(server):
     kwargs = dict(model=MODEL, max_tokens=24, messages=user("Tell me about ferries."), **GREEDY)
     whole = client(server).messages.create(**kwargs)
@@ -45,14 +50,16 @@ def test_create_and_stream_agree(server):
     assert blocks(final) == blocks(whole), (blocks(final), blocks(whole))
     assert text == "".join(t for kind, t in blocks(whole) if kind == "text")
     assert final.stop_reason == "max_tokens"
-    assert final.usage.output_tokens == 24 and final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.output_tokens == 24 and prompt_tokens(final.usage) == prompt_tokens(whole.usage)
+    # The same prompt again: its full blocks come from the prefix cache, which Anthropic counts apart.
+    assert final.usage.cache_read_input_tokens > 0, final.usage
 
 
 def test_count_tokens_counts_the_prompt(server):
     messages = user("How many tokens is this?")
     counted = client(server).messages.count_tokens(model=MODEL, messages=messages, system="Be brief.")
     made = client(server).messages.create(model=MODEL, max_tokens=1, messages=messages, system="Be brief.")
-    assert counted.input_tokens == made.usage.input_tokens > 0, (counted, made.usage)
+    assert counted.input_tokens == prompt_tokens(made.usage) > 0, (counted, made.usage)
 
 
 def test_a_stop_sequence_ends_the_message(server):

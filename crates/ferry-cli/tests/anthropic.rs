@@ -140,7 +140,7 @@ fn a_message_and_its_stream_agree_and_count_tokens_counts_the_prompt() {
 
     let (status, counted) = post_json(&server, "/v1/messages/count_tokens", &request);
     assert_eq!(status, 200, "{counted}");
-    assert_eq!(counted, json!({"input_tokens": whole["usage"]["input_tokens"]}));
+    assert_eq!(counted, json!({"input_tokens": prompt_tokens(&whole["usage"])}));
 
     let (status, text) = post(&server, "/v1/messages", &message(json!({"stream": true})));
     assert_eq!(status, 200, "{text}");
@@ -152,11 +152,21 @@ fn a_message_and_its_stream_agree_and_count_tokens_counts_the_prompt() {
     );
     assert_eq!(
         events[0].1["message"]["usage"]["input_tokens"],
-        whole["usage"]["input_tokens"]
+        prompt_tokens(&whole["usage"])
     );
-    for key in ["content", "stop_reason", "stop_sequence", "usage"] {
+    for key in ["content", "stop_reason", "stop_sequence"] {
         assert_eq!(streamed[key], whole[key], "{key}");
     }
+    // The same prompt again: its full blocks come from the prefix cache, which Anthropic counts apart.
+    let usage = &streamed["usage"];
+    assert_eq!(prompt_tokens(usage), prompt_tokens(&whole["usage"]));
+    assert_eq!(usage["output_tokens"], whole["usage"]["output_tokens"]);
+    assert!(usage["cache_read_input_tokens"].as_u64().unwrap() > 0, "{usage}");
+}
+
+/// The prompt's tokens as Anthropic's usage splits them: those read from the cache apart from the rest.
+fn prompt_tokens(usage: &Value) -> Value {
+    json!(usage["input_tokens"].as_u64().unwrap() + usage["cache_read_input_tokens"].as_u64().unwrap())
 }
 
 #[test]
@@ -324,9 +334,9 @@ fn a_model_that_calls_a_tool_answers_with_tool_use_blocks_plain_and_streamed() {
     assert_eq!(status, 200, "{counted}");
     let (status, again) = post_json(&server, "/v1/messages", &history);
     assert_eq!(status, 200, "{again}");
-    assert_eq!(again["usage"]["input_tokens"], counted["input_tokens"]);
+    assert_eq!(prompt_tokens(&again["usage"]), counted["input_tokens"]);
     assert!(
-        counted["input_tokens"].as_u64() > whole["usage"]["input_tokens"].as_u64(),
+        counted["input_tokens"].as_u64() > prompt_tokens(&whole["usage"]).as_u64(),
         "the history grew the prompt"
     );
 }
