@@ -3,6 +3,10 @@
 expected strings to tests/fixtures/chat_templates/<family>.json, so that ferry's minijinja rendering can be checked
 against them in CI (crates/ferry-core/tests/chat_templates.rs), where transformers does not run.
 
+Tool conversations (tool definitions passed as `tools=`, assistant tool calls with their arguments as objects, as
+ferry passes them after parsing OpenAI's JSON strings, and `tool` results) are rendered for the Qwen families,
+whose templates render tools: Qwen3's in the Hermes JSON format, Qwen3.5's in the XML one.
+
 Templates: Qwen3, Mixtral-Instruct and OLMoE are the fixtures' tokenizer_config.json ones; Qwen3.5's (as shipped
 with Qwen3.6) is tests/fixtures/chat_templates/qwen3_5.jinja. Each is rendered with the qwen3_moe fixture's
 tokenizer or its own fixture's, whose bos/eos tokens the templates read.
@@ -26,6 +30,53 @@ ASSISTANT_THINKING = {"role": "assistant", "content": "<think>\nadd them\n</thin
 USER2 = {"role": "user", "content": "  And 3+3?  "}
 ASSISTANT2 = {"role": "assistant", "content": "6"}
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "City name, e.g. \"Paris\""},
+                "days": {"type": "integer"},
+                "units": {"type": "string", "enum": ["metric", "imperial"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Web search.",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}, "filters": {"type": "object"}, "sites": {"type": "array"}},
+        },
+    },
+}
+TOOLS = [WEATHER_TOOL, SEARCH_TOOL]
+
+
+def tool_call(call_id, name, arguments):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+USER_WEATHER = {"role": "user", "content": "Weather in Paris and Oslo for 3 days?"}
+CALL_PARIS = tool_call("call_1", "get_weather", {"city": "Paris", "days": 3})
+CALL_OSLO = tool_call("call_2", "get_weather", {"city": "Oslo", "days": 3, "units": "metric"})
+CALL_SEARCH = tool_call("call_3", "search", {"query": "fjords\nin winter", "filters": {"lang": "en", "safe": True},
+                                            "sites": ["a.no", 2]})
+ASSISTANT_CALL = {"role": "assistant", "content": "", "tool_calls": [CALL_PARIS]}
+ASSISTANT_TEXT_AND_CALLS = {"role": "assistant", "content": "Checking both.", "tool_calls": [CALL_PARIS, CALL_OSLO]}
+ASSISTANT_THINKING_CALL = {"role": "assistant", "content": "<think>\nneed data\n</think>\n\n", "tool_calls": [CALL_SEARCH]}
+RESULT_PARIS = {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_1"}
+RESULT_OSLO = {"role": "tool", "content": "sunny, 4 C", "tool_call_id": "call_2"}
+RESULT_SEARCH = {"role": "tool", "content": "<b>results</b>", "tool_call_id": "call_3"}
+ASSISTANT_AFTER_TOOLS = {"role": "assistant", "content": "Paris 21, Oslo 4."}
+
 CONVERSATIONS = {
     "user": [USER1],
     "system_user": [SYSTEM, USER1],
@@ -36,24 +87,45 @@ CONVERSATIONS = {
     "assistant_first": [ASSISTANT1, USER1],
 }
 
-# (name, fixture whose tokenizer renders it, template file or None for the fixture's own, kwargs variants)
+# Rendered with `tools=TOOLS` (and once without tools, as a history that carries calls from an earlier request).
+TOOL_CONVERSATIONS = {
+    "tools_offered": [USER_WEATHER],
+    "tools_with_system": [SYSTEM, USER_WEATHER],
+    "tool_call_then_result": [USER_WEATHER, ASSISTANT_CALL, RESULT_PARIS],
+    "parallel_calls_and_answer": [SYSTEM, USER_WEATHER, ASSISTANT_TEXT_AND_CALLS, RESULT_PARIS, RESULT_OSLO,
+                                  ASSISTANT_AFTER_TOOLS, USER2],
+    "thinking_call_nested_arguments": [USER_WEATHER, ASSISTANT_THINKING_CALL, RESULT_SEARCH],
+}
+
+# (name, fixture whose tokenizer renders it, template file or None for the fixture's own, kwargs variants,
+#  whether the template renders tools)
 FAMILIES = [
-    ("qwen3", "qwen3_moe", None, [{}, {"enable_thinking": False}]),
-    ("qwen3_5", "qwen3_moe", "tests/fixtures/chat_templates/qwen3_5.jinja", [{}, {"enable_thinking": False}]),
-    ("mixtral", "mixtral", None, [{}]),
-    ("olmoe", "olmoe", None, [{}]),
+    ("qwen3", "qwen3_moe", None, [{}, {"enable_thinking": False}], True),
+    ("qwen3_5", "qwen3_moe", "tests/fixtures/chat_templates/qwen3_5.jinja", [{}, {"enable_thinking": False}], True),
+    ("mixtral", "mixtral", None, [{}], False),
+    ("olmoe", "olmoe", None, [{}], False),
 ]
+
+
+def conversations(renders_tools):
+    """(name, messages, tools) of every case a family renders."""
+    for name, messages in CONVERSATIONS.items():
+        yield name, messages, None
+    if renders_tools:
+        for name, messages in TOOL_CONVERSATIONS.items():
+            yield name, messages, TOOLS
+        yield "tool_history_without_tools", TOOL_CONVERSATIONS["parallel_calls_and_answer"], None
 
 
 def main():
     os.makedirs(OUT, exist_ok=True)
-    for name, fixture, template_file, variants in FAMILIES:
+    for name, fixture, template_file, variants, renders_tools in FAMILIES:
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tests/fixtures", fixture))
         if template_file:
             with open(os.path.join(ROOT, template_file)) as f:
                 tokenizer.chat_template = f.read()
         cases = []
-        for conversation, messages in CONVERSATIONS.items():
+        for conversation, messages, tools in conversations(renders_tools):
             for add_generation_prompt in (True, False):
                 for kwargs in variants:
                     case = {
@@ -62,9 +134,12 @@ def main():
                         "add_generation_prompt": add_generation_prompt,
                         "chat_template_kwargs": kwargs,
                     }
+                    if tools:
+                        case["tools"] = tools
                     try:
                         case["expected"] = tokenizer.apply_chat_template(
-                            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                            **kwargs
                         )
                     except Exception as e:  # the template refuses this conversation: ferry must refuse it too
                         case["error"] = f"{type(e).__name__}: {e}"

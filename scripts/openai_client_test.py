@@ -4,10 +4,13 @@
 Checks what a user of the SDK relies on: plain and streamed results are equal at temperature 0, 8 concurrent
 requests each get what they get alone, a client that hangs up mid-stream frees its KV (seen on /metrics), stop
 strings and seeds work, and every error case comes back as the SDK's typed error with the right status.
+Tool calls: the scripted checkpoints (scripts/make_tool_call_fixtures.py) write a Hermes call (Qwen3-style) and two
+XML calls (Qwen3.5-style) whatever the prompt; the SDK must get them as `tool_calls`, plain and streamed.
 Run by scripts/test.sh after the Rust tests: python scripts/openai_client_test.py path/to/ferry
 """
 
 import concurrent.futures
+import inspect
 import json
 import os
 import re
@@ -41,6 +44,8 @@ def http(method, url, body=None, key=None):
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIXTURE = os.path.join(ROOT, "tests/fixtures/qwen3_moe")
+HERMES_FIXTURE = os.path.join(ROOT, "tests/fixtures/tool_calls_hermes")
+XML_FIXTURE = os.path.join(ROOT, "tests/fixtures/tool_calls_qwen3_xml")
 KEY = "sdk-test-key"
 MODEL = "tiny"
 
@@ -48,9 +53,9 @@ MODEL = "tiny"
 class Server:
     """A `ferry serve` process on a free port."""
 
-    def __init__(self, ferry, *extra):
+    def __init__(self, ferry, *extra, fixture=FIXTURE):
         self.process = subprocess.Popen(
-            [ferry, "serve", "--model", FIXTURE, "--port", "0", "--served-model-name", MODEL, "--api-key", KEY, *extra],
+            [ferry, "serve", "--model", fixture, "--port", "0", "--served-model-name", MODEL, "--api-key", KEY, *extra],
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "NO_COLOR": "1"},
@@ -264,6 +269,101 @@ def test_a_full_queue_is_a_503(ferry):
         server.stop()
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+WEATHER_QUESTION = chat("What is the weather in Paris and Oslo?")
+
+
+def streamed_tool_calls(client, **kwargs):
+    """Content, reasoning, finish reason and tool calls [(id, name, arguments)] gathered from streamed deltas, each
+    delta checked against OpenAI's shape (a call's first delta: index, id, type, name, arguments "")."""
+    content, reasoning, finish, calls = "", "", None, []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            finish = choice.finish_reason or finish
+            for call in choice.delta.tool_calls or []:
+                if call.index == len(calls):
+                    assert call.id and call.type == "function" and call.function.name, call
+                    assert call.function.arguments == "", call
+                    calls.append([call.id, call.function.name, ""])
+                else:
+                    assert call.index == len(calls) - 1 and call.id is None and call.function.name is None, call
+                    calls[call.index][2] += call.function.arguments
+    return content, reasoning, finish, [tuple(c) for c in calls]
+
+
+def plain_tool_calls(message):
+    return [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments):
+    """Plain and streamed requests against a scripted checkpoint get the same calls, content and reasoning."""
+    server = Server(ferry, fixture=fixture)
+    try:
+        kwargs = dict(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL])
+        whole = server.client.chat.completions.create(**kwargs)
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content == content, choice.message
+        assert (choice.message.model_extra or {}).get("reasoning_content") == reasoning, choice.message
+        calls = plain_tool_calls(choice.message)
+        assert [(name, json.loads(arguments)) for _, name, arguments in calls] == [
+            ("get_weather", arguments) for arguments in expected_arguments
+        ], calls
+        assert all(call_id.startswith("call_") for call_id, _, _ in calls) and len({c[0] for c in calls}) == len(calls)
+
+        streamed_content, streamed_reasoning, finish, streamed_calls = streamed_tool_calls(server.client, **kwargs)
+        assert finish == "tool_calls"
+        assert streamed_content == (content or "") and streamed_reasoning == reasoning
+        assert [c[1:] for c in streamed_calls] == [c[1:] for c in calls], (streamed_calls, calls)
+
+        # The SDK's own stream helper accumulates the deltas into the same completion.
+        with server.client.chat.completions.stream(**kwargs) as stream:
+            final = stream.get_final_completion()
+        assert [c[1:] for c in plain_tool_calls(final.choices[0].message)] == [c[1:] for c in calls]
+
+        # The calls and their results go back in the history, as an agent sends them.
+        history = WEATHER_QUESTION + [
+            choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+            *({"role": "tool", "tool_call_id": call_id, "content": "sunny"} for call_id, _, _ in calls),
+        ]
+        again = server.client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL])
+        assert again.usage.prompt_tokens > whole.usage.prompt_tokens
+
+        # tool_choice "none": no calls come back (the scripted model writes its markup anyway: it is content).
+        none = server.client.chat.completions.create(tool_choice="none", **kwargs).choices[0]
+        assert none.message.tool_calls is None and none.finish_reason == "stop", none
+        assert "<tool_call>" in none.message.content
+        expect_error(400, lambda: server.client.chat.completions.create(tool_choice="required", **kwargs), param="tool_choice")
+        return server.client.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0].message
+    finally:
+        server.stop()
+
+
+def test_hermes_tool_calls_plain_and_streamed(ferry):
+    check_tool_calls(HERMES_FIXTURE, ferry, "Let me check.", "\nThe user wants the weather.\n", [{"city": "Paris", "days": 3}])
+
+
+def test_xml_tool_calls_plain_and_streamed(ferry):
+    # "3" in the XML is the integer 3: the tool's schema says `days` is an integer.
+    one_call = check_tool_calls(
+        XML_FIXTURE, ferry, None, "Two cities, two calls.\n", [{"city": "Paris", "days": 3}, {"city": "Oslo"}]
+    )
+    assert len(one_call.tool_calls) == 1, "parallel_tool_calls=False keeps the first call"
+
+
 def main():
     ferry = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target/debug/ferry")
     print(f"openai {openai.__version__} against {ferry}")
@@ -274,7 +374,7 @@ def main():
         for name, fn in tests:
             started = time.time()
             try:
-                fn(ferry if name == "test_a_full_queue_is_a_503" else server)
+                fn(ferry if "ferry" in inspect.signature(fn).parameters else server)
                 passed += 1
                 print(f"ok     {name} ({time.time() - started:.1f} s)")
             except Exception:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ferry's test suite, as CI runs it (.ci/run calls this script): formatting, lints, every Rust test, then the
-# official `openai` Python package as a client of `ferry serve` (installed from PyPI into .venv-ci).
+# official `openai` and `anthropic` Python packages as clients of `ferry serve` (installed from PyPI into .venv-ci).
 # Runs on a machine without a GPU; GPU tests live in scripts/device/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +16,6 @@ cargo test --workspace
 if [ ! -x .venv-ci/bin/python ]; then
     python3 -m venv .venv-ci
 fi
-.venv-ci/bin/python -m pip install --quiet --disable-pip-version-check "openai==3.51.0"
+.venv-ci/bin/python -m pip install --quiet --disable-pip-version-check "openai==3.51.0" "anthropic==2.15.0"
 .venv-ci/bin/python scripts/openai_client_test.py "${CARGO_TARGET_DIR:-target}/debug/ferry"
+.venv-ci/bin/python scripts/anthropic_client_test.py "${CARGO_TARGET_DIR:-target}/debug/ferry"

@@ -92,11 +92,8 @@ fn generate_on<B: Backend>(
                 .as_ref()
                 .context("--prompt needs the checkpoint's tokenizer.json; use --prompt-ids without one")?;
             if args.chat {
-                let messages = [ChatMessage {
-                    role: "user".into(),
-                    content: text.clone(),
-                }];
-                let rendered = tokenizer.apply_chat_template(&messages, true, &Default::default())?;
+                let messages = [ChatMessage::text("user", text)];
+                let rendered = tokenizer.apply_chat_template(&messages, &[], true, &Default::default())?;
                 tokenizer.encode(&rendered, false)?
             } else {
                 tokenizer.encode(text, true)?
@@ -112,6 +109,7 @@ fn generate_on<B: Backend>(
             top_p: args.top_p.or(defaults.top_p).unwrap_or(1.0),
             top_k: args.top_k.or(defaults.top_k),
             seed: args.seed,
+            ..SamplingParams::default()
         },
         stop: StopRules {
             eos_token_ids: checkpoint.eos_token_ids(),
@@ -164,7 +162,7 @@ fn generate_on<B: Backend>(
         scheduler.step();
         for event in events.try_iter() {
             match event {
-                Event::Token { id, text } => {
+                Event::Token { id, text, .. } => {
                     token_ids.push(id);
                     if !text.is_empty() {
                         let _ = write!(stdout, "{text}");

@@ -9,13 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use axum::http::HeaderValue;
 use ferry_core::backend::Backend;
 use ferry_core::engine::plan::{MemoryPlan, PREFIX_SNAPSHOT_SLOTS};
 use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
-use ferry_server::{AppState, ConnectionLimits, LoadedModel, SamplingDefaults, ServerConfig};
+use ferry_server::{AppState, ConnectionLimits, LoadedModel, SamplingDefaults, ServerConfig, ToolCallParserChoice};
 
 use crate::device::{kv_budget_tokens, open_backend, Backends, Device, OffloadArgs};
 use crate::hub;
@@ -63,6 +64,18 @@ pub struct ServeArgs {
     /// and vLLM's tokenization of the rendered template gives them.
     #[arg(long)]
     no_special_tokens_in_content: bool,
+    /// How tool calls are read out of the model's output: hermes (`<tool_call>{"name": ..., "arguments":
+    /// ...}</tool_call>`, Qwen3, Qwen2.5), qwen3_xml (`<tool_call><function=NAME><parameter=P>...`,
+    /// Qwen3-Coder, Qwen3.5, Qwen3.6) or none. Default: the format the chat template's tool section uses.
+    #[arg(long, value_parser = |name: &str| name.parse::<ToolCallParserChoice>())]
+    tool_call_parser: Option<ToolCallParserChoice>,
+    /// Browser origins allowed to call the API cross-site (CORS), comma-separated, e.g. http://localhost:3000;
+    /// `*` allows any. Default: none, so no web page can call the API.
+    #[arg(long, value_delimiter = ',', value_parser = parse_origin)]
+    allowed_origins: Vec<HeaderValue>,
+    /// A Jinja chat template file that replaces the checkpoint's.
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     #[command(flatten)]
@@ -105,6 +118,11 @@ fn seconds(text: &str) -> Result<Duration, String> {
     }
 }
 
+/// An origin as the `Origin` header carries it.
+fn parse_origin(origin: &str) -> Result<HeaderValue, String> {
+    HeaderValue::from_str(origin).map_err(|_| format!("{origin:?} is not an origin such as http://localhost:3000"))
+}
+
 impl ServeArgs {
     /// What the model is called in the log and, by default, on the API.
     fn model_label(&self) -> String {
@@ -139,6 +157,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         max_in_flight: args.max_running_requests + args.max_queued_requests,
         body_read_timeout: args.limits.body_read_timeout,
         engine_stall_timeout: args.limits.engine_stall_timeout,
+        allowed_origins: args.allowed_origins.clone(),
     });
     tracing::info!("listening on http://{bound} (loading {})", args.model_label());
     let limits = ConnectionLimits {
@@ -201,12 +220,18 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         _ => bail!("give --model, or --synthetic with --tokenizer"),
     };
     let eos_token_ids = checkpoint.eos_token_ids();
-    let tokenizer = Arc::new(
-        checkpoint
-            .tokenizer
-            .take()
-            .context("the checkpoint has no tokenizer.json, which the server needs")?,
-    );
+    let mut tokenizer = checkpoint
+        .tokenizer
+        .take()
+        .context("the checkpoint has no tokenizer.json, which the server needs")?;
+    if let Some(path) = &args.chat_template {
+        let template =
+            std::fs::read_to_string(path).with_context(|| format!("cannot read --chat-template {}", path.display()))?;
+        tokenizer
+            .set_chat_template(template)
+            .with_context(|| format!("--chat-template {} does not compile", path.display()))?;
+    }
+    let tokenizer = Arc::new(tokenizer);
     // One request of --max-model-len tokens must fit the KV cache, so the budget keeps at least that much for it.
     let mut offload = args.offload.clone();
     if let Some(n) = args.max_model_len {
@@ -230,6 +255,8 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan, &mut progress)?,
     };
     let defaults = &checkpoint.generation;
+    let tool_call_format = args.tool_call_parser.unwrap_or_default().format(&tokenizer);
+    tracing::info!("tool calls parsed as {tool_call_format:?}");
     Ok(LoadedModel {
         engine,
         eos_token_ids,
@@ -243,6 +270,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
             top_k: defaults.top_k,
         },
         special_tokens_in_content: !args.no_special_tokens_in_content,
+        tool_call_format,
     })
 }
 

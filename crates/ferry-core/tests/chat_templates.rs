@@ -1,7 +1,8 @@
 //! The real chat templates of Qwen3, Qwen3.5 (as shipped with Qwen3.6), Mixtral-Instruct and OLMoE render what HF
 //! transformers' apply_chat_template renders: tests/fixtures/chat_templates/*.json hold transformers' output for a
 //! set of conversations (made by scripts/make_template_refs.py), and conversations a template refuses must be
-//! refused here too.
+//! refused here too. The Qwen families also render tool conversations: tool definitions, assistant tool calls
+//! (arguments as objects) and tool results.
 
 use std::path::{Path, PathBuf};
 
@@ -40,7 +41,8 @@ fn check_family(name: &str) {
         let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
         let add_generation_prompt = case["add_generation_prompt"].as_bool().unwrap();
         let kwargs = case["chat_template_kwargs"].as_object().unwrap();
-        let rendered = tokenizer.apply_chat_template(&messages, add_generation_prompt, kwargs);
+        let tools = case.get("tools").and_then(Value::as_array).cloned().unwrap_or_default();
+        let rendered = tokenizer.apply_chat_template(&messages, &tools, add_generation_prompt, kwargs);
         let label = format!(
             "{name} / {} / add_generation_prompt={add_generation_prompt} / {kwargs:?}",
             case["conversation"]
@@ -56,6 +58,24 @@ fn check_family(name: &str) {
 #[test]
 fn qwen3_renders_as_transformers_does() {
     check_family("qwen3");
+}
+
+#[test]
+fn qwen_references_include_tool_conversations() {
+    for name in ["qwen3", "qwen3_5"] {
+        let path = fixtures().join("chat_templates").join(format!("{name}.json"));
+        let reference: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let cases = reference["cases"].as_array().unwrap();
+        let with_tools = cases.iter().filter(|c| c.get("tools").is_some()).count();
+        let with_calls = cases
+            .iter()
+            .filter(|c| c["expected"].as_str().is_some_and(|e| e.contains("<tool_call>\n")))
+            .count();
+        assert!(
+            with_tools >= 20 && with_calls >= 20,
+            "{name}: {with_tools} tool cases, {with_calls} with calls"
+        );
+    }
 }
 
 #[test]

@@ -79,7 +79,7 @@ fn check_family<B: Backend>(backend: &B, name: &str) {
         }
         if let (Some(messages), Some(chat_text)) = (&case.messages, &case.chat_text) {
             let rendered = tokenizer
-                .apply_chat_template(messages, true, &Default::default())
+                .apply_chat_template(messages, &[], true, &Default::default())
                 .unwrap();
             assert_eq!(&rendered, chat_text, "{label}: chat template");
             assert_eq!(

@@ -16,13 +16,14 @@ use subtle::ConstantTimeEq;
 
 use crate::ApiError;
 
-/// 401 unless the request carries `Authorization: Bearer KEY`.
+/// 401 unless the request carries `Authorization: Bearer KEY` or, as Anthropic's clients send it, `x-api-key: KEY`.
 pub(crate) async fn require_api_key(State(key): State<String>, request: Request, next: Next) -> Response {
-    let sent = request
-        .headers()
+    let headers = request.headers();
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
+    let sent = bearer.or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
     if !sent.is_some_and(|sent| keys_match(sent, &key)) {
         return ApiError::unauthorized().into_response();
     }

@@ -1,8 +1,10 @@
 //! ferry-server: the OpenAI-compatible HTTP API in front of ferry's engine.
 //!
-//! - `POST /v1/chat/completions` and `POST /v1/completions`, plain or streamed as server-sent events;
-//! - `GET /v1/models`, `GET /health` (503 with load progress until the model is ready, and with the reason when the
-//!   engine has died or stalled), `GET /metrics` (Prometheus).
+//! - `POST /v1/chat/completions` and `POST /v1/completions` (OpenAI), `POST /v1/messages` (Anthropic), plain or
+//!   streamed as server-sent events, over one protocol-neutral request layer; `POST /v1/messages/count_tokens`;
+//! - `GET /v1/models` and `/v1/models/{id}`, `POST /tokenize` and `/detokenize` (vLLM's), `GET /health` (503 with
+//!   load progress until the model is ready, and with the reason when the engine has died or stalled), `GET
+//!   /metrics` (Prometheus).
 //!
 //! The server binds before the model loads so that /health can report progress; [`AppState::set_ready`] hands it
 //! the engine. [`serve`] accepts connections (connections.rs: cap, idle and header timeouts, shutdown). Every
@@ -15,10 +17,15 @@
 //! Not here: the model, the scheduler (ferry-core), argument parsing and model download (ferry-cli).
 
 mod access;
+mod anthropic;
+mod body;
 mod body_timeout;
+mod chat;
 mod conn_io;
 mod connections;
+mod endpoints;
 mod error;
+mod generation;
 mod guard;
 mod liveness;
 mod metrics;
@@ -26,23 +33,27 @@ mod openai;
 mod params;
 mod prompt_work;
 mod reasoning;
+mod sampling;
+mod tools;
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use ferry_core::engine::EngineHandle;
 use ferry_core::loader::Tokenizer;
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 pub use connections::{serve, ConnectionLimits};
 pub use error::ApiError;
 pub use prompt_work::longest_token_bytes;
+pub use tools::{ToolCallFormat, ToolCallParserChoice};
 
 /// The largest request body read; a larger one is a 413.
 pub const MAX_REQUEST_BYTES: usize = 2 << 20;
@@ -59,6 +70,8 @@ pub struct ServerConfig {
     pub body_read_timeout: Duration,
     /// An engine with requests that finishes no step for this long is reported unhealthy on /health.
     pub engine_stall_timeout: Duration,
+    /// Browser origins answered with CORS headers (`*`: any); none by default, so browsers keep web pages out.
+    pub allowed_origins: Vec<HeaderValue>,
 }
 
 /// The checkpoint's sampling defaults (generation_config.json), used where a request sets none.
@@ -82,6 +95,9 @@ pub struct LoadedModel {
     pub defaults: SamplingDefaults,
     /// Whether special-token text inside chat message contents is read as control tokens (else as plain text).
     pub special_tokens_in_content: bool,
+    /// How tool calls are read out of the output (`--tool-call-parser`, by default the chat template's format);
+    /// none: a request's tools still reach the template, and calls come back as the text the model wrote.
+    pub tool_call_format: Option<ToolCallFormat>,
 }
 
 impl LoadedModel {
@@ -107,6 +123,8 @@ struct Shared {
     /// Prompts being prepared at once (prompt_work.rs).
     prompt_workers: Arc<tokio::sync::Semaphore>,
     started_at: u64,
+    /// The served model's response_format compiler, built on first use.
+    grammar: sampling::Compiler,
 }
 
 /// The server's state, shared by every handler.
@@ -129,6 +147,7 @@ impl AppState {
             in_flight: AtomicUsize::new(0),
             prompt_workers: prompt_work::workers(),
             started_at: unix_seconds(),
+            grammar: Default::default(),
         }))
     }
 
@@ -177,21 +196,6 @@ async fn health(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn models(State(state): State<AppState>) -> Response {
-    let max_model_len = state.model().ok().map(|m| m.max_model_len);
-    Json(serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": state.0.config.served_model_name,
-            "object": "model",
-            "created": state.0.started_at,
-            "owned_by": "ferry",
-            "max_model_len": max_model_len,
-        }],
-    }))
-    .into_response()
-}
-
 async fn prometheus(State(state): State<AppState>) -> Response {
     let engine = state.model().ok().map(|m| m.engine.status());
     (
@@ -216,13 +220,19 @@ async fn not_found(request: Request) -> ApiError {
 }
 
 /// Every route; /health is the one outside the guards. The API key layer wraps the JSON one, so a request without
-/// the key gets a 401 whatever it sends. Around them all, outermost first: the access log, JSON errors, the body
-/// timeout and the body size limit.
+/// the key gets a 401 whatever it sends. Around them all, outermost first: CORS when the operator allows origins
+/// (it does not loosen the JSON-only rule: an allowed page may send JSON, never a form), the access log, Anthropic's
+/// error shape on its routes, JSON errors, the body timeout and the body size limit.
 pub fn router(state: AppState) -> Router {
     let guarded = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
-        .route("/v1/models", get(models))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/models", get(endpoints::models))
+        .route("/v1/models/{id}", get(endpoints::model))
+        .route("/tokenize", post(endpoints::tokenize_route))
+        .route("/detokenize", post(endpoints::detokenize_route))
         .route("/metrics", get(prometheus))
         .fallback(not_found)
         .layer(middleware::from_fn(guard::require_json));
@@ -231,7 +241,8 @@ pub fn router(state: AppState) -> Router {
         None => guarded,
     };
     let body_read_timeout = state.0.config.body_read_timeout;
-    Router::new()
+    let origins = &state.0.config.allowed_origins;
+    let app = Router::new()
         .route("/health", get(health))
         .merge(guarded)
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BYTES))
@@ -240,6 +251,24 @@ pub fn router(state: AppState) -> Router {
             body_timeout::limit_body_time,
         ))
         .layer(middleware::from_fn(error::json_errors))
-        .layer(middleware::from_fn(access::log_requests))
-        .with_state(state)
+        .layer(middleware::from_fn(anthropic::errors_in_anthropic_shape))
+        .layer(middleware::from_fn(access::log_requests));
+    let app = match origins.is_empty() {
+        true => app,
+        // Outermost, so that a preflight is answered before the key check (browsers send it without the key).
+        false => app.layer(cors(origins)),
+    };
+    app.with_state(state)
+}
+
+/// CORS for these origins: any request header a client asks for (the key, the SDKs' own), GET and POST.
+fn cors(origins: &[HeaderValue]) -> CorsLayer {
+    let origins = match origins.iter().any(|origin| origin == "*") {
+        true => AllowOrigin::any(),
+        false => AllowOrigin::list(origins.iter().cloned()),
+    };
+    CorsLayer::new()
+        .allow_origin(origins)
+        .allow_methods([Method::GET, Method::POST])
+        .allow_headers(AllowHeaders::mirror_request())
 }

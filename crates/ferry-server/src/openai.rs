@@ -1,27 +1,29 @@
-//! The two generation endpoints: chat completions (through the chat template, with reasoning split out) and text
-//! completions, each plain or streamed. Both validate, tokenize and submit the same way and read the same engine
-//! events; they differ only in the JSON they write.
+//! The OpenAI renderer: chat completions (reasoning in `reasoning_content`, tool calls in `tool_calls`) and text
+//! completions over the
+//! protocol-neutral layer (chat.rs, generation.rs), each as one JSON object or as server-sent events ending with
+//! `data: [DONE]`; logprobs ride with the text of the tokens they are about (sampling.rs renders them).
 
+use std::cell::Cell;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use ferry_core::engine::{Event, Request, RequestId, SamplingParams, StopRules};
-use ferry_core::loader::ChatPrompt;
 use futures_util::stream::{self, StreamExt};
-use serde_json::{json, Value};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use serde_json::{json, Map, Value};
 
+use crate::body::Body;
+use crate::chat::{check_model_name, engine_request, GenerationParams};
 use crate::error::ApiError;
-use crate::params::{json_object, ChatBody, CompletionBody, GenerationParams, Prompt};
-use crate::reasoning::{ReasoningParser, Split};
+use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output, Piece};
+use crate::params::{ChatBody, CompletionBody, OpenAiOptions};
+use crate::sampling;
 use crate::{unix_seconds, AppState, LoadedModel};
+use ferry_core::engine::{Request, TokenLogprobs};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
@@ -29,15 +31,143 @@ enum Endpoint {
     Text,
 }
 
-/// The fields every response object of one request repeats.
-struct ResponseMeta {
+/// How a response of one request is written: the fields every object repeats and what the request asked of it.
+struct Renderer {
     endpoint: Endpoint,
     id: String,
     created: u64,
     model: String,
+    include_usage: bool,
+    /// The model may reason: a whole chat answer then says `reasoning_content: null` when it did not.
+    splits_reasoning: bool,
+    /// The model whose tokens logprobs name, when the request asked for logprobs.
+    logprobs_of: Option<Arc<LoadedModel>>,
+    /// Where the next token starts in a text completion's output (its logprobs' `text_offset`).
+    text_offset: Cell<usize>,
 }
 
-impl ResponseMeta {
+/// New output: reasoning and content joined in order, and tool calls in OpenAI's shape: whole calls in a plain
+/// answer, the calls' deltas in a streamed chunk (a call's first delta has its index, id, type and name with
+/// arguments "", the next ones pieces of its arguments).
+#[derive(Default)]
+struct Text {
+    reasoning: String,
+    content: String,
+    tool_calls: Vec<Value>,
+}
+
+impl Text {
+    fn add(&mut self, renderer: &Renderer, pieces: &[Piece], streamed: bool) {
+        for piece in pieces {
+            match piece {
+                Piece::Reasoning(text) => self.reasoning += text,
+                Piece::Content(text) => self.content += text,
+                Piece::ToolCallStart { index, name } => {
+                    let mut call = json!({
+                        "id": renderer.tool_call_id(*index), "type": "function",
+                        "function": {"name": name, "arguments": ""},
+                    });
+                    if streamed {
+                        call["index"] = (*index).into();
+                    }
+                    self.tool_calls.push(call);
+                }
+                Piece::ToolCallArguments { index, fragment } => {
+                    // A plain answer's call takes the piece, as does this chunk's arguments delta of the call
+                    // (not its first delta, whose arguments are "").
+                    let call = match streamed {
+                        true => self
+                            .tool_calls
+                            .last_mut()
+                            .filter(|call| call["index"] == *index && call.get("id").is_none()),
+                        false => self.tool_calls.get_mut(*index),
+                    };
+                    match call.and_then(|call| call.pointer_mut("/function/arguments")) {
+                        Some(Value::String(arguments)) => arguments.push_str(fragment),
+                        _ => self
+                            .tool_calls
+                            .push(json!({"index": index, "function": {"arguments": fragment}})),
+                    }
+                }
+            }
+        }
+    }
+
+    /// One streamed chunk's output.
+    fn of(renderer: &Renderer, pieces: &[Piece]) -> Text {
+        let mut text = Text::default();
+        text.add(renderer, pieces, true);
+        text
+    }
+
+    fn is_empty(&self) -> bool {
+        self.reasoning.is_empty() && self.content.is_empty() && self.tool_calls.is_empty()
+    }
+}
+
+fn finish_reason(reason: &FinishReason) -> &'static str {
+    match reason {
+        FinishReason::EndOfTurn | FinishReason::StopString(_) => "stop",
+        FinishReason::Length => "length",
+        FinishReason::ToolCalls => "tool_calls",
+    }
+}
+
+fn usage(finish: &Finish) -> Value {
+    json!({
+        "prompt_tokens": finish.prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": finish.cached_tokens},
+        "completion_tokens": finish.completion_tokens,
+        "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+    })
+}
+
+impl Renderer {
+    fn new(
+        state: &AppState,
+        endpoint: Endpoint,
+        options: &OpenAiOptions,
+        splits_reasoning: bool,
+        logprobs_of: Option<Arc<LoadedModel>>,
+    ) -> Self {
+        let prefix = match endpoint {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Text => "cmpl",
+        };
+        Renderer {
+            endpoint,
+            id: format!("{prefix}-{:016x}", response_id()),
+            created: unix_seconds(),
+            model: state.0.config.served_model_name.clone(),
+            include_usage: options.include_usage,
+            splits_reasoning,
+            logprobs_of,
+            text_offset: Cell::new(0),
+        }
+    }
+
+    /// The `logprobs` field of a choice holding these tokens: null unless the request asked for logprobs.
+    fn logprobs(&self, tokens: &[(u32, TokenLogprobs)]) -> Value {
+        let Some(model) = &self.logprobs_of else {
+            return Value::Null;
+        };
+        match self.endpoint {
+            Endpoint::Chat => sampling::chat_json(model, tokens),
+            Endpoint::Text => {
+                let mut offset = self.text_offset.get();
+                let rendered = sampling::completion_json(model, tokens, &mut offset);
+                self.text_offset.set(offset);
+                rendered
+            }
+        }
+    }
+
+    /// A tool call's id, unique within the response (whose id it carries) and so within the process.
+    fn tool_call_id(&self, index: usize) -> String {
+        let response = self.id.rsplit('-').next().unwrap_or_default();
+        format!("call_{response}{index:02x}")
+    }
+
     fn object(&self, streamed: bool) -> &'static str {
         match (self.endpoint, streamed) {
             (Endpoint::Chat, false) => "chat.completion",
@@ -46,31 +176,47 @@ impl ResponseMeta {
         }
     }
 
-    /// One choice's worth of new output, as a chat delta or a text fragment.
-    fn choice(&self, split: &Split, finish_reason: Option<&str>, streamed: bool) -> Value {
+    /// One choice's worth of new output (with the logprobs of its tokens), as a chat delta or message, or a text
+    /// fragment.
+    fn choice(
+        &self,
+        text: &Text,
+        tokens: &[(u32, TokenLogprobs)],
+        finish_reason: Option<&str>,
+        streamed: bool,
+    ) -> Value {
+        let logprobs = self.logprobs(tokens);
         match self.endpoint {
             Endpoint::Text => json!({
-                "index": 0, "text": split.content, "logprobs": null, "finish_reason": finish_reason,
+                "index": 0, "text": text.content, "logprobs": logprobs, "finish_reason": finish_reason,
             }),
             Endpoint::Chat => {
-                let mut message = serde_json::Map::new();
+                let mut message = Map::new();
                 if !streamed {
                     message.insert("role".into(), "assistant".into());
                 }
-                if !streamed || !split.content.is_empty() {
-                    message.insert("content".into(), split.content.clone().into());
+                if !streamed && text.content.is_empty() && !text.tool_calls.is_empty() {
+                    // OpenAI's content when the answer is tool calls alone.
+                    message.insert("content".into(), Value::Null);
+                } else if !streamed || !text.content.is_empty() {
+                    message.insert("content".into(), text.content.clone().into());
                 }
-                if !split.reasoning.is_empty() {
-                    message.insert("reasoning_content".into(), split.reasoning.clone().into());
+                if !text.reasoning.is_empty() {
+                    message.insert("reasoning_content".into(), text.reasoning.clone().into());
+                } else if !streamed && self.splits_reasoning {
+                    message.insert("reasoning_content".into(), Value::Null);
+                }
+                if !text.tool_calls.is_empty() {
+                    message.insert("tool_calls".into(), text.tool_calls.clone().into());
                 }
                 let key = if streamed { "delta" } else { "message" };
-                json!({"index": 0, key: message, "logprobs": null, "finish_reason": finish_reason})
+                json!({"index": 0, key: message, "logprobs": logprobs, "finish_reason": finish_reason})
             }
         }
     }
 
-    fn envelope(&self, choices: Vec<Value>, streamed: bool) -> serde_json::Map<String, Value> {
-        let mut out = serde_json::Map::new();
+    fn envelope(&self, choices: Vec<Value>, streamed: bool) -> Map<String, Value> {
+        let mut out = Map::new();
         out.insert("id".into(), self.id.clone().into());
         out.insert("object".into(), self.object(streamed).into());
         out.insert("created".into(), self.created.into());
@@ -78,135 +224,62 @@ impl ResponseMeta {
         out.insert("choices".into(), choices.into());
         out
     }
-}
 
-fn usage(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    })
-}
-
-/// A request admitted to the engine. Dropping it before the engine finished (the client went away) cancels the
-/// request, which frees its KV at once.
-struct InFlight {
-    state: AppState,
-    model: Arc<LoadedModel>,
-    id: RequestId,
-    prompt_tokens: usize,
-    completion_tokens: usize,
-    done: bool,
-    submitted: Instant,
-    last_token: Option<Instant>,
-}
-
-impl InFlight {
-    /// Records latency metrics for one generated token.
-    fn on_token(&mut self) {
-        let now = Instant::now();
-        let metrics = &self.state.0.metrics;
-        match self.last_token {
-            None => metrics.time_to_first_token((now - self.submitted).as_secs_f64()),
-            Some(previous) => metrics.inter_token_latency((now - previous).as_secs_f64()),
+    /// One streamed chunk holding `choice` (the usage field null, when the request asked for a usage chunk).
+    fn chunk(&self, choice: Value) -> SseEvent {
+        let mut body = self.envelope(vec![choice], true);
+        if self.include_usage {
+            body.insert("usage".into(), Value::Null);
         }
-        self.last_token = Some(now);
-        self.completion_tokens += 1;
+        SseEvent::default().data(Value::Object(body).to_string())
     }
 
-    fn finish(&mut self, outcome: &'static str) {
-        self.done = true;
-        self.state
-            .0
-            .metrics
-            .request_done(outcome, self.prompt_tokens, self.completion_tokens);
-        crate::access::record_generation(outcome, self.prompt_tokens, self.completion_tokens);
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        if !self.done {
-            self.model.engine.cancel(self.id);
-            self.finish("cancelled");
+    /// The SSE events for the next output: a chunk of new text, or the last ones. Logprobs of tokens whose text
+    /// is held back wait in `generation` for the chunk that carries it.
+    fn events(&self, output: Output, generation: &mut Generation) -> Vec<SseEvent> {
+        match output {
+            Output::Pieces(pieces) => {
+                let text = Text::of(self, &pieces);
+                match text.is_empty() {
+                    true => vec![],
+                    false => vec![self.chunk(self.choice(&text, &generation.take_logprobs(), None, true))],
+                }
+            }
+            Output::Finished(pieces, finish) => {
+                let text = Text::of(self, &pieces);
+                let tokens = generation.take_logprobs();
+                let mut out = vec![];
+                if !text.is_empty() || !tokens.is_empty() {
+                    out.push(self.chunk(self.choice(&text, &tokens, None, true)));
+                }
+                let reason = finish_reason(&finish.reason);
+                out.push(self.chunk(self.choice(&Text::default(), &[], Some(reason), true)));
+                if self.include_usage {
+                    let mut body = self.envelope(vec![], true);
+                    body.insert("usage".into(), usage(&finish));
+                    out.push(SseEvent::default().data(Value::Object(body).to_string()));
+                }
+                out.push(done());
+                out
+            }
+            Output::Failed(error) => vec![SseEvent::default().data(error.body().to_string()), done()],
         }
-        self.state.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
-}
 
-/// A validated request, ready for the engine, and what its response needs.
-struct Prepared {
-    model: Arc<LoadedModel>,
-    params: GenerationParams,
-    meta: ResponseMeta,
-    /// Splits `<think>` reasoning out of chat output.
-    reasoning: Option<ReasoningParser>,
-}
-
-/// Builds the engine request for `prompt_ids`, refusing a prompt that leaves no room in the context window.
-fn engine_request(model: &LoadedModel, params: &GenerationParams, prompt_ids: Vec<u32>) -> Result<Request, ApiError> {
-    let window = model.max_model_len;
-    if prompt_ids.len() >= window {
-        return Err(ApiError::invalid_param(
-            "messages",
-            format!(
-                "this model's maximum context length is {window} tokens, but the prompt has {} tokens \
-                 (and at least one token must be generated)",
-                prompt_ids.len()
-            ),
-        )
-        .with_code("context_length_exceeded"));
-    }
-    let room = window - prompt_ids.len();
-    let defaults = model.defaults;
-    let request = Request {
-        max_tokens: params.max_tokens.unwrap_or(room).min(room),
-        sampling: SamplingParams {
-            temperature: params.temperature.or(defaults.temperature).unwrap_or(1.0),
-            top_p: params.top_p.or(defaults.top_p).unwrap_or(1.0),
-            top_k: params.top_k.or(defaults.top_k),
-            seed: params.seed,
-        },
-        presence_penalty: params.presence_penalty,
-        frequency_penalty: params.frequency_penalty,
-        stop_strings: params.stop.clone(),
-        stop: StopRules {
-            eos_token_ids: model.eos_token_ids.clone(),
-            ignore_eos: params.ignore_eos,
-        },
-        prompt_ids,
-    };
-    request
-        .validate(window, model.vocab_size)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
-    Ok(request)
-}
-
-fn check_model_name(state: &AppState, params: &GenerationParams) -> Result<(), ApiError> {
-    let served = &state.0.config.served_model_name;
-    match &params.model {
-        Some(name) if name != served => Err(ApiError::model_not_found(name, served)),
-        _ => Ok(()),
-    }
-}
-
-fn meta(state: &AppState, endpoint: Endpoint) -> ResponseMeta {
-    let prefix = match endpoint {
-        Endpoint::Chat => "chatcmpl",
-        Endpoint::Text => "cmpl",
-    };
-    ResponseMeta {
-        endpoint,
-        id: format!("{prefix}-{:016x}", response_id()),
-        created: unix_seconds(),
-        model: state.0.config.served_model_name.clone(),
+    /// The chunk that opens a streamed chat answer.
+    fn opening(&self) -> Vec<SseEvent> {
+        match self.endpoint {
+            Endpoint::Chat => vec![self.chunk(json!({
+                "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null,
+            }))],
+            Endpoint::Text => vec![],
+        }
     }
 }
 
 /// A response id unique within the process (a counter) and across restarts (the clock), bit-mixed so ids do not
 /// look sequential.
-fn response_id() -> u64 {
+pub(crate) fn response_id() -> u64 {
     use std::sync::atomic::AtomicU64;
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
@@ -219,266 +292,37 @@ fn response_id() -> u64 {
     .wrapping_mul(0xBF58_476D_1CE4_E5B9)
 }
 
-fn prepare_chat(state: &AppState, body: &[u8]) -> Result<(Prepared, Request), ApiError> {
-    let body = ChatBody::parse(&json_object(body)?)?;
-    check_model_name(state, &body.params)?;
-    let model = state.model()?;
-    let content_bytes = body.messages.iter().map(|m| m.content.len()).sum();
-    crate::prompt_work::check_prompt_bytes(&model, content_bytes, "messages")?;
-    let tokenizer = &model.tokenizer;
-    if !tokenizer.has_chat_template() {
-        return Err(ApiError::invalid(
-            "this model has no chat template; use /v1/completions",
-        ));
-    }
-    let ChatPrompt {
-        text: prompt,
-        ids: prompt_ids,
-    } = tokenizer
-        .encode_chat(
-            &body.messages,
-            true,
-            &body.chat_template_kwargs,
-            model.special_tokens_in_content,
-        )
-        .map_err(|e| match e {
-            ferry_core::Error::ChatTemplate(_) => ApiError::invalid_param("messages", e.to_string()),
-            _ => ApiError::internal(e.to_string()),
-        })?;
-    let reasoning = model.splits_reasoning().then(|| ReasoningParser::new(&prompt));
-    let request = engine_request(&model, &body.params, prompt_ids)?;
-    let prepared = Prepared {
-        model,
-        params: body.params,
-        meta: meta(state, Endpoint::Chat),
-        reasoning,
-    };
-    Ok((prepared, request))
-}
-
-fn prepare_text(state: &AppState, body: &[u8]) -> Result<(Prepared, Request), ApiError> {
-    let body = CompletionBody::parse(&json_object(body)?)?;
-    check_model_name(state, &body.params)?;
-    let model = state.model()?;
-    let prompt_ids = match body.prompt {
-        Prompt::TokenIds(ids) => ids,
-        Prompt::Text(text) => {
-            crate::prompt_work::check_prompt_bytes(&model, text.len(), "prompt")?;
-            model
-                .tokenizer
-                .encode(&text, true)
-                .map_err(|e| ApiError::internal(e.to_string()))?
-        }
-    };
-    let request = engine_request(&model, &body.params, prompt_ids).map_err(|mut e| {
-        if e.param.as_deref() == Some("messages") {
-            e.param = Some("prompt".into());
-        }
-        e
-    })?;
-    let prepared = Prepared {
-        model,
-        params: body.params,
-        meta: meta(state, Endpoint::Text),
-        reasoning: None,
-    };
-    Ok((prepared, request))
-}
-
-/// Admits the request (or refuses it with a 503 when the queue is full) and hands it to the engine.
-fn submit(
-    state: &AppState,
-    model: &Arc<LoadedModel>,
-    request: Request,
-) -> Result<(InFlight, UnboundedReceiver<Event>), ApiError> {
-    let limit = state.0.config.max_in_flight;
-    if state.0.in_flight.fetch_add(1, Ordering::AcqRel) >= limit {
-        state.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-        state.0.metrics.request_done("rejected", request.prompt_ids.len(), 0);
-        return Err(ApiError::unavailable(
-            format!("the server is busy: {limit} requests are running or queued; retry later"),
-            "queue_full",
-        ));
-    }
-    let (sender, events) = unbounded_channel();
-    let prompt_tokens = request.prompt_ids.len();
-    let id = model
-        .engine
-        .submit(request, Box::new(move |event| sender.send(event).is_ok()));
-    let in_flight = InFlight {
-        state: state.clone(),
-        model: model.clone(),
-        id,
-        prompt_tokens,
-        completion_tokens: 0,
-        done: false,
-        submitted: Instant::now(),
-        last_token: None,
-    };
-    Ok((in_flight, events))
-}
-
-fn split_text(reasoning: &mut Option<ReasoningParser>, text: &str) -> Split {
-    match reasoning {
-        Some(parser) => parser.push(text),
-        None => Split {
-            reasoning: String::new(),
-            content: text.to_string(),
-        },
-    }
-}
-
-fn flush_text(reasoning: &mut Option<ReasoningParser>) -> Split {
-    reasoning.as_mut().map(ReasoningParser::finish).unwrap_or_default()
-}
-
-fn engine_failure(message: String) -> ApiError {
-    ApiError::internal(format!("generation failed: {message}"))
-}
-
-/// Waits for the whole generation and answers with one JSON object.
-async fn respond_whole(
-    mut prepared: Prepared,
-    mut in_flight: InFlight,
-    mut events: UnboundedReceiver<Event>,
-) -> Response {
-    let mut output = Split::default();
-    while let Some(event) = events.recv().await {
-        match event {
-            Event::Token { text, .. } => {
-                in_flight.on_token();
-                let split = split_text(&mut prepared.reasoning, &text);
-                output.reasoning += &split.reasoning;
-                output.content += &split.content;
-            }
-            Event::Finished {
-                reason,
-                prompt_tokens,
-                cached_tokens,
-                completion_tokens,
-            } => {
-                let rest = flush_text(&mut prepared.reasoning);
-                output.reasoning += &rest.reasoning;
-                output.content += &rest.content;
-                in_flight.finish(reason.as_str());
-                let meta = &prepared.meta;
-                let mut choice = meta.choice(&output, Some(reason.as_str()), false);
-                if prepared.reasoning.is_some() && output.reasoning.is_empty() {
-                    choice["message"]["reasoning_content"] = Value::Null;
-                }
-                let mut body = meta.envelope(vec![choice], false);
-                body.insert("usage".into(), usage(prompt_tokens, cached_tokens, completion_tokens));
-                return Json(Value::Object(body)).into_response();
-            }
-            Event::Failed { message } => {
-                in_flight.finish("error");
-                return engine_failure(message).into_response();
-            }
-        }
-    }
-    in_flight.finish("error");
-    engine_failure("the engine stopped".into()).into_response()
-}
-
-/// What the event stream of one streamed request needs between events.
-struct StreamState {
-    prepared: Prepared,
-    in_flight: InFlight,
-    events: UnboundedReceiver<Event>,
-    ended: bool,
-}
-
-impl StreamState {
-    fn chunk(&self, split: &Split, finish: Option<&str>) -> SseEvent {
-        let meta = &self.prepared.meta;
-        let mut body = meta.envelope(vec![meta.choice(split, finish, true)], true);
-        if self.prepared.params.include_usage {
-            body.insert("usage".into(), Value::Null);
-        }
-        SseEvent::default().data(Value::Object(body).to_string())
-    }
-
-    /// The SSE events for the next engine event (none when a token released no text yet).
-    async fn next_events(&mut self) -> Option<Vec<SseEvent>> {
-        if self.ended {
-            return None;
-        }
-        let Some(event) = self.events.recv().await else {
-            self.ended = true;
-            self.in_flight.finish("error");
-            let error = engine_failure("the engine stopped".into());
-            return Some(vec![SseEvent::default().data(error.body().to_string()), done()]);
-        };
-        Some(match event {
-            Event::Token { text, .. } => {
-                self.in_flight.on_token();
-                let split = split_text(&mut self.prepared.reasoning, &text);
-                match split.content.is_empty() && split.reasoning.is_empty() {
-                    true => vec![],
-                    false => vec![self.chunk(&split, None)],
-                }
-            }
-            Event::Finished {
-                reason,
-                prompt_tokens,
-                cached_tokens,
-                completion_tokens,
-            } => {
-                self.ended = true;
-                self.in_flight.finish(reason.as_str());
-                let rest = flush_text(&mut self.prepared.reasoning);
-                let mut out = vec![];
-                if !rest.content.is_empty() || !rest.reasoning.is_empty() {
-                    out.push(self.chunk(&rest, None));
-                }
-                out.push(self.chunk(&Split::default(), Some(reason.as_str())));
-                if self.prepared.params.include_usage {
-                    let mut body = self.prepared.meta.envelope(vec![], true);
-                    body.insert("usage".into(), usage(prompt_tokens, cached_tokens, completion_tokens));
-                    out.push(SseEvent::default().data(Value::Object(body).to_string()));
-                }
-                out.push(done());
-                out
-            }
-            Event::Failed { message } => {
-                self.ended = true;
-                self.in_flight.finish("error");
-                let error = engine_failure(message);
-                vec![SseEvent::default().data(error.body().to_string()), done()]
-            }
-        })
-    }
-}
-
 fn done() -> SseEvent {
     SseEvent::default().data("[DONE]")
 }
 
-/// Streams the generation as server-sent events ending with `data: [DONE]`.
-fn respond_streamed(prepared: Prepared, in_flight: InFlight, events: UnboundedReceiver<Event>) -> Response {
-    let state = StreamState {
-        prepared,
-        in_flight,
-        events,
-        ended: false,
-    };
-    let opening = match state.prepared.meta.endpoint {
-        Endpoint::Chat => {
-            let meta = &state.prepared.meta;
-            let mut body = meta.envelope(
-                vec![json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})],
-                true,
-            );
-            if state.prepared.params.include_usage {
-                body.insert("usage".into(), Value::Null);
+/// Waits for the whole generation and answers with one JSON object.
+async fn respond_whole(renderer: Renderer, mut generation: Generation) -> Response {
+    let mut text = Text::default();
+    while let Some(output) = generation.next().await {
+        match output {
+            Output::Pieces(pieces) => text.add(&renderer, &pieces, false),
+            Output::Finished(pieces, finish) => {
+                text.add(&renderer, &pieces, false);
+                let tokens = generation.take_logprobs();
+                let choice = renderer.choice(&text, &tokens, Some(finish_reason(&finish.reason)), false);
+                let mut body = renderer.envelope(vec![choice], false);
+                body.insert("usage".into(), usage(&finish));
+                return Json(Value::Object(body)).into_response();
             }
-            vec![SseEvent::default().data(Value::Object(body).to_string())]
+            Output::Failed(error) => return error.into_response(),
         }
-        Endpoint::Text => vec![],
-    };
-    let rest = stream::unfold(state, |mut state| async move {
-        let events = state.next_events().await?;
-        Some((events, state))
+    }
+    ApiError::internal("generation failed: no output").into_response()
+}
+
+/// Streams the generation as server-sent events ending with `data: [DONE]`.
+fn respond_streamed(renderer: Renderer, generation: Generation) -> Response {
+    let opening = renderer.opening();
+    let rest = stream::unfold((renderer, generation), |(renderer, mut generation)| async move {
+        let output = generation.next().await?;
+        let events = renderer.events(output, &mut generation);
+        Some((events, (renderer, generation)))
     });
     let all = stream::iter([opening])
         .chain(rest)
@@ -487,34 +331,75 @@ fn respond_streamed(prepared: Prepared, in_flight: InFlight, events: UnboundedRe
     Sse::new(all).keep_alive(KeepAlive::default()).into_response()
 }
 
-async fn generate(state: AppState, prepared: Result<(Prepared, Request), ApiError>) -> Response {
-    let (prepared, request) = match prepared {
-        Ok(p) => p,
-        Err(e) => {
-            let outcome = match e.status.is_client_error() {
-                true => "invalid",
-                false => "unavailable",
-            };
-            state.0.metrics.request_done(outcome, 0, 0);
-            return e.into_response();
+/// A request read, admitted and submitted: how to render it, its output, and whether to stream it.
+type Started = (Renderer, Generation, bool);
+
+async fn respond(state: AppState, started: Result<Started, ApiError>) -> Response {
+    match started {
+        Ok((renderer, generation, true)) => respond_streamed(renderer, generation),
+        Ok((renderer, generation, false)) => respond_whole(renderer, generation).await,
+        Err(error) => {
+            record_refusal(&state, &error);
+            error.into_response()
         }
-    };
-    let (in_flight, events) = match submit(&state, &prepared.model, request) {
-        Ok(admitted) => admitted,
-        Err(e) => return e.into_response(),
-    };
-    match prepared.params.stream {
-        true => respond_streamed(prepared, in_flight, events),
-        false => respond_whole(prepared, in_flight, events).await,
     }
 }
 
+/// The request with its `response_format` compiled for the served model, if it has one.
+fn constrained(
+    state: &AppState,
+    model: &LoadedModel,
+    params: &GenerationParams,
+    mut request: Request,
+) -> Result<Request, ApiError> {
+    if let Some(format) = &params.response_format {
+        request.constraint = Some(sampling::constraint(&state.0.grammar, model, format)?);
+    }
+    Ok(request)
+}
+
+fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
+    let ChatBody { chat, options } = ChatBody::parse(&Body::parse(body)?)?;
+    check_model_name(state, options.model.as_deref())?;
+    let model = state.model()?;
+    let prompt = chat.prepare(&model)?;
+    let request = engine_request(&model, &chat.params, prompt.ids, "messages")?;
+    let request = constrained(state, &model, &chat.params, request)?;
+    let logprobs_of = chat.params.logprobs.map(|_| model.clone());
+    let renderer = Renderer::new(
+        state,
+        Endpoint::Chat,
+        &options,
+        prompt.parser.splits_reasoning(),
+        logprobs_of,
+    );
+    let generation = Generation::start(state, &model, request, prompt.parser)?;
+    Ok((renderer, generation, chat.params.stream))
+}
+
+fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
+    let CompletionBody {
+        prompt,
+        params,
+        options,
+    } = CompletionBody::parse(&Body::parse(body)?)?;
+    check_model_name(state, options.model.as_deref())?;
+    let model = state.model()?;
+    let prompt = prompt.prepare(&model)?;
+    let request = engine_request(&model, &params, prompt.ids, "prompt")?;
+    let request = constrained(state, &model, &params, request)?;
+    let logprobs_of = params.logprobs.map(|_| model.clone());
+    let renderer = Renderer::new(state, Endpoint::Text, &options, false, logprobs_of);
+    let generation = Generation::start(state, &model, request, prompt.parser)?;
+    Ok((renderer, generation, params.stream))
+}
+
 pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
-    let prepared = crate::prompt_work::off_runtime(&state, move |state| prepare_chat(state, &body)).await;
-    generate(state, prepared).await
+    let started = crate::prompt_work::off_runtime(&state, move |state| start_chat(state, &body)).await;
+    respond(state, started).await
 }
 
 pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
-    let prepared = crate::prompt_work::off_runtime(&state, move |state| prepare_text(state, &body)).await;
-    generate(state, prepared).await
+    let started = crate::prompt_work::off_runtime(&state, move |state| start_text(state, &body)).await;
+    respond(state, started).await
 }

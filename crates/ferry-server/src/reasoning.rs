@@ -52,6 +52,12 @@ impl ReasoningParser {
         }
     }
 
+    /// Whether the text pushed so far ends inside the reasoning: of a push that returns both parts, the part it ends
+    /// in came last.
+    pub fn in_reasoning(&self) -> bool {
+        self.in_reasoning
+    }
+
     /// Whatever is held back, at the end of generation.
     pub fn finish(&mut self) -> Split {
         let rest = std::mem::take(&mut self.pending);

@@ -34,6 +34,7 @@ fn health_reports_progress_until_the_model_is_ready() {
         max_in_flight: 4,
         body_read_timeout: std::time::Duration::from_secs(60),
         engine_stall_timeout: std::time::Duration::from_secs(60),
+        allowed_origins: vec![],
     });
     state.set_loading("downloading model-00002-of-00004.safetensors (2/4)", 0.25);
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();

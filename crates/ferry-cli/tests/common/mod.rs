@@ -1,5 +1,6 @@
-//! What the tests of `ferry serve` share: a server on the fixture over a free port, and HTTP over plain sockets.
-#![allow(dead_code)] // each test file uses its own part
+//! What the tests of `ferry serve` share: a server on the bundled fixture on a free port, and raw HTTP/1.1 requests
+//! to it (status and de-chunked body), so each test sees exactly what a client gets.
+#![allow(dead_code)] // Each test binary uses its own part of these helpers.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -85,13 +86,31 @@ impl Server {
         key: Option<&str>,
         content_type: Option<&str>,
     ) -> TcpStream {
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> = [("Authorization", auth.as_deref()), ("Content-Type", content_type)]
+            .into_iter()
+            .filter_map(|(name, value)| Some((name, value?)))
+            .collect();
+        self.send_with_headers(method, path, body, &headers)
+    }
+
+    /// A request with exactly these headers (besides Host, Content-Length and Connection).
+    pub fn send_with_headers(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+        headers: &[(&str, &str)],
+    ) -> TcpStream {
         let mut stream = TcpStream::connect(&self.address).unwrap();
         let body = body.unwrap_or("");
-        let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
-        let content_type = content_type.map_or(String::new(), |t| format!("Content-Type: {t}\r\n"));
+        let headers: String = headers
+            .iter()
+            .map(|(name, value)| format!("{name}: {value}\r\n"))
+            .collect();
         write!(
             stream,
-            "{method} {path} HTTP/1.1\r\nHost: test\r\n{auth}{content_type}\
+            "{method} {path} HTTP/1.1\r\nHost: test\r\n{headers}\
              Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )
@@ -110,7 +129,13 @@ impl Server {
     }
 
     /// Status and (de-chunked) body.
-    pub fn response(mut stream: TcpStream) -> (u16, String) {
+    pub fn response(stream: TcpStream) -> (u16, String) {
+        let (status, _, body) = Server::response_with_head(stream);
+        (status, body)
+    }
+
+    /// Status, head (status line and headers) and (de-chunked) body.
+    pub fn response_with_head(mut stream: TcpStream) -> (u16, String, String) {
         let mut raw = Vec::new();
         stream.read_to_end(&mut raw).unwrap();
         let raw = String::from_utf8(raw).unwrap();
@@ -120,7 +145,7 @@ impl Server {
             true => dechunk(body),
             false => body.to_string(),
         };
-        (status, body)
+        (status, head.to_string(), body)
     }
 
     pub fn get(&self, path: &str, key: Option<&str>) -> (u16, String) {

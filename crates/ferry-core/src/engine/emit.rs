@@ -1,22 +1,28 @@
-//! What becomes of a request's logits once its pending tokens are computed: presence and frequency penalties, the
-//! sampler, the incremental detokenizer (never splits a character; what it holds back is released at the end),
-//! stop strings, eos, max_tokens and the context window. One [`Emitter`] per request, kept across preemptions so
-//! that its sampler and penalties carry on. Not where the token goes (the scheduler hands it to the request's sink).
+//! What becomes of a request's logits once its pending tokens are computed: repetition, presence and frequency
+//! penalties, logit bias, a `response_format` constraint's mask, logprobs, the sampler, the incremental detokenizer
+//! (never splits a character; what it holds back is released at the end), stop strings, eos, the constraint's end,
+//! max_tokens and the context window. One [`Emitter`] per request, kept across preemptions so that its sampler,
+//! penalties and grammar state carry on. Not where the token goes (the scheduler hands it to the request's sink).
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
+use super::constraint::Constraint;
+use super::logprobs::{token_logprobs, TokenLogprobs};
 use super::request::{FinishReason, Request};
-use super::sampler::{apply_penalties, Sampler};
+use super::sampler::{apply_logit_bias, apply_penalties, apply_repetition_penalty, Sampler};
 use super::stop::StopStrings;
 use crate::loader::{Detokenizer, TextDecoder};
 use crate::Result;
 
-/// A request's output state: what it has generated so far, as the penalties, the detokenizer and the stop strings
-/// need it.
+/// A request's output state: what it has generated so far, as the penalties, the grammar, the detokenizer and the
+/// stop strings need it.
 pub(super) struct Emitter {
     sampler: Sampler,
     generated_counts: HashMap<u32, u32>,
+    /// Every token of the prompt and the output, for the repetition penalty (empty when it is 1).
+    seen: HashSet<u32>,
+    constraint: Option<Constraint>,
     detokenizer: Detokenizer,
     stop_strings: StopStrings,
 }
@@ -27,22 +33,30 @@ pub(super) struct Emitted {
     pub id: u32,
     /// The text it released (empty while a character or a possible stop string is incomplete).
     pub text: String,
+    /// Its logprob and the alternatives', when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
     /// Set when the request ends with this token.
     pub finish: Option<FinishReason>,
 }
 
 impl Emitter {
     pub(super) fn new(request: &Request) -> Self {
+        let seen = match request.repetition_penalty == 1.0 {
+            true => HashSet::new(),
+            false => request.prompt_ids.iter().copied().collect(),
+        };
         Emitter {
             sampler: Sampler::new(request.sampling.clone()),
             generated_counts: HashMap::new(),
+            seen,
+            constraint: request.constraint.as_ref().map(Constraint::fork),
             detokenizer: Detokenizer::new(),
             stop_strings: StopStrings::new(request.stop_strings.clone()),
         }
     }
 
     /// Samples the next token of `request` from its last position's `logits` and appends it to `tokens` (prompt
-    /// and generated so far), then applies the stop rules. An error is the detokenizer's.
+    /// and generated so far), then applies the stop rules. An error is the detokenizer's or the grammar's.
     pub(super) fn next_token(
         &mut self,
         request: &Request,
@@ -51,8 +65,47 @@ impl Emitter {
         decoder: &dyn TextDecoder,
         max_model_len: usize,
     ) -> Result<Emitted> {
-        // Copied (a vocabulary's worth, every token) only when there are penalties to apply.
+        let logits = self.shaped_logits(request, logits)?;
+        let id = self.sampler.sample(&logits);
+        let logprobs = request.logprobs.map(|top_n| token_logprobs(&logits, id, top_n));
+        let grammar_complete = match &mut self.constraint {
+            Some(constraint) => constraint.commit(id)?,
+            None => false,
+        };
+        tokens.push(id);
+        *self.generated_counts.entry(id).or_default() += 1;
+        if request.repetition_penalty != 1.0 {
+            self.seen.insert(id);
+        }
+        let eos = !request.stop.ignore_eos && request.stop.eos_token_ids.contains(&id);
+        let generated = tokens.len() - request.prompt_ids.len();
+        let out_of_room = generated >= request.max_tokens || tokens.len() >= max_model_len;
+        let ending = eos || grammar_complete || out_of_room;
+        let piece = self.released_text(decoder, id, eos, ending)?;
+        let (mut text, stopped) = self.stop_strings.push(&piece);
+        if ending && !stopped {
+            text += &self.stop_strings.flush();
+        }
+        let finish = match (stopped || eos || grammar_complete, out_of_room) {
+            (true, _) => Some(FinishReason::Stop),
+            (false, true) => Some(FinishReason::Length),
+            (false, false) => None,
+        };
+        Ok(Emitted {
+            id,
+            text,
+            logprobs,
+            finish,
+        })
+    }
+
+    /// The logits the sampler and logprobs see: after the penalties, the bias and the grammar's mask, in that order.
+    /// Copied (a vocabulary's worth) only when one of them applies.
+    fn shaped_logits<'a>(&mut self, request: &Request, logits: &'a [f32]) -> Result<Cow<'a, [f32]>> {
         let mut logits = Cow::Borrowed(logits);
+        if request.repetition_penalty != 1.0 {
+            apply_repetition_penalty(logits.to_mut(), &self.seen, request.repetition_penalty);
+        }
         if request.presence_penalty != 0.0 || request.frequency_penalty != 0.0 {
             apply_penalties(
                 logits.to_mut(),
@@ -61,24 +114,13 @@ impl Emitter {
                 request.frequency_penalty,
             );
         }
-        let id = self.sampler.sample(&logits);
-        tokens.push(id);
-        *self.generated_counts.entry(id).or_default() += 1;
-        let eos = !request.stop.ignore_eos && request.stop.eos_token_ids.contains(&id);
-        let generated = tokens.len() - request.prompt_ids.len();
-        let out_of_room = generated >= request.max_tokens || tokens.len() >= max_model_len;
-        let ending = eos || out_of_room;
-        let piece = self.released_text(decoder, id, eos, ending)?;
-        let (mut text, stopped) = self.stop_strings.push(&piece);
-        if ending && !stopped {
-            text += &self.stop_strings.flush();
+        if !request.logit_bias.is_empty() {
+            apply_logit_bias(logits.to_mut(), &request.logit_bias);
         }
-        let finish = match (stopped || eos, out_of_room) {
-            (true, _) => Some(FinishReason::Stop),
-            (false, true) => Some(FinishReason::Length),
-            (false, false) => None,
-        };
-        Ok(Emitted { id, text, finish })
+        if let Some(constraint) = &mut self.constraint {
+            constraint.mask(logits.to_mut())?;
+        }
+        Ok(logits)
     }
 
     /// The text a new token releases (none for an eos token), and at the end whatever the detokenizer held back.
@@ -209,5 +251,45 @@ pub(super) mod tests {
         let mut penalised = request(3);
         penalised.frequency_penalty = 2.0;
         assert_eq!(emit_all(&penalised, &repeat, 16).0, "aba");
+    }
+
+    #[test]
+    fn logprobs_rank_the_chosen_token_and_its_alternatives() {
+        let mut asked = request(1);
+        asked.logprobs = Some(2);
+        let mut emitter = Emitter::new(&asked);
+        let mut tokens = asked.prompt_ids.clone();
+        let emitted = emitter
+            .next_token(&asked, &mut tokens, &favouring(3, 5), &Letters, 16)
+            .unwrap();
+        let logprobs = emitted.logprobs.unwrap();
+        let ranked: Vec<u32> = logprobs.top.iter().map(|&(id, _)| id).collect();
+        assert_eq!(ranked, [3, 5]);
+        assert_eq!(logprobs.logprob, logprobs.top[0].1);
+        assert!(
+            (logprobs.top[0].1 - logprobs.top[1].1 - 0.5).abs() < 1e-5,
+            "{logprobs:?}"
+        );
+        let mut tokens = asked.prompt_ids.clone();
+        let plain = Emitter::new(&request(1))
+            .next_token(&request(1), &mut tokens, &favouring(3, 5), &Letters, 16)
+            .unwrap();
+        assert_eq!(plain.logprobs, None, "none unless asked");
+    }
+
+    #[test]
+    fn logit_bias_and_repetition_penalty_change_the_choice() {
+        let repeat: Vec<_> = (0..2).map(|_| favouring(0, 1)).collect();
+        let mut banned = request(2);
+        banned.logit_bias = vec![(0, -100.0)];
+        assert_eq!(emit_all(&banned, &repeat, 16).0, "bb");
+        // Token 0 is in the prompt: its logit of 1.0 becomes 1/3, below token 1's 0.5, until token 1 is generated
+        // and falls to 1/6.
+        let mut penalised = request(2);
+        penalised.repetition_penalty = 3.0;
+        assert_eq!(emit_all(&penalised, &repeat, 16).0, "ba");
+        penalised.prompt_ids = vec![7];
+        // Token 0 leads until it has been generated once.
+        assert_eq!(emit_all(&penalised, &repeat, 16).0, "ab");
     }
 }

@@ -2,8 +2,10 @@
 //! logits, and the scheduler that serves many requests at once (on its own thread for the server, driven step by
 //! step by `ferry generate` and `ferry bench`).
 
+mod constraint;
 mod emit;
 mod executor;
+mod logprobs;
 pub mod plan;
 mod request;
 mod sampler;
@@ -11,8 +13,10 @@ mod scheduler;
 mod service;
 mod stop;
 
+pub use constraint::{Constraint, GrammarCompiler, ResponseFormat};
 pub use emit::NoText;
 pub use executor::{Executor, ModelExecutor};
+pub use logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use plan::MAX_BATCH_TOKENS;
 pub use request::{Event, EventSink, FinishReason, Request, RequestId, StopRules};
 pub use sampler::{apply_penalties, argmax, Sampler, SamplingParams};

@@ -2,6 +2,8 @@
 //! by [`Request::validate`] before it is queued, and the [`Event`]s its [`EventSink`] receives. Not how requests are
 //! scheduled (scheduler.rs) or what a step makes of a request's logits (emit.rs).
 
+use super::constraint::Constraint;
+use super::logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};
 use super::sampler::SamplingParams;
 use super::stop::validate_stop_strings;
 use crate::{Error, Result};
@@ -24,6 +26,15 @@ pub struct Request {
     pub sampling: SamplingParams,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// transformers' repetition penalty over the prompt and the output (1: none).
+    pub repetition_penalty: f32,
+    /// (token id, bias in [-100, 100]) added to the logits before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Report each token's logprob and this many most likely alternatives (at most [`MAX_TOP_LOGPROBS`]); None:
+    /// no logprobs.
+    pub logprobs: Option<usize>,
+    /// Structured output: only tokens this grammar allows are sampled (see constraint.rs).
+    pub constraint: Option<Constraint>,
     pub stop_strings: Vec<String>,
     pub stop: StopRules,
 }
@@ -38,6 +49,10 @@ impl Request {
             sampling: SamplingParams::default(),
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            logprobs: None,
+            constraint: None,
             stop_strings: Vec::new(),
             stop: StopRules::default(),
         }
@@ -73,6 +88,29 @@ impl Request {
                 return Err(Error::Request(format!("{name} must be between -2 and 2, got {value}")));
             }
         }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(Error::Request(format!(
+                "repetition_penalty must be greater than 0, got {}",
+                self.repetition_penalty
+            )));
+        }
+        for &(token, bias) in &self.logit_bias {
+            if token as usize >= vocab_size {
+                return Err(Error::Request(format!(
+                    "logit_bias: token id {token} is outside the vocabulary (size {vocab_size})"
+                )));
+            }
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(Error::Request(format!(
+                    "logit_bias: the bias of token {token} must be between -100 and 100, got {bias}"
+                )));
+            }
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(Error::Request(format!(
+                "logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token, got {n}"
+            )));
+        }
         Ok(())
     }
 }
@@ -98,10 +136,11 @@ impl FinishReason {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// Token `id` was generated; `text` is what it released (empty while a character or a possible stop string is
-    /// incomplete).
+    /// incomplete); `logprobs` when the request asked for them.
     Token {
         id: u32,
         text: String,
+        logprobs: Option<TokenLogprobs>,
     },
     Finished {
         reason: FinishReason,
@@ -146,6 +185,19 @@ mod tests {
         let mut hot = request(&[1]);
         hot.sampling.temperature = -1.0;
         assert!(refusal(hot).contains("temperature"));
+        let mut repeated = request(&[1]);
+        repeated.repetition_penalty = 0.0;
+        assert!(refusal(repeated).contains("repetition_penalty"));
+        let mut biased = request(&[1]);
+        biased.logit_bias = vec![(3, 100.0), (16, 1.0)];
+        assert!(refusal(biased.clone()).contains("logit_bias: token id 16"));
+        biased.logit_bias = vec![(3, -100.5)];
+        assert!(refusal(biased).contains("logit_bias: the bias of token 3"));
+        let mut curious = request(&[1]);
+        curious.logprobs = Some(20);
+        curious.validate(16, 16).unwrap();
+        curious.logprobs = Some(21);
+        assert!(refusal(curious).contains("logprobs: at most 20"));
         let mut stopped_everywhere = request(&[1]);
         stopped_everywhere.stop_strings = (0..190_000).map(|i| i.to_string()).collect();
         assert!(refusal(stopped_everywhere).contains("`stop`"));

@@ -1,7 +1,8 @@
-//! Picks the next token from logits: greedy at temperature 0, otherwise temperature, top-k and top-p
-//! (nucleus) sampling from a seeded generator, so a given seed always gives the same continuation.
+//! Picks the next token from logits: greedy at temperature 0, otherwise temperature, top-k, top-p (nucleus) and
+//! min-p sampling from a seeded generator, so a given seed always gives the same continuation. Also the edits a
+//! request makes to its logits before that: presence, frequency and repetition penalties, and logit bias.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -13,6 +14,8 @@ pub struct SamplingParams {
     pub top_k: Option<usize>,
     /// Keep the smallest set of most likely tokens whose probability reaches top_p (1.0: all).
     pub top_p: f32,
+    /// Keep only tokens at least this fraction as likely as the most likely one (0: all).
+    pub min_p: f32,
     pub seed: Option<u64>,
 }
 
@@ -22,6 +25,7 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: None,
             top_p: 1.0,
+            min_p: 0.0,
             seed: None,
         }
     }
@@ -35,6 +39,9 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         Ok(())
     }
@@ -82,6 +89,7 @@ impl Sampler {
             .collect();
         let total: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|q| *q /= total);
+        // Both filters keep a prefix of the sorted probabilities, each judged on the same distribution.
         if p.top_p < 1.0 {
             let mut cumulative = 0.0;
             let keep = probs
@@ -92,6 +100,11 @@ impl Sampler {
                 })
                 .map_or(probs.len(), |i| i + 1);
             probs.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let threshold = p.min_p * probs[0];
+            let keep = probs.iter().position(|&q| q < threshold).unwrap_or(probs.len());
+            probs.truncate(keep.max(1));
         }
         let total: f32 = probs.iter().sum();
         let mut draw = self.rng.random::<f32>() * total;
@@ -118,9 +131,66 @@ pub fn apply_penalties(logits: &mut [f32], generated_counts: &HashMap<u32, u32>,
     }
 }
 
+/// transformers' repetition penalty: every token of the prompt or the output so far has its logit divided by
+/// `penalty` when positive and multiplied by it when negative, so a penalty above 1 always makes it less likely.
+pub fn apply_repetition_penalty(logits: &mut [f32], seen: &HashSet<u32>, penalty: f32) {
+    if penalty == 1.0 {
+        return;
+    }
+    for &token in seen {
+        if let Some(logit) = logits.get_mut(token as usize) {
+            *logit = if *logit > 0.0 {
+                *logit / penalty
+            } else {
+                *logit * penalty
+            };
+        }
+    }
+}
+
+/// Adds each `(token, bias)` to that token's logit (OpenAI's `logit_bias`; -100 all but bans a token).
+pub fn apply_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
+    for &(token, b) in bias {
+        if let Some(logit) = logits.get_mut(token as usize) {
+            *logit += b;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
+        let mut logits = [2.0, -2.0, 2.0, 0.0];
+        apply_repetition_penalty(&mut logits, &HashSet::from([0, 1, 3, 99]), 2.0);
+        assert_eq!(
+            logits,
+            [1.0, -4.0, 2.0, 0.0],
+            "token 2 unseen, 99 outside the vocabulary"
+        );
+    }
+
+    #[test]
+    fn logit_bias_moves_the_greedy_choice() {
+        let mut logits = [1.0, 3.0, 2.0];
+        apply_logit_bias(&mut logits, &[(1, -100.0), (0, 0.5)]);
+        assert_eq!(logits, [1.5, -97.0, 2.0]);
+        assert_eq!(Sampler::new(SamplingParams::default()).sample(&logits), 2);
+    }
+
+    #[test]
+    fn min_p_drops_tokens_less_likely_than_a_fraction_of_the_best() {
+        // Probabilities ~ [0.64, 0.24, 0.09, 0.03]: min_p 0.3 keeps tokens with p >= 0.19, i.e. 0 and 1.
+        let logits = [3.0, 2.0, 1.0, 0.0];
+        let mut s = Sampler::new(SamplingParams {
+            min_p: 0.3,
+            ..params(1.0, None, 1.0, 3)
+        });
+        let seen: HashSet<u32> = (0..400).map(|_| s.sample(&logits)).collect();
+        assert_eq!(seen, [0, 1].into_iter().collect());
+    }
 
     #[test]
     fn penalties_lower_generated_tokens_by_presence_and_count() {
@@ -135,6 +205,7 @@ mod tests {
             temperature,
             top_k,
             top_p,
+            min_p: 0.0,
             seed: Some(seed),
         }
     }
@@ -183,5 +254,10 @@ mod tests {
             .unwrap_err()
             .contains("temperature"));
         assert!(params(1.0, None, 0.0, 0).validate().unwrap_err().contains("top_p"));
+        let min_p = SamplingParams {
+            min_p: 1.5,
+            ..params(1.0, None, 1.0, 0)
+        };
+        assert!(min_p.validate().unwrap_err().contains("min_p"));
     }
 }

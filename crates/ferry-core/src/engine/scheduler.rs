@@ -495,6 +495,7 @@ impl<E: Executor> Scheduler<E> {
         let token = Event::Token {
             id: emitted.id,
             text: emitted.text,
+            logprobs: emitted.logprobs,
         };
         if !(seq.sink)(token) {
             return Next::ListenerGone;

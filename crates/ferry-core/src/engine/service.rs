@@ -14,7 +14,8 @@ use super::scheduler::{Scheduler, SchedulerStats};
 enum Command {
     Submit {
         id: RequestId,
-        request: Request,
+        /// Boxed: a request is large next to a cancel.
+        request: Box<Request>,
         sink: EventSink,
     },
     Cancel(RequestId),
@@ -103,9 +104,11 @@ impl EngineHandle {
     /// Queues a request; its events go to `sink` (a refused request gets one `Failed` event).
     pub fn submit(&self, request: Request, sink: EventSink) -> RequestId {
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        if let Err(mpsc::SendError(Command::Submit { mut sink, .. })) =
-            self.commands.send(Command::Submit { id, request, sink })
-        {
+        if let Err(mpsc::SendError(Command::Submit { mut sink, .. })) = self.commands.send(Command::Submit {
+            id,
+            request: Box::new(request),
+            sink,
+        }) {
             sink(Event::Failed {
                 message: "the engine has stopped".into(),
             });
@@ -130,7 +133,7 @@ impl EngineHandle {
 fn apply<E: Executor>(scheduler: &mut Scheduler<E>, command: Command) {
     match command {
         Command::Submit { id, request, sink } => {
-            if let Err(e) = scheduler.submit(id, request, sink) {
+            if let Err(e) = scheduler.submit(id, *request, sink) {
                 tracing::debug!("request {} refused: {e}", id.0);
             }
         }

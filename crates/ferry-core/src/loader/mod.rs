@@ -8,7 +8,7 @@ mod weights;
 use std::path::{Path, PathBuf};
 
 pub use generation::GenerationConfig;
-pub use tokenizer::{ChatMessage, ChatPrompt, Detokenizer, TextDecoder, Tokenizer};
+pub use tokenizer::{ChatMessage, ChatPrompt, Detokenizer, FunctionCall, TextDecoder, Tokenizer, ToolCall};
 pub use weights::{DType, NonFinite, TensorRef, WeightStore};
 
 use crate::{Error, Result};

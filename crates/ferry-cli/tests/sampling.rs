@@ -1,0 +1,197 @@
+//! The sampling surface of `ferry serve` over real HTTP on the bundled fixture (random weights): logprobs in
+//! OpenAI's chat and completions shapes (plain and streamed), `logit_bias` moving greedy's choice, `min_p` and
+//! `repetition_penalty` accepted, `response_format` output that validates, and bad values refused by name.
+
+mod common;
+
+use common::Server;
+use serde_json::{json, Value};
+
+fn chat(extra: Value) -> Value {
+    let mut body = json!({
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 6, "temperature": 0,
+    });
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+fn ok(server: &Server, path: &str, body: &Value) -> Value {
+    let (status, response) = server.post(path, body);
+    assert_eq!(status, 200, "{response}");
+    response
+}
+
+#[test]
+fn chat_logprobs_rank_greedys_choice_first_and_stream_the_same() {
+    let server = Server::start(&[]);
+    let body = chat(json!({"logprobs": true, "top_logprobs": 3}));
+    let response = ok(&server, "/v1/chat/completions", &body);
+    let content = response["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        content.len() as u64,
+        response["usage"]["completion_tokens"],
+        "{response}"
+    );
+    for entry in &content {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        // Greedy's token is the most likely one: first among the alternatives, with the same logprob.
+        assert_eq!(
+            (&top[0]["token"], &top[0]["logprob"]),
+            (&entry["token"], &entry["logprob"])
+        );
+        assert!(entry["logprob"].as_f64().unwrap() <= 0.0);
+        let bytes: Vec<u8> = serde_json::from_value(entry["bytes"].clone()).unwrap();
+        assert_eq!(String::from_utf8_lossy(&bytes), entry["token"].as_str().unwrap());
+    }
+    let text: String = content.iter().map(|e| e["token"].as_str().unwrap()).collect();
+    assert_eq!(text, response["choices"][0]["message"]["content"].as_str().unwrap());
+    // Streamed: the same entries, spread over the chunks.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = server.post_stream("/v1/chat/completions", &streamed);
+    let streamed_entries: Vec<Value> = chunks
+        .iter()
+        .filter(|c| *c != "[DONE]")
+        .filter_map(|c| {
+            serde_json::from_str::<Value>(c).unwrap()["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+        })
+        .flatten()
+        .collect();
+    assert_eq!(streamed_entries, content);
+    // Not asked: null.
+    let plain = ok(&server, "/v1/chat/completions", &chat(json!({})));
+    assert_eq!(plain["choices"][0]["logprobs"], Value::Null);
+}
+
+#[test]
+fn completion_logprobs_have_openais_legacy_shape() {
+    let server = Server::start(&[]);
+    let body = json!({"prompt": "Once upon", "max_tokens": 5, "temperature": 0, "logprobs": 2});
+    let response = ok(&server, "/v1/completions", &body);
+    let choice = &response["choices"][0];
+    let logprobs = &choice["logprobs"];
+    let tokens: Vec<String> = serde_json::from_value(logprobs["tokens"].clone()).unwrap();
+    assert_eq!(tokens.len(), 5, "{logprobs}");
+    assert_eq!(tokens.concat(), choice["text"].as_str().unwrap());
+    let offsets: Vec<usize> = serde_json::from_value(logprobs["text_offset"].clone()).unwrap();
+    let mut expected = 0;
+    for (offset, token) in offsets.iter().zip(&tokens) {
+        assert_eq!(*offset, expected);
+        expected += token.len();
+    }
+    for (i, token) in tokens.iter().enumerate() {
+        let top = logprobs["top_logprobs"][i].as_object().unwrap();
+        assert!((2..=3).contains(&top.len()), "{top:?}");
+        let best = top
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(
+            logprobs["token_logprobs"][i].as_f64().unwrap(),
+            best,
+            "greedy took the best"
+        );
+        assert_eq!(top[token.as_str()].as_f64().unwrap(), best);
+    }
+}
+
+#[test]
+fn logit_bias_against_greedys_first_token_changes_it() {
+    let server = Server::start(&[]);
+    let body = json!({"prompt": "Once upon", "max_tokens": 1, "temperature": 0, "logprobs": 0});
+    let first = ok(&server, "/v1/completions", &body);
+    let tokenized = ok(&server, "/tokenize", &json!({"prompt": first["choices"][0]["text"]}));
+    let id = tokenized["tokens"][0].as_u64().unwrap();
+    let mut biased = body.clone();
+    biased["logit_bias"] = json!({ id.to_string(): -100 });
+    let second = ok(&server, "/v1/completions", &biased);
+    assert_ne!(second["choices"][0]["text"], first["choices"][0]["text"], "{second}");
+    // min_p and repetition_penalty are accepted and generate.
+    let mut other = body.clone();
+    other["min_p"] = json!(0.1);
+    other["repetition_penalty"] = json!(1.3);
+    ok(&server, "/v1/completions", &other);
+}
+
+#[test]
+fn json_schema_output_validates_and_json_object_output_is_an_object() {
+    let server = Server::start(&[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no"]},
+            "count": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["answer", "count"],
+        "additionalProperties": false,
+    });
+    for temperature in [0.0, 1.0] {
+        let format = json!({"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": true}});
+        let body = chat(json!({"response_format": format, "max_tokens": 60, "temperature": temperature, "seed": 3}));
+        let response = ok(&server, "/v1/chat/completions", &body);
+        assert_eq!(response["choices"][0]["finish_reason"], "stop", "{response}");
+        let text = response["choices"][0]["message"]["content"].as_str().unwrap();
+        let value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(["yes", "no"].contains(&value["answer"].as_str().unwrap()), "{value}");
+        assert!((1..=9).contains(&value["count"].as_i64().unwrap()), "{value}");
+        assert_eq!(value.as_object().unwrap().len(), 2, "{value}");
+    }
+    let body = chat(json!({"response_format": {"type": "json_object"}, "max_tokens": 100}));
+    let response = ok(&server, "/v1/chat/completions", &body);
+    let text = response["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.starts_with('{'), "{text:?}");
+    if response["choices"][0]["finish_reason"] == "stop" {
+        assert!(serde_json::from_str::<Value>(text).unwrap().is_object(), "{text:?}");
+    }
+}
+
+#[test]
+fn bad_sampling_values_are_400s_naming_the_field() {
+    let server = Server::start(&[]);
+    let schema_of = |schema: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});
+    for (field, value, param) in [
+        ("logit_bias", json!({"abc": 1}), "logit_bias"),
+        ("logit_bias", json!({"1": 101}), "logit_bias"),
+        ("logit_bias", json!({"100000": 1}), "logit_bias"),
+        ("top_logprobs", json!(21), "top_logprobs"),
+        ("min_p", json!(1.5), "min_p"),
+        ("repetition_penalty", json!(0), "repetition_penalty"),
+        ("response_format", json!({"type": "yaml"}), "response_format.type"),
+        (
+            "response_format",
+            json!({"type": "json_schema"}),
+            "response_format.json_schema",
+        ),
+        (
+            "response_format",
+            schema_of(json!({"type": "nonsense"})),
+            "response_format",
+        ),
+        (
+            "response_format",
+            schema_of(json!(true)),
+            "response_format.json_schema.schema",
+        ),
+    ] {
+        let mut body = chat(json!({}));
+        body[field] = value;
+        if field == "top_logprobs" {
+            body["logprobs"] = json!(true);
+        }
+        let (status, error) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{field}: {error}");
+        assert_eq!(error["error"]["param"], param, "{error}");
+    }
+    let (status, error) = server.post("/v1/chat/completions", &chat(json!({"top_logprobs": 2})));
+    assert_eq!((status, error["error"]["param"].clone()), (400, json!("top_logprobs")));
+    let text = json!({"prompt": "hi", "max_tokens": 2, "logprobs": 6});
+    let (status, error) = server.post("/v1/completions", &text);
+    assert_eq!((status, error["error"]["param"].clone()), (400, json!("logprobs")));
+}

@@ -1,0 +1,212 @@
+//! The protocol-neutral request: what a chat or text generation asks for, whichever API it came through (OpenAI's
+//! chat and text completions, Anthropic's messages), and how it becomes an engine request: the chat template
+//! rendered, the prompt tokenized and checked against the context window, the sampling defaults filled in.
+//!
+//! Not here: reading a protocol's JSON (params.rs, anthropic/), admission and output (generation.rs).
+
+use ferry_core::engine::{Request, ResponseFormat, SamplingParams, StopRules};
+use ferry_core::loader::{ChatMessage, ChatPrompt};
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+use crate::generation::PieceParser;
+use crate::reasoning::ReasoningParser;
+use crate::tools::ToolRequest;
+use crate::{AppState, LoadedModel};
+
+/// What every generation asks of the engine, in either protocol.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationParams {
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    /// (token id, bias) added to the logits.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Each token's logprob and this many alternatives; None: no logprobs.
+    pub logprobs: Option<usize>,
+    /// Constrained decoding; compiled for the served model where the request is started.
+    pub response_format: Option<ResponseFormat>,
+    /// Generate past end-of-sequence tokens (vLLM's extension; benchmarks use it to fix the output length).
+    pub ignore_eos: bool,
+    /// Answer as a stream of events rather than one object.
+    pub stream: bool,
+}
+
+/// A conversation to continue.
+#[derive(Clone, Debug, Default)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    /// Variables for the chat template beyond the messages (OpenAI's `chat_template_kwargs`).
+    pub template_kwargs: Map<String, Value>,
+    /// The template's thinking switch (`enable_thinking`), when the protocol sets it; it wins over the kwargs.
+    pub thinking: Option<bool>,
+    /// The tools offered, what the model may do with them, and so how its output is parsed for calls.
+    pub tools: ToolRequest,
+    pub params: GenerationParams,
+}
+
+/// What a text completion starts from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    TokenIds(Vec<u32>),
+}
+
+/// A prompt ready for the engine, with the output parsing its rendering calls for.
+pub struct PreparedPrompt {
+    pub ids: Vec<u32>,
+    pub parser: PieceParser,
+}
+
+/// A 404 when the request names a model other than the one served (a request naming none gets it).
+pub fn check_model_name(state: &AppState, requested: Option<&str>) -> Result<(), ApiError> {
+    let served = &state.0.config.served_model_name;
+    match requested {
+        Some(name) if name != served => Err(ApiError::model_not_found(name, served)),
+        _ => Ok(()),
+    }
+}
+
+impl ChatRequest {
+    /// The chat template's output for this conversation and its token ids, ending with the assistant's generation
+    /// prompt when `add_generation_prompt` is set. Prompt text that cannot fit the context is refused by its bytes
+    /// before anything is rendered; special-token text inside contents is tokenized as the operator chose.
+    pub fn encode(&self, model: &LoadedModel, add_generation_prompt: bool) -> Result<ChatPrompt, ApiError> {
+        let content_bytes = self.messages.iter().map(|m| m.content.len()).sum();
+        crate::prompt_work::check_prompt_bytes(model, content_bytes, "messages")?;
+        let tokenizer = &model.tokenizer;
+        if !tokenizer.has_chat_template() {
+            return Err(ApiError::invalid(
+                "this model has no chat template; use /v1/completions",
+            ));
+        }
+        let tools = self.tools.template_tools();
+        // A template without a tool section would drop the tools without a word.
+        if !tools.is_empty() && !tokenizer.chat_template_mentions("tools") {
+            return Err(ApiError::invalid_param(
+                "tools",
+                "this model's chat template does not render tools",
+            ));
+        }
+        let mut kwargs = self.template_kwargs.clone();
+        if let Some(thinking) = self.thinking {
+            kwargs.insert("enable_thinking".into(), thinking.into());
+        }
+        tokenizer
+            .encode_chat(
+                &self.messages,
+                &tools,
+                add_generation_prompt,
+                &kwargs,
+                model.special_tokens_in_content,
+            )
+            .map_err(|e| match e {
+                ferry_core::Error::ChatTemplate(_) => ApiError::invalid_param("messages", e.to_string()),
+                _ => ApiError::internal(e.to_string()),
+            })
+    }
+
+    /// Rendered with the generation prompt and tokenized.
+    pub fn prepare(&self, model: &LoadedModel) -> Result<PreparedPrompt, ApiError> {
+        let ChatPrompt { text, ids } = self.encode(model, true)?;
+        let reasoning = model.splits_reasoning().then(|| ReasoningParser::new(&text));
+        Ok(PreparedPrompt {
+            ids,
+            parser: PieceParser::new(reasoning, self.tools.parser(model.tool_call_format)),
+        })
+    }
+}
+
+impl Prompt {
+    pub fn prepare(self, model: &LoadedModel) -> Result<PreparedPrompt, ApiError> {
+        let ids = match self {
+            Prompt::TokenIds(ids) => ids,
+            Prompt::Text(text) => {
+                crate::prompt_work::check_prompt_bytes(model, text.len(), "prompt")?;
+                tokenize(model, &text, true)?
+            }
+        };
+        Ok(PreparedPrompt {
+            ids,
+            parser: PieceParser::new(None, None),
+        })
+    }
+}
+
+/// `text`'s token ids; the tokenizer failing on valid UTF-8 is the server's fault, not the caller's.
+pub fn tokenize(model: &LoadedModel, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ApiError> {
+    model
+        .tokenizer
+        .encode(text, add_special_tokens)
+        .map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// The engine request for `prompt_ids`, refusing a prompt that leaves no room in the context window (the error
+/// names `prompt_field`, where the prompt came from).
+pub fn engine_request(
+    model: &LoadedModel,
+    params: &GenerationParams,
+    prompt_ids: Vec<u32>,
+    prompt_field: &str,
+) -> Result<Request, ApiError> {
+    let window = model.max_model_len;
+    if prompt_ids.len() >= window {
+        return Err(ApiError::invalid_param(
+            prompt_field,
+            format!(
+                "this model's maximum context length is {window} tokens, but the prompt has {} tokens \
+                 (and at least one token must be generated)",
+                prompt_ids.len()
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    if let Some((id, _)) = params
+        .logit_bias
+        .iter()
+        .find(|(id, _)| *id as usize >= model.vocab_size)
+    {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!(
+                "`logit_bias`: token id {id} is outside the vocabulary (size {})",
+                model.vocab_size
+            ),
+        ));
+    }
+    let room = window - prompt_ids.len();
+    let defaults = model.defaults;
+    let request = Request {
+        max_tokens: params.max_tokens.unwrap_or(room).min(room),
+        sampling: SamplingParams {
+            temperature: params.temperature.or(defaults.temperature).unwrap_or(1.0),
+            top_p: params.top_p.or(defaults.top_p).unwrap_or(1.0),
+            top_k: params.top_k.or(defaults.top_k),
+            min_p: params.min_p.unwrap_or(0.0),
+            seed: params.seed,
+        },
+        presence_penalty: params.presence_penalty,
+        frequency_penalty: params.frequency_penalty,
+        repetition_penalty: params.repetition_penalty.unwrap_or(1.0),
+        logit_bias: params.logit_bias.clone(),
+        logprobs: params.logprobs,
+        constraint: None,
+        stop_strings: params.stop.clone(),
+        stop: StopRules {
+            eos_token_ids: model.eos_token_ids.clone(),
+            ignore_eos: params.ignore_eos,
+        },
+        prompt_ids,
+    };
+    request
+        .validate(window, model.vocab_size)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    Ok(request)
+}

@@ -1,0 +1,391 @@
+//! The tool fields of a chat request, read field by field like params.rs (a 400 naming the field): OpenAI's
+//! `tools`, `tool_choice` and `parallel_tool_calls`, and the tool calls and tool results of the history.
+//!
+//! What ferry does with them: the definitions go to the chat template as transformers' `tools=` passes them and
+//! the output is parsed for calls (`auto`); `none` leaves the tools out of the prompt and parses nothing, so no
+//! call can come back (vLLM's `--exclude-tools-when-tool-choice-none`); `required`, a named function and
+//! `strict` schemas need constrained decoding and are refused with a 400 rather than accepted and not honoured.
+
+use ferry_core::loader::{FunctionCall, ToolCall};
+use serde_json::{Map, Value};
+
+use super::{ToolCallFormat, ToolCallParser};
+use crate::body::{wrong_type, Body};
+use crate::error::ApiError;
+
+/// Longest tool name accepted (Anthropic's limit; OpenAI's is 64).
+const MAX_NAME_CHARS: usize = 128;
+
+/// One tool a request offers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolSpec {
+    pub name: String,
+    /// The JSON schema of the arguments (`{}` when the definition has none).
+    pub parameters: Value,
+    /// The definition as the client sent it, which the template renders.
+    pub definition: Value,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolChoice {
+    Auto,
+    None,
+}
+
+/// A request's tools and what the model may do with them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolRequest {
+    pub tools: Vec<ToolSpec>,
+    pub choice: ToolChoice,
+    pub parallel_calls: bool,
+}
+
+impl Default for ToolRequest {
+    fn default() -> Self {
+        ToolRequest {
+            tools: vec![],
+            choice: ToolChoice::Auto,
+            parallel_calls: true,
+        }
+    }
+}
+
+/// A name a template can write and a parser can read back: letters, digits, `_`, `-`, `.`, `:`.
+pub(crate) fn check_name(param: &str, name: &str) -> Result<(), ApiError> {
+    let valid = !name.is_empty()
+        && name.chars().count() <= MAX_NAME_CHARS
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.:".contains(c));
+    match valid {
+        true => Ok(()),
+        false => Err(ApiError::invalid_param(
+            param,
+            format!("`{param}` must be 1 to {MAX_NAME_CHARS} letters, digits, `_`, `-`, `.` or `:`"),
+        )),
+    }
+}
+
+/// The object at `param` as a [`Body`] of its own, so that its fields are checked and its unknown ones refused.
+fn nested(param: &str, value: &Value) -> Result<Body, ApiError> {
+    match value {
+        Value::Object(fields) => Ok(Body::nested(fields.clone(), format!("{param}."))),
+        other => Err(wrong_type(param, "an object", other)),
+    }
+}
+
+fn required<T>(body: &Body, name: &str, value: Option<T>) -> Result<T, ApiError> {
+    let param = body.param(name);
+    value.ok_or_else(|| ApiError::invalid_param(&param, format!("`{param}` is required")))
+}
+
+/// `type` is optional but, when given, must be "function".
+fn check_function_type(body: &Body) -> Result<(), ApiError> {
+    match body.string("type")?.as_deref() {
+        None | Some("function") => Ok(()),
+        Some(_) => {
+            let param = body.param("type");
+            Err(ApiError::invalid_param(
+                &param,
+                format!("`{param}` must be \"function\", the only tool type ferry serves"),
+            ))
+        }
+    }
+}
+
+impl ToolSpec {
+    #[cfg(test)]
+    /// A tool offered by name and schema, in transformers' `{"type": "function", "function": {...}}` shape.
+    pub fn function(name: &str, description: Option<&str>, parameters: Value) -> Self {
+        let mut function = Map::new();
+        function.insert("name".into(), name.into());
+        if let Some(description) = description {
+            function.insert("description".into(), description.into());
+        }
+        function.insert("parameters".into(), parameters.clone());
+        let mut definition = Map::new();
+        definition.insert("type".into(), "function".into());
+        definition.insert("function".into(), function.into());
+        ToolSpec {
+            name: name.into(),
+            parameters,
+            definition: definition.into(),
+        }
+    }
+
+    fn parse(index: usize, value: &Value) -> Result<Self, ApiError> {
+        let tool = nested(&format!("tools[{index}]"), value)?;
+        check_function_type(&tool)?;
+        let function = required(&tool, "function", tool.get("function"))?;
+        let function = nested(&tool.param("function"), function)?;
+        let name = required(&function, "name", function.string("name")?)?;
+        check_name(&function.param("name"), &name)?;
+        // Read to check its type; the template renders it from `definition`.
+        function.string("description")?;
+        let parameters = Value::Object(function.object("parameters")?.cloned().unwrap_or_default());
+        if function.boolean("strict")? {
+            let param = function.param("strict");
+            return Err(ApiError::invalid_param(
+                &param,
+                format!("`{param}` needs constrained decoding, which ferry does not do for tool calls"),
+            ));
+        }
+        function.refuse_unread(&[])?;
+        tool.refuse_unread(&[])?;
+        Ok(ToolSpec {
+            name,
+            parameters,
+            definition: value.clone(),
+        })
+    }
+}
+
+impl ToolRequest {
+    /// `tools`, `tool_choice` and `parallel_tool_calls` of an OpenAI chat request.
+    pub fn parse(body: &Body) -> Result<Self, ApiError> {
+        let tools: Vec<ToolSpec> = match body.get("tools") {
+            None => vec![],
+            Some(Value::Array(list)) => list
+                .iter()
+                .enumerate()
+                .map(|(i, tool)| ToolSpec::parse(i, tool))
+                .collect::<Result<_, _>>()?,
+            Some(other) => return Err(wrong_type("tools", "an array of tools", other)),
+        };
+        for (i, tool) in tools.iter().enumerate() {
+            if tools[..i].iter().any(|t| t.name == tool.name) {
+                return Err(ApiError::invalid_param(
+                    &format!("tools[{i}].function.name"),
+                    format!("two tools are named `{}`", tool.name),
+                ));
+            }
+        }
+        let choice = match body.get("tool_choice") {
+            None => ToolChoice::Auto,
+            Some(Value::String(choice)) if choice == "auto" => ToolChoice::Auto,
+            Some(Value::String(choice)) if choice == "none" => ToolChoice::None,
+            Some(Value::String(choice)) if choice == "required" => return Err(needs_constraints("\"required\"")),
+            Some(Value::Object(_)) => return Err(needs_constraints("a named function")),
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    "`tool_choice` must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \
+                     \"function\": {\"name\": ...}}",
+                ))
+            }
+        };
+        let parallel_calls = match body.get("parallel_tool_calls") {
+            None => true,
+            Some(Value::Bool(parallel)) => *parallel,
+            Some(other) => return Err(wrong_type("parallel_tool_calls", "a boolean", other)),
+        };
+        Ok(ToolRequest {
+            tools,
+            choice,
+            parallel_calls,
+        })
+    }
+
+    /// The definitions the chat template renders: none under `tool_choice: none`.
+    pub fn template_tools(&self) -> Vec<Value> {
+        match self.choice {
+            ToolChoice::Auto => self.tools.iter().map(|t| t.definition.clone()).collect(),
+            ToolChoice::None => vec![],
+        }
+    }
+
+    /// The parser for this request's output: none without tools, under `tool_choice: none`, or without a format.
+    pub fn parser(&self, format: Option<ToolCallFormat>) -> Option<ToolCallParser> {
+        match (self.choice == ToolChoice::Auto && !self.tools.is_empty(), format) {
+            (true, Some(format)) => Some(ToolCallParser::new(format, self.tools.clone(), self.parallel_calls)),
+            _ => None,
+        }
+    }
+}
+
+fn needs_constraints(what: &str) -> ApiError {
+    ApiError::invalid_param(
+        "tool_choice",
+        format!(
+            "`tool_choice` {what} needs constrained decoding, which ferry does not do for tool calls; use \"auto\" \
+             (or \"none\")"
+        ),
+    )
+}
+
+/// A message's `tool_calls` (OpenAI's shape): each call's `arguments`, a JSON string in OpenAI's API (an object is
+/// taken too), becomes the object templates expect.
+pub fn parse_tool_calls(message: &Body) -> Result<Vec<ToolCall>, ApiError> {
+    let param = message.param("tool_calls");
+    let calls = match message.get("tool_calls") {
+        None => return Ok(vec![]),
+        Some(Value::Array(calls)) => calls,
+        Some(other) => return Err(wrong_type(&param, "an array of tool calls", other)),
+    };
+    calls
+        .iter()
+        .enumerate()
+        .map(|(j, call)| {
+            let call = nested(&format!("{param}[{j}]"), call)?;
+            check_function_type(&call)?;
+            let id = required(&call, "id", call.string("id")?)?;
+            let function = required(&call, "function", call.get("function"))?;
+            let function = nested(&call.param("function"), function)?;
+            let name = required(&function, "name", function.string("name")?)?;
+            let arguments_param = function.param("arguments");
+            let arguments = match function.get("arguments") {
+                None => Map::new(),
+                Some(Value::Object(arguments)) => arguments.clone(),
+                Some(Value::String(text)) => match serde_json::from_str(text) {
+                    Ok(Value::Object(arguments)) => arguments,
+                    _ => {
+                        return Err(ApiError::invalid_param(
+                            &arguments_param,
+                            format!("`{arguments_param}` must be a JSON object (as a string)"),
+                        ))
+                    }
+                },
+                Some(other) => return Err(wrong_type(&arguments_param, "a string holding a JSON object", other)),
+            };
+            function.refuse_unread(&[])?;
+            call.refuse_unread(&[])?;
+            Ok(ToolCall {
+                id,
+                function: FunctionCall { name, arguments },
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(body: Value) -> Result<ToolRequest, ApiError> {
+        ToolRequest::parse(&Body::new(body.as_object().unwrap().clone()))
+    }
+
+    fn read_calls(calls: Value) -> Result<Vec<ToolCall>, ApiError> {
+        let message = json!({"role": "assistant", "tool_calls": calls});
+        parse_tool_calls(&Body::nested(
+            message.as_object().unwrap().clone(),
+            "messages[1].".into(),
+        ))
+    }
+
+    fn weather() -> Value {
+        json!({"type": "function", "function": {"name": "get_weather", "description": "d",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})
+    }
+
+    #[test]
+    fn tools_are_read_and_rendered_as_sent() {
+        let request = parse(json!({"tools": [weather()], "parallel_tool_calls": false})).unwrap();
+        assert_eq!(request.tools[0].name, "get_weather");
+        assert_eq!(request.tools[0].parameters["properties"]["city"]["type"], "string");
+        assert_eq!(request.template_tools(), vec![weather()]);
+        assert!(!request.parallel_calls);
+        assert!(request.parser(Some(ToolCallFormat::Hermes)).is_some());
+        assert!(request.parser(None).is_none());
+        let none = parse(json!({"tools": [weather()], "tool_choice": "none"})).unwrap();
+        assert!(none.template_tools().is_empty());
+        assert!(none.parser(Some(ToolCallFormat::Hermes)).is_none());
+        assert_eq!(parse(json!({})).unwrap(), ToolRequest::default());
+        assert_eq!(
+            ToolSpec::function("get_weather", Some("d"), weather()["function"]["parameters"].clone()),
+            request.tools[0]
+        );
+    }
+
+    #[test]
+    fn every_bad_tool_field_is_named() {
+        let cases = [
+            (json!({"tools": {}}), "tools"),
+            (json!({"tools": [3]}), "tools[0]"),
+            (
+                json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}),
+                "tools[0].type",
+            ),
+            (json!({"tools": [{"type": "function"}]}), "tools[0].function"),
+            (json!({"tools": [{"function": {}}]}), "tools[0].function.name"),
+            (
+                json!({"tools": [{"function": {"name": "a b"}}]}),
+                "tools[0].function.name",
+            ),
+            (
+                json!({"tools": [{"function": {"name": "f", "description": 1}}]}),
+                "tools[0].function.description",
+            ),
+            (
+                json!({"tools": [{"function": {"name": "f", "parameters": []}}]}),
+                "tools[0].function.parameters",
+            ),
+            (
+                json!({"tools": [{"function": {"name": "f", "strict": true}}]}),
+                "tools[0].function.strict",
+            ),
+            (
+                json!({"tools": [{"function": {"name": "f", "strict": "y"}}]}),
+                "tools[0].function.strict",
+            ),
+            (json!({"tools": [weather(), weather()]}), "tools[1].function.name"),
+            (json!({"tool_choice": "always"}), "tool_choice"),
+            (json!({"tools": [weather()], "tool_choice": "required"}), "tool_choice"),
+            (
+                json!({"tools": [weather()], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+                "tool_choice",
+            ),
+            (json!({"parallel_tool_calls": 1}), "parallel_tool_calls"),
+        ];
+        for (body, param) in cases {
+            assert_eq!(parse(body.clone()).unwrap_err().param.as_deref(), Some(param), "{body}");
+        }
+    }
+
+    #[test]
+    fn history_tool_calls_get_object_arguments() {
+        let calls = json!([
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": [1, {\"b\": null}]}"}},
+            {"id": "call_2", "function": {"name": "g", "arguments": {"x": "y"}}},
+            {"id": "call_3", "function": {"name": "h"}}
+        ]);
+        let calls = read_calls(calls).unwrap();
+        assert_eq!(
+            Value::Object(calls[0].function.arguments.clone()),
+            json!({"a": [1, {"b": null}]})
+        );
+        assert_eq!(calls[1].function.arguments["x"], "y");
+        assert!(calls[2].function.arguments.is_empty());
+        assert_eq!(
+            serde_json::to_value(&calls[1]).unwrap(),
+            json!({"type": "function", "id": "call_2", "function": {"name": "g", "arguments": {"x": "y"}}})
+        );
+        for (calls, param) in [
+            (json!({}), "messages[1].tool_calls"),
+            (json!([{"function": {"name": "f"}}]), "messages[1].tool_calls[0].id"),
+            (
+                json!([{"id": "c", "type": "tool", "function": {"name": "f"}}]),
+                "messages[1].tool_calls[0].type",
+            ),
+            (json!([{"id": "c"}]), "messages[1].tool_calls[0].function"),
+            (
+                json!([{"id": "c", "function": {"arguments": "{}"}}]),
+                "messages[1].tool_calls[0].function.name",
+            ),
+            (
+                json!([{"id": "c", "function": {"name": "f", "arguments": "{"}}]),
+                "messages[1].tool_calls[0].function.arguments",
+            ),
+            (
+                json!([{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]),
+                "messages[1].tool_calls[0].function.arguments",
+            ),
+            (
+                json!([{"id": "c", "function": {"name": "f", "arguments": 1}}]),
+                "messages[1].tool_calls[0].function.arguments",
+            ),
+        ] {
+            let error = read_calls(calls.clone()).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some(param), "{calls}");
+        }
+    }
+}

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""The official `anthropic` Python package as a real client of `ferry serve`'s Messages API on the bundled tiny
+checkpoint: `messages.create` and `messages.stream` give the same message at temperature 0, `count_tokens` counts the
+prompt that generation consumes, stop sequences end with `stop_sequence`, and errors come back as the SDK's typed
+errors (so their status and Anthropic shape are right).
+Run by scripts/test.sh after the Rust tests: python scripts/anthropic_client_test.py path/to/ferry
+"""
+
+import os
+import sys
+import time
+import traceback
+
+import anthropic
+
+from openai_client_test import KEY, MODEL, ROOT, Server
+
+
+def client(server, key=KEY):
+    return anthropic.Anthropic(base_url=server.base, api_key=key, max_retries=0, timeout=120)
+
+
+# Anthropic's SDK no longer has a `temperature` argument; the API still takes the field.
+GREEDY = {"extra_body": {"temperature": 0}}
+
+
+def user(content):
+    return [{"role": "user", "content": content}]
+
+
+def blocks(message):
+    """A message's content as (type, text) pairs."""
+    return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
+
+
+def prompt_tokens(usage):
+    """The prompt's tokens: Anthropic's usage counts those read from the cache apart from `input_tokens`."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+def test_create_and_stream_agree(server):
+    kwargs = dict(model=MODEL, max_tokens=24, messages=user("Tell me about ferries."), **GREEDY)
+    whole = client(server).messages.create(**kwargs)
+    assert whole.type == "message" and whole.role == "assistant", whole
+    assert whole.stop_reason == "max_tokens", whole.stop_reason
+    assert whole.usage.output_tokens == 24, whole.usage
+    with client(server).messages.stream(**kwargs) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert blocks(final) == blocks(whole), (blocks(final), blocks(whole))
+    assert text == "".join(t for kind, t in blocks(whole) if kind == "text")
+    assert final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 24 and prompt_tokens(final.usage) == prompt_tokens(whole.usage)
+    # The same prompt again: its full blocks come from the prefix cache, which Anthropic counts apart.
+    assert final.usage.cache_read_input_tokens > 0, final.usage
+
+
+def test_count_tokens_counts_the_prompt(server):
+    messages = user("How many tokens is this?")
+    counted = client(server).messages.count_tokens(model=MODEL, messages=messages, system="Be brief.")
+    made = client(server).messages.create(model=MODEL, max_tokens=1, messages=messages, system="Be brief.")
+    assert counted.input_tokens == prompt_tokens(made.usage) > 0, (counted, made.usage)
+
+
+def test_a_stop_sequence_ends_the_message(server):
+    kwargs = dict(model=MODEL, max_tokens=24, messages=user("Tell me about ferries."), **GREEDY)
+    whole = client(server).messages.create(**kwargs)
+    text = "".join(t for _, t in blocks(whole))
+    stop = text[len(text) // 2 :][:3]
+    assert stop.strip(), text
+    cut = client(server).messages.create(stop_sequences=[stop], **kwargs)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop, cut
+    assert cut.usage.output_tokens < 24
+
+
+def expect(error_type, call):
+    try:
+        call()
+    except error_type as error:
+        return error
+    raise AssertionError(f"expected {error_type.__name__}")
+
+
+def test_errors_are_the_sdk_s_typed_errors(server):
+    ok = dict(model=MODEL, max_tokens=4, messages=user("hi"))
+    expect(anthropic.AuthenticationError, lambda: client(server, "wrong").messages.create(**ok))
+    expect(anthropic.NotFoundError, lambda: client(server).messages.create(**{**ok, "model": "claude-x"}))
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    error = expect(anthropic.BadRequestError, lambda: client(server).messages.create(**{**ok, "messages": user([image])}))
+    assert error.body["type"] == "error" and error.body["error"]["type"] == "invalid_request_error", error.body
+    assert "text-only" in error.body["error"]["message"], error.body
+
+
+def main():
+    ferry = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target/debug/ferry")
+    print(f"anthropic {anthropic.__version__} against {ferry}")
+    passed, failed = 0, 0
+    server = Server(ferry)
+    tests = [(name, fn) for name, fn in globals().items() if name.startswith("test_")]
+    try:
+        for name, fn in tests:
+            started = time.time()
+            try:
+                fn(server)
+                passed += 1
+                print(f"ok     {name} ({time.time() - started:.1f} s)")
+            except Exception:
+                failed += 1
+                print(f"FAILED {name}\n{traceback.format_exc()}")
+    finally:
+        server.stop()
+    if failed:
+        print("server log:\n" + "".join(server.log[-40:]))
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
