@@ -10,6 +10,7 @@
 # be identical). Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+scripts/device/unstage.sh
 out=${OUT:-/tmp/ferry-bench}
 mkdir -p "$out"
 ferry=.stage/ferry

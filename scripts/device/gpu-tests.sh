@@ -4,6 +4,7 @@
 # references on the GPU), then prints a table. Logs go to $OUT when set.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+scripts/device/unstage.sh
 out=${OUT:-/tmp/ferry-gpu-tests}
 mkdir -p "$out"
 export FERRY_FIXTURES=$PWD/tests/fixtures FERRY_BENCH_DIR=$PWD/bench

@@ -23,3 +23,7 @@ for test in .stage/tests/*; do
 done
 strip --strip-debug .stage/ferry .stage/tests/*
 du -sh .stage/ferry .stage/tests/*
+# The binaries together outgrow what the device tool carries beside the tree (64 MiB): they travel as one xz
+# archive, which gpu-tests.sh and bench.sh unpack (scripts/device/unstage.sh) before they run anything.
+(cd .stage && tar cf - ferry tests | xz -T0 -6 >stage.tar.xz && rm -rf ferry tests)
+du -sh .stage/stage.tar.xz
