@@ -6,14 +6,9 @@ errors (so their status and Anthropic shape are right).
 Run by scripts/test.sh after the Rust tests: python scripts/anthropic_client_test.py path/to/ferry
 """
 
-import os
-import sys
-import time
-import traceback
-
 import anthropic
 
-from openai_client_test import KEY, MODEL, ROOT, Server
+from openai_client_test import KEY, MODEL, run_tests
 
 
 def client(server, key=KEY):
@@ -92,28 +87,7 @@ def test_errors_are_the_sdk_s_typed_errors(server):
 
 
 def main():
-    ferry = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target/debug/ferry")
-    print(f"anthropic {anthropic.__version__} against {ferry}")
-    passed, failed = 0, 0
-    server = Server(ferry)
-    tests = [(name, fn) for name, fn in globals().items() if name.startswith("test_")]
-    try:
-        for name, fn in tests:
-            started = time.time()
-            try:
-                fn(server)
-                passed += 1
-                print(f"ok     {name} ({time.time() - started:.1f} s)")
-            except Exception:
-                failed += 1
-                print(f"FAILED {name}\n{traceback.format_exc()}")
-    finally:
-        server.stop()
-    if failed:
-        print("server log:\n" + "".join(server.log[-40:]))
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
-
+    run_tests(anthropic, [(name, fn) for name, fn in globals().items() if name.startswith("test_")])
 
 if __name__ == "__main__":
     main()

@@ -364,12 +364,14 @@ def test_xml_tool_calls_plain_and_streamed(ferry):
     assert len(one_call.tool_calls) == 1, "parallel_tool_calls=False keeps the first call"
 
 
-def main():
+def run_tests(package, tests):
+    """Runs `tests` (name, function) against one `ferry serve` on the bundled fixture, each given the server, or the
+    binary when it names a `ferry` parameter (those start their own); prints a line each and exits non-zero on a
+    failure, with the server's log."""
     ferry = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target/debug/ferry")
-    print(f"openai {openai.__version__} against {ferry}")
+    print(f"{package.__name__} {package.__version__} against {ferry}")
     passed, failed = 0, 0
     server = Server(ferry)
-    tests = [(name, fn) for name, fn in globals().items() if name.startswith("test_")]
     try:
         for name, fn in tests:
             started = time.time()
@@ -387,6 +389,9 @@ def main():
     print(f"{passed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
 
+
+def main():
+    run_tests(openai, [(name, fn) for name, fn in globals().items() if name.startswith("test_")])
 
 if __name__ == "__main__":
     main()
