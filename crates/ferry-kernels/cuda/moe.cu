@@ -164,14 +164,22 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const uint32
 }
 
 // out[r] = sum_k weights[r, k] * y[r * top_k + k], in router order (the prefill path's combine, and the offload
-// decode path's after moe_down_pairs: the same sum, in the same order, as moe_down's).
+// decode path's after moe_down_pairs: the same sum, in the same order, as moe_down's). With the CPU lane, a pair p
+// with host_index[p] >= 0 was computed on the host: its product is row host_index[p] of host_y instead, summed in
+// its place, so the lane's share costs no extra pass over the output (host_index null: every pair is in y).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights, int top_k,
-                                       int hidden, float* __restrict__ out) {
+                                       int hidden, const float* __restrict__ host_y,
+                                       const int* __restrict__ host_index, float* __restrict__ out) {
     const int r = blockIdx.x;
     for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
         float sum = 0.0f;
-        for (int k = 0; k < top_k; ++k)
-            sum += weights[r * top_k + k] * y[(static_cast<size_t>(r) * top_k + k) * hidden + h];
+        for (int k = 0; k < top_k; ++k) {
+            const int pair = r * top_k + k;
+            const int host = host_index != nullptr ? host_index[pair] : -1;
+            const float product = host >= 0 ? host_y[static_cast<size_t>(host) * hidden + h]
+                                             : y[static_cast<size_t>(pair) * hidden + h];
+            sum += weights[pair] * product;
+        }
         out[static_cast<size_t>(r) * hidden + h] = sum;
     }
 }
