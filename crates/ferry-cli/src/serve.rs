@@ -19,6 +19,7 @@ use ferry_core::model::Model;
 use ferry_server::{AppState, ConnectionLimits, LoadedModel, SamplingDefaults, ServerConfig, ToolCallParserChoice};
 
 use crate::device::{kv_budget_tokens, open_backend, Backends, Device, OffloadArgs};
+use crate::doctor_lanes::StrategyArgs;
 use crate::hub;
 use crate::progress::LoadProgress;
 
@@ -80,6 +81,8 @@ pub struct ServeArgs {
     device: Device,
     #[command(flatten)]
     offload: OffloadArgs,
+    #[command(flatten)]
+    strategy: StrategyArgs,
     /// Compute every prompt from scratch: no reuse of the KV blocks (and hybrid models' saved states) of earlier
     /// requests' prefixes.
     #[arg(long)]
@@ -240,7 +243,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     if !args.no_prefix_cache {
         offload.snapshot_slots = PREFIX_SNAPSHOT_SLOTS;
     }
-    let (backends, plan) = open_backend(args.device, &offload, &checkpoint)?;
+    let (backends, plan) = open_backend(args.device, &offload, args.strategy.moe_strategy, &checkpoint)?;
     let plan = plan.as_ref();
     let mut shown = LoadProgress::new(&args.model_label());
     let mut progress = |done: usize, total: usize| {
