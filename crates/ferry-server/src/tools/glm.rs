@@ -6,7 +6,7 @@
 //! first `<arg_key>` ends it) and each argument becomes a piece of the arguments once its `</arg_value>` is seen.
 
 use super::arg_value::{argument_fragment, arguments_end};
-use super::{opens_with, tool, CallBody, ToolEvent, ToolSpec};
+use super::{opens_with, start_call, tool, CallBody, ToolEvent, ToolSpec};
 
 const KEY: &str = "<arg_key>";
 const KEY_END: &str = "</arg_key>";
@@ -27,15 +27,10 @@ impl GlmCall {
     /// Starts the call named `name` if a tool has that name.
     fn start(&mut self, name: &str, tools: &[ToolSpec], index: usize, out: &mut Vec<ToolEvent>) {
         let name = name.trim();
-        if tool(tools, name).is_none() {
-            self.invalid = true;
-            return;
+        match start_call(tools, name, index, out) {
+            true => self.function = Some(name.to_string()),
+            false => self.invalid = true,
         }
-        out.push(ToolEvent::Start {
-            index,
-            name: name.to_string(),
-        });
-        self.function = Some(name.to_string());
     }
 
     /// Reads what is whole in the buffer; stops at the first incomplete element.

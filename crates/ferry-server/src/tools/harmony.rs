@@ -9,10 +9,8 @@
 //! ([`HarmonyParser::marker`]) and read as text. Calls go to the tool call parser in the shape of DeepSeek's
 //! (named_json.rs), which numbers them and streams their arguments.
 
-use ferry_core::engine::partial_match_len;
-
 use super::named_json::{CALL_BEGIN, CALL_END, SEPARATOR};
-use super::ToolCallParser;
+use super::{first_tag, partial_tag_len, ToolCallParser};
 use crate::generation::Piece;
 
 pub const CHANNEL: &str = "<|channel|>";
@@ -85,11 +83,7 @@ impl HarmonyParser {
                 self.body = Some(self.open(&header[..at], &mut out));
                 continue;
             };
-            let end = BODY_ENDS
-                .iter()
-                .filter_map(|&tag| self.pending.find(tag).map(|at| (at, tag)))
-                .min();
-            if let Some((at, tag)) = end {
+            if let Some((at, tag)) = first_tag(&self.pending, &BODY_ENDS) {
                 let text: String = self.pending.drain(..at + tag.len()).collect();
                 self.emit(body, &text[..at], &mut out);
                 if body == Body::Call {
@@ -98,11 +92,7 @@ impl HarmonyParser {
                 self.body = None;
                 continue;
             }
-            let held = BODY_ENDS
-                .iter()
-                .map(|tag| partial_match_len(&self.pending, tag))
-                .max()
-                .unwrap_or(0);
+            let held = partial_tag_len(&self.pending, &BODY_ENDS);
             let ready: String = self.pending.drain(..self.pending.len() - held).collect();
             self.emit(body, &ready, &mut out);
             return out;

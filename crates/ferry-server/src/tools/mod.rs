@@ -162,6 +162,28 @@ fn body_for(format: ToolCallFormat) -> Box<dyn CallBody + Send> {
     }
 }
 
+/// Starts the call of `name` (the `index`th call) if a tool has that name; false if none has.
+fn start_call(tools: &[ToolSpec], name: &str, index: usize, out: &mut Vec<ToolEvent>) -> bool {
+    if tool(tools, name).is_none() {
+        return false;
+    }
+    out.push(ToolEvent::Start {
+        index,
+        name: name.to_string(),
+    });
+    true
+}
+
+/// The first of `tags` in `text` and where it is.
+fn first_tag(text: &str, tags: &[&'static str]) -> Option<(usize, &'static str)> {
+    tags.iter().filter_map(|&tag| text.find(tag).map(|at| (at, tag))).min()
+}
+
+/// How much of the end of `text` could be the start of one of `tags`: held back until more text says.
+fn partial_tag_len(text: &str, tags: &[&str]) -> usize {
+    tags.iter().map(|tag| partial_match_len(text, tag)).max().unwrap_or(0)
+}
+
 /// Whether `text` could still grow into `tag` or already starts with it.
 fn opens_with(text: &str, tag: &str) -> bool {
     text.starts_with(tag) || tag.starts_with(text)
@@ -227,11 +249,7 @@ impl ToolCallParser {
                 .chain(markup.group.iter().copied())
                 .collect(),
         };
-        let found = tags
-            .iter()
-            .filter_map(|&tag| self.pending.find(tag).map(|at| (at, tag)))
-            .min();
-        if let Some((at, tag)) = found {
+        if let Some((at, tag)) = first_tag(&self.pending, &tags) {
             let before: String = self.pending.drain(..at + tag.len()).collect();
             let before = &before[..at];
             match self.call.is_some() {
@@ -258,12 +276,7 @@ impl ToolCallParser {
             out.extend(self.push(""));
             return out;
         }
-        let held = tags
-            .iter()
-            .map(|tag| partial_match_len(&self.pending, tag))
-            .max()
-            .unwrap_or(0);
-        let mut ready = self.pending.len() - held;
+        let mut ready = self.pending.len() - partial_tag_len(&self.pending, &tags);
         if self.call.is_none() {
             // Whitespace before a call is not content: wait to see what follows it.
             ready = self.pending[..ready].trim_end().len();

@@ -3,7 +3,7 @@
 //! `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>`), and Harmony's call messages, which harmony.rs hands over in
 //! the same shape. The call starts once the separator is seen and the arguments stream as they are written.
 
-use super::{tool, CallBody, ToolEvent, ToolSpec};
+use super::{start_call, CallBody, ToolEvent, ToolSpec};
 
 pub const CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
 pub const CALL_END: &str = "<｜tool▁call▁end｜>";
@@ -49,17 +49,11 @@ impl CallBody for NamedJsonCall {
         self.name.push_str(text);
         let Some(at) = self.name.find(SEPARATOR) else { return };
         let arguments = self.name.split_off(at + SEPARATOR.len());
-        let name = self.name[..at].trim();
-        if tool(tools, name).is_none() {
-            self.invalid = true;
-            return;
+        self.started = start_call(tools, self.name[..at].trim(), index, out);
+        self.invalid = !self.started;
+        if self.started {
+            self.arguments(&arguments, index, out);
         }
-        out.push(ToolEvent::Start {
-            index,
-            name: name.to_string(),
-        });
-        self.started = true;
-        self.arguments(&arguments, index, out);
     }
 
     fn close(&mut self, _raw: &str, _tools: &[ToolSpec], index: usize, out: &mut Vec<ToolEvent>) -> bool {
