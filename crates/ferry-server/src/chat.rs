@@ -8,10 +8,12 @@ use ferry_core::engine::{Request, ResponseFormat, SamplingParams, StopRules};
 use ferry_core::loader::{ChatMessage, ChatPrompt};
 use serde_json::{Map, Value};
 
+use crate::body::Body;
 use crate::error::ApiError;
 use crate::generation::PieceParser;
 use crate::reasoning::ReasoningParser;
-use crate::tools::ToolRequest;
+use crate::tools::harmony::HarmonyParser;
+use crate::tools::{ToolCallFormat, ToolRequest};
 use crate::{AppState, LoadedModel};
 
 /// What every generation asks of the engine, in either protocol.
@@ -47,9 +49,26 @@ pub struct ChatRequest {
     pub template_kwargs: Map<String, Value>,
     /// The template's thinking switch (`enable_thinking`), when the protocol sets it; it wins over the kwargs.
     pub thinking: Option<bool>,
+    /// How hard the model reasons (OpenAI's `reasoning_effort`), for templates that take it (gpt-oss's); it wins
+    /// over the kwargs.
+    pub reasoning_effort: Option<String>,
     /// The tools offered, what the model may do with them, and so how its output is parsed for calls.
     pub tools: ToolRequest,
     pub params: GenerationParams,
+}
+
+const REASONING_EFFORT: &str = "reasoning_effort";
+
+/// `reasoning_effort`: `low`, `medium` or `high`, the efforts gpt-oss's template knows.
+pub fn reasoning_effort(body: &Body) -> Result<Option<String>, ApiError> {
+    let effort = body.string(REASONING_EFFORT)?;
+    match effort.as_deref() {
+        None | Some("low" | "medium" | "high") => Ok(effort),
+        Some(other) => Err(ApiError::invalid_param(
+            REASONING_EFFORT,
+            format!("`reasoning_effort` is \"{other}\"; expected \"low\", \"medium\" or \"high\""),
+        )),
+    }
 }
 
 /// What a text completion starts from.
@@ -99,6 +118,15 @@ impl ChatRequest {
         if let Some(thinking) = self.thinking {
             kwargs.insert("enable_thinking".into(), thinking.into());
         }
+        if let Some(effort) = &self.reasoning_effort {
+            if !tokenizer.chat_template_mentions(REASONING_EFFORT) {
+                return Err(ApiError::invalid_param(
+                    REASONING_EFFORT,
+                    "this model's chat template takes no reasoning effort",
+                ));
+            }
+            kwargs.insert(REASONING_EFFORT.into(), effort.clone().into());
+        }
         tokenizer
             .encode_chat(
                 &self.messages,
@@ -116,11 +144,15 @@ impl ChatRequest {
     /// Rendered with the generation prompt and tokenized.
     pub fn prepare(&self, model: &LoadedModel) -> Result<PreparedPrompt, ApiError> {
         let ChatPrompt { text, ids } = self.encode(model, true)?;
-        let reasoning = model.splits_reasoning().then(|| ReasoningParser::new(&text));
-        Ok(PreparedPrompt {
-            ids,
-            parser: PieceParser::new(reasoning, self.tools.parser(model.tool_call_format)),
-        })
+        let calls = self.tools.parser(model.tool_call_format);
+        let parser = match model.tool_call_format {
+            // Harmony's channels carry the reasoning and the answer too, calls offered or not.
+            Some(ToolCallFormat::Harmony) => {
+                PieceParser::harmony(HarmonyParser::new(|token| model.tokenizer.token_id(token), calls))
+            }
+            _ => PieceParser::new(model.splits_reasoning().then(|| ReasoningParser::new(&text)), calls),
+        };
+        Ok(PreparedPrompt { ids, parser })
     }
 }
 

@@ -83,6 +83,7 @@ impl MessagesBody {
             messages,
             template_kwargs: Default::default(),
             thinking: thinking(body, max_tokens)?,
+            reasoning_effort: None,
             tools: tools::tool_request(body)?,
             params: GenerationParams {
                 max_tokens,
