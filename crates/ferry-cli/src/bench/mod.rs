@@ -104,6 +104,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .as_ref()
         .filter(|p| p.offload)
         .map(|_| args.offload.moe_cache_policy.to_string());
+    report.moe_strategy = plan
+        .as_ref()
+        .filter(|p| p.offload)
+        .map(|_| format!("{:?}", args.strategy.moe_strategy).to_lowercase());
     report.memory_plan = plan;
     print_report(&report);
     if let Some(path) = &args.output {

@@ -64,6 +64,9 @@ pub(super) struct BenchReport {
     /// Under expert offload, the cache's eviction policy (`--moe-cache-policy`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) moe_cache_policy: Option<String>,
+    /// Under expert offload, who computed the misses (`--moe-strategy`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) moe_strategy: Option<String>,
     pub(super) routing: String,
     pub(super) load_seconds: f64,
     pub(super) prompt_tokens: usize,

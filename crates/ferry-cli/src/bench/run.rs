@@ -226,6 +226,7 @@ pub(super) fn bench_on<B: Backend>(
         model_info: info,
         memory_plan: None,
         moe_cache_policy: None,
+        moe_strategy: None,
         routing: Taps::routing(args),
         load_seconds,
         prompt_tokens: first_prefill.prompt_tokens,

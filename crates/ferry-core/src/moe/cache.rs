@@ -23,7 +23,7 @@ pub struct Plan {
     /// this plan.
     pub evicted: Vec<ExpertKey>,
     /// Missing experts the caller asked to compute elsewhere rather than fetch ([`ExpertCache::plan_elsewhere`]),
-    /// in first-routed order: the misses the CUDA offload's CPU lane computes.
+    /// in first-routed order: the misses an offloading backend's CPU lane computes.
     pub elsewhere: Vec<u32>,
     layer: u32,
     placement: Placement,

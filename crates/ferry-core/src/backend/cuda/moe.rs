@@ -534,10 +534,21 @@ fn moe_with_host_lane(
 ) -> Result<CudaTensor> {
     let hidden = x.cols;
     let pairs = routing.rows * routing.top_k;
+    // Per expert id, its place in `copies.host` (or -1).
+    let mut host_at = vec![-1i32; copies.addresses.len()];
+    for (at, &e) in copies.host.iter().enumerate() {
+        *host_at.get_mut(e as usize).ok_or_else(|| {
+            Error::Cuda(format!(
+                "routed to expert {e} of a layer of {} experts",
+                copies.addresses.len()
+            ))
+        })? = at as i32;
+    }
     let mut index = vec![-1i32; pairs];
     let mut host_pairs: Vec<(u32, u32)> = Vec::new();
     for (pair, &e) in copies.ids[..pairs].iter().enumerate() {
-        if let Some(at) = copies.host.iter().position(|&h| h as i32 == e) {
+        let at = host_at.get(e as usize).copied().unwrap_or(-1);
+        if at >= 0 {
             index[pair] = host_pairs.len() as i32;
             host_pairs.push(((pair / routing.top_k) as u32, at as u32));
         }

@@ -4,6 +4,7 @@
 //! function every worker calls with its index and shares out by itself.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -28,8 +29,14 @@ struct State {
     shutdown: bool,
 }
 
+/// How long an idle worker polls for the next job before it sleeps on the condition variable: decode runs a job per
+/// MoE layer about every half millisecond, and a wake-up through the kernel costs tens of microseconds each time.
+const POLL_BEFORE_SLEEP: Duration = Duration::from_millis(2);
+
 #[derive(Default)]
 struct Shared {
+    /// `State::generation`, readable without the lock, for polling workers.
+    generation: AtomicU64,
     state: Mutex<State>,
     wake: Condvar,
     finished: Condvar,
@@ -87,6 +94,7 @@ impl WorkerPool {
             state.job = Some(JobPtr(job));
             state.finished_at = None;
             state.generation += 1;
+            self.shared.generation.store(state.generation, Ordering::Release);
             state.running = self.workers.len();
             state.panicked = false;
             self.shared.wake.notify_all();
@@ -130,6 +138,10 @@ impl Drop for WorkerPool {
 fn work(shared: &Shared, index: usize) {
     let mut seen = 0;
     loop {
+        let polling = Instant::now();
+        while shared.generation.load(Ordering::Acquire) == seen && polling.elapsed() < POLL_BEFORE_SLEEP {
+            std::hint::spin_loop();
+        }
         let job = {
             let mut state = shared.lock();
             while state.generation == seen && !state.shutdown {
