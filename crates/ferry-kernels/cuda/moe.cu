@@ -116,6 +116,8 @@ extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ 
                 best_g = g;
             }
         warp_argmax(best, best_g);
+        // Found unless the scores are NaN; the index stays in bounds even then.
+        best_g = min(best_g, n_group - 1);
         if (lane == 0) group_kept[best_g] = 1;
         __syncwarp();
     }
@@ -141,6 +143,7 @@ extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ 
             }
         }
         warp_argmax(best, best_id);
+        best_id = min(best_id, num_experts - 1);
         total += scores[best_id];
         if (lane == 0) ids[r * top_k + k] = best_id;
 #pragma unroll
