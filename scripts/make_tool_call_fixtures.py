@@ -26,8 +26,11 @@ out.
   {"city": "Paris", "days": 3}, ended by `<|call|>` (an end-of-sequence token, as in gpt-oss's
   generation_config.json, with `<|return|>`). Each scripted token predicts one next token, so the second header,
   whose markup tokens the first message already used, is one plain added token spelling the same text.
+- tests/fixtures/tool_calls_glm: from tests/fixtures/qwen3_moe with GLM-4.5's template
+  (tests/fixtures/chat_templates/glm4_5.jinja): `<think>` reasoning, then one call of `get_weather` in GLM's keys
+  and values, {"city": "Paris", "days": "3"} (an integer once converted by the schema).
 
-The model's source is the qwen3_moe family: the format lives in the tokenizer and the template, not the weights.
+The models' source is the qwen3_moe family: the format lives in the tokenizer and the template, not the weights.
 
 Pure Python (no numpy, torch or safetensors needed). Usage: python3 scripts/make_tool_call_fixtures.py [REPO_ROOT]
 [--only NAME]
@@ -71,6 +74,18 @@ SCRIPTS = {
             "eter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</para",
             "meter>\n</function>\n</tool_call>\n<tool_",
             "call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+        ],
+    },
+    "tool_calls_glm": {
+        "source": "qwen3_moe",
+        "template": "tests/fixtures/chat_templates/glm4_5.jinja",
+        "pieces": [
+            "<think>",
+            "The user wants the weather.",
+            "</think>",
+            "\n<tool_call>get_weather\n<arg_",
+            "key>city</arg_key>\n<arg_value>Paris</arg_",
+            "value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
         ],
     },
     "tool_calls_harmony": {

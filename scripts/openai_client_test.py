@@ -5,8 +5,8 @@ Checks what a user of the SDK relies on: plain and streamed results are equal at
 requests each get what they get alone, a client that hangs up mid-stream frees its KV (seen on /metrics), stop
 strings and seeds work, and every error case comes back as the SDK's typed error with the right status.
 Tool calls: the scripted checkpoints (scripts/make_tool_call_fixtures.py) write a Hermes call (Qwen3-style), two
-XML calls (Qwen3.5-style) and a Harmony call after Harmony reasoning (gpt-oss-style) whatever the prompt; the SDK
-must get them as `tool_calls`, plain and streamed.
+XML calls (Qwen3.5-style), a GLM-4.5 call and a Harmony call after Harmony reasoning (gpt-oss-style) whatever the
+prompt; the SDK must get them as `tool_calls`, plain and streamed.
 Run by scripts/test.sh after the Rust tests: python scripts/openai_client_test.py path/to/ferry
 """
 
@@ -48,6 +48,7 @@ FIXTURE = os.path.join(ROOT, "tests/fixtures/qwen3_moe")
 HERMES_FIXTURE = os.path.join(ROOT, "tests/fixtures/tool_calls_hermes")
 XML_FIXTURE = os.path.join(ROOT, "tests/fixtures/tool_calls_qwen3_xml")
 HARMONY_FIXTURE = os.path.join(ROOT, "tests/fixtures/tool_calls_harmony")
+GLM_FIXTURE = os.path.join(ROOT, "tests/fixtures/tool_calls_glm")
 KEY = "sdk-test-key"
 MODEL = "tiny"
 
@@ -369,6 +370,10 @@ def test_xml_tool_calls_plain_and_streamed(ferry):
         XML_FIXTURE, ferry, None, "Two cities, two calls.\n", [{"city": "Paris", "days": 3}, {"city": "Oslo"}]
     )
     assert len(one_call.tool_calls) == 1, "parallel_tool_calls=False keeps the first call"
+
+
+def test_glm_tool_call_plain_and_streamed(ferry):
+    check_tool_calls(GLM_FIXTURE, ferry, None, "The user wants the weather.", [{"city": "Paris", "days": 3}])
 
 
 def test_harmony_reasoning_and_tool_call_plain_and_streamed(ferry):
