@@ -29,6 +29,10 @@ Fixtures:
                      fused expert tensors
     qwen3_5_moe_text Qwen3_5MoeForCausalLM: the same text model on its own, tied embeddings
     qwen3_next       Qwen3NextForCausalLM: in_proj_qkvz / in_proj_ba layout, a dense layer, hub-style config
+    deepseek_v3      DeepseekV3ForCausalLM: MLA (low-rank q, compressed kv, interleaved decoupled RoPE), YaRN
+                     with its softmax-scale correction, the grouped sigmoid router with a non-zero (float32)
+                     correction bias in four groups (two kept), a plain-added shared expert, a dense first layer,
+                     an MTP layer's tensors after the decoder's
 
 Needs torch, transformers (5.x), tokenizers and safetensors. Usage:
 
@@ -72,6 +76,7 @@ EMBED_STD = 0.4  # embed_tokens and lm_head: final logits get std ~ 0.4 * sqrt(6
 ROUTER_STD = 0.5  # router logits get std ~ 0.5 * sqrt(64) = 4
 NORM_JITTER = 0.1  # RMSNorm weights are 1 + 0.1 * randn
 BIAS_STD = 0.1
+CORRECTION_BIAS_STD = 0.1  # the sigmoid router's e_score_correction_bias, stored in float32 as published
 # Gated DeltaNet: conv taps large enough that the conv keeps the projections' scale; decay rates
 # A = exp(A_log) around 1 and dt = softplus(a + dt_bias) around 0.15 give a per-token state decay of
 # about 0.85, so the recurrent state carries a dozen tokens (and across prefill chunks).
@@ -360,6 +365,7 @@ class Fixture:
     moe_prefix: str = "mlp"  # hub module name of the sparse block ("block_sparse_moe" for Mixtral)
     hub_config: bool = True  # rewrite config.json to the transformers 4.x hub conventions
     mtp_head: bool = False  # add mtp.* tensors as published checkpoints carry them (transformers skips them)
+    mtp_layer: bool = False  # add model.layers.{num_hidden_layers}.* tensors, GLM-4.5's and DeepSeek-V3's MTP layer
 
 
 FIXTURES = [
@@ -535,6 +541,51 @@ FIXTURES = [
         seed=8000,
         num_shards=3,
         expert_names="per_expert",
+    ),
+    Fixture(
+        name="deepseek_v3",
+        config_class="DeepseekV3Config",
+        architecture="DeepseekV3ForCausalLM",
+        config=dict(
+            COMMON,
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_interleave=True,
+            max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+        ),
+        tokenizer=QWEN_TOKENIZER,
+        seed=10000,
+        num_shards=2,
+        expert_names="per_expert",
+        hub_config=False,
+        mtp_layer=True,
     ),
 ]
 
@@ -727,6 +778,9 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             else:
                 value = LINEAR_STD * noise
             param.copy_(value.to(torch.bfloat16).to(torch.float32))
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # zeros in transformers' init; trained routers' are not
+                buffer.copy_(CORRECTION_BIAS_STD * torch.randn(buffer.shape, generator=gen))
 
 
 def hub_state_dict(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tensor]:
@@ -741,7 +795,9 @@ def hub_state_dict(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tenso
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
-        tensor = tensor.detach().to(torch.bfloat16)
+        # The router's correction bias stays float32, as transformers keeps it and the published checkpoints store it.
+        dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+        tensor = tensor.detach().to(dtype)
         if fx.moe_prefix != "mlp":
             name = name.replace(".mlp.", f".{fx.moe_prefix}.")
         if fx.expert_names == "fused" or ".experts." not in name:
@@ -765,6 +821,8 @@ def hub_state_dict(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tenso
                 out[f"{prefix}.{e}.{names[role]}.weight"] = stacked[e].clone().contiguous()
     if fx.mtp_head:
         out.update(mtp_tensors(model.config.get_text_config()))
+    if fx.mtp_layer:
+        out.update(mtp_layer_tensors(model.config))
     return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))
 
 
@@ -782,6 +840,23 @@ def mtp_tensors(text) -> dict[str, torch.Tensor]:
         "mtp.pre_fc_norm_hidden.weight": (h,),
         "mtp.norm.weight": (h,),
         "mtp.layers.0.input_layernorm.weight": (h,),
+    }
+    return {name: (LINEAR_STD * torch.randn(shape, generator=gen)).to(torch.bfloat16) for name, shape in shapes.items()}
+
+
+def mtp_layer_tensors(config) -> dict[str, torch.Tensor]:
+    """A few tensors of the multi-token-prediction layer GLM-4.5 (and DeepSeek-V3) store after the decoder's
+    layers, as `model.layers.{num_hidden_layers}.*`; transformers does not load them, and text serving must not."""
+    gen = torch.Generator().manual_seed(0)
+    h, n = config.hidden_size, config.num_local_experts
+    layer = f"model.layers.{config.num_hidden_layers}"
+    shapes = {
+        f"{layer}.eh_proj.weight": (h, 2 * h),
+        f"{layer}.enorm.weight": (h,),
+        f"{layer}.hnorm.weight": (h,),
+        f"{layer}.shared_head.norm.weight": (h,),
+        f"{layer}.input_layernorm.weight": (h,),
+        f"{layer}.mlp.gate.weight": (n, h),
     }
     return {name: (LINEAR_STD * torch.randn(shape, generator=gen)).to(torch.bfloat16) for name, shape in shapes.items()}
 
@@ -850,13 +925,28 @@ class RouterGapMonitor:
         self.handles = [
             m.register_forward_hook(self._hook)
             for m in model.modules()
-            if type(m).__name__.endswith("TopKRouter")
+            if type(m).__name__.lower().endswith("topkrouter")
         ]
 
     def _hook(self, module, args, output):
         logits = output[0].detach().float()
+        if hasattr(module, "e_score_correction_bias"):
+            logits = self._grouped_choice(module, logits)
         top = logits.topk(module.top_k + 1, dim=-1).values
         self.gaps.append(top[:, -2] - top[:, -1])
+
+    def _grouped_choice(self, module, logits: torch.Tensor) -> torch.Tensor:
+        """The sigmoid router's choice scores (biased, the groups left out at -inf); records the gap between the
+        last kept group and the first left out."""
+        scores = logits.sigmoid() + module.e_score_correction_bias
+        grouped = scores.view(scores.shape[0], module.num_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        if module.topk_group < module.num_group:
+            top = group_scores.topk(module.topk_group + 1, dim=-1)
+            self.gaps.append(top.values[:, -2] - top.values[:, -1])
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(module.topk_group, dim=-1).indices, True)
+        return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(scores)
 
     def stats(self) -> tuple[float, int, int]:
         gaps = torch.cat(self.gaps)

@@ -26,6 +26,7 @@ const FAMILIES: &[&str] = &[
     "qwen3_5_moe",
     "qwen3_5_moe_text",
     "qwen3_next",
+    "deepseek_v3",
 ];
 const LOGIT_TOLERANCE: f32 = 1e-3;
 /// Several chunks for the long prompt (472 tokens), none aligned to the reference's 64-token delta-rule chunks.
@@ -236,7 +237,8 @@ parity_tests!(
     qwen2_moe,
     qwen3_5_moe,
     qwen3_5_moe_text,
-    qwen3_next
+    qwen3_next,
+    deepseek_v3
 );
 
 /// What the scheduler does with a hybrid model: a long prompt prefilled in chunks, each chunk batched with another

@@ -3,7 +3,8 @@
 
 use serde::Deserialize;
 
-use crate::backend::{ExpertActivation, RouterKind};
+use super::rope::Yarn;
+use crate::backend::{ExpertActivation, Rope, RouterKind};
 use crate::{Error, Result};
 
 /// The fields of config.json shared by the decoder-only families.
@@ -75,9 +76,27 @@ pub struct MoeSpec {
     pub intermediate: usize,
     pub router: RouterKind,
     pub activation: ExpertActivation,
-    /// A shared expert of this intermediate size, scaled by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE).
-    pub shared_expert_intermediate: Option<usize>,
+    pub shared_expert: Option<SharedExpert>,
     pub naming: ExpertNaming,
+}
+
+/// A MoE block's shared expert: a SwiGLU MLP every token passes through, added to the routed experts' sum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedExpert {
+    pub intermediate: usize,
+    /// Qwen2-MoE's kind: stored as `shared_expert` and scaled by `sigmoid(shared_expert_gate(x))`. Otherwise
+    /// DeepSeek-V3's and GLM-4.5's: stored as `shared_experts` (all `n_shared_experts` as one MLP), added as is.
+    pub sigmoid_gated: bool,
+}
+
+impl SharedExpert {
+    /// Qwen's shared expert of `intermediate` features, scaled by its sigmoid gate.
+    pub fn sigmoid_gated(intermediate: usize) -> Self {
+        SharedExpert {
+            intermediate,
+            sigmoid_gated: true,
+        }
+    }
 }
 
 /// How a layer mixes information across tokens.
@@ -142,6 +161,22 @@ impl GatedDeltaNetSpec {
     }
 }
 
+/// Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the shape of every attention layer of a model that has it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaSpec {
+    /// Queries through a low-rank bottleneck of this rank (`q_a_proj`, `q_a_layernorm`, `q_b_proj`); None: one
+    /// `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// RoPE pairs features (2i, 2i + 1) (`rope_interleave`).
+    pub rope_interleaved: bool,
+    /// `1 / sqrt(qk_nope + qk_rope)`, times YaRN's softmax-scale correction.
+    pub softmax_scale: f32,
+}
+
 /// Everything the shared decoder needs to know about a model.
 #[derive(Clone, Debug)]
 pub struct ModelSpec {
@@ -167,6 +202,11 @@ pub struct ModelSpec {
     pub gated_delta_net: Option<GatedDeltaNetSpec>,
     /// The MoE block of the layers whose `ffn` is [`FfnKind::Moe`].
     pub moe: Option<MoeSpec>,
+    /// Every attention layer is multi-head latent attention of this shape; `head_dim` is then `qk_nope + qk_rope`
+    /// and `rotary_dim` `qk_rope`.
+    pub mla: Option<MlaSpec>,
+    /// YaRN frequency scaling of the RoPE.
+    pub yarn: Option<Yarn>,
 }
 
 impl ModelSpec {
@@ -176,6 +216,17 @@ impl ModelSpec {
 
     pub fn num_moe_layers(&self) -> usize {
         self.layers.iter().filter(|l| l.ffn == FfnKind::Moe).count()
+    }
+
+    /// The RoPE the attention layers rotate by: over `rotary_dim` of each head (MLA: of the rope part), with YaRN's
+    /// frequencies when the model has YaRN.
+    pub fn rope(&self) -> Rope {
+        let head_dim = self.mla.as_ref().map_or(self.head_dim, |m| m.qk_rope_head_dim);
+        let mut rope = Rope::new(self.rope_theta, head_dim, self.rotary_dim);
+        if let Some(yarn) = &self.yarn {
+            rope.inv_freq = yarn.inv_freq(self.rope_theta, self.rotary_dim);
+        }
+        rope
     }
 
     /// Gives every attention layer the same window (Mixtral's `sliding_window`).
@@ -244,6 +295,8 @@ impl BaseConfig {
             ],
             gated_delta_net: None,
             moe: None,
+            mla: None,
+            yarn: None,
         })
     }
 }
@@ -274,7 +327,7 @@ impl QwenExpertsConfig {
             intermediate: self.moe_intermediate_size,
             router: RouterKind::SoftmaxTopK { renormalize },
             activation: ExpertActivation::SiluGlu,
-            shared_expert_intermediate,
+            shared_expert: shared_expert_intermediate.map(SharedExpert::sigmoid_gated),
             naming: STANDARD_EXPERTS,
         })
     }

@@ -4,24 +4,28 @@
 //! against [`Backend`].
 
 pub mod config;
+mod deepseek_v3;
 pub mod info;
 pub mod layers;
 mod mixtral;
+mod mla;
 mod olmoe;
 mod qwen2_moe;
 mod qwen3_5_moe;
 mod qwen3_moe;
 mod qwen3_next;
+pub mod rope;
 
-pub use config::{FfnKind, GatedDeltaNetSpec, LayerSpec, Mixer, ModelSpec, MoeSpec, QkNorm};
+pub use config::{FfnKind, GatedDeltaNetSpec, LayerSpec, Mixer, MlaSpec, ModelSpec, MoeSpec, QkNorm};
 pub use info::ModelInfo;
 
-use crate::backend::{Backend, Rope, SeqSlice};
+use crate::backend::{Backend, SeqSlice};
 use crate::kv::{KvLayerSpec, KvSpec, RecurrentSpec};
 use crate::loader::{Checkpoint, WeightStore};
 use crate::moe::RoutingTap;
 use crate::{Error, Result};
 use layers::{Attention, Ffn, GatedDeltaNet, WeightLoader};
+use mla::LatentAttention;
 
 /// The `model_type`s ferry runs.
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
@@ -32,6 +36,8 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_next",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
+    "deepseek_v3",
+    "kimi_k2",
 ];
 
 /// The spec of a checkpoint's model, from its `model_type` and config.
@@ -43,6 +49,8 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
         "olmoe" => olmoe::spec(config),
         "qwen3_next" => qwen3_next::spec(config),
         "qwen3_5_moe" | "qwen3_5_moe_text" => qwen3_5_moe::spec(config),
+        "deepseek_v3" => deepseek_v3::spec(config, "deepseek_v3"),
+        "kimi_k2" => deepseek_v3::spec(config, "kimi_k2"),
         other => Err(Error::Config(format!(
             "unsupported model_type \"{other}\"; supported: {}",
             SUPPORTED_MODEL_TYPES.join(", ")
@@ -53,6 +61,7 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
 /// A layer's token mixer, with its slot in what sequences keep: its KV layer, or its recurrent-state layer.
 enum TokenMixer<B: Backend> {
     Attention { attention: Attention<B>, kv_layer: usize },
+    LatentAttention { mla: LatentAttention<B>, kv_layer: usize },
     GatedDeltaNet { gdn: GatedDeltaNet<B>, state_layer: usize },
 }
 
@@ -96,10 +105,11 @@ impl<B: Backend> Model<B> {
                 bad.inf
             );
         }
-        for (part, count) in checkpoint.weights.outside_text_model() {
+        for (part, count) in checkpoint.weights.outside_text_model(spec.layers.len()) {
             let what = match part.as_str() {
                 "model.visual." => "the vision tower",
                 "mtp." => "the multi-token-prediction head",
+                p if p.contains(".layers.") => "a multi-token-prediction layer, past the decoder's",
                 _ => "not part of the text model",
             };
             tracing::info!("not loading {count} tensors under {part}: {what}, which text generation does not use");
@@ -122,25 +132,44 @@ impl<B: Backend> Model<B> {
         let h = spec.hidden_size;
         let offset = spec.norm_weight_offset;
         let (mut kv_layers, mut state_layers) = (0, 0);
+        let rope_scale = spec.yarn.as_ref().map_or(1.0, |y| y.attention_factor());
+        if rope_scale != 1.0 && spec.mla.is_none() {
+            return Err(Error::Config(format!(
+                "YaRN's attention factor {rope_scale} (mscale against mscale_all_dim) is applied by latent attention \
+                 layers only so far"
+            )));
+        }
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, layer) in spec.layers.iter().enumerate() {
             let prefix = format!("model.layers.{i}");
-            let mixer = match (layer.mixer, &spec.gated_delta_net) {
-                (Mixer::Attention { window }, _) => {
+            let mixer = match (layer.mixer, &spec.gated_delta_net, &spec.mla) {
+                (Mixer::Attention { window: None }, _, Some(mla)) => {
+                    kv_layers += 1;
+                    TokenMixer::LatentAttention {
+                        mla: LatentAttention::load(&w, &format!("{prefix}.self_attn"), &spec, mla, rope_scale)?,
+                        kv_layer: kv_layers - 1,
+                    }
+                }
+                (Mixer::Attention { window: Some(_) }, _, Some(_)) => {
+                    return Err(Error::Config(
+                        "latent attention within a window is not supported".into(),
+                    ))
+                }
+                (Mixer::Attention { window }, _, None) => {
                     kv_layers += 1;
                     TokenMixer::Attention {
                         attention: Attention::load(&w, &format!("{prefix}.self_attn"), &spec, window)?,
                         kv_layer: kv_layers - 1,
                     }
                 }
-                (Mixer::GatedDeltaNet, Some(g)) => {
+                (Mixer::GatedDeltaNet, Some(g), _) => {
                     state_layers += 1;
                     TokenMixer::GatedDeltaNet {
                         gdn: GatedDeltaNet::load(&w, &format!("{prefix}.linear_attn"), &spec, g)?,
                         state_layer: state_layers - 1,
                     }
                 }
-                (Mixer::GatedDeltaNet, None) => {
+                (Mixer::GatedDeltaNet, None, _) => {
                     return Err(Error::Config(
                         "a Gated DeltaNet layer in a model without its settings".into(),
                     ))
@@ -163,17 +192,17 @@ impl<B: Backend> Model<B> {
             layers,
             norm: w.norm("model.norm.weight", h, offset)?,
             lm_head,
-            rope: backend.rope_table(&Rope::new(spec.rope_theta, spec.head_dim, spec.rotary_dim))?,
+            rope: backend.rope_table(&spec.rope())?,
             spec,
         })
     }
 
     /// The KV cache shape for `capacity_tokens` tokens across all sequences: keys and values for the attention
-    /// layers and, in hybrid models, a recurrent-state slot per sequence.
+    /// layers (latent layers for MLA) and, in hybrid models, a recurrent-state slot per sequence.
     pub fn kv_spec(&self, capacity_tokens: usize) -> KvSpec {
-        let attention = KvLayerSpec {
-            num_kv_heads: self.spec.num_kv_heads,
-            head_dim: self.spec.head_dim,
+        let attention = match &self.spec.mla {
+            Some(m) => KvLayerSpec::latent(m.kv_lora_rank + m.qk_rope_head_dim),
+            None => KvLayerSpec::heads(self.spec.num_kv_heads, self.spec.head_dim),
         };
         KvSpec {
             layers: vec![attention; self.spec.num_attention_layers()],
@@ -224,6 +253,9 @@ impl<B: Backend> Model<B> {
             let mixed = match &layer.mixer {
                 TokenMixer::Attention { attention, kv_layer } => {
                     attention.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared)?
+                }
+                TokenMixer::LatentAttention { mla, kv_layer } => {
+                    mla.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared)?
                 }
                 TokenMixer::GatedDeltaNet { gdn, state_layer } => {
                     gdn.forward(be, &normed, kv, *state_layer, &prepared)?
@@ -321,9 +353,11 @@ mod tests {
                     alpha: 1.702,
                     limit: 7.0,
                 },
-                shared_expert_intermediate: None,
+                shared_expert: None,
                 naming: config::STANDARD_EXPERTS,
             }),
+            mla: None,
+            yarn: None,
         }
     }
 
