@@ -33,6 +33,9 @@ Fixtures:
                      with its softmax-scale correction, the grouped sigmoid router with a non-zero (float32)
                      correction bias in four groups (two kept), a plain-added shared expert, a dense first layer,
                      an MTP layer's tensors after the decoder's
+    glm4_moe         Glm4MoeForCausalLM: partial rotary, q/k norm, q/k/v bias, the grouped sigmoid router with a
+                     non-zero (float32) correction bias in two groups, a plain-added shared expert, a dense first
+                     layer, and a multi-token-prediction layer's tensors after the decoder's (which transformers skips)
 
 Needs torch, transformers (5.x), tokenizers and safetensors. Usage:
 
@@ -587,6 +590,37 @@ FIXTURES = [
         hub_config=False,
         mtp_layer=True,
     ),
+    Fixture(
+        name="glm4_moe",
+        config_class="Glm4MoeConfig",
+        architecture="Glm4MoeForCausalLM",
+        config=dict(
+            COMMON,
+            head_dim=16,
+            num_hidden_layers=3,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            num_nextn_predict_layers=1,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+        ),
+        tokenizer=QWEN_TOKENIZER,
+        seed=9000,
+        num_shards=2,
+        expert_names="per_expert",
+        mtp_layer=True,
+    ),
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -714,8 +748,9 @@ def hub_style_config(config_dict: dict, model_type: str) -> dict:
     d["torch_dtype"] = d.pop("dtype")
     if model_type == "qwen3_moe":
         d["num_experts"] = d.pop("num_local_experts")
-    if model_type == "qwen3_next":  # as Qwen3-Next-80B-A3B's config: layer pattern by interval
+    if model_type in ("qwen3_next", "glm4_moe"):  # as their published configs: the factor at the top level
         d["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if model_type == "qwen3_next":  # as Qwen3-Next-80B-A3B's config: layer pattern by interval
         interval = 4
         assert d.pop("layer_types") == [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(d["num_hidden_layers"])

@@ -5,6 +5,7 @@
 
 pub mod config;
 mod deepseek_v3;
+mod glm4_moe;
 pub mod info;
 pub mod layers;
 mod mixtral;
@@ -38,6 +39,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_5_moe_text",
     "deepseek_v3",
     "kimi_k2",
+    "glm4_moe",
 ];
 
 /// The spec of a checkpoint's model, from its `model_type` and config.
@@ -51,6 +53,7 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
         "qwen3_5_moe" | "qwen3_5_moe_text" => qwen3_5_moe::spec(config),
         "deepseek_v3" => deepseek_v3::spec(config, "deepseek_v3"),
         "kimi_k2" => deepseek_v3::spec(config, "kimi_k2"),
+        "glm4_moe" => glm4_moe::spec(config),
         other => Err(Error::Config(format!(
             "unsupported model_type \"{other}\"; supported: {}",
             SUPPORTED_MODEL_TYPES.join(", ")

@@ -33,6 +33,23 @@ kernel! {
 }
 
 kernel! {
+    /// moe.cu's `route_sigmoid_grouped_topk`: [`RouterKind::SigmoidGroupedTopK`] over each row's `num_experts`
+    /// logits with the per-expert correction `bias`, one warp per row.
+    struct RouteSigmoidGroupedTopk = "route_sigmoid_grouped_topk" {
+        logits: Ptr<f32>,
+        bias: Ptr<f32>,
+        num_experts: i32,
+        n_group: i32,
+        topk_group: i32,
+        top_k: i32,
+        renormalize: i32,
+        scaling: f32,
+        ids: Ptr<i32>,
+        weights: Ptr<f32>,
+    }
+}
+
+kernel! {
     /// moe.cu's `moe_gate_up`: `act[pair] = silu(gate_e x_r) * (up_e x_r)` for each (row, k) pair of the launch
     /// (`order[y]`, or every pair when `order` is null), the expert blocks read through the table `experts`.
     struct MoeGateUp = "moe_gate_up" {
@@ -163,24 +180,19 @@ pub(super) fn upload_experts(
     })
 }
 
-/// [`crate::backend::Backend::check_router`]: moe.cu routes softmax top-k only.
+/// [`crate::backend::Backend::check_router`]: moe.cu has a kernel for every [`RouterKind`].
 pub(super) fn check_router(kind: RouterKind) -> Result<()> {
     match kind {
-        RouterKind::SoftmaxTopK { .. } => Ok(()),
-        RouterKind::SigmoidGroupedTopK { .. } => Err(no_router_for(kind)),
+        RouterKind::SoftmaxTopK { .. } | RouterKind::SigmoidGroupedTopK { .. } => Ok(()),
     }
 }
 
-fn no_router_for(kind: RouterKind) -> Error {
-    Error::Config(format!(
-        "the CUDA backend has no router for {kind:?} yet (the CPU backend has)"
-    ))
-}
-
+/// [`crate::backend::Backend::route`]: the router kernel of the kind, on the device, whether the routing stays
+/// there (decode) or its ids go to the host (offload's plan).
 pub(super) fn route(cuda: &CudaBackend, logits: &CudaTensor, router: Router<'_, CudaWeight>) -> Result<CudaRouting> {
-    let (top_k, RouterKind::SoftmaxTopK { renormalize }) = (router.top_k, router.kind) else {
-        return Err(no_router_for(router.kind));
-    };
+    let (kind, top_k) = (router.kind, router.top_k);
+    kind.check(logits.cols, top_k)
+        .map_err(|e| Error::Shape(format!("route: {e}")))?;
     if logits.cols > ROUTER_MAX_EXPERTS {
         return Err(Error::Cuda(format!(
             "{} experts is over the router kernel's {ROUTER_MAX_EXPERTS}",
@@ -189,15 +201,56 @@ pub(super) fn route(cuda: &CudaBackend, logits: &CudaTensor, router: Router<'_, 
     }
     let ids: CudaSlice<i32> = cuda.alloc(logits.rows * top_k)?;
     let weights: CudaSlice<f32> = cuda.alloc(logits.rows * top_k)?;
-    let router = RouteSoftmaxTopk {
-        logits: ptr(&logits.data),
-        num_experts: logits.cols as i32,
-        top_k: top_k as i32,
-        renormalize: renormalize as i32,
-        ids: ptr(&ids),
-        weights: ptr(&weights),
-    };
-    router.launch(cuda, per_row(logits.rows, 32))?;
+    let grid = per_row(logits.rows, 32);
+    match (kind, router.correction_bias) {
+        (RouterKind::SoftmaxTopK { renormalize }, None) => RouteSoftmaxTopk {
+            logits: ptr(&logits.data),
+            num_experts: logits.cols as i32,
+            top_k: top_k as i32,
+            renormalize: renormalize as i32,
+            ids: ptr(&ids),
+            weights: ptr(&weights),
+        }
+        .launch(cuda, grid)?,
+        (
+            RouterKind::SigmoidGroupedTopK {
+                n_group,
+                topk_group,
+                renormalize,
+                scaling,
+            },
+            Some(bias),
+        ) => {
+            let bias = match bias {
+                CudaWeight::Vector(v) if v.len() == logits.cols => ptr(v),
+                _ => {
+                    return Err(Error::Shape(format!(
+                        "route: the correction bias is not a vector of the {} experts",
+                        logits.cols
+                    )))
+                }
+            };
+            RouteSigmoidGroupedTopk {
+                logits: ptr(&logits.data),
+                bias,
+                num_experts: logits.cols as i32,
+                n_group: n_group as i32,
+                topk_group: topk_group as i32,
+                top_k: top_k as i32,
+                renormalize: renormalize as i32,
+                scaling,
+                ids: ptr(&ids),
+                weights: ptr(&weights),
+            }
+            .launch(cuda, grid)?
+        }
+        (kind, bias) => {
+            return Err(Error::Shape(format!(
+                "route: {kind:?} {} a correction bias",
+                if bias.is_none() { "needs" } else { "takes no" }
+            )))
+        }
+    }
     Ok(CudaRouting {
         ids,
         weights,
