@@ -12,11 +12,12 @@ mod qwen2_moe;
 mod qwen3_5_moe;
 mod qwen3_moe;
 mod qwen3_next;
+pub mod rope;
 
 pub use config::{FfnKind, GatedDeltaNetSpec, LayerSpec, Mixer, ModelSpec, MoeSpec, QkNorm};
 pub use info::ModelInfo;
 
-use crate::backend::{Backend, Rope, SeqSlice};
+use crate::backend::{Backend, SeqSlice};
 use crate::kv::{KvLayerSpec, KvSpec, RecurrentSpec};
 use crate::loader::{Checkpoint, WeightStore};
 use crate::moe::RoutingTap;
@@ -163,7 +164,7 @@ impl<B: Backend> Model<B> {
             layers,
             norm: w.norm("model.norm.weight", h, offset)?,
             lm_head,
-            rope: backend.rope_table(&Rope::new(spec.rope_theta, spec.head_dim, spec.rotary_dim))?,
+            rope: backend.rope_table(&rope::rope_for(&spec))?,
             spec,
         })
     }
@@ -292,6 +293,7 @@ mod tests {
             head_dim: 8,
             rms_norm_eps: 1e-6,
             rope_theta: 1e4,
+            rope_scaling: None,
             rotary_dim: 8,
             max_position_embeddings: 64,
             qk_norm: QkNorm::PerHead,
