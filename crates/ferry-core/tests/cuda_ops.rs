@@ -855,12 +855,14 @@ fn latent_attention_prefill_then_decode() {
             v_head_dim: v_dim,
             scale: 0.07,
             rope_interleaved: interleaved,
-            rope_scale: 1.1,
             eps: 1e-6,
         };
         let kv_b = rng.bf16("kv_b", &[params.kv_b_rows(), rank], 0.1);
         let norm: Vec<f32> = rng.values(rank, 0.2).iter().map(|v| 1.0 + v).collect();
-        let rope = Rope::new(1e4, rope_dim, rope_dim);
+        let rope = Rope {
+            attention_factor: 1.1,
+            ..Rope::new(1e4, rope_dim, rope_dim)
+        };
         let inputs: Vec<(Vec<f32>, Vec<f32>)> = MLA_CALLS
             .iter()
             .map(|call| {

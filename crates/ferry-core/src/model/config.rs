@@ -3,8 +3,8 @@
 
 use serde::Deserialize;
 
-use super::rope::Yarn;
-use crate::backend::{ExpertActivation, Rope, RouterKind};
+use super::rope::{scaling_from_config, RopeParameters, YarnScaling};
+use crate::backend::{ExpertActivation, RouterKind};
 use crate::{Error, Result};
 
 /// The fields of config.json shared by the decoder-only families.
@@ -23,17 +23,10 @@ pub struct BaseConfig {
     /// Qwen3-Next's 4.x-era configs put the partial rotary factor at the top level rather than in `rope_parameters`.
     pub partial_rotary_factor: Option<f64>,
     #[serde(default)]
-    pub rope_scaling: Option<serde_json::Value>,
+    pub rope_scaling: Option<RopeParameters>,
     pub max_position_embeddings: usize,
     #[serde(default)]
     pub tie_word_embeddings: bool,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-pub struct RopeParameters {
-    pub rope_theta: Option<f64>,
-    pub rope_type: Option<String>,
-    pub partial_rotary_factor: Option<f64>,
 }
 
 /// How q and k are normalised after their projections.
@@ -187,7 +180,9 @@ pub struct ModelSpec {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub rms_norm_eps: f32,
-    pub rope_theta: f32,
+    pub rope_theta: f64,
+    /// YaRN's frequency blend and attention factor, when config.json asks for it.
+    pub rope_scaling: Option<YarnScaling>,
     pub rotary_dim: usize,
     pub max_position_embeddings: usize,
     pub qk_norm: QkNorm,
@@ -205,8 +200,6 @@ pub struct ModelSpec {
     /// Every attention layer is multi-head latent attention of this shape; `head_dim` is then `qk_nope + qk_rope`
     /// and `rotary_dim` `qk_rope`.
     pub mla: Option<MlaSpec>,
-    /// YaRN frequency scaling of the RoPE.
-    pub yarn: Option<Yarn>,
 }
 
 impl ModelSpec {
@@ -216,17 +209,6 @@ impl ModelSpec {
 
     pub fn num_moe_layers(&self) -> usize {
         self.layers.iter().filter(|l| l.ffn == FfnKind::Moe).count()
-    }
-
-    /// The RoPE the attention layers rotate by: over `rotary_dim` of each head (MLA: of the rope part), with YaRN's
-    /// frequencies when the model has YaRN.
-    pub fn rope(&self) -> Rope {
-        let head_dim = self.mla.as_ref().map_or(self.head_dim, |m| m.qk_rope_head_dim);
-        let mut rope = Rope::new(self.rope_theta, head_dim, self.rotary_dim);
-        if let Some(yarn) = &self.yarn {
-            rope.inv_freq = yarn.inv_freq(self.rope_theta, self.rotary_dim);
-        }
-        rope
     }
 
     /// Gives every attention layer the same window (Mixtral's `sliding_window`).
@@ -255,13 +237,8 @@ impl BaseConfig {
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(Error::Config(format!("head_dim {head_dim} must be even and positive")));
         }
-        if let Some(scaling) = self.rope_scaling.as_ref().filter(|v| !v.is_null()) {
-            return Err(Error::Config(format!("rope_scaling {scaling} is not supported yet")));
-        }
         let rope = self.rope_parameters.as_ref();
-        if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref()).filter(|t| *t != "default") {
-            return Err(Error::Config(format!("rope_type \"{kind}\" is not supported yet")));
-        }
+        let rope_scaling = scaling_from_config(rope, self.rope_scaling.as_ref(), self.max_position_embeddings)?;
         let rope_theta = self
             .rope_theta
             .or(rope.and_then(|r| r.rope_theta))
@@ -279,7 +256,8 @@ impl BaseConfig {
             num_kv_heads,
             head_dim,
             rms_norm_eps: self.rms_norm_eps as f32,
-            rope_theta: rope_theta as f32,
+            rope_theta,
+            rope_scaling,
             rotary_dim,
             max_position_embeddings: self.max_position_embeddings,
             qk_norm: QkNorm::None,
@@ -296,7 +274,6 @@ impl BaseConfig {
             gated_delta_net: None,
             moe: None,
             mla: None,
-            yarn: None,
         })
     }
 }

@@ -6,7 +6,6 @@
 use serde::Deserialize;
 
 use super::config::{parse, BaseConfig, FfnKind, MlaSpec, ModelSpec, MoeSpec, SharedExpert, STANDARD_EXPERTS};
-use super::rope::Yarn;
 use crate::backend::{ExpertActivation, RouterKind};
 use crate::{Error, Result};
 
@@ -53,7 +52,7 @@ fn refuse_other(field: &str, value: Option<&str>, supported: &str) -> Result<()>
 }
 
 pub fn spec(config: &serde_json::Value, model_type: &'static str) -> Result<ModelSpec> {
-    let mut c: DeepseekV3Config = parse(config)?;
+    let c: DeepseekV3Config = parse(config)?;
     refuse_other("scoring_func", c.scoring_func.as_deref(), "sigmoid")?;
     refuse_other("topk_method", c.topk_method.as_deref(), "noaux_tc")?;
     if let Some(freq) = c.moe_layer_freq.filter(|&f| f != 1) {
@@ -65,12 +64,6 @@ pub fn spec(config: &serde_json::Value, model_type: &'static str) -> Result<Mode
             "qk_rope_head_dim ({rope}) must be even and positive, kv_lora_rank ({}) and v_head_dim ({}) positive",
             c.kv_lora_rank, c.v_head_dim
         )));
-    }
-    // YaRN is read here; the base spec only knows plain RoPE.
-    let yarn = Yarn::from_config(config)?;
-    c.base.rope_scaling = None;
-    if let Some(r) = c.base.rope_parameters.as_mut() {
-        r.rope_type = None;
     }
     let mut spec = c.base.spec(model_type)?;
     let qk_head_dim = c.qk_nope_head_dim + rope;
@@ -84,9 +77,17 @@ pub fn spec(config: &serde_json::Value, model_type: &'static str) -> Result<Mode
             };
         }
     }
-    // In f64 and rounded once, as transformers computes it in Python floats.
-    let softmax_scale =
-        ((qk_head_dim as f64).powf(-0.5) * yarn.as_ref().map_or(1.0, Yarn::softmax_scale_factor)) as f32;
+    // transformers' yarn_apply_mscale (YaRN's `mscale_all_dim` corrects the softmax scale), in f64 and rounded once
+    // as transformers computes it in Python floats.
+    let mscale_all_dim = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .filter_map(|key| config.get(key)?.get("mscale_all_dim")?.as_f64())
+        .find(|&m| m != 0.0);
+    let mscale = match (&spec.rope_scaling, mscale_all_dim) {
+        (Some(yarn), Some(all)) if yarn.factor > 1.0 => 0.1 * all * yarn.factor.ln() + 1.0,
+        _ => 1.0,
+    };
+    let softmax_scale = ((qk_head_dim as f64).powf(-0.5) * mscale * mscale) as f32;
     spec.mla = Some(MlaSpec {
         q_lora_rank: c.q_lora_rank,
         kv_lora_rank: c.kv_lora_rank,
@@ -96,7 +97,6 @@ pub fn spec(config: &serde_json::Value, model_type: &'static str) -> Result<Mode
         rope_interleaved: c.rope_interleave,
         softmax_scale,
     });
-    spec.yarn = yarn;
     spec.moe = Some(MoeSpec {
         num_experts: c.n_routed_experts,
         top_k: c.num_experts_per_tok,

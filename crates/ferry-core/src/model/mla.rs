@@ -38,8 +38,7 @@ pub struct LatentAttention<B: Backend> {
 }
 
 impl<B: Backend> LatentAttention<B> {
-    /// `rope_scale`: what cos and sin are scaled by (YaRN's attention factor).
-    pub fn load(w: &WeightLoader<B>, prefix: &str, spec: &ModelSpec, mla: &MlaSpec, rope_scale: f32) -> Result<Self> {
+    pub fn load(w: &WeightLoader<B>, prefix: &str, spec: &ModelSpec, mla: &MlaSpec) -> Result<Self> {
         let params = MlaParams {
             num_heads: spec.num_heads,
             kv_lora_rank: mla.kv_lora_rank,
@@ -48,7 +47,6 @@ impl<B: Backend> LatentAttention<B> {
             v_head_dim: mla.v_head_dim,
             scale: mla.softmax_scale,
             rope_interleaved: mla.rope_interleaved,
-            rope_scale,
             eps: LATENT_NORM_EPS,
         };
         let h = spec.hidden_size;

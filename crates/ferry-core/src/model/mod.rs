@@ -135,13 +135,6 @@ impl<B: Backend> Model<B> {
         let h = spec.hidden_size;
         let offset = spec.norm_weight_offset;
         let (mut kv_layers, mut state_layers) = (0, 0);
-        let rope_scale = spec.yarn.as_ref().map_or(1.0, |y| y.attention_factor());
-        if rope_scale != 1.0 && spec.mla.is_none() {
-            return Err(Error::Config(format!(
-                "YaRN's attention factor {rope_scale} (mscale against mscale_all_dim) is applied by latent attention \
-                 layers only so far"
-            )));
-        }
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, layer) in spec.layers.iter().enumerate() {
             let prefix = format!("model.layers.{i}");
@@ -149,7 +142,7 @@ impl<B: Backend> Model<B> {
                 (Mixer::Attention { window: None }, _, Some(mla)) => {
                     kv_layers += 1;
                     TokenMixer::LatentAttention {
-                        mla: LatentAttention::load(&w, &format!("{prefix}.self_attn"), &spec, mla, rope_scale)?,
+                        mla: LatentAttention::load(&w, &format!("{prefix}.self_attn"), &spec, mla)?,
                         kv_layer: kv_layers - 1,
                     }
                 }
@@ -195,7 +188,7 @@ impl<B: Backend> Model<B> {
             layers,
             norm: w.norm("model.norm.weight", h, offset)?,
             lm_head,
-            rope: backend.rope_table(&spec.rope())?,
+            rope: backend.rope_table(&rope::rope_for(&spec))?,
             spec,
         })
     }
@@ -327,6 +320,7 @@ mod tests {
             head_dim: 8,
             rms_norm_eps: 1e-6,
             rope_theta: 1e4,
+            rope_scaling: None,
             rotary_dim: 8,
             max_position_embeddings: 64,
             qk_norm: QkNorm::PerHead,
@@ -360,7 +354,6 @@ mod tests {
                 naming: config::STANDARD_EXPERTS,
             }),
             mla: None,
-            yarn: None,
         }
     }
 

@@ -20,7 +20,7 @@ fn rope(x: &mut CpuTensor, positions: &[u32], rope: &Rope) {
             .iter()
             .map(|&f| {
                 let angle = pos as f32 * f;
-                (angle.cos(), angle.sin())
+                (angle.cos() * rope.attention_factor, angle.sin() * rope.attention_factor)
             })
             .unzip();
         for head in row.chunks_mut(rope.head_dim) {

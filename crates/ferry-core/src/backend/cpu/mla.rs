@@ -15,8 +15,9 @@ use crate::loader::TensorRef;
 use crate::Result;
 
 /// Rotates one head's rope features `x` at `pos`: pairs (2i, 2i + 1) when `interleaved`, else (i, i + half), each
-/// by the angle `pos * inv_freq[i]`, with cos and sin times `scale`.
-fn rotate(x: &mut [f32], pos: u32, rope: &Rope, interleaved: bool, scale: f32) {
+/// by the angle `pos * inv_freq[i]`, with cos and sin times the RoPE's attention factor.
+fn rotate(x: &mut [f32], pos: u32, rope: &Rope, interleaved: bool) {
+    let scale = rope.attention_factor;
     let half = x.len() / 2;
     for (i, &f) in rope.inv_freq.iter().enumerate().take(half) {
         let angle = pos as f32 * f;
@@ -80,13 +81,7 @@ impl MlaInputs<'_> {
         let mut latent = compressed.clone();
         for (r, row) in latent.data.chunks_mut(latent_width).enumerate() {
             row[..rank].copy_from_slice(c.row(r));
-            rotate(
-                &mut row[rank..],
-                batch.positions[r],
-                rope,
-                p.rope_interleaved,
-                p.rope_scale,
-            );
+            rotate(&mut row[rank..], batch.positions[r], rope, p.rope_interleaved);
         }
         let kv_b = kv_b.to_f32_vec();
         let head_rows = (nope + v_dim) * rank;
@@ -103,7 +98,7 @@ impl MlaInputs<'_> {
                 let pos = s.start_pos + t;
                 let query = &q.row(row0 + t)[h * (nope + rope_dim)..(h + 1) * (nope + rope_dim)];
                 let mut q_rope = query[nope..].to_vec();
-                rotate(&mut q_rope, pos as u32, rope, p.rope_interleaved, p.rope_scale);
+                rotate(&mut q_rope, pos as u32, rope, p.rope_interleaved);
                 let (w_k, w_v) = kv_b[h * head_rows..(h + 1) * head_rows].split_at(nope * rank);
                 let mut q_c = vec![0.0; rank];
                 for (&qi, w_row) in query[..nope].iter().zip(w_k.chunks(rank)) {
@@ -156,7 +151,7 @@ mod tests {
                 let rms = (row[..rank].iter().map(|x| x * x).sum::<f32>() / rank as f32 + p.eps).sqrt();
                 let mut out: Vec<f32> = row[..rank].iter().map(|x| x / rms).collect();
                 let mut k_r = row[rank..].to_vec();
-                rotate(&mut k_r, t as u32, rope, p.rope_interleaved, p.rope_scale);
+                rotate(&mut k_r, t as u32, rope, p.rope_interleaved);
                 out.extend(k_r);
                 out
             })
@@ -170,7 +165,7 @@ mod tests {
             for t in 0..rows {
                 let query = &q[t * p.q_width() + h * (nope + rd)..][..nope + rd];
                 let mut q_r = query[nope..].to_vec();
-                rotate(&mut q_r, t as u32, rope, p.rope_interleaved, p.rope_scale);
+                rotate(&mut q_r, t as u32, rope, p.rope_interleaved);
                 let scores: Vec<f32> = (0..=t)
                     .map(|j| {
                         let k_nope = project(&latent[j][..rank], 0, nope);
@@ -204,11 +199,13 @@ mod tests {
                 v_head_dim: 5,
                 scale: 0.4,
                 rope_interleaved: interleaved,
-                rope_scale: 1.1,
                 eps: 1e-6,
             };
             let rows = 5;
-            let rope = Rope::new(100.0, 4, 4);
+            let rope = Rope {
+                attention_factor: 1.1,
+                ..Rope::new(100.0, 4, 4)
+            };
             let (q, compressed) = (values(rows * p.q_width(), 1), values(rows * p.latent_width(), 2));
             let kv_b = values(p.kv_b_rows() * p.kv_lora_rank, 3);
             let kv_b_ref = TensorRef::from_f32("kv_b", vec![p.kv_b_rows(), p.kv_lora_rank], &kv_b).unwrap();

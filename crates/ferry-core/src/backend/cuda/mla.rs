@@ -110,7 +110,7 @@ pub(super) fn mla_attention(
         positions: ptr(&batch.positions),
         inv_freq: ptr(&rope.inv_freq),
         interleaved,
-        rope_scale: p.rope_scale,
+        rope_scale: rope.attention_factor,
         row_slot: ptr(&batch.row_slot),
         pool: ptr(pool),
     }
@@ -126,7 +126,7 @@ pub(super) fn mla_attention(
         block_tables: ptr(&batch.block_tables),
         inv_freq: ptr(&rope.inv_freq),
         interleaved,
-        rope_scale: p.rope_scale,
+        rope_scale: rope.attention_factor,
         heads: heads as i32,
         rank: rank as i32,
         nope: p.qk_nope_head_dim as i32,

@@ -131,6 +131,7 @@ impl CudaExperts {
 pub struct CudaRope {
     inv_freq: CudaSlice<f32>,
     rotary_dim: usize,
+    attention_factor: f32,
 }
 
 /// Routing kept on the device: `ids` and `weights` are `[rows, top_k]`.
