@@ -29,6 +29,10 @@ Fixtures:
                      fused expert tensors
     qwen3_5_moe_text Qwen3_5MoeForCausalLM: the same text model on its own, tied embeddings
     qwen3_next       Qwen3NextForCausalLM: in_proj_qkvz / in_proj_ba layout, a dense layer, hub-style config
+    deepseek_v3      DeepseekV3ForCausalLM: MLA (low-rank q, compressed kv, interleaved decoupled RoPE), YaRN
+                     with its softmax-scale correction, the grouped sigmoid router with a non-zero (float32)
+                     correction bias in four groups (two kept), a plain-added shared expert, a dense first layer,
+                     an MTP layer's tensors after the decoder's
     glm4_moe         Glm4MoeForCausalLM: partial rotary, q/k norm, q/k/v bias, the grouped sigmoid router with a
                      non-zero (float32) correction bias in two groups, a plain-added shared expert, a dense first
                      layer, and a multi-token-prediction layer's tensors after the decoder's (which transformers skips)
@@ -540,6 +544,51 @@ FIXTURES = [
         seed=8000,
         num_shards=3,
         expert_names="per_expert",
+    ),
+    Fixture(
+        name="deepseek_v3",
+        config_class="DeepseekV3Config",
+        architecture="DeepseekV3ForCausalLM",
+        config=dict(
+            COMMON,
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_interleave=True,
+            max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+        ),
+        tokenizer=QWEN_TOKENIZER,
+        seed=10000,
+        num_shards=2,
+        expert_names="per_expert",
+        hub_config=False,
+        mtp_layer=True,
     ),
     Fixture(
         name="glm4_moe",

@@ -177,6 +177,7 @@ fn offload_equals_resident_for_every_fixture_family() {
         "qwen2_moe",
         "qwen3_5_moe",
         "qwen3_next",
+        "deepseek_v3",
         "glm4_moe",
     ] {
         let checkpoint = Checkpoint::open(&fixtures().join(family)).unwrap();

@@ -6,7 +6,7 @@ use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::workspace::MOE_GROUP_ROWS;
 use ferry_core::backend::cuda::{CudaBackend, GEMV_MAX_ROWS};
 use ferry_core::backend::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, MlaParams, QkNormWeights, Rope, Router,
     RouterKind, SeqSlice,
 };
 use ferry_core::kv::{KvCache, KvLayerSpec, KvSpec, RecurrentSpec};
@@ -219,10 +219,7 @@ fn attention_calls<B: Backend>(
     let tokens: usize = calls.iter().flat_map(|c| c.slices).map(|&(_, _, len)| len).sum();
     let mut kv = be
         .new_kv(KvSpec {
-            layers: vec![KvLayerSpec {
-                num_kv_heads: params.num_kv_heads,
-                head_dim: params.head_dim,
-            }],
+            layers: vec![KvLayerSpec::heads(params.num_kv_heads, params.head_dim)],
             capacity_tokens: tokens + 16 * sequences,
             recurrent: None,
         })
@@ -671,10 +668,7 @@ fn check_gated_deltanet(p: &Pair, rng: &mut Rng, what: &str, case: &GatedDeltaNe
         })
         .sum();
     let spec = || KvSpec {
-        layers: vec![KvLayerSpec {
-            num_kv_heads: 1,
-            head_dim: 2,
-        }],
+        layers: vec![KvLayerSpec::heads(1, 2)],
         capacity_tokens,
         recurrent: Some(RecurrentSpec {
             num_layers: 1,
@@ -787,5 +781,107 @@ fn chunked_delta_rule_for_long_slices_among_short_ones() {
             &format!("{k_heads}/{v_heads} heads of {dk} x {dv}"),
             &case,
         );
+    }
+}
+
+/// The batches of [`latent_attention_prefill_then_decode`]: (sequence, start, len) slices per call.
+const MLA_CALLS: [&[(usize, usize, usize)]; 3] = [
+    &[(0, 0, 37), (1, 0, 5)],
+    &[(0, 37, 1), (1, 5, 1)],
+    &[(1, 6, 20), (0, 38, 1)],
+];
+
+/// Runs each call's (q, compressed kv) through `mla_attention` over one latent KV layer of two sequences.
+fn mla_calls<B: Backend>(
+    be: &B,
+    params: &MlaParams,
+    kv_b: &TensorRef,
+    norm: &[f32],
+    rope: &Rope,
+    inputs: &[(Vec<f32>, Vec<f32>)],
+) -> Vec<Vec<f32>> {
+    let mut kv = be
+        .new_kv(KvSpec {
+            layers: vec![KvLayerSpec::latent(params.latent_width())],
+            capacity_tokens: 128,
+            recurrent: None,
+        })
+        .unwrap();
+    let seqs = [kv.alloc_seq(), kv.alloc_seq()];
+    let kv_b = be.weight(kv_b.clone()).unwrap();
+    let norm = be
+        .weight(TensorRef::from_f32("kv_norm", vec![norm.len()], norm).unwrap())
+        .unwrap();
+    let rope = be.rope_table(rope).unwrap();
+    MLA_CALLS
+        .iter()
+        .zip(inputs)
+        .map(|(call, (q, compressed))| {
+            let slices: Vec<SeqSlice> = call
+                .iter()
+                .map(|&(s, start_pos, len)| SeqSlice {
+                    seq: seqs[s],
+                    start_pos,
+                    len,
+                })
+                .collect();
+            let rows = q.len() / params.q_width();
+            let batch = be.prepare_batch(&mut kv, &slices).unwrap();
+            let q = be.upload(q, rows, params.q_width()).unwrap();
+            let compressed = be.upload(compressed, rows, params.latent_width()).unwrap();
+            let out = be
+                .mla_attention(&q, &compressed, &norm, &kv_b, &rope, &mut kv, 0, &batch, params)
+                .unwrap();
+            be.to_host(&out).unwrap()
+        })
+        .collect()
+}
+
+/// Multi-head latent attention against the CPU backend: DeepSeek-V3's head shape (rank 512, the kernels' largest;
+/// nope 128, rope 64 interleaved, values of 128) with 16 heads, and a small rotate-half shape; a prefill of two
+/// sequences, a decode step of both, then a prefill chunk batched with a decode row.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn latent_attention_prefill_then_decode() {
+    let p = pair();
+    let mut rng = Rng::new(11);
+    for (heads, rank, nope, rope_dim, v_dim, interleaved) in [(16, 512, 128, 64, 128, true), (4, 32, 16, 8, 12, false)]
+    {
+        let params = MlaParams {
+            num_heads: heads,
+            kv_lora_rank: rank,
+            qk_nope_head_dim: nope,
+            qk_rope_head_dim: rope_dim,
+            v_head_dim: v_dim,
+            scale: 0.07,
+            rope_interleaved: interleaved,
+            eps: 1e-6,
+        };
+        let kv_b = rng.bf16("kv_b", &[params.kv_b_rows(), rank], 0.1);
+        let norm: Vec<f32> = rng.values(rank, 0.2).iter().map(|v| 1.0 + v).collect();
+        let rope = Rope {
+            attention_factor: 1.1,
+            ..Rope::new(1e4, rope_dim, rope_dim)
+        };
+        let inputs: Vec<(Vec<f32>, Vec<f32>)> = MLA_CALLS
+            .iter()
+            .map(|call| {
+                let rows: usize = call.iter().map(|s| s.2).sum();
+                (
+                    rng.values(rows * params.q_width(), 1.0),
+                    rng.values(rows * params.latent_width(), 1.0),
+                )
+            })
+            .collect();
+        let cpu = mla_calls(&p.cpu, &params, &kv_b, &norm, &rope, &inputs);
+        let gpu = mla_calls(&p.gpu, &params, &kv_b, &norm, &rope, &inputs);
+        for (i, (gpu, cpu)) in gpu.into_iter().zip(cpu).enumerate() {
+            check(
+                &format!("mla {heads} heads of rank {rank}, call {i}"),
+                gpu,
+                cpu,
+                F32_LIMIT,
+            );
+        }
     }
 }

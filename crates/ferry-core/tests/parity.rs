@@ -26,6 +26,7 @@ const FAMILIES: &[&str] = &[
     "qwen3_5_moe",
     "qwen3_5_moe_text",
     "qwen3_next",
+    "deepseek_v3",
     "glm4_moe",
 ];
 const LOGIT_TOLERANCE: f32 = 1e-3;
@@ -248,6 +249,7 @@ parity_tests!(
     qwen3_5_moe,
     qwen3_5_moe_text,
     qwen3_next,
+    deepseek_v3,
     glm4_moe
 );
 

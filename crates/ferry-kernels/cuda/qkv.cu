@@ -7,13 +7,15 @@
 // Heads 0..num_heads-1 are query heads, written to q_out [rows, num_heads * head_dim]; the next num_kv_heads are
 // key heads, whose key (normalised, rotated) and value go to slot row_slot[r] of k_pool and v_pool.
 // qkv is [rows, (num_heads + 2 * num_kv_heads) * head_dim]: queries, keys, values.
-// q_norm / k_norm null: no norm. norm_per_head: scales of head_dim per head; otherwise the norm runs over all the
-// row's queries (or keys) at once, with scales of that full width.
+// RoPE rotates feature pairs (i, i + rotary_dim / 2) by positions[r] * inv_freq[i], cos and sin times
+// attention_factor. q_norm / k_norm null: no norm. norm_per_head: scales of head_dim per head; otherwise the norm
+// runs over all the row's queries (or keys) at once, with scales of that full width.
 extern "C" __global__ void qkv_rope_kv_append(const float* __restrict__ qkv, int num_heads, int num_kv_heads,
                                               int head_dim, const float* __restrict__ q_norm,
                                               const float* __restrict__ k_norm, int norm_per_head, float eps,
                                               const uint32_t* __restrict__ positions,
                                               const float* __restrict__ inv_freq, int rotary_dim,
+                                              float attention_factor,
                                               const uint32_t* __restrict__ row_slot, float* __restrict__ q_out,
                                               float* __restrict__ k_pool, float* __restrict__ v_pool) {
     __shared__ float head_values[MAX_HEAD_DIM];
@@ -47,6 +49,9 @@ extern "C" __global__ void qkv_rope_kv_append(const float* __restrict__ qkv, int
     if (d < rotary_dim) {
         float sin_angle, cos_angle;
         sincosf(static_cast<float>(positions[r]) * inv_freq[d % half], &sin_angle, &cos_angle);
+        // YaRN's attention factor scales cos and sin (1 for plain RoPE), as transformers scales its tables.
+        sin_angle *= attention_factor;
+        cos_angle *= attention_factor;
         x = d < half ? x * cos_angle - head_values[d + half] * sin_angle
                      : x * cos_angle + head_values[d - half] * sin_angle;
     }

@@ -39,6 +39,12 @@ kernel_constants! {
     /// Threads per block of attention_combine.
     ATTENTION_COMBINE_THREADS: usize = 128;
 
+    /// The largest compressed kv of multi-head latent attention (DeepSeek-V3's 512): an mla_attend lane keeps
+    /// `MLA_MAX_RANK / 32` accumulators.
+    MLA_MAX_RANK: usize = 512;
+    /// Warps per mla_attend block, each taking every MLA_ATTEND_WARPS-th key.
+    MLA_ATTEND_WARPS: usize = 8;
+
     /// The largest key head of the gated delta rule: the state column a thread keeps in registers.
     MAX_K_HEAD_DIM: usize = 128;
     /// Tokens per chunk of the chunked gated delta rule (the CPU backend's chunked reference uses the same).

@@ -32,26 +32,37 @@ pub fn batch_positions(batch: &[SeqSlice]) -> Vec<u32> {
         .collect()
 }
 
-/// Rotary position embedding (HF's rotate-half layout) over the first `rotary_dim` features of each head.
+/// Rotary position embedding (HF's rotate-half layout) over the first `rotary_dim` features of each head: feature
+/// pair (i, i + rotary_dim / 2) at position p is rotated by the angle `p * inv_freq[i]`, with cos and sin both
+/// multiplied by `attention_factor` (YaRN's; 1 otherwise), as transformers multiplies its cos/sin tables.
 #[derive(Clone, Debug)]
 pub struct Rope {
     pub head_dim: usize,
     pub rotary_dim: usize,
-    /// `1 / theta^(2i / rotary_dim)` for i in 0..rotary_dim / 2, computed in f32 as transformers does.
+    /// One frequency per feature pair, `rotary_dim / 2` of them.
     pub inv_freq: Vec<f32>,
+    pub attention_factor: f32,
 }
 
 impl Rope {
+    /// Plain RoPE: `inv_freq[i] = 1 / theta^(2i / rotary_dim)`, computed in f32 as transformers does.
     pub fn new(theta: f32, head_dim: usize, rotary_dim: usize) -> Self {
-        let inv_freq = (0..rotary_dim / 2)
-            .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32))
-            .collect();
         Rope {
             head_dim,
             rotary_dim,
-            inv_freq,
+            inv_freq: plain_inv_freq(theta, rotary_dim),
+            attention_factor: 1.0,
         }
     }
+}
+
+/// `theta^(2i / rotary_dim)` for i in 0..rotary_dim / 2, in f32: the wavelengths (over 2 pi) of plain RoPE.
+pub fn rope_wavelengths(theta: f32, rotary_dim: usize) -> impl Iterator<Item = f32> {
+    (0..rotary_dim / 2).map(move |i| theta.powf((2 * i) as f32 / rotary_dim as f32))
+}
+
+fn plain_inv_freq(theta: f32, rotary_dim: usize) -> Vec<f32> {
+    rope_wavelengths(theta, rotary_dim).map(|w| 1.0 / w).collect()
 }
 
 #[derive(Clone, Debug)]
@@ -75,6 +86,45 @@ impl AttentionParams {
             )));
         }
         Ok(())
+    }
+}
+
+/// The shape of a multi-head latent attention layer (DeepSeek-V2/V3's and Kimi-K2's MLA; see
+/// [`Backend::mla_attention`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaParams {
+    pub num_heads: usize,
+    /// Features of the compressed kv each token keeps (`c`).
+    pub kv_lora_rank: usize,
+    /// Per head: query and key features without position (`nope`) and with RoPE (`rope`), value features.
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub scale: f32,
+    /// RoPE rotates features (2i, 2i + 1) together (DeepSeek's `rope_interleave`) rather than (i, i + rope / 2).
+    pub rope_interleaved: bool,
+    /// `kv_a_layernorm`'s epsilon.
+    pub eps: f32,
+}
+
+impl MlaParams {
+    /// Features of one row of queries: per head `nope` then `rope`.
+    pub fn q_width(&self) -> usize {
+        self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+    }
+
+    /// Features one token keeps in the latent cache: `c`, then the shared RoPE key.
+    pub fn latent_width(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// Rows of `kv_b_proj`: per head its key (`nope`) rows, then its value rows.
+    pub fn kv_b_rows(&self) -> usize {
+        self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+    }
+
+    pub fn out_width(&self) -> usize {
+        self.num_heads * self.v_head_dim
     }
 }
 
@@ -301,6 +351,30 @@ pub trait Backend: Send + Sync + Sized {
         layer: usize,
         batch: &Self::Batch,
         params: &AttentionParams,
+    ) -> Result<Self::Tensor>;
+    /// Multi-head latent attention of one layer. `q` is `[rows, q_width]` (per head `nope` features, then `rope`);
+    /// `compressed` `[rows, kv_lora_rank + rope]` is `kv_a_proj_with_mqa`'s output: `c`, then the shared key `k_r`.
+    /// `c` is RMS-normalised times `kv_norm` and the rope part of each query head and `k_r` are rotated at each
+    /// row's position (RoPE over the rope features, pairs as `rope_interleaved` says, cos and sin times the RoPE's
+    /// attention factor); the row
+    /// `[c, k_r]` is written into the latent cache of `layer`. Then, with `kv_b` (`[kv_b_rows, kv_lora_rank]`) holding
+    /// per head h its key rows `W_k[h]` (`[nope, kv_lora_rank]`) then its value rows `W_v[h]` (`[v, kv_lora_rank]`),
+    /// causal attention of each head over its sequence with keys `[W_k[h] c_j, k_r_j]` and values `W_v[h] c_j`:
+    /// `score_j = (q_nope . W_k[h] c_j + q_rope . k_r_j) * scale`. Returns `[rows, num_heads * v]`. How a backend
+    /// evaluates it (keys expanded, or `W_k` and `W_v` absorbed into the query and output sides so that only the
+    /// latent rows are read) is its own affair.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention(
+        &self,
+        q: &Self::Tensor,
+        compressed: &Self::Tensor,
+        kv_norm: &Self::Weight,
+        kv_b: &Self::Weight,
+        rope: &Self::RopeTable,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &Self::Batch,
+        params: &MlaParams,
     ) -> Result<Self::Tensor>;
     /// Depthwise causal convolution along each sequence's tokens, then SiLU. `x` is `[rows, C]`, `weight` `[C, K]`;
     /// for row t of a slice at position p and channel c:

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, MlaParams, QkNormWeights, Rope, Router,
     RouterKind, SeqSlice,
 };
 use crate::kv::{KvSpec, SeqId};
@@ -138,6 +138,9 @@ impl<B: Backend> Backend for Profiled<'_, B> {
         fn attention(&self, qkv: &Self::Tensor, qk_norm: Option<QkNormWeights<'_, Self::Weight>>,
             rope: &Self::RopeTable, kv: &mut Self::Kv, layer: usize, batch: &Self::Batch, params: &AttentionParams)
             -> Self::Tensor;
+        fn mla_attention(&self, q: &Self::Tensor, compressed: &Self::Tensor, kv_norm: &Self::Weight,
+            kv_b: &Self::Weight, rope: &Self::RopeTable, kv: &mut Self::Kv, layer: usize, batch: &Self::Batch,
+            params: &MlaParams) -> Self::Tensor;
         fn causal_conv1d(&self, x: &Self::Tensor, weight: &Self::Weight, kv: &mut Self::Kv, layer: usize,
             batch: &Self::Batch) -> Self::Tensor;
         fn gated_delta_rule(&self, qkv: &Self::Tensor, a: &Self::Tensor, b: &Self::Tensor, a_log: &Self::Weight,

@@ -46,17 +46,51 @@ pub trait KvCache: Send {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u32);
 
-/// What one attention layer keeps per token: `num_kv_heads` keys and as many values, of `head_dim` each.
+/// What one attention layer keeps per token: `num_kv_heads` keys and as many values, of `head_dim` each; or, in a
+/// latent layer (multi-head latent attention, DeepSeek-V3's MLA), one row of `head_dim` features (the compressed kv
+/// and the shared RoPE key, which every head expands on its own) and no values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayerSpec {
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    pub latent: bool,
 }
 
 impl KvLayerSpec {
-    /// Features of one token's keys (or values).
+    /// A layer of `num_kv_heads` keys and values of `head_dim` each.
+    pub fn heads(num_kv_heads: usize, head_dim: usize) -> Self {
+        KvLayerSpec {
+            num_kv_heads,
+            head_dim,
+            latent: false,
+        }
+    }
+
+    /// A latent layer of `width` features per token.
+    pub fn latent(width: usize) -> Self {
+        KvLayerSpec {
+            num_kv_heads: 1,
+            head_dim: width,
+            latent: true,
+        }
+    }
+
+    /// Features of one token's keys (a latent layer's whole row).
     pub fn width(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// Features of one token's values: none in a latent layer.
+    pub fn value_width(&self) -> usize {
+        match self.latent {
+            true => 0,
+            false => self.width(),
+        }
+    }
+
+    /// Features one token keeps in this layer, keys and values together.
+    pub fn features_per_token(&self) -> usize {
+        self.width() + self.value_width()
     }
 }
 
@@ -99,6 +133,7 @@ pub struct LayerView<'a> {
     values: &'a [f32],
     blocks: &'a [u32],
     width: usize,
+    value_width: usize,
     len: usize,
 }
 
@@ -112,18 +147,20 @@ impl LayerView<'_> {
         self.len == 0
     }
 
-    fn row(&self, pos: usize) -> std::ops::Range<usize> {
-        let slot = self.blocks[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
-        slot * self.width..(slot + 1) * self.width
+    fn slot(&self, pos: usize) -> usize {
+        self.blocks[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE
     }
 
-    /// The keys of position `pos` (`kv_heads * head_dim`).
+    /// The keys of position `pos` (`kv_heads * head_dim`; a latent layer's row).
     pub fn key(&self, pos: usize) -> &[f32] {
-        &self.keys[self.row(pos)]
+        let slot = self.slot(pos);
+        &self.keys[slot * self.width..(slot + 1) * self.width]
     }
 
+    /// The values of position `pos` (empty in a latent layer).
     pub fn value(&self, pos: usize) -> &[f32] {
-        &self.values[self.row(pos)]
+        let slot = self.slot(pos);
+        &self.values[slot * self.value_width..(slot + 1) * self.value_width]
     }
 }
 
@@ -160,10 +197,10 @@ impl HostKv {
             highest = highest.max(self.blocks.blocks(seq)?.iter().max().map_or(0, |&b| b as usize + 1));
         }
         for (layer, spec) in self.spec.layers.iter().enumerate() {
-            let rows = highest * BLOCK_SIZE * spec.width();
-            if self.keys[layer].len() < rows {
-                self.keys[layer].resize(rows, 0.0);
-                self.values[layer].resize(rows, 0.0);
+            let slots = highest * BLOCK_SIZE;
+            if self.keys[layer].len() < slots * spec.width() {
+                self.keys[layer].resize(slots * spec.width(), 0.0);
+                self.values[layer].resize(slots * spec.value_width(), 0.0);
             }
         }
         Ok(())
@@ -179,16 +216,18 @@ impl HostKv {
     }
 
     /// Writes rows of keys and values of `seq` at `layer` from `start_pos`: the last positions its batch reserved.
+    /// A latent layer takes its rows as `keys` and no values.
     pub fn append(&mut self, seq: SeqId, layer: usize, start_pos: usize, keys: &[f32], values: &[f32]) -> Result<()> {
-        let width = self.layer_spec(layer)?.width();
-        if keys.len() != values.len() || !keys.len().is_multiple_of(width) {
+        let spec = self.layer_spec(layer)?;
+        let (width, value_width) = (spec.width(), spec.value_width());
+        let rows = keys.len() / width;
+        if !keys.len().is_multiple_of(width) || values.len() != rows * value_width {
             return Err(Error::Shape(format!(
-                "{} keys and {} values for KV layer {layer}, rows of {width}",
+                "{} keys and {} values for KV layer {layer}, rows of {width} and {value_width}",
                 keys.len(),
                 values.len()
             )));
         }
-        let rows = keys.len() / width;
         let reserved = self.blocks.seq_len(seq);
         if start_pos + rows != reserved {
             return Err(Error::Kv(format!(
@@ -198,9 +237,9 @@ impl HostKv {
         }
         for r in 0..rows {
             let slot = self.blocks.slot(seq, start_pos + r)? as usize;
-            let (from, to) = (r * width..(r + 1) * width, slot * width..(slot + 1) * width);
-            self.keys[layer][to.clone()].copy_from_slice(&keys[from.clone()]);
-            self.values[layer][to].copy_from_slice(&values[from]);
+            self.keys[layer][slot * width..(slot + 1) * width].copy_from_slice(&keys[r * width..(r + 1) * width]);
+            self.values[layer][slot * value_width..(slot + 1) * value_width]
+                .copy_from_slice(&values[r * value_width..(r + 1) * value_width]);
         }
         Ok(())
     }
@@ -215,12 +254,13 @@ impl HostKv {
 
     /// The keys and values of `seq` at `layer`, every position it holds.
     pub fn layer(&self, seq: SeqId, layer: usize) -> Result<LayerView<'_>> {
-        let width = self.layer_spec(layer)?.width();
+        let spec = self.layer_spec(layer)?;
         Ok(LayerView {
             keys: &self.keys[layer],
             values: &self.values[layer],
             blocks: self.blocks.blocks(seq)?,
-            width,
+            width: spec.width(),
+            value_width: spec.value_width(),
             len: self.blocks.seq_len(seq),
         })
     }
@@ -293,14 +333,9 @@ mod tests {
     fn spec(capacity_tokens: usize) -> KvSpec {
         KvSpec {
             layers: vec![
-                KvLayerSpec {
-                    num_kv_heads: 1,
-                    head_dim: 2,
-                },
-                KvLayerSpec {
-                    num_kv_heads: 2,
-                    head_dim: 4,
-                },
+                KvLayerSpec::heads(1, 2),
+                KvLayerSpec::heads(2, 4),
+                KvLayerSpec::latent(3),
             ],
             capacity_tokens,
             recurrent: Some(RecurrentSpec {
@@ -333,7 +368,17 @@ mod tests {
         );
         assert_eq!(kv.layer(a, 1).unwrap().len(), 3);
         assert_eq!(kv.layer(a, 1).unwrap().key(2), &[1.0; 8]);
-        assert!(kv.layer(a, 2).is_err(), "two KV layers");
+        kv.append(a, 2, 0, &[3.0; 9], &[]).unwrap();
+        assert_eq!(
+            (kv.layer(a, 2).unwrap().key(1), kv.layer(a, 2).unwrap().value(1)),
+            (&[3.0; 3][..], &[][..]),
+            "a latent layer keeps one row of 3 per token and no values"
+        );
+        assert!(
+            matches!(kv.append(a, 2, 0, &[3.0; 9], &[3.0; 9]), Err(Error::Shape(_))),
+            "a latent layer takes no values"
+        );
+        assert!(kv.layer(a, 3).is_err(), "three KV layers");
         assert_eq!(kv.blocks().seq_len(a), 3);
         assert_eq!(kv.blocks().seq_len(b), 0);
         assert!(

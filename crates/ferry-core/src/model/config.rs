@@ -3,6 +3,7 @@
 
 use serde::Deserialize;
 
+use super::rope::{scaling_from_config, RopeParameters, YarnScaling};
 use crate::backend::{ExpertActivation, RouterKind};
 use crate::{Error, Result};
 
@@ -22,17 +23,10 @@ pub struct BaseConfig {
     /// Qwen3-Next's 4.x-era configs put the partial rotary factor at the top level rather than in `rope_parameters`.
     pub partial_rotary_factor: Option<f64>,
     #[serde(default)]
-    pub rope_scaling: Option<serde_json::Value>,
+    pub rope_scaling: Option<RopeParameters>,
     pub max_position_embeddings: usize,
     #[serde(default)]
     pub tie_word_embeddings: bool,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-pub struct RopeParameters {
-    pub rope_theta: Option<f64>,
-    pub rope_type: Option<String>,
-    pub partial_rotary_factor: Option<f64>,
 }
 
 /// How q and k are normalised after their projections.
@@ -160,6 +154,22 @@ impl GatedDeltaNetSpec {
     }
 }
 
+/// Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the shape of every attention layer of a model that has it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaSpec {
+    /// Queries through a low-rank bottleneck of this rank (`q_a_proj`, `q_a_layernorm`, `q_b_proj`); None: one
+    /// `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// RoPE pairs features (2i, 2i + 1) (`rope_interleave`).
+    pub rope_interleaved: bool,
+    /// `1 / sqrt(qk_nope + qk_rope)`, times YaRN's softmax-scale correction.
+    pub softmax_scale: f32,
+}
+
 /// Everything the shared decoder needs to know about a model.
 #[derive(Clone, Debug)]
 pub struct ModelSpec {
@@ -170,7 +180,9 @@ pub struct ModelSpec {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub rms_norm_eps: f32,
-    pub rope_theta: f32,
+    pub rope_theta: f64,
+    /// YaRN's frequency blend and attention factor, when config.json asks for it.
+    pub rope_scaling: Option<YarnScaling>,
     pub rotary_dim: usize,
     pub max_position_embeddings: usize,
     pub qk_norm: QkNorm,
@@ -185,6 +197,9 @@ pub struct ModelSpec {
     pub gated_delta_net: Option<GatedDeltaNetSpec>,
     /// The MoE block of the layers whose `ffn` is [`FfnKind::Moe`].
     pub moe: Option<MoeSpec>,
+    /// Every attention layer is multi-head latent attention of this shape; `head_dim` is then `qk_nope + qk_rope`
+    /// and `rotary_dim` `qk_rope`.
+    pub mla: Option<MlaSpec>,
 }
 
 impl ModelSpec {
@@ -222,13 +237,8 @@ impl BaseConfig {
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(Error::Config(format!("head_dim {head_dim} must be even and positive")));
         }
-        if let Some(scaling) = self.rope_scaling.as_ref().filter(|v| !v.is_null()) {
-            return Err(Error::Config(format!("rope_scaling {scaling} is not supported yet")));
-        }
         let rope = self.rope_parameters.as_ref();
-        if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref()).filter(|t| *t != "default") {
-            return Err(Error::Config(format!("rope_type \"{kind}\" is not supported yet")));
-        }
+        let rope_scaling = scaling_from_config(rope, self.rope_scaling.as_ref(), self.max_position_embeddings)?;
         let rope_theta = self
             .rope_theta
             .or(rope.and_then(|r| r.rope_theta))
@@ -246,7 +256,8 @@ impl BaseConfig {
             num_kv_heads,
             head_dim,
             rms_norm_eps: self.rms_norm_eps as f32,
-            rope_theta: rope_theta as f32,
+            rope_theta,
+            rope_scaling,
             rotary_dim,
             max_position_embeddings: self.max_position_embeddings,
             qk_norm: QkNorm::None,
@@ -262,6 +273,7 @@ impl BaseConfig {
             ],
             gated_delta_net: None,
             moe: None,
+            mla: None,
         })
     }
 }

@@ -30,7 +30,8 @@ pub struct ModelInfo {
     pub expert_bank_bytes: u64,
     /// Everything else (embeddings, attention, norms, routers, dense MLPs, shared experts): always on the GPU.
     pub dense_bytes: u64,
-    /// Keys and values of one token over all attention layers, stored as bf16.
+    /// Keys and values of one token over all attention layers, stored as bf16 (for latent attention, the latent and
+    /// the shared rope key).
     pub kv_bytes_per_token_bf16: u64,
     /// A sequence's fixed-size recurrent state over all Gated DeltaNet layers (conv and delta-rule state, f32).
     pub recurrent_state_bytes_per_seq: u64,
@@ -46,7 +47,21 @@ impl ModelInfo {
             QkNorm::Full => (heads + kv_heads) * d,
         };
         let q_rows = if spec.attention_output_gate { 2 } else { 1 } * heads * d;
-        let attention = h * q_rows + 2 * h * kv_heads * d + heads * d * h + qk_norm;
+        let (attention, kv_per_layer) = match &spec.mla {
+            Some(m) => {
+                let (rank, rope) = (m.kv_lora_rank as u64, m.qk_rope_head_dim as u64);
+                let q_width = heads * d;
+                let q = m
+                    .q_lora_rank
+                    .map_or(h * q_width, |r| h * r as u64 + r as u64 + r as u64 * q_width);
+                let kv = h * (rank + rope) + rank + heads * (m.qk_nope_head_dim + m.v_head_dim) as u64 * rank;
+                (q + kv + heads * m.v_head_dim as u64 * h, rank + rope)
+            }
+            None => (
+                h * q_rows + 2 * h * kv_heads * d + heads * d * h + qk_norm,
+                2 * kv_heads * d,
+            ),
+        };
         let gated_delta_net = spec.gated_delta_net.as_ref().map_or(0, |g| {
             let (conv, value, heads) = (g.conv_dim() as u64, g.value_dim() as u64, g.num_v_heads as u64);
             // in_proj_qkv, in_proj_z, in_proj_b + in_proj_a, conv1d, A_log + dt_bias, the gated norm, out_proj.
@@ -102,7 +117,7 @@ impl ModelInfo {
             bytes_per_expert: expert_params * bytes,
             expert_bank_bytes: bank_params * bytes,
             dense_bytes: dense * bytes,
-            kv_bytes_per_token_bf16: 2 * spec.num_attention_layers() as u64 * kv_heads * d * 2,
+            kv_bytes_per_token_bf16: spec.num_attention_layers() as u64 * kv_per_layer * 2,
             recurrent_state_bytes_per_seq: recurrent_spec(spec).map_or(0, |r| r.bytes_per_seq() as u64),
         }
     }

@@ -4,25 +4,29 @@
 //! against [`Backend`].
 
 pub mod config;
+mod deepseek_v3;
 mod glm4_moe;
 pub mod info;
 pub mod layers;
 mod mixtral;
+mod mla;
 mod olmoe;
 mod qwen2_moe;
 mod qwen3_5_moe;
 mod qwen3_moe;
 mod qwen3_next;
+pub mod rope;
 
-pub use config::{FfnKind, GatedDeltaNetSpec, LayerSpec, Mixer, ModelSpec, MoeSpec, QkNorm};
+pub use config::{FfnKind, GatedDeltaNetSpec, LayerSpec, Mixer, MlaSpec, ModelSpec, MoeSpec, QkNorm};
 pub use info::ModelInfo;
 
-use crate::backend::{Backend, Rope, SeqSlice};
+use crate::backend::{Backend, SeqSlice};
 use crate::kv::{KvLayerSpec, KvSpec, RecurrentSpec};
 use crate::loader::{Checkpoint, WeightStore};
 use crate::moe::RoutingTap;
 use crate::{Error, Result};
 use layers::{Attention, Ffn, GatedDeltaNet, WeightLoader};
+use mla::LatentAttention;
 
 /// The `model_type`s ferry runs.
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
@@ -33,6 +37,8 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_next",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
+    "deepseek_v3",
+    "kimi_k2",
     "glm4_moe",
 ];
 
@@ -45,6 +51,8 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
         "olmoe" => olmoe::spec(config),
         "qwen3_next" => qwen3_next::spec(config),
         "qwen3_5_moe" | "qwen3_5_moe_text" => qwen3_5_moe::spec(config),
+        "deepseek_v3" => deepseek_v3::spec(config, "deepseek_v3"),
+        "kimi_k2" => deepseek_v3::spec(config, "kimi_k2"),
         "glm4_moe" => glm4_moe::spec(config),
         other => Err(Error::Config(format!(
             "unsupported model_type \"{other}\"; supported: {}",
@@ -56,6 +64,7 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
 /// A layer's token mixer, with its slot in what sequences keep: its KV layer, or its recurrent-state layer.
 enum TokenMixer<B: Backend> {
     Attention { attention: Attention<B>, kv_layer: usize },
+    LatentAttention { mla: LatentAttention<B>, kv_layer: usize },
     GatedDeltaNet { gdn: GatedDeltaNet<B>, state_layer: usize },
 }
 
@@ -129,22 +138,34 @@ impl<B: Backend> Model<B> {
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, layer) in spec.layers.iter().enumerate() {
             let prefix = format!("model.layers.{i}");
-            let mixer = match (layer.mixer, &spec.gated_delta_net) {
-                (Mixer::Attention { window }, _) => {
+            let mixer = match (layer.mixer, &spec.gated_delta_net, &spec.mla) {
+                (Mixer::Attention { window: None }, _, Some(mla)) => {
+                    kv_layers += 1;
+                    TokenMixer::LatentAttention {
+                        mla: LatentAttention::load(&w, &format!("{prefix}.self_attn"), &spec, mla)?,
+                        kv_layer: kv_layers - 1,
+                    }
+                }
+                (Mixer::Attention { window: Some(_) }, _, Some(_)) => {
+                    return Err(Error::Config(
+                        "latent attention within a window is not supported".into(),
+                    ))
+                }
+                (Mixer::Attention { window }, _, None) => {
                     kv_layers += 1;
                     TokenMixer::Attention {
                         attention: Attention::load(&w, &format!("{prefix}.self_attn"), &spec, window)?,
                         kv_layer: kv_layers - 1,
                     }
                 }
-                (Mixer::GatedDeltaNet, Some(g)) => {
+                (Mixer::GatedDeltaNet, Some(g), _) => {
                     state_layers += 1;
                     TokenMixer::GatedDeltaNet {
                         gdn: GatedDeltaNet::load(&w, &format!("{prefix}.linear_attn"), &spec, g)?,
                         state_layer: state_layers - 1,
                     }
                 }
-                (Mixer::GatedDeltaNet, None) => {
+                (Mixer::GatedDeltaNet, None, _) => {
                     return Err(Error::Config(
                         "a Gated DeltaNet layer in a model without its settings".into(),
                     ))
@@ -167,17 +188,17 @@ impl<B: Backend> Model<B> {
             layers,
             norm: w.norm("model.norm.weight", h, offset)?,
             lm_head,
-            rope: backend.rope_table(&Rope::new(spec.rope_theta, spec.head_dim, spec.rotary_dim))?,
+            rope: backend.rope_table(&rope::rope_for(&spec))?,
             spec,
         })
     }
 
     /// The KV cache shape for `capacity_tokens` tokens across all sequences: keys and values for the attention
-    /// layers and, in hybrid models, a recurrent-state slot per sequence.
+    /// layers (latent layers for MLA) and, in hybrid models, a recurrent-state slot per sequence.
     pub fn kv_spec(&self, capacity_tokens: usize) -> KvSpec {
-        let attention = KvLayerSpec {
-            num_kv_heads: self.spec.num_kv_heads,
-            head_dim: self.spec.head_dim,
+        let attention = match &self.spec.mla {
+            Some(m) => KvLayerSpec::latent(m.kv_lora_rank + m.qk_rope_head_dim),
+            None => KvLayerSpec::heads(self.spec.num_kv_heads, self.spec.head_dim),
         };
         KvSpec {
             layers: vec![attention; self.spec.num_attention_layers()],
@@ -228,6 +249,9 @@ impl<B: Backend> Model<B> {
             let mixed = match &layer.mixer {
                 TokenMixer::Attention { attention, kv_layer } => {
                     attention.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared)?
+                }
+                TokenMixer::LatentAttention { mla, kv_layer } => {
+                    mla.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared)?
                 }
                 TokenMixer::GatedDeltaNet { gdn, state_layer } => {
                     gdn.forward(be, &normed, kv, *state_layer, &prepared)?
@@ -296,6 +320,7 @@ mod tests {
             head_dim: 8,
             rms_norm_eps: 1e-6,
             rope_theta: 1e4,
+            rope_scaling: None,
             rotary_dim: 8,
             max_position_embeddings: 64,
             qk_norm: QkNorm::PerHead,
@@ -328,6 +353,7 @@ mod tests {
                 shared_expert: None,
                 naming: config::STANDARD_EXPERTS,
             }),
+            mla: None,
         }
     }
 

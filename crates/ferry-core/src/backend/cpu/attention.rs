@@ -20,7 +20,7 @@ fn rope(x: &mut CpuTensor, positions: &[u32], rope: &Rope) {
             .iter()
             .map(|&f| {
                 let angle = pos as f32 * f;
-                (angle.cos(), angle.sin())
+                (angle.cos() * rope.attention_factor, angle.sin() * rope.attention_factor)
             })
             .unzip();
         for head in row.chunks_mut(rope.head_dim) {
@@ -55,7 +55,10 @@ impl AttentionInputs<'_> {
         batch.expect_rows(qkv, "attention")?;
         let cache = kv.layer_spec(layer)?;
         check_shape(
-            p.num_kv_heads > 0 && p.num_heads.is_multiple_of(p.num_kv_heads) && cache.width() == kv_width,
+            p.num_kv_heads > 0
+                && p.num_heads.is_multiple_of(p.num_kv_heads)
+                && !cache.latent
+                && cache.width() == kv_width,
             || {
                 format!(
                     "attention: {} heads over {} kv heads of {}, KV layer {layer} holds {} kv heads of {}",
@@ -182,10 +185,7 @@ mod tests {
             .new_kv(KvSpec {
                 layers: layers
                     .iter()
-                    .map(|p| KvLayerSpec {
-                        num_kv_heads: p.num_kv_heads,
-                        head_dim: p.head_dim,
-                    })
+                    .map(|p| KvLayerSpec::heads(p.num_kv_heads, p.head_dim))
                     .collect(),
                 capacity_tokens: 16,
                 recurrent: None,

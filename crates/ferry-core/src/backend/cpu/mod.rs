@@ -10,13 +10,14 @@ mod attention;
 mod gdn;
 pub mod gemv;
 pub mod lane;
+mod mla;
 mod moe;
 
 use rayon::prelude::*;
 
 use super::{
     batch_positions, check_upload, AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors,
-    QkNormWeights, Rope, Router, RouterKind, SeqSlice,
+    MlaParams, QkNormWeights, Rope, Router, RouterKind, SeqSlice,
 };
 use crate::kv::{HostKv, KvSpec, SeqId};
 use crate::loader::{DType, TensorRef};
@@ -317,6 +318,29 @@ impl Backend for CpuBackend {
         let inputs = attention::AttentionInputs {
             qkv,
             qk_norm,
+            rope,
+            params,
+        };
+        inputs.run(self, kv, layer, batch)
+    }
+
+    fn mla_attention(
+        &self,
+        q: &CpuTensor,
+        compressed: &CpuTensor,
+        kv_norm: &TensorRef,
+        kv_b: &TensorRef,
+        rope: &Rope,
+        kv: &mut HostKv,
+        layer: usize,
+        batch: &CpuBatch,
+        params: &MlaParams,
+    ) -> Result<CpuTensor> {
+        let inputs = mla::MlaInputs {
+            q,
+            compressed,
+            kv_norm,
+            kv_b,
             rope,
             params,
         };

@@ -1,4 +1,5 @@
-//! The KV cache in device memory: per layer, a key pool and a value pool of `BLOCK_SIZE`-token blocks, handed
+//! The KV cache in device memory: per layer, a key pool and a value pool (a latent layer: one pool of latent rows)
+//! of `BLOCK_SIZE`-token blocks, handed
 //! to sequences by a [`BlockAllocator`] as they grow; and, for hybrid models, each sequence's recurrent state
 //! (one zeroed allocation per sequence, made when it starts: see gdn.cu for its layout) and, with prefix caching,
 //! snapshots of it in slots the memory plan counted, copied on the device.
@@ -14,6 +15,7 @@ use crate::{Error, Result};
 
 pub struct DeviceKv {
     blocks: BlockAllocator,
+    layers: Vec<KvLayerSpec>,
     keys: Vec<CudaSlice<f32>>,
     values: Vec<CudaSlice<f32>>,
     recurrent: Option<RecurrentSpec>,
@@ -58,15 +60,21 @@ pub struct DeviceBatch {
 impl DeviceKv {
     pub fn new(stream: &Arc<CudaStream>, spec: KvSpec) -> Result<Self> {
         let num_blocks = spec.capacity_tokens.div_ceil(BLOCK_SIZE).max(1);
-        let pool = |layer: &KvLayerSpec| -> Result<CudaSlice<f32>> {
+        // A latent layer keeps no values: its value pool is a placeholder of one float (nothing allocates zero).
+        let pool = |width: usize| -> Result<CudaSlice<f32>> {
             stream
-                .alloc_zeros::<f32>(num_blocks * BLOCK_SIZE * layer.width())
+                .alloc_zeros::<f32>((num_blocks * BLOCK_SIZE * width).max(1))
                 .map_err(cuda_err("allocating the KV cache"))
         };
         Ok(DeviceKv {
             blocks: BlockAllocator::new(BLOCK_SIZE, num_blocks),
-            keys: spec.layers.iter().map(pool).collect::<Result<_>>()?,
-            values: spec.layers.iter().map(pool).collect::<Result<_>>()?,
+            keys: spec.layers.iter().map(|l| pool(l.width())).collect::<Result<_>>()?,
+            values: spec
+                .layers
+                .iter()
+                .map(|l| pool(l.value_width()))
+                .collect::<Result<_>>()?,
+            layers: spec.layers,
             recurrent: spec.recurrent,
             states: Vec::new(),
             snapshots: Vec::new(),
@@ -165,9 +173,23 @@ impl DeviceKv {
     pub(super) fn layer_pools(&self, layer: usize, width: usize) -> Result<(&CudaSlice<f32>, &CudaSlice<f32>)> {
         let rows = self.blocks.num_blocks() * BLOCK_SIZE;
         match (self.keys.get(layer), self.values.get(layer)) {
-            (Some(keys), Some(values)) if keys.len() == rows * width => Ok((keys, values)),
+            (Some(keys), Some(values)) if keys.len() == rows * width && !self.layers[layer].latent => {
+                Ok((keys, values))
+            }
             _ => Err(Error::Shape(format!(
                 "attention: KV layer {layer} of {} does not hold rows of {width}",
+                self.keys.len()
+            ))),
+        }
+    }
+
+    /// Latent attention layer `layer`'s pool, which must hold latent rows of `width`.
+    pub(super) fn latent_pool(&self, layer: usize, width: usize) -> Result<&CudaSlice<f32>> {
+        let rows = self.blocks.num_blocks() * BLOCK_SIZE;
+        match (self.keys.get(layer), self.layers.get(layer)) {
+            (Some(latent), Some(spec)) if latent.len() == rows * width && spec.latent => Ok(latent),
+            _ => Err(Error::Shape(format!(
+                "mla_attention: KV layer {layer} of {} does not hold latent rows of {width}",
                 self.keys.len()
             ))),
         }

@@ -66,6 +66,7 @@ impl CudaBackend {
         Ok(CudaRope {
             inv_freq: self.copy_to_device(&rope.inv_freq)?,
             rotary_dim: rope.rotary_dim,
+            attention_factor: rope.attention_factor,
         })
     }
 }

@@ -8,7 +8,8 @@
 //!
 //! This file holds the backend's types and its [`Backend`] impl, each op handed to the file that owns its job:
 //! context.rs (opening the GPU, the kernel table), launch.rs (typed kernel launches), memory.rs (buffers and
-//! copies), linear.rs (GEMV and cuBLAS products), elementwise.rs, attention.rs, gdn.rs (Gated DeltaNet), moe.rs
+//! copies), linear.rs (GEMV and cuBLAS products), elementwise.rs, attention.rs, mla.rs (multi-head latent
+//! attention), gdn.rs (Gated DeltaNet), moe.rs
 //! (routing and the expert kernels), kv.rs (the paged KV cache), offload.rs and bank.rs (expert offload).
 
 mod attention;
@@ -22,6 +23,7 @@ mod launch;
 mod libs;
 mod linear;
 mod memory;
+mod mla;
 mod moe;
 mod offload;
 pub mod workspace;
@@ -33,7 +35,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 
 use super::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, QkNormWeights, Rope, Router,
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, MlaParams, QkNormWeights, Rope, Router,
     RouterKind, SeqSlice,
 };
 use crate::kv::{KvSpec, SeqId};
@@ -129,6 +131,7 @@ impl CudaExperts {
 pub struct CudaRope {
     inv_freq: CudaSlice<f32>,
     rotary_dim: usize,
+    attention_factor: f32,
 }
 
 /// Routing kept on the device: `ids` and `weights` are `[rows, top_k]`.
@@ -300,6 +303,21 @@ impl Backend for CudaBackend {
         let pools = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
         let q = attention::qkv_rope_kv_append(self, qkv, qk_norm, rope, pools, batch, p)?;
         attention::attend(self, &q, kv, layer, batch, p)
+    }
+
+    fn mla_attention(
+        &self,
+        q: &CudaTensor,
+        compressed: &CudaTensor,
+        kv_norm: &CudaWeight,
+        kv_b: &CudaWeight,
+        rope: &CudaRope,
+        kv: &mut DeviceKv,
+        layer: usize,
+        batch: &DeviceBatch,
+        params: &MlaParams,
+    ) -> Result<CudaTensor> {
+        mla::mla_attention(self, q, compressed, kv_norm, kv_b, rope, kv, layer, batch, params)
     }
 
     fn route(&self, logits: &CudaTensor, router: Router<'_, CudaWeight>) -> Result<CudaRouting> {
