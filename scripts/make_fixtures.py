@@ -36,6 +36,19 @@ Fixtures:
     glm4_moe         Glm4MoeForCausalLM: partial rotary, q/k norm, q/k/v bias, the grouped sigmoid router with a
                      non-zero (float32) correction bias in two groups, a plain-added shared expert, a dense first
                      layer, and a multi-token-prediction layer's tensors after the decoder's (which transformers skips)
+    qwen3_moe_fp8    qwen3_moe in block FP8 as Qwen publishes it (quant_method fp8, weight_block_size [128, 128]):
+                     attention, dense MLP and experts as float8_e4m3fn with f32 `weight_scale_inv` per block;
+                     routers, norms and embeddings bf16 (modules_to_not_convert)
+    qwen3_5_moe_fp8_dynamic
+                     qwen3_5_moe_text in compressed-tensors FP8-Dynamic (per-channel bf16 `weight_scale`):
+                     attention, shared and fused routed experts FP8; Gated DeltaNet, routers, gates bf16 (ignore)
+
+FP8 references are weight-only: the fixture's weights are quantized (per 128 x 128 block or per output channel,
+scale = largest magnitude / 448) and the float32 reference runs transformers on the *dequantized* weights (FP8 value
+times its scale, in float32), with activations in float32. The `dynamic` activation quantization the configs
+name is left out on purpose: it is a speed choice of FP8 matmul kernels, which ferry does not make, so the CPU
+reference path has none. Their transformers reload check is the dequantized weights read back from the files
+(transformers' FP8 loaders need a GPU or dequantize to bf16).
 
 Needs torch, transformers (5.x), tokenizers and safetensors. Usage:
 
@@ -46,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import re
 import shutil
@@ -369,6 +383,7 @@ class Fixture:
     hub_config: bool = True  # rewrite config.json to the transformers 4.x hub conventions
     mtp_head: bool = False  # add mtp.* tensors as published checkpoints carry them (transformers skips them)
     mtp_layer: bool = False  # add model.layers.{num_hidden_layers}.* tensors, GLM-4.5's and DeepSeek-V3's MTP layer
+    fp8: str | None = None  # "block" (quant_method fp8, 128 x 128) or "channel" (compressed-tensors FP8-Dynamic)
 
 
 FIXTURES = [
@@ -623,6 +638,146 @@ FIXTURES = [
     ),
 ]
 
+def _fixture(name: str) -> Fixture:
+    return next(fx for fx in FIXTURES if fx.name == name)
+
+
+FIXTURES += [
+    dataclasses.replace(_fixture("qwen3_moe"), name="qwen3_moe_fp8", fp8="block"),
+    dataclasses.replace(_fixture("qwen3_5_moe_text"), name="qwen3_5_moe_fp8_dynamic", fp8="channel"),
+]
+
+# ---------------------------------------------------------------------------------------------
+# FP8 (weight-only: see the docstring)
+# ---------------------------------------------------------------------------------------------
+
+FP8_MAX = 448.0
+FP8_BLOCK = (128, 128)
+# The projections the FP8 fixtures store in FP8 (hub and transformers names); everything else stays bf16.
+FP8_TARGET = re.compile(
+    r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|shared_expert\.(gate|up|down)_proj"
+    r"|experts\.\d+\.(gate|up|down)_proj)\.weight$|\.experts\.(gate_up_proj|down_proj)$"
+)
+
+
+def fp8_scale_name(fx: Fixture, name: str) -> str:
+    return name + ("_scale_inv" if fx.fp8 == "block" else "_scale")
+
+
+def fp8_quantize(w: torch.Tensor, fx: Fixture) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn values, scales) of a [rows, cols] matrix, or of each matrix of an [n, rows, cols] stack:
+    f32 scales per 128 x 128 block (block), bf16 scales per row (channel); scale = amax / 448."""
+    if w.dim() == 3:
+        parts = [fp8_quantize(m, fx) for m in w]
+        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+    rows, cols = w.shape
+    if fx.fp8 == "block":
+        br, bc = FP8_BLOCK
+        padded = torch.nn.functional.pad(w.abs(), (0, -cols % bc, 0, -rows % br))
+        amax = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc).amax(dim=(1, 3))
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).float()
+    else:
+        amax = w.abs().amax(dim=1, keepdim=True)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.bfloat16)
+    q = (w / fp8_expand(scale, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_expand(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A [rows, cols] matrix's scales, one per weight, in float32."""
+    br, bc = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
+    return scale.float().repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if q.dim() == 3:
+        return torch.stack([fp8_dequantize(m, s) for m, s in zip(q, scale)])
+    return q.float() * fp8_expand(scale, *q.shape)
+
+
+@torch.no_grad()
+def fp8_round_trip_model(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tensor]:
+    """Replace every FP8 target weight by its dequantized FP8 value, matrix by matrix as the hub stores them (a
+    per-expert fixture's fused gate_up_proj is two matrices per expert); returns the weights as they were."""
+    originals = {}
+    for name, param in model.named_parameters():
+        if not FP8_TARGET.search(name):
+            continue
+        originals[name] = param.detach().clone()
+        if name.endswith("gate_up_proj") and fx.expert_names != "fused":
+            inter = param.shape[1] // 2
+            halves = [param[:, :inter], param[:, inter:]]
+            param.copy_(torch.cat([fp8_dequantize(*fp8_quantize(h, fx)) for h in halves], dim=1))
+        else:
+            param.copy_(fp8_dequantize(*fp8_quantize(param, fx)))
+    return originals
+
+
+def fp8_hub_state(model: torch.nn.Module, fx: Fixture, originals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hub tensors of the unquantized weights, with every FP8 target quantized and its scales added."""
+    quantized = {n: p.detach().clone() for n, p in model.named_parameters() if n in originals}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in originals:
+                param.copy_(originals[name])
+        state = hub_state_dict(model, fx)
+        for name, param in model.named_parameters():
+            if name in quantized:
+                param.copy_(quantized[name])
+    out = {}
+    for name, tensor in state.items():
+        if FP8_TARGET.search(name):
+            q, scale = fp8_quantize(tensor.float(), fx)
+            out[name], out[fp8_scale_name(fx, name)] = q, scale
+        else:
+            out[name] = tensor
+    return out
+
+
+def fp8_quantization_config(fx: Fixture, state: dict[str, torch.Tensor]) -> dict:
+    """The config.json entry the published checkpoints of fx.fp8's layout carry."""
+    if fx.fp8 == "block":
+        routers = sorted({n.removesuffix(".weight") for n in state if n.endswith("mlp.gate.weight")}, key=natural_key)
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(FP8_BLOCK),
+            "modules_to_not_convert": ["lm_head", *routers],
+        }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
+            }
+        },
+        "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*linear_attn.*"],
+    }
+
+
+def verify_fp8_fixture(out: Path, fx: Fixture, model) -> None:
+    """Read the shards back, dequantize, and demand exactly the weights the reference ran with."""
+    from safetensors.torch import load_file
+
+    stored = {}
+    for f in sorted(out.glob("*.safetensors")):
+        stored.update(load_file(str(f)))
+    expected = hub_state_dict(model, fx, dtype=torch.float32)
+    for name, want in expected.items():
+        got = stored[name]
+        if FP8_TARGET.search(name):
+            assert got.dtype == torch.float8_e4m3fn, name
+            got = fp8_dequantize(got, stored[fp8_scale_name(fx, name)])
+        if not torch.equal(got.float(), want):
+            raise RuntimeError(f"{name} differs from the reference's weights after reading back")
+    print(f"  verified: {len(expected)} tensors read back and dequantized equal the reference's weights")
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
@@ -818,8 +973,8 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 buffer.copy_(CORRECTION_BIAS_STD * torch.randn(buffer.shape, generator=gen))
 
 
-def hub_state_dict(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tensor]:
-    """The model's weights under the fixture's on-disk tensor names, as bf16.
+def hub_state_dict(model: torch.nn.Module, fx: Fixture, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The model's weights under the fixture's on-disk tensor names, as bf16 (or `dtype`).
 
     transformers 5 keeps experts as fused tensors: `experts.gate_up_proj` [E, 2*I, H] (rows
     0..I-1 are the gate projection, rows I..2I-1 the up projection) and `experts.down_proj`
@@ -831,8 +986,8 @@ def hub_state_dict(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tenso
         if tied and name == "lm_head.weight":
             continue
         # The router's correction bias stays float32, as transformers keeps it and the published checkpoints store it.
-        dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
-        tensor = tensor.detach().to(dtype)
+        stored = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+        tensor = tensor.detach().to(stored)
         if fx.moe_prefix != "mlp":
             name = name.replace(".mlp.", f".{fx.moe_prefix}.")
         if fx.expert_names == "fused" or ".experts." not in name:
@@ -1037,6 +1192,8 @@ def build_model(fx: Fixture, config, seed: int):
     model_class = getattr(transformers, fx.architecture)
     model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float32)
     init_weights(model, seed)
+    if fx.fp8:
+        model.fp8_originals = fp8_round_trip_model(model, fx)
     return model.eval()
 
 
@@ -1191,11 +1348,18 @@ def make_fixture(fx: Fixture, base_tok: Tokenizer, out_root: Path) -> dict:
     write_configs(out, fx, config, raw_tok)
     state = hub_state_dict(model, fx)
     check_hub_names(fx, config, state)
+    if fx.fp8:
+        state = fp8_hub_state(model, fx, model.fp8_originals)
+        saved = json.loads((out / "config.json").read_text())
+        write_json(out / "config.json", dict(saved, quantization_config=fp8_quantization_config(fx, state)))
     write_shards(out, state, fx.num_shards)
     write_json(out / "reference.json", reference_json(config, results))
 
-    verify_fixture(out, fx, model, results)
-    describe_v5_save(model)
+    if fx.fp8:
+        verify_fp8_fixture(out, fx, model)
+    else:
+        verify_fixture(out, fx, model, results)
+        describe_v5_save(model)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"  seed {seed}, {len(state)} tensors in {fx.num_shards} shards, {size / 1024:.0f} KiB")
     return dict(stats, seed=seed, size=size)

@@ -13,7 +13,7 @@ use ferry_core::loader::{ChatMessage, Checkpoint, TextDecoder, Tokenizer};
 use ferry_core::model::{Model, ModelInfo};
 use ferry_core::moe::{RoutingTap, TraceHeader, TraceRecorder};
 
-use crate::device::{open_backend, Device, ModelArgs, OffloadArgs};
+use crate::device::{open_backend, Device, ExpertDtypeArgs, ModelArgs, OffloadArgs};
 use crate::doctor_lanes::StrategyArgs;
 use crate::progress::LoadProgress;
 
@@ -21,6 +21,8 @@ use crate::progress::LoadProgress;
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    expert_dtype: ExpertDtypeArgs,
     /// The prompt text (tokenized with the checkpoint's tokenizer).
     #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     prompt: Option<String>,
@@ -62,6 +64,7 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let mut checkpoint = args.model.open()?;
+    args.expert_dtype.apply(&mut checkpoint);
     let (backends, plan) = open_backend(args.device, &args.offload, args.strategy.moe_strategy, &checkpoint)?;
     let step_tokens = args.offload.step_tokens(plan.as_ref());
     let tokenizer = checkpoint.tokenizer.take().map(Arc::new);
@@ -128,7 +131,7 @@ fn generate_on<B: Backend>(
     let kv = backend.new_kv(model.kv_spec(max_model_len))?;
     let mut recorder = match &args.record_routing {
         Some(path) => {
-            let info = ModelInfo::new(&model.spec, checkpoint.weight_dtype());
+            let info = ModelInfo::new(&model.spec, checkpoint.weight_format());
             let header = TraceHeader {
                 num_layers: info.num_moe_layers as u32,
                 num_experts: info.num_experts as u32,

@@ -5,12 +5,14 @@ use anyhow::{bail, Result};
 use ferry_core::loader::NonFinite;
 use ferry_core::model::{spec_for, ModelInfo};
 
-use crate::device::{ModelArgs, OffloadArgs};
+use crate::device::{ExpertDtypeArgs, ModelArgs, OffloadArgs};
 
 #[derive(clap::Args)]
 pub struct InfoArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    expert_dtype: ExpertDtypeArgs,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -39,10 +41,10 @@ fn count(n: u64) -> String {
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
-    let checkpoint = args.model.open()?;
+    let mut checkpoint = args.model.open()?;
+    args.expert_dtype.apply(&mut checkpoint);
     let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
-    let dtype = checkpoint.weight_dtype();
-    let info = ModelInfo::new(&spec, dtype);
+    let info = ModelInfo::new(&spec, checkpoint.weight_format());
     let plan = args
         .offload
         .budget_bytes()?

@@ -35,6 +35,8 @@ pub struct ServeArgs {
     /// A directory whose tokenizer.json (and tokenizer_config.json) serves a --synthetic model.
     #[arg(long, requires = "synthetic")]
     tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    expert_dtype: crate::device::ExpertDtypeArgs,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// 0 picks a free port (the log says which).
@@ -224,6 +226,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         }
         _ => bail!("give --model, or --synthetic with --tokenizer"),
     };
+    args.expert_dtype.apply(&mut checkpoint);
     let eos_token_ids = checkpoint.eos_token_ids();
     let mut tokenizer = checkpoint
         .tokenizer

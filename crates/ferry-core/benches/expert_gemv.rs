@@ -16,7 +16,7 @@
 //!
 //! Environment (defaults in brackets): `FERRY_BENCH_BW_MB` [1024] bandwidth buffer; `FERRY_BENCH_WS_MB` [1024]
 //! expert working set per dtype (at least `FERRY_BENCH_ACTIVE` experts); `FERRY_BENCH_HIDDEN` [2048];
-//! `FERRY_BENCH_INTER` [768]; `FERRY_BENCH_DTYPES` [bf16,f16,f32]; `FERRY_BENCH_MS` [1,4] token counts;
+//! `FERRY_BENCH_INTER` [768]; `FERRY_BENCH_DTYPES` [bf16,f16,f32] (also fp8: E4M3 with 128 x 128 block scales); `FERRY_BENCH_MS` [1,4] token counts;
 //! `FERRY_BENCH_ACTIVE` [8]; `FERRY_BENCH_SECS` [1.0] least time per measurement (at least 3 passes);
 //! `FERRY_GEMV_ISA` selects the kernel path (scalar, avx2, avx512, avx512bf16; see the gemv module; an unknown or
 //! unavailable path stops the run).
@@ -26,7 +26,9 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use ferry_core::backend::cpu::gemv::{check_isa_env, kernel_name, matmul, matmul_serial, WeightDType};
+use ferry_core::backend::cpu::gemv::{
+    check_isa_env, kernel_name, matmul, matmul_serial, BlockScales, WeightDType, WeightEncoding,
+};
 use rayon::prelude::*;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -124,6 +126,8 @@ fn fill_weights(buf: &mut [u8], dtype: WeightDType) {
                     e.copy_from_slice(&b.to_le_bytes());
                 }
             }
+            // E4M3 of exponent 6 or 7 (magnitudes in [0.0078, 0.03)) and either sign: never NaN.
+            WeightDType::F8E4M3 => c.iter_mut().for_each(|e| *e = (next() as u8 & 0x8f) | 0x30),
         }
     });
 }
@@ -145,7 +149,31 @@ impl Scratch {
     }
 }
 
-type MatmulFn = fn(&[f32], usize, usize, &[u8], WeightDType, usize, &mut [f32]);
+type MatmulFn = fn(&[f32], usize, usize, &[u8], WeightEncoding<'static>, usize, &mut [f32]);
+
+/// Scales of one, as many as a 128 x 128-block FP8 matrix of the bench's shapes needs.
+const UNIT_SCALES: [u8; 4 * 4096] = unit_scales();
+
+const fn unit_scales() -> [u8; 4 * 4096] {
+    let mut out = [0u8; 4 * 4096];
+    let one = 1f32.to_bits().to_le_bytes();
+    let mut i = 0;
+    while i < out.len() {
+        out[i] = one[i % 4];
+        i += 1;
+    }
+    out
+}
+
+/// `dtype` as the kernels read an `[rows, cols]` matrix of it: FP8 with unit scales per 128 x 128 block.
+fn encoding(dtype: WeightDType, rows: usize, cols: usize) -> WeightEncoding<'static> {
+    let scales = (dtype == WeightDType::F8E4M3).then(|| BlockScales {
+        bytes: &UNIT_SCALES[..4 * rows.div_ceil(128) * cols.div_ceil(128)],
+        block_rows: 128,
+        block_cols: 128,
+    });
+    WeightEncoding { dtype, scales }
+}
 
 /// SwiGLU expert: down(silu(gate(x)) * up(x)); `e` holds gate, up, down.
 #[allow(clippy::too_many_arguments)]
@@ -160,12 +188,13 @@ fn expert(
     s: &mut Scratch,
 ) {
     let mat = hidden * inter * dtype.size_bytes();
-    mm(x, m, hidden, &e[..mat], dtype, inter, &mut s.gate);
-    mm(x, m, hidden, &e[mat..2 * mat], dtype, inter, &mut s.up);
+    let (up_gate, down) = (encoding(dtype, inter, hidden), encoding(dtype, hidden, inter));
+    mm(x, m, hidden, &e[..mat], up_gate, inter, &mut s.gate);
+    mm(x, m, hidden, &e[mat..2 * mat], up_gate, inter, &mut s.up);
     for (g, u) in s.gate.iter_mut().zip(&s.up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
     }
-    mm(&s.gate, m, inter, &e[2 * mat..3 * mat], dtype, hidden, &mut s.down);
+    mm(&s.gate, m, inter, &e[2 * mat..3 * mat], down, hidden, &mut s.down);
     black_box(&s.down);
 }
 
@@ -201,6 +230,7 @@ fn main() {
             "bf16" => WeightDType::BF16,
             "f16" => WeightDType::F16,
             "f32" => WeightDType::F32,
+            "fp8" => WeightDType::F8E4M3,
             other => panic!("FERRY_BENCH_DTYPES: unknown dtype {other:?}"),
         };
         let expert_bytes = 3 * hidden * inter * dtype.size_bytes();

@@ -179,6 +179,8 @@ fn offload_equals_resident_for_every_fixture_family() {
         "qwen3_next",
         "deepseek_v3",
         "glm4_moe",
+        "qwen3_moe_fp8",
+        "qwen3_5_moe_fp8_dynamic",
     ] {
         let checkpoint = Checkpoint::open(&fixtures().join(family)).unwrap();
         let spec = spec_for(&checkpoint.model_type, &checkpoint.config).unwrap();
@@ -339,7 +341,7 @@ fn what_ferry_allocates_stays_under_the_budget() {
     let config = std::env::var_os("FERRY_BENCH_DIR").map_or(config, |d| PathBuf::from(d).join("q30.json"));
     let checkpoint = Checkpoint::synthetic(&config, 0).unwrap();
     let spec = spec_for(&checkpoint.model_type, &checkpoint.config).unwrap();
-    let info = ModelInfo::new(&spec, checkpoint.weight_dtype());
+    let info = ModelInfo::new(&spec, checkpoint.weight_format());
     let budget: u64 = 8 << 30;
     let request = BudgetRequest {
         budget_bytes: budget,

@@ -10,7 +10,7 @@ use ferry_core::backend::{
     RouterKind, SeqSlice,
 };
 use ferry_core::kv::{KvCache, KvLayerSpec, KvSpec, RecurrentSpec};
-use ferry_core::loader::{DType, TensorRef};
+use ferry_core::loader::{quantize_fp8, DType, Fp8Scheme, TensorRef};
 use ferry_core::Error;
 
 /// Relative error limit for ops computed in f32 on both sides (products with bf16 weights are exact in f32;
@@ -386,57 +386,105 @@ fn attention_over_paged_cache_prefill_then_decode() {
     }
 }
 
+/// The routed experts of one bank, routed by random logits for 1, 3 and 8 rows (the decode kernels), 40 rows (the
+/// grouped GEMM path) and, when `many`, more rows than one group of it, on both backends.
+fn check_routed_experts(p: &Pair, rng: &mut Rng, bank: &[ExpertTensors], top_k: usize, many: bool, what: &str) {
+    let (experts, inter, hidden) = (bank.len(), bank[0].gate.shape[0], bank[0].gate.shape[1]);
+    for rows in [1, 3, 8, 40].into_iter().chain(many.then_some(MOE_GROUP_ROWS + 40)) {
+        let x = rng.values(rows * hidden, 1.0);
+        // Logits spread wide so the top-k choice is never a near tie between the two backends.
+        let logits = rng.values(rows * experts, 8.0);
+        for renormalize in [false, true] {
+            let kind = RouterKind::SoftmaxTopK { renormalize };
+            same_on_both!(
+                p,
+                &format!(
+                    "route + moe_experts {what} e{experts} k{top_k} {hidden}x{inter} rows={rows} renorm={renormalize}"
+                ),
+                F32_LIMIT,
+                |be| {
+                    let set = be.experts(bank.to_vec(), ExpertActivation::SiluGlu).unwrap();
+                    let routing = be
+                        .route(
+                            &be.upload(&logits, rows, experts).unwrap(),
+                            Router {
+                                kind,
+                                top_k,
+                                correction_bias: None,
+                            },
+                        )
+                        .unwrap();
+                    be.to_host(
+                        &be.moe_experts(&be.upload(&x, rows, hidden).unwrap(), &routing, &set)
+                            .unwrap(),
+                    )
+                    .unwrap()
+                }
+            );
+        }
+    }
+}
+
+/// (experts, top_k, hidden, inter), each reaching other paths of the decode kernels: a Qwen3-30B-A3B-sized expert
+/// (several staged chunks per warp); top_k 4 and 2 (moe_down's warps share a row's experts with 2 and 4 feature
+/// groups), top_k 10 (more experts than warps); inter = 100 (down rows not 16-byte aligned: scalar path); hidden =
+/// 520 (a partial k-step in gate/up, a partial last block in down).
+const EXPERT_SHAPES: [(usize, usize, usize, usize); 4] = [
+    (16, 8, 2048, 768),
+    (16, 4, 256, 96),
+    (12, 10, 520, 100),
+    (8, 2, 520, 64),
+];
+
+fn random_bank(rng: &mut Rng, experts: usize, hidden: usize, inter: usize) -> Vec<ExpertTensors> {
+    (0..experts)
+        .map(|e| {
+            ExpertTensors::unbiased(
+                rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.1),
+                rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.1),
+                rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1),
+            )
+        })
+        .collect()
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn router_and_routed_experts() {
     let p = pair();
     let mut rng = Rng::new(4);
-    // (experts, top_k, hidden, inter), each reaching other paths of the decode kernels: a Qwen3-30B-A3B-sized
-    // expert (several staged chunks per warp); top_k 4 and 2 (moe_down's warps share a row's experts with 2 and 4
-    // feature groups), top_k 10 (more experts than warps); inter = 100 (down rows not 16-byte aligned: scalar
-    // path); hidden = 520 (a partial k-step in gate/up, a partial last block in down).
-    for (experts, top_k, hidden, inter) in [
-        (16, 8, 2048, 768),
-        (16, 4, 256, 96),
-        (12, 10, 520, 100),
-        (8, 2, 520, 64),
-    ] {
-        let bank = rng.experts(experts, hidden, inter);
-        // 1, 3 and 8 rows take the decode kernels; 40 rows the grouped GEMM path, and (for the smaller experts,
-        // which the CPU reference computes quickly) more rows than one group of it takes.
-        let many = (hidden * inter <= 520 * 100).then_some(MOE_GROUP_ROWS + 40);
-        for rows in [1, 3, 8, 40].into_iter().chain(many) {
-            let x = rng.values(rows * hidden, 1.0);
-            // Logits spread wide so the top-k choice is never a near tie between the two backends.
-            let logits = rng.values(rows * experts, 8.0);
-            for renormalize in [false, true] {
-                let kind = RouterKind::SoftmaxTopK { renormalize };
-                same_on_both!(
-                    p,
-                    &format!(
-                        "route + moe_experts e{experts} k{top_k} {hidden}x{inter} rows={rows} renorm={renormalize}"
-                    ),
-                    F32_LIMIT,
-                    |be| {
-                        let set = be.experts(bank.clone(), ExpertActivation::SiluGlu).unwrap();
-                        let routing = be
-                            .route(
-                                &be.upload(&logits, rows, experts).unwrap(),
-                                Router {
-                                    kind,
-                                    top_k,
-                                    correction_bias: None,
-                                },
-                            )
-                            .unwrap();
-                        be.to_host(
-                            &be.moe_experts(&be.upload(&x, rows, hidden).unwrap(), &routing, &set)
-                                .unwrap(),
-                        )
-                        .unwrap()
-                    }
-                );
-            }
+    for (experts, top_k, hidden, inter) in EXPERT_SHAPES {
+        let bank = random_bank(&mut rng, experts, hidden, inter);
+        check_routed_experts(&p, &mut rng, &bank, top_k, hidden * inter <= 520 * 100, "bf16");
+    }
+}
+
+/// FP8 experts (128 x 128 blocks, and per channel) on the FP8 decode kernels (aligned rows 16 weights per lane,
+/// others one: inter 100 and hidden 520) and the grouped path (dequantized to bf16), against the CPU's
+/// dequantizing GEMV.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn routed_fp8_experts() {
+    let p = pair();
+    let mut rng = Rng::new(5);
+    for (experts, top_k, hidden, inter) in EXPERT_SHAPES {
+        let bank = random_bank(&mut rng, experts, hidden, inter);
+        for scheme in [Fp8Scheme::BLOCK_128, Fp8Scheme::PerChannel] {
+            let quantized: Vec<ExpertTensors> = bank
+                .iter()
+                .map(|e| {
+                    let q = |t: &TensorRef| quantize_fp8(t, scheme).unwrap();
+                    ExpertTensors::unbiased(q(&e.gate), q(&e.up), q(&e.down))
+                })
+                .collect();
+            check_routed_experts(
+                &p,
+                &mut rng,
+                &quantized,
+                top_k,
+                hidden * inter <= 520 * 100,
+                &format!("{scheme:?}"),
+            );
         }
     }
 }

@@ -13,7 +13,7 @@ use ferry_core::backend::Backend;
 use ferry_core::backend::SeqSlice;
 use ferry_core::engine::{Sampler, SamplingParams, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
-use ferry_core::loader::{ChatMessage, Checkpoint};
+use ferry_core::loader::{ChatMessage, Checkpoint, Fp8Scheme};
 use ferry_core::model::Model;
 use serde::Deserialize;
 
@@ -28,6 +28,8 @@ const FAMILIES: &[&str] = &[
     "qwen3_next",
     "deepseek_v3",
     "glm4_moe",
+    "qwen3_moe_fp8",
+    "qwen3_5_moe_fp8_dynamic",
 ];
 const LOGIT_TOLERANCE: f32 = 1e-3;
 /// Several chunks for the long prompt (472 tokens), none aligned to the reference's 64-token delta-rule chunks.
@@ -250,8 +252,43 @@ parity_tests!(
     qwen3_5_moe_text,
     qwen3_next,
     deepseek_v3,
-    glm4_moe
+    glm4_moe,
+    qwen3_moe_fp8,
+    qwen3_5_moe_fp8_dynamic
 );
+
+/// `--expert-dtype fp8` on bf16 fixtures: the routed experts quantized at load (128 x 128 blocks) move each case's
+/// first-step logits away from the float32 reference of the bf16 weights, by at most [`EXPERT_FP8_LOGIT_BOUND`]
+/// (printed with --nocapture: the accuracy a user trades), and by something (the experts are FP8).
+#[test]
+fn experts_quantized_to_fp8_at_load_stay_close_to_bf16() {
+    let mut worst_of = Vec::new();
+    for name in ["qwen3_moe", "qwen3_moe_fused", "qwen3_5_moe_text"] {
+        let dir = fixtures().join(name);
+        let reference: Reference =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let mut checkpoint = Checkpoint::open(&dir).unwrap();
+        checkpoint.weights.quantize_experts(Fp8Scheme::BLOCK_128);
+        let model = Model::load(&CpuBackend, &checkpoint).unwrap();
+        let mut worst = 0f32;
+        for case in &reference.cases {
+            let (logits, _) = greedy_chunked(&CpuBackend, &model, &case.prompt_ids, 1, MAX_BATCH_TOKENS);
+            for (got, want) in logits.iter().zip(&case.first_logits) {
+                worst = worst.max((got - want).abs());
+            }
+        }
+        eprintln!("{name}: routed experts in FP8 move the first-step logits by at most {worst:.4} from bf16's");
+        worst_of.push((name, worst));
+    }
+    for (name, worst) in worst_of {
+        assert!(worst > 0.0 && worst < EXPERT_FP8_LOGIT_BOUND, "{name}: {worst}");
+    }
+}
+
+/// Largest first-step logit change allowed from quantizing a fixture's experts to FP8: the fixtures' logits have
+/// an rms of about 3.2 and E4M3 keeps 3 mantissa bits per weight (measured: 0.86 on qwen3_moe); scales read wrong
+/// would move them by the logits' whole spread.
+const EXPERT_FP8_LOGIT_BOUND: f32 = 2.0;
 
 /// What the scheduler does with a hybrid model: a long prompt prefilled in chunks, each chunk batched with another
 /// sequence's work. Its last logits must equal one whole-prompt call, and the other sequence's must equal its own

@@ -1,4 +1,5 @@
-// Helpers shared by ferry's kernels. Activations are f32; weights are bf16 stored as raw 16-bit words.
+// Helpers shared by ferry's kernels. Activations are f32; weights are bf16 stored as raw 16-bit words (FP8 experts
+// as E4M3 bytes with f32 scales).
 #pragma once
 #include <stdint.h>
 
@@ -151,4 +152,15 @@ __device__ __forceinline__ void warp_rows_dot(const uint16_t* const (&w)[ROWS], 
             }
         }
     }
+}
+
+// An E4M3 (float8_e4m3fn) byte, the low 8 bits of `byte`, as f32: exact, and without subnormal f32 intermediates
+// (so a flush-to-zero build keeps E4M3's subnormals): normals by moving the exponent's bias from 7 to 127 in the
+// bits, subnormals as mantissa x 2^-9. S.1111.111 is NaN; E4M3 has no infinities.
+__device__ __forceinline__ float fp8_e4m3_to_float(uint32_t byte) {
+    const uint32_t magnitude = byte & 0x7fu;
+    float value = (magnitude >> 3) != 0 ? __uint_as_float((magnitude << 20) + (120u << 23))
+                                        : static_cast<float>(magnitude & 7u) * 0x1p-9f;
+    if (magnitude == 0x7fu) value = __uint_as_float(0x7fc00000u);
+    return (byte & 0x80u) != 0 ? -value : value;
 }

@@ -1,7 +1,7 @@
 // The MoE block on the device: the routers (softmax top-k; DeepSeek-V3's grouped sigmoid top-k), and the routed
 // experts of a few tokens (decode) read through a per-layer table of expert pointers, so where an expert lives
 // (resident, or a cache slot) is the table's business alone. An expert's block holds gate [inter, hidden], then up
-// [inter, hidden], then down [hidden, inter].
+// [inter, hidden], then down [hidden, inter] (bf16; FP8 experts, at the end of this file, add their scales).
 #include "common.cuh"
 
 constexpr int MAX_EXPERTS_PER_LANE = ROUTER_MAX_EXPERTS / 32;
@@ -282,4 +282,186 @@ extern "C" __global__ void scatter_rows(const float* __restrict__ x, const uint3
     const float* src = x + static_cast<size_t>(blockIdx.x) * cols;
     float* dst = out + static_cast<size_t>(rows[blockIdx.x]) * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
+}
+
+// ---- FP8 experts ----------------------------------------------------------------------------------------------
+// An FP8 expert's block: gate [inter, hidden], up [inter, hidden], down [hidden, inter] as E4M3 bytes, then (from
+// the next multiple of 16 bytes) their f32 scales: gate's and up's grids of [ceil(inter / gate_up_block_rows),
+// ceil(hidden / gate_up_block_cols)] and down's of [ceil(hidden / down_block_rows), ceil(inter / down_block_cols)],
+// each row-major. A weight's value is its E4M3 value times its block's scale (per channel: one row per block, the
+// block as wide as the row). The kernels dequantize in registers and accumulate in f32: no FP8 instructions, so every
+// architecture ferry builds for runs them.
+struct Fp8Layout {
+    int inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols;
+
+    // Columns and block shape of matrix m (0 gate, 1 up, 2 down).
+    __device__ __forceinline__ int cols(int m) const { return m < 2 ? hidden : inter; }
+    __device__ __forceinline__ int block_rows(int m) const { return m < 2 ? gate_up_block_rows : down_block_rows; }
+    __device__ __forceinline__ int block_cols(int m) const { return m < 2 ? gate_up_block_cols : down_block_cols; }
+    __device__ __forceinline__ int scales_per_row(int m) const { return (cols(m) + block_cols(m) - 1) / block_cols(m); }
+
+    // Row r of matrix m, and the scales of its blocks.
+    __device__ __forceinline__ const uint8_t* row(const uint8_t* block, int m, int r) const {
+        return block + static_cast<size_t>(m) * inter * hidden + static_cast<size_t>(r) * cols(m);
+    }
+    __device__ __forceinline__ const float* scale_row(const uint8_t* block, int m, int r) const {
+        const size_t scales_at = (3 * static_cast<size_t>(inter) * hidden + 15) / 16 * 16;
+        const size_t gate_grid =
+            static_cast<size_t>((inter + gate_up_block_rows - 1) / gate_up_block_rows) * scales_per_row(0);
+        const float* scales = reinterpret_cast<const float*>(block + scales_at) + m * gate_grid;
+        return scales + static_cast<size_t>(r / block_rows(m)) * scales_per_row(m);
+    }
+};
+
+// Dot products of ROWS rows of matrix m of an FP8 expert block with the f32 activations x (cols(m) values), by
+// one warp; acc[r] ends as the lane's partial sum (the caller reduces across the warp). Aligned rows take 16
+// weights per lane and step (a whole block of scale per 16 when block_cols is a multiple of 16); others one.
+template <int ROWS>
+__device__ __forceinline__ void warp_rows_dot_fp8(const Fp8Layout& layout, const uint8_t* block, int m,
+                                                  const int (&rows)[ROWS], const float* __restrict__ x,
+                                                  float (&acc)[ROWS]) {
+    const int lane = threadIdx.x & 31, k = layout.cols(m), bc = layout.block_cols(m);
+    const uint8_t* w[ROWS];
+    const float* scales[ROWS];
+    uintptr_t addresses = reinterpret_cast<uintptr_t>(x);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        w[r] = layout.row(block, m, rows[r]);
+        scales[r] = layout.scale_row(block, m, rows[r]);
+        addresses |= reinterpret_cast<uintptr_t>(w[r]);
+    }
+    if ((addresses & 15) == 0 && (k & 15) == 0 && (bc & 15) == 0) {
+        for (int col = lane * 16; col < k; col += 32 * 16) {
+            float xv[16];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float4 v = __ldg(reinterpret_cast<const float4*>(x + col) + j);
+                xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const uint4 packed = __ldg(reinterpret_cast<const uint4*>(w[r] + col));
+                const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) sum = fmaf(fp8_e4m3_to_float(words[j / 4] >> (8 * (j % 4))), xv[j], sum);
+                acc[r] = fmaf(sum, scales[r][col / bc], acc[r]);
+            }
+        }
+    } else {
+        for (int col = lane; col < k; col += 32) {
+            const float xv = x[col];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+                acc[r] = fmaf(fp8_e4m3_to_float(w[r][col]) * scales[r][col / bc], xv, acc[r]);
+        }
+    }
+}
+
+// moe_gate_up for FP8 expert blocks: the same grid, pairs and output.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_gate_up_fp8(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
+                    const int* __restrict__ order, const uint8_t* const* __restrict__ experts, int gate_up_block_rows,
+                    int gate_up_block_cols, int down_block_rows, int down_block_cols, float* __restrict__ act) {
+    const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
+    const int warp = threadIdx.x >> 5;
+    const int i = blockIdx.x * MOE_WARPS + warp;
+    const int pair = order != nullptr ? order[blockIdx.y] : blockIdx.y;
+    if (i >= inter) return;
+    const uint8_t* block = experts[ids[pair]];
+    const float* xr = x + static_cast<size_t>(pair / top_k) * hidden;
+    const int row[1] = {i};
+    float gate[1] = {}, up[1] = {};
+    warp_rows_dot_fp8<1>(layout, block, 0, row, xr, gate);
+    warp_rows_dot_fp8<1>(layout, block, 1, row, xr, up);
+    const float gs = warp_sum(gate[0]), us = warp_sum(up[0]);
+    if ((threadIdx.x & 31) == 0) act[static_cast<size_t>(pair) * inter + i] = gs / (1.0f + expf(-gs)) * us;
+}
+
+// The MOE_DOWN_ROWS features from `first` of down_e . act for one (row, k) pair, by one warp: features past hidden
+// repeat feature hidden - 1 (moe_down_fp8 and moe_down_pairs_fp8 share it, so both sum the same products).
+__device__ __forceinline__ void down_rows_fp8(const Fp8Layout& layout, const uint8_t* block, int first,
+                                              const float* act_pair, float (&sums)[MOE_DOWN_ROWS]) {
+    int rows[MOE_DOWN_ROWS];
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = min(first + j, layout.hidden - 1);
+    float acc[MOE_DOWN_ROWS] = {};
+    warp_rows_dot_fp8<MOE_DOWN_ROWS>(layout, block, 2, rows, act_pair, acc);
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) sums[j] = warp_sum(acc[j]);
+}
+
+// moe_down for FP8 expert blocks: the same grid, shared memory and router-order sum.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down_fp8(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
+                 const float* __restrict__ weights, const uint8_t* const* __restrict__ experts,
+                 int gate_up_block_rows, int gate_up_block_cols, int down_block_rows, int down_block_cols,
+                 int feature_groups, float* __restrict__ out) {
+    const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
+    extern __shared__ float products[];  // [top_k][block_features]
+    const int warp = threadIdx.x >> 5, r = blockIdx.y;
+    const int block_features = feature_groups * MOE_DOWN_ROWS;
+    const int first = blockIdx.x * block_features;
+    for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
+        const int k = item / feature_groups, group = item % feature_groups;
+        const int pair = r * top_k + k;
+        float sums[MOE_DOWN_ROWS];
+        down_rows_fp8(layout, experts[ids[pair]], first + group * MOE_DOWN_ROWS,
+                      act + static_cast<size_t>(pair) * inter, sums);
+#pragma unroll
+        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+            if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
+        const int h = first + j;
+        if (h >= hidden) continue;
+        float sum = 0.0f;
+        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
+        out[static_cast<size_t>(r) * hidden + h] = sum;
+    }
+}
+
+// moe_down_pairs for FP8 expert blocks: the same grid and products as moe_down_fp8's, one pair at a time.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down_pairs_fp8(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
+                       const int* __restrict__ order, const uint8_t* const* __restrict__ experts,
+                       int gate_up_block_rows, int gate_up_block_cols, int down_block_rows, int down_block_cols,
+                       float* __restrict__ y) {
+    const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
+    const int warp = threadIdx.x >> 5;
+    const int pair = order[blockIdx.y];
+    const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
+    if (first >= hidden) return;
+    float sums[MOE_DOWN_ROWS];
+    down_rows_fp8(layout, experts[ids[pair]], first, act + static_cast<size_t>(pair) * inter, sums);
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+        if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = sums[j];
+}
+
+// Matrices first..first + count - 1 of an FP8 expert block dequantized to two bf16 halves, hi = bf16(w) and lo =
+// bf16(w - hi), back to back in each (gate and up as one [2 * inter, hidden] matrix, or down): the grouped prefill
+// path runs both through the same cuBLAS products as bf16 experts and adds them, which keeps the weights to 2^-16
+// (an E4M3 value times a bf16 scale exactly) where bf16 alone would round each to 2^-8. A grid-stride loop over
+// their inter * hidden * count values.
+extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ block, int hidden, int inter,
+                                                 int gate_up_block_rows, int gate_up_block_cols,
+                                                 int down_block_rows, int down_block_cols,
+                                                 int first, int count, uint16_t* __restrict__ hi,
+                                                 uint16_t* __restrict__ lo) {
+    const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
+    const size_t per_matrix = static_cast<size_t>(inter) * hidden;
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < per_matrix * count;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const int m = first + static_cast<int>(i / per_matrix);
+        const size_t within = i % per_matrix;
+        const int cols = layout.cols(m);
+        const int r = static_cast<int>(within / cols), c = static_cast<int>(within % cols);
+        const float scale = layout.scale_row(block, m, r)[c / layout.block_cols(m)];
+        const float value = fp8_e4m3_to_float(layout.row(block, m, r)[c]) * scale;
+        const uint16_t high = float_to_bf16(value);
+        hi[i] = high;
+        lo[i] = float_to_bf16(value - bf16_to_float(high));
+    }
 }

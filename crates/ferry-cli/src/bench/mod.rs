@@ -19,13 +19,15 @@ use ferry_core::backend::profiled::Profiled;
 
 use self::report::{print_report, MemoryCeiling};
 use self::run::{bench_on, Machine};
-use crate::device::{open_backend, Backends, Device, ModelArgs, OffloadArgs};
+use crate::device::{open_backend, Backends, Device, ExpertDtypeArgs, ModelArgs, OffloadArgs};
 use crate::doctor_lanes::StrategyArgs;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    expert_dtype: ExpertDtypeArgs,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     #[command(flatten)]
@@ -61,7 +63,8 @@ pub struct BenchArgs {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    let checkpoint = args.model.open()?;
+    let mut checkpoint = args.model.open()?;
+    args.expert_dtype.apply(&mut checkpoint);
     let (backends, plan) = open_backend(args.device, &args.offload, args.strategy.moe_strategy, &checkpoint)?;
     let (ceiling, h2d_gb_s) = match &backends {
         Backends::Cuda(cuda) => {

@@ -193,6 +193,7 @@ pub(super) fn print_report(r: &BenchReport) {
     let mut rows = vec![
         ("backend", r.backend.clone()),
         ("model", format!("{} ({})", r.model, r.model_info.model_type)),
+        ("format", r.model_info.weight_dtype.clone()),
         ("routing", r.routing.clone()),
         ("load", format!("{:.1} s", r.load_seconds)),
         (

@@ -126,7 +126,7 @@ pub(super) fn bench_on<B: Backend>(
     let mut progress = LoadProgress::new(&checkpoint.dir.display().to_string());
     let model = Model::load_with_progress(be, checkpoint, &mut |done, total| progress.update(done, total))?;
     let load_seconds = started.elapsed().as_secs_f64();
-    let info = ModelInfo::new(&model.spec, checkpoint.weight_dtype());
+    let info = ModelInfo::new(&model.spec, checkpoint.weight_format());
     tracing::info!(
         "loaded {} on {} in {load_seconds:.1} s",
         model.spec.model_type,
@@ -216,7 +216,7 @@ pub(super) fn bench_on<B: Backend>(
         recorder.finish()?;
     }
 
-    let bytes_per_token = info.params_active_per_token * checkpoint.weight_dtype().size() as u64;
+    let bytes_per_token = info.bytes_active_per_token();
     let bound = ceiling.gb_s * 1e9 / bytes_per_token as f64;
     Ok(BenchReport {
         ferry_commit: env!("FERRY_GIT_COMMIT"),

@@ -238,14 +238,20 @@ pub fn parse_size(text: &str) -> Result<u64> {
 mod tests {
     use super::*;
     use crate::backend::cuda::workspace::MOE_GROUP_ROWS;
+    use crate::loader::{DType, Fp8Config, WeightFormat};
     use crate::model::spec_for;
 
-    /// The model of a config.json, by its path from the repository root.
+    /// The model of a config.json, by its path from the repository root, with its routed experts in FP8 when the
+    /// config's quantization_config says so.
     fn model(config: &str) -> (ModelInfo, ModelSpec) {
         let text = std::fs::read_to_string(format!("{}/../../{config}", env!("CARGO_MANIFEST_DIR"))).unwrap();
         let config: serde_json::Value = serde_json::from_str(&text).unwrap();
         let spec = spec_for(config["model_type"].as_str().unwrap(), &config).unwrap();
-        (ModelInfo::new(&spec, crate::loader::DType::BF16), spec)
+        let format = WeightFormat {
+            dtype: DType::BF16,
+            experts_fp8: Fp8Config::from_config(&config).unwrap().map(|f| f.scheme),
+        };
+        (ModelInfo::new(&spec, format), spec)
     }
 
     fn q30() -> (ModelInfo, ModelSpec) {
@@ -285,6 +291,25 @@ mod tests {
         let left = parse_size("22.3GiB").unwrap() - plan.dense_bytes - plan.workspace_bytes - plan.expert_bytes - floor;
         assert!(left < info.bytes_per_expert, "{left} bytes left unplanned");
         assert!(plan.slots > info.num_experts && plan.slots < info.num_moe_layers * info.num_experts);
+    }
+
+    #[test]
+    fn fp8_experts_fit_about_twice_the_slots_of_bf16() {
+        let (bf16, spec) = q30();
+        let (fp8, _) = model("bench/q30-fp8.json");
+        // 3 matrices of 768 x 2048 bytes, and 6 x 16 f32 scales each.
+        assert_eq!(fp8.bytes_per_expert, 3 * (768 * 2048 + 4 * 6 * 16));
+        assert_eq!(fp8.expert_bank_bytes, 48 * 128 * fp8.bytes_per_expert);
+        let slots = |info: &ModelInfo| {
+            plan_memory(info, &spec, &request("22.3GiB", OffloadMode::Auto, None))
+                .unwrap()
+                .slots
+        };
+        let (bf16_slots, fp8_slots) = (slots(&bf16), slots(&fp8));
+        assert!(
+            fp8_slots as f64 >= 1.9 * bf16_slots as f64,
+            "{fp8_slots} FP8 slots against {bf16_slots} bf16"
+        );
     }
 
     #[test]

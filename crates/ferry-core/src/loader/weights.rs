@@ -11,8 +11,13 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use serde::Deserialize;
 
+use super::fp8::{quantize_fp8, Fp8Config, Fp8Scheme};
 use super::{read_text, regular_file};
 use crate::{Error, Result};
+
+mod scales;
+
+pub use scales::Fp8Scales;
 
 /// Element type of a stored tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,6 +25,8 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// `float8_e4m3fn`; a weight of this dtype carries its [`Fp8Scales`].
+    F8E4M3,
 }
 
 impl DType {
@@ -27,6 +34,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::F8E4M3 => 1,
         }
     }
 
@@ -35,6 +43,7 @@ impl DType {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::F8E4M3 => "fp8",
         }
     }
 }
@@ -56,7 +65,8 @@ impl std::ops::Deref for Storage {
     }
 }
 
-/// A tensor inside a mapped shard (or owned memory): shape, dtype and a byte range, read in place.
+/// A tensor inside a mapped shard (or owned memory): shape, dtype and a byte range, read in place; an FP8 tensor
+/// with its scales.
 #[derive(Clone)]
 pub struct TensorRef {
     pub name: String,
@@ -65,11 +75,16 @@ pub struct TensorRef {
     shard: Arc<Storage>,
     start: usize,
     len: usize,
+    scales: Option<Arc<Fp8Scales>>,
 }
 
 impl std::fmt::Debug for TensorRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}{:?}", self.name, self.dtype.name(), self.shape)
+        write!(f, "{} {}{:?}", self.name, self.dtype.name(), self.shape)?;
+        if let Some(s) = &self.scales {
+            write!(f, " scales {:?} per {}x{}", s.values.shape, s.block[0], s.block[1])?;
+        }
+        Ok(())
     }
 }
 
@@ -90,6 +105,7 @@ impl TensorRef {
             len: bytes.len(),
             shard: Arc::new(Storage::Owned(bytes)),
             start: 0,
+            scales: None,
         })
     }
 
@@ -129,6 +145,14 @@ impl TensorRef {
             ));
         }
         let stride = self.len / outer;
+        let scales = match &self.scales {
+            Some(s) if inner.len() >= 2 => Some(Arc::new(Fp8Scales {
+                values: s.values.select(index)?,
+                block: s.block,
+            })),
+            Some(_) => return Err(Error::tensor(&self.name, "cannot take one row of an FP8 matrix")),
+            None => None,
+        };
         Ok(TensorRef {
             name: format!("{}[{index}]", self.name),
             dtype: self.dtype,
@@ -136,6 +160,7 @@ impl TensorRef {
             shard: self.shard.clone(),
             start: self.start + index * stride,
             len: stride,
+            scales,
         })
     }
 
@@ -158,6 +183,7 @@ impl TensorRef {
             shard: self.shard.clone(),
             start: self.start + start * stride,
             len: (end - start) * stride,
+            scales: self.scales_of_rows(start, end)?,
         })
     }
 
@@ -175,15 +201,11 @@ impl TensorRef {
     /// projection whose output features are interleaved (per head or per head group) into the plain layout the
     /// shared layers compute with, once, at load.
     pub fn gather_rows(&self, ranges: &[std::ops::Range<usize>]) -> Result<TensorRef> {
-        let outer = *self.shape.first().unwrap_or(&0);
-        let stride = self.len / outer.max(1);
-        let mut bytes = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum::<usize>() * stride);
-        for r in ranges {
-            bytes.extend_from_slice(self.rows(r.start, r.end)?.bytes());
-        }
-        let mut shape = self.shape.clone();
-        shape[0] = bytes.len() / stride.max(1);
-        Self::from_bytes(&format!("{}[gathered]", self.name), self.dtype, shape, bytes)
+        let parts = ranges
+            .iter()
+            .map(|r| self.rows(r.start, r.end))
+            .collect::<Result<Vec<_>>>()?;
+        Self::concat_rows(&format!("{}[gathered]", self.name), &parts)
     }
 
     /// The rows of `parts`, one after the other, copied into one new tensor: projections that read the same input
@@ -201,11 +223,18 @@ impl TensorRef {
         }
         let mut shape = first.shape.clone();
         shape[0] = parts.iter().map(|p| p.shape[0]).sum();
-        Self::from_bytes(name, first.dtype, shape, bytes)
+        let stacked = Self::from_bytes(name, first.dtype, shape, bytes)?;
+        stacked.stack_scales_of(parts)
     }
 
     /// The same bytes seen with another shape of as many elements (a conv1d weight `[C, 1, K]` as `[C, K]`).
     pub fn reshape(self, shape: Vec<usize>) -> Result<TensorRef> {
+        if self.scales.is_some() && shape != self.shape {
+            return Err(Error::tensor(
+                &self.name,
+                format!("cannot view an FP8 matrix as {shape:?}"),
+            ));
+        }
         if shape.iter().product::<usize>() != self.numel() {
             return Err(Error::tensor(
                 &self.name,
@@ -222,13 +251,17 @@ impl TensorRef {
             DType::F32 => count_non_finite::<4>(self.bytes(), 0x7f80_0000, 0x007f_ffff),
             DType::F16 => count_non_finite::<2>(self.bytes(), 0x7c00, 0x03ff),
             DType::BF16 => count_non_finite::<2>(self.bytes(), 0x7f80, 0x007f),
+            // E4M3 has no infinities; S.1111.111 is NaN.
+            DType::F8E4M3 => (self.bytes().iter().filter(|&&b| b & 0x7f == 0x7f).count() as u64, 0),
         }
     }
 
-    /// The values widened to f32: for small tensors only (norm weights, biases), never for weight matrices.
+    /// The values widened to f32 (an FP8 tensor's dequantized by its scales): for small tensors only (norm
+    /// weights, biases, a row of the embedding table), and for dequantizing a dense FP8 matrix once at upload.
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let b = self.bytes();
         match self.dtype {
+            DType::F8E4M3 => self.dequantize_fp8(),
             DType::F32 => b
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -261,6 +294,9 @@ pub struct WeightStore {
     /// `model.language_model.`.
     text_prefix: &'static str,
     synthetic_seed: Option<u64>,
+    /// Routed experts stored unquantized are quantized to FP8 in this scheme as they are read
+    /// ([`WeightStore::quantize_experts`]).
+    quantize_experts: Option<Fp8Scheme>,
 }
 
 const SHARD_INDEX: &str = "model.safetensors.index.json";
@@ -348,7 +384,36 @@ impl WeightStore {
             tensors,
             text_prefix,
             synthetic_seed: None,
+            quantize_experts: None,
         })
+    }
+
+    /// Attaches to every FP8 tensor its scales as `fp8` names them (the scale tensors leave the store). An FP8
+    /// tensor without scales, or without an FP8 configuration, is an error naming it; so is one the configuration
+    /// keeps unquantized.
+    pub fn attach_fp8_scales(&mut self, fp8: Option<&Fp8Config>) -> Result<()> {
+        let quantized: Vec<String> = self
+            .tensors
+            .values()
+            .filter(|t| t.dtype == DType::F8E4M3)
+            .map(|t| t.name.clone())
+            .collect();
+        for name in quantized {
+            let Some(fp8) = fp8 else {
+                return Err(Error::tensor(
+                    &name,
+                    "stored as FP8, but config.json has no quantization_config",
+                ));
+            };
+            let scale_name = fp8.scale_name(&name);
+            let scales = self
+                .tensors
+                .remove(&scale_name)
+                .ok_or_else(|| Error::tensor(&name, format!("stored as FP8 without its scales {scale_name}")))?;
+            let weight = self.tensors.remove(&name).expect("listed above");
+            self.tensors.insert(name, fp8.attach(weight, scales)?);
+        }
+        Ok(())
     }
 
     /// A store of seeded random bf16 weights of whatever shape is asked for: matrices scaled by 1/sqrt(fan-in)
@@ -358,14 +423,32 @@ impl WeightStore {
             tensors: HashMap::new(),
             text_prefix: "model.",
             synthetic_seed: Some(seed),
+            quantize_experts: None,
         }
+    }
+
+    /// From now on, routed experts (tensors under `.experts.`) that are not FP8 are quantized to FP8 in `scheme`
+    /// as they are read: `--expert-dtype fp8`, and the FP8 experts of synthetic checkpoints.
+    pub fn quantize_experts(&mut self, scheme: Fp8Scheme) {
+        self.quantize_experts = Some(scheme);
+    }
+
+    /// The scheme routed experts are quantized in as they are read, if they are.
+    pub fn experts_quantized_to(&self) -> Option<Fp8Scheme> {
+        self.quantize_experts
     }
 
     /// The tensor called `name`, which must have shape `shape` (synthetic stores make it so).
     pub fn get_shaped(&self, name: &str, shape: &[usize]) -> Result<TensorRef> {
-        match self.synthetic_seed {
-            Some(seed) => synthetic_tensor(seed, name, shape),
-            None => self.get(name)?.expect_shape(shape),
+        let tensor = match self.synthetic_seed {
+            Some(seed) => synthetic_tensor(seed, name, shape)?,
+            None => self.get(name)?.expect_shape(shape)?,
+        };
+        match self.quantize_experts {
+            Some(scheme) if name.contains(".experts.") && tensor.dtype != DType::F8E4M3 && shape.len() >= 2 => {
+                quantize_fp8(&tensor, scheme)
+            }
+            _ => Ok(tensor),
         }
     }
 
@@ -555,6 +638,7 @@ fn map_shard(path: &Path) -> Result<Vec<TensorRef>> {
             safetensors::Dtype::F32 => DType::F32,
             safetensors::Dtype::F16 => DType::F16,
             safetensors::Dtype::BF16 => DType::BF16,
+            safetensors::Dtype::F8_E4M3 => DType::F8E4M3,
             other => {
                 return Err(Error::tensor(
                     &name,
@@ -570,6 +654,7 @@ fn map_shard(path: &Path) -> Result<Vec<TensorRef>> {
             shard: shard.clone(),
             start: data_start + s,
             len: e - s,
+            scales: None,
         });
     }
     Ok(out)

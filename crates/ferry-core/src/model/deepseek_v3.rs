@@ -143,7 +143,13 @@ mod tests {
             58,
             "three dense layers"
         );
-        let info = ModelInfo::new(&spec, crate::loader::DType::BF16);
+        let info = ModelInfo::new(
+            &spec,
+            crate::loader::WeightFormat {
+                dtype: crate::loader::DType::BF16,
+                experts_fp8: None,
+            },
+        );
         assert_eq!(
             info.kv_bytes_per_token_bf16,
             61 * (512 + 64) * 2,

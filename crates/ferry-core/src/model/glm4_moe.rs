@@ -141,7 +141,13 @@ mod tests {
         );
         // 106B parameters as published (its MTP layer aside), and 12B active, a count that leaves out the
         // embedding table and the output head.
-        let info = ModelInfo::new(&spec, crate::loader::DType::BF16);
+        let info = ModelInfo::new(
+            &spec,
+            crate::loader::WeightFormat {
+                dtype: crate::loader::DType::BF16,
+                experts_fp8: None,
+            },
+        );
         assert!(
             (105e9..108e9).contains(&(info.params_total as f64)),
             "{}",

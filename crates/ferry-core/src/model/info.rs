@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use super::config::{FfnKind, Mixer, ModelSpec, QkNorm};
 use super::recurrent_spec;
+use crate::loader::WeightFormat;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelInfo {
@@ -22,13 +23,16 @@ pub struct ModelInfo {
     pub hidden_size: usize,
     pub moe_intermediate_size: usize,
     pub vocab_size: usize,
+    /// The weights' format: the unquantized dtype, and the routed experts' FP8 scheme when they are FP8.
     pub weight_dtype: String,
     pub params_total: u64,
     pub params_active_per_token: u64,
+    /// Real bytes: FP8 experts count one byte per weight plus their f32 scales.
     pub bytes_per_expert: u64,
     /// Every routed expert of every MoE layer: what lives in host RAM under offload.
     pub expert_bank_bytes: u64,
-    /// Everything else (embeddings, attention, norms, routers, dense MLPs, shared experts): always on the GPU.
+    /// Everything else (embeddings, attention, norms, routers, dense MLPs, shared experts): always on the GPU,
+    /// counted in the unquantized dtype (the GPU holds dense FP8 weights dequantized to bf16).
     pub dense_bytes: u64,
     /// Keys and values of one token over all attention layers, stored as bf16 (for latent attention, the latent and
     /// the shared rope key).
@@ -38,7 +42,7 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
-    pub fn new(spec: &ModelSpec, weight_dtype: crate::loader::DType) -> Self {
+    pub fn new(spec: &ModelSpec, format: WeightFormat) -> Self {
         let h = spec.hidden_size as u64;
         let (heads, kv_heads, d) = (spec.num_heads as u64, spec.num_kv_heads as u64, spec.head_dim as u64);
         let qk_norm = match spec.qk_norm {
@@ -98,7 +102,14 @@ impl ModelInfo {
             }
         }
         let bank_params = moe_layers * num_experts * expert_params;
-        let bytes = weight_dtype.size() as u64;
+        let bytes = format.dtype.size() as u64;
+        let bytes_per_expert = match format.experts_fp8 {
+            Some(scheme) => {
+                let (h, i) = (spec.hidden_size, moe_inter as usize);
+                2 * scheme.matrix_bytes(i, h) + scheme.matrix_bytes(h, i)
+            }
+            None => expert_params * bytes,
+        };
         ModelInfo {
             model_type: spec.model_type.to_string(),
             num_layers: spec.layers.len(),
@@ -111,14 +122,19 @@ impl ModelInfo {
             hidden_size: spec.hidden_size,
             moe_intermediate_size: moe_inter as usize,
             vocab_size: spec.vocab_size,
-            weight_dtype: weight_dtype.name().to_string(),
+            weight_dtype: format.describe(),
             params_total: dense + bank_params,
             params_active_per_token: dense + moe_layers * top_k * expert_params,
-            bytes_per_expert: expert_params * bytes,
-            expert_bank_bytes: bank_params * bytes,
+            bytes_per_expert,
+            expert_bank_bytes: moe_layers * num_experts * bytes_per_expert,
             dense_bytes: dense * bytes,
             kv_bytes_per_token_bf16: spec.num_attention_layers() as u64 * kv_per_layer * 2,
             recurrent_state_bytes_per_seq: recurrent_spec(spec).map_or(0, |r| r.bytes_per_seq() as u64),
         }
+    }
+
+    /// Weight bytes one token reads: the dense part and its routed experts, in real bytes.
+    pub fn bytes_active_per_token(&self) -> u64 {
+        self.dense_bytes + (self.num_moe_layers * self.experts_per_token) as u64 * self.bytes_per_expert
     }
 }

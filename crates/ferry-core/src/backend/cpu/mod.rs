@@ -22,7 +22,7 @@ use super::{
 use crate::kv::{HostKv, KvSpec, SeqId};
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
-use gemv::WeightDType;
+use gemv::{BlockScales, WeightDType, WeightEncoding};
 pub use moe::{CpuExperts, Routing};
 
 /// A `[rows, cols]` row-major f32 tensor.
@@ -105,12 +105,20 @@ impl CpuBatch {
     }
 }
 
-fn weight_dtype(dtype: DType) -> WeightDType {
-    match dtype {
+/// How the gemv kernels read `w`: its dtype and, for FP8, its scales.
+fn weight_encoding(w: &TensorRef) -> WeightEncoding<'_> {
+    let dtype = match w.dtype {
         DType::F32 => WeightDType::F32,
         DType::F16 => WeightDType::F16,
         DType::BF16 => WeightDType::BF16,
-    }
+        DType::F8E4M3 => WeightDType::F8E4M3,
+    };
+    let scales = w.scales().map(|s| BlockScales {
+        bytes: s.values.bytes(),
+        block_rows: s.block[0],
+        block_cols: s.block[1],
+    });
+    WeightEncoding { dtype, scales }
 }
 
 /// `x W^T` for `rows` rows of `x` and a weight `[n, k]` held in place.
@@ -124,8 +132,11 @@ fn matmul(x: &[f32], rows: usize, w: &TensorRef) -> Result<Vec<f32>> {
     check_shape(x.len() == rows * k, || {
         format!("{} [{n}, {k}] applied to {} values in {rows} rows", w.name, x.len())
     })?;
+    check_shape(w.dtype != DType::F8E4M3 || w.scales().is_some(), || {
+        format!("{} is FP8 without scales", w.name)
+    })?;
     let mut out = vec![0.0; rows * n];
-    gemv::matmul(x, rows, k, w.bytes(), weight_dtype(w.dtype), n, &mut out);
+    gemv::matmul(x, rows, k, w.bytes(), weight_encoding(w), n, &mut out);
     Ok(out)
 }
 

@@ -103,8 +103,8 @@ impl HostBank {
         Ok(Chunk::Pageable(v))
     }
 
-    /// Appends an expert: its gate, up and down bytes, in that order. Returns its block index.
-    pub fn push(&mut self, parts: [&[u8]; 3]) -> Result<usize> {
+    /// Appends an expert: the byte runs of its block (expert_format.rs), in order. Returns its block index.
+    pub fn push(&mut self, parts: &[&[u8]]) -> Result<usize> {
         if parts.iter().map(|p| p.len()).sum::<usize>() != self.block_bytes {
             return Err(Error::Cuda(
                 "an expert of a different size than the bank's blocks".into(),

@@ -159,8 +159,22 @@ impl CudaBackend {
         w: Bf16Matrix,
         out: &CudaTensor,
     ) -> Result<()> {
+        self.gemm_split_into(x, first_row, rows, w, out, false)
+    }
+
+    /// [`CudaBackend::gemm_split`], added to what `out`'s rows hold when `accumulate` (a weight split in halves
+    /// too: FP8 experts dequantized in the grouped path).
+    pub(super) fn gemm_split_into(
+        &self,
+        x: &Bf16Halves,
+        first_row: usize,
+        rows: usize,
+        w: Bf16Matrix,
+        out: &CudaTensor,
+        accumulate: bool,
+    ) -> Result<()> {
         let out_rows = ptr(&out.data).offset(first_row * out.cols);
-        for (half, accumulate) in [(&x.hi, false), (&x.lo, true)] {
+        for (half, accumulate) in [(&x.hi, accumulate), (&x.lo, true)] {
             let input = ptr(half).offset(first_row * w.cols);
             self.gemm_bf16(input, rows, w, out_rows, out.cols, accumulate)?;
         }

@@ -17,6 +17,7 @@ mod bank;
 mod ceilings;
 mod context;
 mod elementwise;
+mod expert_format;
 mod gdn;
 mod kv;
 mod launch;
@@ -48,7 +49,6 @@ pub use ferry_kernels::constants::GEMV_MAX_ROWS;
 pub use kv::{DeviceBatch, DeviceKv};
 use launch::{ptr, Ptr};
 pub use libs::CudaLibraries;
-use memory::bf16_bytes;
 pub use offload::{CudaBackendBuilder, OffloadConfig};
 
 /// A `[rows, cols]` f32 tensor in device memory.
@@ -99,8 +99,9 @@ struct Bf16Matrix {
 }
 
 /// One layer's routed experts, read by the expert kernels through a device table of block addresses indexed by
-/// expert id. All resident: a slab of the layer's blocks (gate, up, down, each bf16). Offloaded: the blocks live in
-/// the host bank and the table points into the shared cache slab, rewritten each step for the routed experts.
+/// expert id. All resident: a slab of the layer's blocks (gate, up, down, bf16 or FP8 with their scales: see
+/// expert_format.rs). Offloaded: the blocks live in the host bank and the table points into the shared cache slab,
+/// rewritten each step for the routed experts.
 pub enum CudaExperts {
     Resident {
         _slab: CudaSlice<u8>,
@@ -108,12 +109,14 @@ pub enum CudaExperts {
         addresses: Vec<u64>,
         hidden: usize,
         inter: usize,
+        format: expert_format::ExpertFormat,
     },
     Offloaded {
         layer: usize,
         table: CudaSlice<u64>,
         hidden: usize,
         inter: usize,
+        format: expert_format::ExpertFormat,
     },
 }
 
@@ -123,6 +126,12 @@ impl CudaExperts {
             CudaExperts::Resident { hidden, inter, .. } | CudaExperts::Offloaded { hidden, inter, .. } => {
                 (*hidden, *inter)
             }
+        }
+    }
+
+    fn format(&self) -> expert_format::ExpertFormat {
+        match self {
+            CudaExperts::Resident { format, .. } | CudaExperts::Offloaded { format, .. } => *format,
         }
     }
 }

@@ -1,15 +1,18 @@
 //! The MoE block on the GPU (moe.cu): loading a layer's routed experts (a resident slab, or the offload's bank),
 //! routing on the device, the decode kernels that read the experts through the layer's table of block addresses
 //! (under offload, resident experts first and each copied expert once its copy lands), and the grouped prefill
-//! path, which gathers each expert's rows and runs them through cuBLAS. With the offload's CPU lane, both paths
-//! leave the host's experts out and moe_combine reads their products from the lane's upload.
+//! path, which gathers each expert's rows and runs them through cuBLAS. Experts are bf16 or FP8 (see
+//! expert_format.rs): the decode kernels read FP8 blocks directly, the grouped path dequantizes each expert to
+//! bf16 first. With the offload's CPU lane, both paths leave the host's experts out and moe_combine reads their
+//! products from the lane's upload.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{GEMV_MAX_ROWS, MOE_DOWN_ROWS, MOE_WARPS, ROUTER_MAX_EXPERTS};
 
 use super::elementwise::copy_rows;
+use super::expert_format::{dequantized, ExpertFormat};
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
-use super::memory::bf16_bytes;
+use super::linear::Bf16Halves;
 use super::offload::{LayerCopies, Offload};
 use super::workspace::MOE_GROUP_ROWS;
 use super::{cuda_err, Bf16Matrix, CudaBackend, CudaExperts, CudaRouting, CudaTensor, CudaWeight};
@@ -95,6 +98,60 @@ kernel! {
 }
 
 kernel! {
+    /// moe.cu's `moe_gate_up_fp8`: [`MoeGateUp`] over FP8 expert blocks, whose scales cover the given blocks.
+    struct MoeGateUpFp8 = "moe_gate_up_fp8" {
+        x: Ptr<f32>,
+        hidden: i32,
+        inter: i32,
+        top_k: i32,
+        ids: Ptr<i32>,
+        order: Ptr<i32>,
+        experts: Ptr<Ptr<u8>>,
+        gate_up_block_rows: i32,
+        gate_up_block_cols: i32,
+        down_block_rows: i32,
+        down_block_cols: i32,
+        act: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// moe.cu's `moe_down_pairs_fp8`: [`MoeDownPairs`] over FP8 expert blocks.
+    struct MoeDownPairsFp8 = "moe_down_pairs_fp8" {
+        act: Ptr<f32>,
+        hidden: i32,
+        inter: i32,
+        ids: Ptr<i32>,
+        order: Ptr<i32>,
+        experts: Ptr<Ptr<u8>>,
+        gate_up_block_rows: i32,
+        gate_up_block_cols: i32,
+        down_block_rows: i32,
+        down_block_cols: i32,
+        y: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// moe.cu's `moe_down_fp8`: [`MoeDown`] over FP8 expert blocks.
+    struct MoeDownFp8 = "moe_down_fp8" {
+        act: Ptr<f32>,
+        hidden: i32,
+        inter: i32,
+        top_k: i32,
+        ids: Ptr<i32>,
+        weights: Ptr<f32>,
+        experts: Ptr<Ptr<u8>>,
+        gate_up_block_rows: i32,
+        gate_up_block_cols: i32,
+        down_block_rows: i32,
+        down_block_cols: i32,
+        feature_groups: i32,
+        out: Ptr<f32>,
+    }
+}
+
+kernel! {
     /// elementwise.cu's `silu_mul_halves`: `out[r, i] = silu(x[r, i]) * x[r, half + i]` over the n values of out.
     struct SiluMulHalves = "silu_mul_halves" {
         x: Ptr<f32>,
@@ -131,6 +188,7 @@ struct ExpertGroup {
     rows: usize,
     hidden: usize,
     inter: usize,
+    format: ExpertFormat,
 }
 
 /// [`crate::backend::Backend::experts`]: into the offload's bank when offload is on, else into one slab of the
@@ -147,10 +205,8 @@ pub(super) fn upload_experts(
             "the CUDA backend has no expert kernels for {activation:?}{biases} yet (the CPU backend has)"
         )));
     }
-    let first = experts
-        .first()
-        .ok_or_else(|| Error::Cuda("a MoE layer without experts".into()))?;
-    let (inter, hidden) = (first.gate.shape[0], first.gate.shape[1]);
+    let format = ExpertFormat::of(&experts)?;
+    let (inter, hidden) = (experts[0].gate.shape[0], experts[0].gate.shape[1]);
     if let Some(offload) = &cuda.offload {
         let layer = offload
             .lock()
@@ -165,19 +221,19 @@ pub(super) fn upload_experts(
             table,
             hidden,
             inter,
+            format,
         });
     }
-    // One expert's gate, up and down, back to back, in bytes.
-    let block = 3 * inter * hidden * 2;
+    let block = format.block_bytes(inter, hidden);
     let mut slab: CudaSlice<u8> = cuda.alloc(block * experts.len())?;
     for (e, expert) in experts.iter().enumerate() {
-        for (part, t) in [&expert.gate, &expert.up, &expert.down].into_iter().enumerate() {
-            let bytes = bf16_bytes(t)?;
-            let start = e * block + part * inter * hidden * 2;
+        let mut start = e * block;
+        for bytes in format.block_parts(expert)? {
             let mut dst = slab.slice_mut(start..start + bytes.len());
             cuda.stream
                 .memcpy_htod(bytes, &mut dst)
                 .map_err(cuda_err("uploading experts"))?;
+            start += bytes.len();
         }
     }
     let base = ptr(&slab).address();
@@ -188,6 +244,7 @@ pub(super) fn upload_experts(
         addresses,
         hidden,
         inter,
+        format,
     })
 }
 
@@ -300,6 +357,7 @@ pub(super) fn moe_experts(
     experts: &CudaExperts,
 ) -> Result<CudaTensor> {
     let (hidden, inter) = experts.shape();
+    let format = experts.format();
     let (table, layer) = match experts {
         CudaExperts::Resident { table, addresses, .. } => {
             if x.rows > MOE_DECODE_MAX_ROWS {
@@ -307,9 +365,9 @@ pub(super) fn moe_experts(
                     .stream
                     .clone_dtoh(&routing.ids)
                     .map_err(cuda_err("routing to host"))?;
-                return moe_experts_grouped(cuda, x, routing, &ids, addresses, hidden, inter);
+                return moe_experts_grouped(cuda, x, routing, &ids, addresses, hidden, inter, format);
             }
-            return moe_decode(cuda, x, routing, table, hidden, inter);
+            return moe_decode(cuda, x, routing, table, hidden, inter, format);
         }
         CudaExperts::Offloaded { layer, table, .. } => (table, *layer),
     };
@@ -320,7 +378,7 @@ pub(super) fn moe_experts(
     let mut offload = offload.lock().unwrap_or_else(|e| e.into_inner());
     let copies = offload.prepare_layer(&cuda.stream, layer, routing, table, x)?;
     if !copies.host.is_empty() {
-        return moe_with_host_lane(cuda, &mut offload, layer, x, routing, table, &copies, inter);
+        return moe_with_host_lane(cuda, &mut offload, layer, x, routing, table, &copies, inter, format);
     }
     drop(offload);
     if x.rows > MOE_DECODE_MAX_ROWS || copies.fetched.is_empty() {
@@ -328,11 +386,11 @@ pub(super) fn moe_experts(
             .wait(copies.all_ready())
             .map_err(cuda_err("waiting for expert copies"))?;
         if x.rows > MOE_DECODE_MAX_ROWS {
-            return moe_experts_grouped(cuda, x, routing, &copies.ids, &copies.addresses, hidden, inter);
+            return moe_experts_grouped(cuda, x, routing, &copies.ids, &copies.addresses, hidden, inter, format);
         }
-        return moe_decode(cuda, x, routing, table, hidden, inter);
+        return moe_decode(cuda, x, routing, table, hidden, inter, format);
     }
-    moe_decode_under_copies(cuda, x, routing, table, &copies, hidden, inter)
+    moe_decode_under_copies(cuda, x, routing, table, &copies, hidden, inter, format)
 }
 
 /// The decode kernels over every (row, k) pair: moe_gate_up, then moe_down, which sums a row's experts in router
@@ -344,38 +402,61 @@ fn moe_decode(
     table: &CudaSlice<u64>,
     hidden: usize,
     inter: usize,
+    format: ExpertFormat,
 ) -> Result<CudaTensor> {
     let pairs = routing.rows * routing.top_k;
     let act = cuda.tensor(pairs, inter)?;
-    launch_gate_up(cuda, x, routing, table, Ptr::null(), pairs, &act)?;
+    launch_gate_up(cuda, x, routing, table, Ptr::null(), pairs, &act, format)?;
     let out = cuda.tensor(routing.rows, hidden)?;
     // Each warp takes (expert, feature group) items: with few experts per row, more feature groups per block
     // keep every warp busy.
     let feature_groups = (MOE_WARPS / routing.top_k).max(1);
     let block_features = feature_groups * MOE_DOWN_ROWS;
-    let down = MoeDown {
-        act: ptr(&act.data),
-        hidden: hidden as i32,
-        inter: inter as i32,
-        top_k: routing.top_k as i32,
-        ids: ptr(&routing.ids),
-        weights: ptr(&routing.weights),
-        experts: ptr(table).cast(),
-        feature_groups: feature_groups as i32,
-        out: ptr(&out.data),
+    let config = LaunchConfig {
+        grid_dim: (hidden.div_ceil(block_features) as u32, routing.rows as u32, 1),
+        block_dim: (MOE_WARPS as u32 * 32, 1, 1),
+        shared_mem_bytes: (routing.top_k * block_features * std::mem::size_of::<f32>()) as u32,
     };
-    down.launch(
-        cuda,
-        LaunchConfig {
-            grid_dim: (hidden.div_ceil(block_features) as u32, routing.rows as u32, 1),
-            block_dim: (MOE_WARPS as u32 * 32, 1, 1),
-            shared_mem_bytes: (routing.top_k * block_features * std::mem::size_of::<f32>()) as u32,
-        },
-    )?;
+    match format {
+        ExpertFormat::Bf16 => MoeDown {
+            act: ptr(&act.data),
+            hidden: hidden as i32,
+            inter: inter as i32,
+            top_k: routing.top_k as i32,
+            ids: ptr(&routing.ids),
+            weights: ptr(&routing.weights),
+            experts: ptr(table).cast(),
+            feature_groups: feature_groups as i32,
+            out: ptr(&out.data),
+        }
+        .launch(cuda, config)?,
+        ExpertFormat::Fp8(blocks) => {
+            let [gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols] =
+                ExpertFormat::fp8_block_args(blocks);
+            MoeDownFp8 {
+                act: ptr(&act.data),
+                hidden: hidden as i32,
+                inter: inter as i32,
+                top_k: routing.top_k as i32,
+                ids: ptr(&routing.ids),
+                weights: ptr(&routing.weights),
+                experts: ptr(table).cast(),
+                gate_up_block_rows,
+                gate_up_block_cols,
+                down_block_rows,
+                down_block_cols,
+                feature_groups: feature_groups as i32,
+                out: ptr(&out.data),
+            }
+            .launch(cuda, config)?
+        }
+    }
     Ok(out)
 }
 
-/// moe_gate_up over `pairs` pairs: those listed from `order`, or the first `pairs` when `order` is null.
+/// moe_gate_up (or its FP8 twin) over `pairs` pairs: those listed from `order`, or the first `pairs` when `order`
+/// is null.
+#[allow(clippy::too_many_arguments)]
 fn launch_gate_up(
     cuda: &CudaBackend,
     x: &CudaTensor,
@@ -384,26 +465,46 @@ fn launch_gate_up(
     order: Ptr<i32>,
     pairs: usize,
     act: &CudaTensor,
+    format: ExpertFormat,
 ) -> Result<()> {
     let inter = act.cols;
-    let gate_up = MoeGateUp {
-        x: ptr(&x.data),
-        hidden: x.cols as i32,
-        inter: inter as i32,
-        top_k: routing.top_k as i32,
-        ids: ptr(&routing.ids),
-        order,
-        experts: ptr(table).cast(),
-        act: ptr(&act.data),
+    let config = LaunchConfig {
+        grid_dim: (inter.div_ceil(MOE_WARPS) as u32, pairs as u32, 1),
+        block_dim: (MOE_WARPS as u32 * 32, 1, 1),
+        shared_mem_bytes: 0,
     };
-    gate_up.launch(
-        cuda,
-        LaunchConfig {
-            grid_dim: (inter.div_ceil(MOE_WARPS) as u32, pairs as u32, 1),
-            block_dim: (MOE_WARPS as u32 * 32, 1, 1),
-            shared_mem_bytes: 0,
-        },
-    )
+    match format {
+        ExpertFormat::Bf16 => MoeGateUp {
+            x: ptr(&x.data),
+            hidden: x.cols as i32,
+            inter: inter as i32,
+            top_k: routing.top_k as i32,
+            ids: ptr(&routing.ids),
+            order,
+            experts: ptr(table).cast(),
+            act: ptr(&act.data),
+        }
+        .launch(cuda, config),
+        ExpertFormat::Fp8(blocks) => {
+            let [gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols] =
+                ExpertFormat::fp8_block_args(blocks);
+            MoeGateUpFp8 {
+                x: ptr(&x.data),
+                hidden: x.cols as i32,
+                inter: inter as i32,
+                top_k: routing.top_k as i32,
+                ids: ptr(&routing.ids),
+                order,
+                experts: ptr(table).cast(),
+                gate_up_block_rows,
+                gate_up_block_cols,
+                down_block_rows,
+                down_block_cols,
+                act: ptr(&act.data),
+            }
+            .launch(cuda, config)
+        }
+    }
 }
 
 /// The decode kernels under offload while this layer's copies are in flight: the (row, k) pairs of resident
@@ -411,6 +512,7 @@ fn launch_gate_up(
 /// event), each pair's down product kept apart (moe_down_pairs), and moe_combine sums each row's products in router
 /// order. Every pair is computed as in moe_gate_up + moe_down over all pairs, and summed in the same order, so the
 /// result is the same to the bit; only when each expert's work starts differs.
+#[allow(clippy::too_many_arguments)]
 fn moe_decode_under_copies(
     cuda: &CudaBackend,
     x: &CudaTensor,
@@ -419,8 +521,9 @@ fn moe_decode_under_copies(
     copies: &LayerCopies,
     hidden: usize,
     inter: usize,
+    format: ExpertFormat,
 ) -> Result<CudaTensor> {
-    let y = decode_products(cuda, x, routing, table, copies, hidden, inter)?;
+    let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format)?;
     let out = cuda.tensor(routing.rows, hidden)?;
     launch_combine(cuda, &y, routing, 0..routing.rows, None, &out)?;
     Ok(out)
@@ -428,6 +531,7 @@ fn moe_decode_under_copies(
 
 /// The decode path's unweighted products `[pairs, hidden]` of every pair on a device expert (resident first, then
 /// each copied expert once its copy has landed); the rows of pairs on host experts are left unwritten.
+#[allow(clippy::too_many_arguments)]
 fn decode_products(
     cuda: &CudaBackend,
     x: &CudaTensor,
@@ -436,6 +540,7 @@ fn decode_products(
     copies: &LayerCopies,
     hidden: usize,
     inter: usize,
+    format: ExpertFormat,
 ) -> Result<CudaTensor> {
     let pairs = routing.rows * routing.top_k;
     let ids = &copies.ids[..pairs];
@@ -465,24 +570,42 @@ fn decode_products(
             continue;
         }
         let run = ptr(&order).offset(first);
-        launch_gate_up(cuda, x, routing, table, run, len, &act)?;
-        let down = MoeDownPairs {
-            act: ptr(&act.data),
-            hidden: hidden as i32,
-            inter: inter as i32,
-            ids: ptr(&routing.ids),
-            order: run,
-            experts: ptr(table).cast(),
-            y: ptr(&y.data),
+        launch_gate_up(cuda, x, routing, table, run, len, &act, format)?;
+        let config = LaunchConfig {
+            grid_dim: (down_blocks, len as u32, 1),
+            block_dim: (MOE_WARPS as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
         };
-        down.launch(
-            cuda,
-            LaunchConfig {
-                grid_dim: (down_blocks, len as u32, 1),
-                block_dim: (MOE_WARPS as u32 * 32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        )?;
+        match format {
+            ExpertFormat::Bf16 => MoeDownPairs {
+                act: ptr(&act.data),
+                hidden: hidden as i32,
+                inter: inter as i32,
+                ids: ptr(&routing.ids),
+                order: run,
+                experts: ptr(table).cast(),
+                y: ptr(&y.data),
+            }
+            .launch(cuda, config)?,
+            ExpertFormat::Fp8(blocks) => {
+                let [gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols] =
+                    ExpertFormat::fp8_block_args(blocks);
+                MoeDownPairsFp8 {
+                    act: ptr(&act.data),
+                    hidden: hidden as i32,
+                    inter: inter as i32,
+                    ids: ptr(&routing.ids),
+                    order: run,
+                    experts: ptr(table).cast(),
+                    gate_up_block_rows,
+                    gate_up_block_cols,
+                    down_block_rows,
+                    down_block_cols,
+                    y: ptr(&y.data),
+                }
+                .launch(cuda, config)?
+            }
+        }
     }
     Ok(y)
 }
@@ -531,6 +654,7 @@ fn moe_with_host_lane(
     table: &CudaSlice<u64>,
     copies: &LayerCopies,
     inter: usize,
+    format: ExpertFormat,
 ) -> Result<CudaTensor> {
     let hidden = x.cols;
     let pairs = routing.rows * routing.top_k;
@@ -568,7 +692,7 @@ fn moe_with_host_lane(
             &copies.host,
             &host_pairs,
             &host.products,
-            || decode_products(cuda, x, routing, table, copies, hidden, inter),
+            || decode_products(cuda, x, routing, table, copies, hidden, inter, format),
         )?;
         launch_combine(cuda, &queued?, routing, 0..routing.rows, Some(&host), &out)?;
         return Ok(out);
@@ -583,6 +707,7 @@ fn moe_with_host_lane(
             rows: MOE_GROUP_ROWS.min(routing.rows - first_row),
             hidden,
             inter,
+            format,
         })
         .collect();
     let products =
@@ -616,6 +741,7 @@ fn moe_with_host_lane(
 /// The MoE block for a batch too large for the decode kernels, its routed `ids` on the host: the rows run in
 /// groups of at most [`MOE_GROUP_ROWS`] (bounding the workspace of long steps), each expert's rows of a group
 /// gathered and run through cuBLAS, and the results combined in router order.
+#[allow(clippy::too_many_arguments)]
 fn moe_experts_grouped(
     cuda: &CudaBackend,
     x: &CudaTensor,
@@ -624,6 +750,7 @@ fn moe_experts_grouped(
     addresses: &[u64],
     hidden: usize,
     inter: usize,
+    format: ExpertFormat,
 ) -> Result<CudaTensor> {
     let out = cuda.tensor(routing.rows, hidden)?;
     for first_row in (0..routing.rows).step_by(MOE_GROUP_ROWS) {
@@ -632,6 +759,7 @@ fn moe_experts_grouped(
             rows: MOE_GROUP_ROWS.min(routing.rows - first_row),
             hidden,
             inter,
+            format,
         };
         let y = group_products(cuda, x, routing, ids, addresses, &group, &|_| false)?;
         launch_combine(cuda, &y, routing, first_row..first_row + group.rows, None, &out)?;
@@ -655,6 +783,7 @@ fn group_products(
         rows,
         hidden,
         inter,
+        format,
     } = group;
     let top_k = routing.top_k;
     let first_pair = first_row * top_k;
@@ -687,22 +816,50 @@ fn group_products(
     }
     // Each buffer is dropped (freed in stream order) once read, so that at most 2 * (hidden + inter) floats per
     // pair are alive at once (budget.rs's workspace estimate counts on it).
-    // Gate and up are adjacent in an expert's block: one [2 * inter, hidden] product; down follows them.
-    let gate_up_of = |e: usize| Bf16Matrix {
-        data: Ptr::at(addresses[e]),
-        rows: 2 * inter,
-        cols: hidden,
+    // Gate and up are adjacent in an expert's block: one [2 * inter, hidden] product; down follows them. FP8
+    // experts are dequantized to bf16 first, each into the one scratch buffer (the stream orders its reuse).
+    // (as bf16 halves hi + lo, one product each: see expert_format.rs).
+    let scratch: Option<CudaSlice<u16>> = match format {
+        ExpertFormat::Bf16 => None,
+        ExpertFormat::Fp8(_) => Some(cuda.alloc(4 * inter * hidden)?),
     };
-    let down_of = |e: usize| Bf16Matrix {
-        data: Ptr::at(addresses[e]).offset(2 * inter * hidden),
-        rows: hidden,
-        cols: inter,
-    };
+    let product =
+        |halves: &Bf16Halves, first: usize, len: usize, e: usize, down: bool, out: &CudaTensor| -> Result<()> {
+            match (format, &scratch) {
+                (ExpertFormat::Fp8(blocks), Some(scratch)) => {
+                    let [hi, lo] = dequantized(cuda, addresses[e], blocks, inter, hidden, down, ptr(scratch))?;
+                    cuda.gemm_split_into(halves, first, len, hi, out, false)?;
+                    cuda.gemm_split_into(halves, first, len, lo, out, true)
+                }
+                _ if down => cuda.gemm_split(
+                    halves,
+                    first,
+                    len,
+                    Bf16Matrix {
+                        data: Ptr::at(addresses[e]).offset(2 * inter * hidden),
+                        rows: hidden,
+                        cols: inter,
+                    },
+                    out,
+                ),
+                _ => cuda.gemm_split(
+                    halves,
+                    first,
+                    len,
+                    Bf16Matrix {
+                        data: Ptr::at(addresses[e]),
+                        rows: 2 * inter,
+                        cols: hidden,
+                    },
+                    out,
+                ),
+            }
+        };
     let gate_up = cuda.tensor(pairs, 2 * inter)?;
     let halves = cuda.split_bf16(&gathered)?;
     drop(gathered);
     for &(e, first, len) in &runs {
-        cuda.gemm_split(&halves, first, len, gate_up_of(e), &gate_up)?;
+        product(&halves, first, len, e, false, &gate_up)?;
     }
     drop(halves);
     let act = cuda.tensor(pairs, inter)?;
@@ -718,7 +875,7 @@ fn group_products(
     drop(act);
     let by_expert = cuda.tensor(pairs, hidden)?;
     for &(e, first, len) in &runs {
-        cuda.gemm_split(&halves, first, len, down_of(e), &by_expert)?;
+        product(&halves, first, len, e, true, &by_expert)?;
     }
     drop(halves);
     let y = cuda.tensor(group_pairs, hidden)?;

@@ -226,9 +226,14 @@ impl Offload {
     /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
     /// returns the layer's index.
     pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors]) -> Result<usize> {
-        let block_bytes = experts
-            .first()
-            .map_or(0, |e| e.gate.byte_len() + e.up.byte_len() + e.down.byte_len());
+        let format = super::expert_format::ExpertFormat::of(experts)?;
+        // The lane reads a bank block as three bf16 matrices (compute_on_host); an FP8 block has another layout.
+        if self.lane.is_some() && format != super::expert_format::ExpertFormat::Bf16 {
+            return Err(Error::Config(
+                "the CPU lane computes bf16 experts only so far: use --moe-strategy offload with FP8 experts".into(),
+            ));
+        }
+        let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1]);
         if self.slab.is_none() {
             if self.slots < experts.len() {
                 return Err(Error::Cuda(format!(
@@ -250,12 +255,7 @@ impl Offload {
         }
         let bank_blocks = experts
             .iter()
-            .map(|e| {
-                for t in [&e.gate, &e.up, &e.down] {
-                    super::bf16_bytes(t)?;
-                }
-                bank.push([e.gate.bytes(), e.up.bytes(), e.down.bytes()])
-            })
+            .map(|e| bank.push(&format.block_parts(e)?))
             .collect::<Result<_>>()?;
         let mut table_host = unsafe { self.ctx.alloc_pinned_with_flags::<u64>(experts.len(), 0) }
             .map_err(cuda_err("pinning a slot table"))?;

@@ -1,6 +1,6 @@
 //! The `avx2` path (avx2, fma, f16c): 8 weights per step converted to f32 in registers (F16 with `vcvtph2ps`,
-//! BF16 by zero-extend and `<< 16`), FMA with f32 activations, the tail of a row copied into zero-padded buffers
-//! (AVX2 has no masked 16-bit loads).
+//! BF16 by zero-extend and `<< 16`, FP8 E4M3 as [`e4m3_to_f32`] says), FMA with f32 activations, the tail of a
+//! row copied into zero-padded buffers (AVX2 has no masked 16-bit loads).
 
 use std::arch::x86_64::*;
 
@@ -20,6 +20,23 @@ avx2_loaders! {
     ld8_f32(p) => _mm256_loadu_ps(p.cast());
     ld8_f16(p) => _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
     ld8_bf16(p) => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))));
+    ld8_f8(p) => e4m3_to_f32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())));
+}
+
+/// 8 E4M3 bytes (one per 32-bit lane) as f32: the magnitude bits placed as an f32's (subnormal for exponent 0)
+/// times 2^120, which rebiases the exponent exactly; `S.1111.111` lanes become NaN; then the sign.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn e4m3_to_f32(bytes: __m256i) -> __m256 {
+    let magnitude = _mm256_and_si256(bytes, _mm256_set1_epi32(0x7f));
+    let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(bytes, _mm256_set1_epi32(0x80)));
+    let value = _mm256_mul_ps(
+        _mm256_castsi256_ps(_mm256_slli_epi32::<20>(magnitude)),
+        _mm256_set1_ps(f32::from_bits((120 + 127) << 23)),
+    );
+    let nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7f)));
+    let value = _mm256_blendv_ps(value, _mm256_set1_ps(f32::NAN), nan);
+    _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign))
 }
 
 #[inline]
@@ -97,9 +114,17 @@ macro_rules! avx2_kernel {
 avx2_kernel!(avx2_f32, 4, ld8_f32);
 avx2_kernel!(avx2_f16, 2, ld8_f16);
 avx2_kernel!(avx2_bf16, 2, ld8_bf16);
+avx2_kernel!(avx2_f8, 1, ld8_f8);
 
 pub(super) static F32_KERNELS: Kernels = kernel_table!("avx2 f32", XFormat::F32, avx2_f32, rows = 4, tokens = 2);
 pub(super) static F16_KERNELS: Kernels =
     kernel_table!("avx2 f16 (vcvtph2ps)", XFormat::F32, avx2_f16, rows = 4, tokens = 2);
 pub(super) static BF16_KERNELS: Kernels =
     kernel_table!("avx2 bf16 (shift)", XFormat::F32, avx2_bf16, rows = 4, tokens = 2);
+pub(super) static F8_KERNELS: Kernels = kernel_table!(
+    "avx2 fp8 e4m3 (shift, scale)",
+    XFormat::F32,
+    avx2_f8,
+    rows = 4,
+    tokens = 2
+);

@@ -1,6 +1,6 @@
 //! The `avx512` path (avx512f/bw/vl): 16 weights per step converted to f32 in registers (F16 with `vcvtph2ps`,
-//! BF16 by zero-extend and `<< 16`), FMA with f32 activations, a masked load for the tail of a row. Its F32 and
-//! F16 kernels serve the `avx512bf16` path too.
+//! BF16 by zero-extend and `<< 16`, FP8 E4M3 as [`e4m3_to_f32`] says), FMA with f32 activations, a masked load for
+//! the tail of a row. Its F32, F16 and FP8 kernels serve the `avx512bf16` path too.
 
 use std::arch::x86_64::*;
 
@@ -23,6 +23,23 @@ avx512_loaders! {
     ld16_bf16(p, m) => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
         _mm256_maskz_loadu_epi16(m, p.cast()),
     )));
+    ld16_f8(p, m) => e4m3_to_f32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p.cast())));
+}
+
+/// 16 E4M3 bytes (one per 32-bit lane) as f32: the magnitude bits placed as an f32's (subnormal for exponent 0)
+/// times 2^120, which rebiases the exponent exactly; `S.1111.111` lanes become NaN; then the sign.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn e4m3_to_f32(bytes: __m512i) -> __m512 {
+    let magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7f));
+    let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)));
+    let value = _mm512_mul_ps(
+        _mm512_castsi512_ps(_mm512_slli_epi32::<20>(magnitude)),
+        _mm512_set1_ps(f32::from_bits((120 + 127) << 23)),
+    );
+    let nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7f));
+    let value = _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(f32::NAN));
+    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign))
 }
 
 macro_rules! avx512_kernel {
@@ -84,9 +101,17 @@ macro_rules! avx512_kernel {
 avx512_kernel!(avx512_f32, 4, ld16_f32);
 avx512_kernel!(avx512_f16, 2, ld16_f16);
 avx512_kernel!(avx512_bf16, 2, ld16_bf16);
+avx512_kernel!(avx512_f8, 1, ld16_f8);
 
 pub(super) static F32_KERNELS: Kernels = kernel_table!("avx512 f32", XFormat::F32, avx512_f32, rows = 4, tokens = 4);
 pub(super) static F16_KERNELS: Kernels =
     kernel_table!("avx512 f16 (vcvtph2ps)", XFormat::F32, avx512_f16, rows = 4, tokens = 4);
 pub(super) static BF16_KERNELS: Kernels =
     kernel_table!("avx512 bf16 (shift)", XFormat::F32, avx512_bf16, rows = 4, tokens = 4);
+pub(super) static F8_KERNELS: Kernels = kernel_table!(
+    "avx512 fp8 e4m3 (shift, scale)",
+    XFormat::F32,
+    avx512_f8,
+    rows = 4,
+    tokens = 4
+);

@@ -1,11 +1,12 @@
 //! Runs one path's block kernels over a whole matrix: checks the shapes, lays out the activations in the kernels'
 //! format, splits the rows over rayon tasks and walks each task's rows and tokens in kernel-sized blocks, token
-//! tile by token tile. Not for the arithmetic itself: that is the kernels' (one file per path).
+//! tile by token tile; for FP8 weights, block of columns by block of columns, each block's products times its
+//! scale. Not for the arithmetic itself: that is the kernels' (one file per path).
 
 use rayon::prelude::*;
 
 use super::bf16_split::prepare_bf16_split;
-use super::{available, kernels, Block, Isa, Kernels, WeightDType, XFormat, MAX_R, MAX_T};
+use super::{available, kernels, Block, BlockScales, Isa, Kernels, WeightDType, WeightEncoding, XFormat, MAX_R, MAX_T};
 
 /// Rows per rayon task are chosen so that a task reads at least this many weight bytes.
 const MIN_TASK_BYTES: usize = 64 << 10;
@@ -23,11 +24,12 @@ pub(super) fn run(
     m: usize,
     k: usize,
     w: &[u8],
-    dtype: WeightDType,
+    encoding: WeightEncoding,
     n_rows: usize,
     out: &mut [f32],
     parallel: bool,
 ) {
+    let dtype = encoding.dtype;
     let row_bytes = k
         .checked_mul(dtype.size_bytes())
         .expect("gemv: k * dtype size overflows usize");
@@ -55,6 +57,27 @@ pub(super) fn run(
         out.len()
     );
     assert!(available(isa), "gemv: {isa:?} kernels are not supported by this CPU");
+    let scales = encoding.scales.map(|s| {
+        assert!(s.block_rows > 0 && s.block_cols > 0, "gemv: empty FP8 scale blocks");
+        let grid = n_rows.div_ceil(s.block_rows) * k.div_ceil(s.block_cols);
+        assert_eq!(
+            s.bytes.len(),
+            4 * grid,
+            "gemv: {} scale bytes, expected {grid} f32",
+            s.bytes.len()
+        );
+        Scaled {
+            scales: s,
+            per_row: k.div_ceil(s.block_cols),
+            first_row: 0,
+        }
+    });
+    assert_eq!(
+        scales.is_some(),
+        dtype == WeightDType::F8E4M3,
+        "gemv: {dtype:?} weights with scales {:?}",
+        encoding.scales
+    );
     if out.is_empty() {
         return;
     }
@@ -88,7 +111,7 @@ pub(super) fn run(
         .max(min_rows);
     if threads <= 1 || rows_per_task >= n_rows {
         let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(n_rows).collect();
-        drive(kern, xb, x_stride, k, w, row_bytes, &mut outs);
+        drive(kern, xb, x_stride, k, w, row_bytes, scales, &mut outs);
         return;
     }
     // Task b computes rows [b * rows_per_task, ..) for every token: collect its slice of each token's output row.
@@ -102,14 +125,38 @@ pub(super) fn run(
     tasks
         .into_par_iter()
         .zip(w.par_chunks(rows_per_task * row_bytes))
-        .for_each(|(mut outs, w_part)| {
-            drive(kern, xb, x_stride, k, w_part, row_bytes, &mut outs);
+        .enumerate()
+        .for_each(|(task, (mut outs, w_part))| {
+            let scales = scales.map(|s| Scaled {
+                first_row: task * rows_per_task,
+                ..s
+            });
+            drive(kern, xb, x_stride, k, w_part, row_bytes, scales, &mut outs);
         });
 }
 
+/// An FP8 matrix's scales as one call of [`drive`] reads them: its rows start at weight row `first_row`.
+#[derive(Clone, Copy)]
+struct Scaled<'a> {
+    scales: BlockScales<'a>,
+    /// Column blocks per row of the scale grid.
+    per_row: usize,
+    first_row: usize,
+}
+
 /// Computes `outs[t][r]` for all tokens `t` and rows `r` of `w` (`outs[t].len()` rows, `row_bytes` each), `x`
-/// holding `outs.len()` tokens in `kern.x_format`, `x_stride` bytes apart.
-fn drive(kern: &Kernels, x: &[u8], x_stride: usize, k: usize, w: &[u8], row_bytes: usize, outs: &mut [&mut [f32]]) {
+/// holding `outs.len()` tokens in `kern.x_format`, `x_stride` bytes apart; FP8 rows times their `scales`.
+#[allow(clippy::too_many_arguments)]
+fn drive(
+    kern: &Kernels,
+    x: &[u8],
+    x_stride: usize,
+    k: usize,
+    w: &[u8],
+    row_bytes: usize,
+    scales: Option<Scaled>,
+    outs: &mut [&mut [f32]],
+) {
     let m = outs.len();
     let rows = outs.first().map_or(0, |o| o.len());
     assert!(rows * row_bytes <= w.len() && m * x_stride <= x.len() && outs.iter().all(|o| o.len() == rows));
@@ -135,10 +182,14 @@ fn drive(kern: &Kernels, x: &[u8], x_stride: usize, k: usize, w: &[u8], row_byte
             let mut t = t0;
             while t < t_end {
                 let nt = (t_end - t).min(kern.tokens);
-                // SAFETY: `kernels` only hands out tables of the path `run` checked to be available; rows
-                // r..r + nr of `row_bytes >= k * size` bytes lie in `w`, tokens t..t + nt of `x_stride` bytes
-                // (each holding k values in the kernel's format) lie in `x` (asserted above), nt <= kern.tokens.
-                unsafe { fns[nt - 1](wp, row_bytes, x[t * x_stride..].as_ptr(), x_stride, k, &mut res) };
+                let xp = x[t * x_stride..].as_ptr();
+                match scales {
+                    // SAFETY: `kernels` only hands out tables of the path `run` checked to be available; rows
+                    // r..r + nr of `row_bytes >= k * size` bytes lie in `w`, tokens t..t + nt of `x_stride` bytes
+                    // (each holding k values in the kernel's format) lie in `x` (asserted above), nt <= kern.tokens.
+                    None => unsafe { fns[nt - 1](wp, row_bytes, xp, x_stride, k, &mut res) },
+                    Some(s) => scaled_blocks(kern, fns[nt - 1], wp, row_bytes, xp, x_stride, k, s, r, nr, &mut res),
+                }
                 for (i, row) in res.iter().enumerate().take(nr) {
                     for (j, &v) in row.iter().enumerate().take(nt) {
                         outs[t + j][r + i] = v;
@@ -150,4 +201,47 @@ fn drive(kern: &Kernels, x: &[u8], x_stride: usize, k: usize, w: &[u8], row_byte
         }
         t0 = t_end;
     }
+}
+
+/// `res[i][j]` = the dot product of row `r + i` (of `nr`) and token `j` as the sum over column blocks of the
+/// kernel's product over the block times the block's scale. `kernel` reads 1-byte weights and f32 activations.
+#[allow(clippy::too_many_arguments)]
+fn scaled_blocks(
+    kern: &Kernels,
+    kernel: super::BlockFn,
+    wp: *const u8,
+    row_bytes: usize,
+    xp: *const u8,
+    x_stride: usize,
+    k: usize,
+    s: Scaled,
+    r: usize,
+    nr: usize,
+    res: &mut Block,
+) {
+    assert_eq!(kern.x_format, XFormat::F32, "FP8 kernels read f32 activations");
+    let mut sum: Block = [[0.0; MAX_T]; MAX_R];
+    let mut block = [[0.0; MAX_T]; MAX_R];
+    let bc = s.scales.block_cols;
+    for (b, c0) in (0..k).step_by(bc).enumerate() {
+        // SAFETY: as for the unscaled call: columns c0..c0 + len of the same rows (one byte each) and of the same
+        // tokens (four bytes each) lie inside what `drive` checked.
+        unsafe {
+            kernel(
+                wp.add(c0),
+                row_bytes,
+                xp.add(4 * c0),
+                x_stride,
+                bc.min(k - c0),
+                &mut block,
+            )
+        };
+        for (i, (sum_r, block_r)) in sum.iter_mut().zip(&block).enumerate().take(nr) {
+            let scale = s.scales.get(s.first_row + r + i, b, s.per_row);
+            for (o, v) in sum_r.iter_mut().zip(block_r) {
+                *o += v * scale;
+            }
+        }
+    }
+    *res = sum;
 }

@@ -12,7 +12,7 @@ use super::*;
 /// `n` the longest chain of f32 roundings an output goes through: `n·u·1.01`, where `n = ⌈k/L⌉ + log2 L (+1 for
 /// the unfused scalar products)` with `L` = 8 (scalar, AVX2) or 16 (AVX-512) lanes; for `vdpbf16ps`,
 /// `2^-16 + n·u·1.01` with `n = 4·⌈k/32⌉ + 4` (the `hi + lo` split represents x to a relative 2^-16).
-fn error_bound(isa: Isa, dtype: WeightDType, k: usize) -> f64 {
+pub(super) fn error_bound(isa: Isa, dtype: WeightDType, k: usize) -> f64 {
     let u = f64::powi(2.0, -24);
     let n = match (isa, dtype) {
         (Isa::Scalar, _) => k.div_ceil(8) + 3 + 1,
@@ -45,7 +45,7 @@ impl Rng {
     }
 }
 
-fn isas() -> Vec<Isa> {
+pub(super) fn isas() -> Vec<Isa> {
     let v: Vec<Isa> = Isa::ALL.into_iter().filter(|&i| available(i)).collect();
     eprintln!("available gemv paths: {v:?}");
     v
@@ -71,13 +71,18 @@ fn encode(vals: &[f32], dtype: WeightDType, offset: usize) -> (Vec<u8>, Vec<f64>
                 bytes.extend_from_slice(&h.to_bits().to_le_bytes());
                 dec.push(h.to_f64());
             }
+            WeightDType::F8E4M3 => {
+                let q = crate::loader::f32_to_fp8_e4m3(v);
+                bytes.push(q);
+                dec.push(crate::loader::fp8_e4m3_to_f32(q) as f64);
+            }
         }
     }
     (bytes, dec)
 }
 
 /// Exact-ish (f64) products: `(sum, sum of |terms|)` per `[m, n]` output.
-fn reference(x: &[f32], m: usize, k: usize, w: &[f64], n: usize) -> (Vec<f64>, Vec<f64>) {
+pub(super) fn reference(x: &[f32], m: usize, k: usize, w: &[f64], n: usize) -> (Vec<f64>, Vec<f64>) {
     let mut out = vec![0.0; m * n];
     let mut abs = vec![0.0; m * n];
     for t in 0..m {
@@ -95,7 +100,7 @@ fn reference(x: &[f32], m: usize, k: usize, w: &[f64], n: usize) -> (Vec<f64>, V
 #[allow(clippy::too_many_arguments)]
 fn call(isa: Isa, parallel: bool, x: &[f32], m: usize, k: usize, w: &[u8], d: WeightDType, n: usize) -> Vec<f32> {
     let mut out = vec![f32::NAN; m * n]; // poison: every value must be overwritten
-    run(isa, x, m, k, w, d, n, &mut out, parallel);
+    run(isa, x, m, k, w, d.into(), n, &mut out, parallel);
     out
 }
 
@@ -263,7 +268,7 @@ fn degenerate_shapes() {
     for isa in isas() {
         for dtype in DTYPES {
             let mut out = vec![f32::NAN; 6];
-            run(isa, &[], 2, 0, &[], dtype, 3, &mut out, true);
+            run(isa, &[], 2, 0, &[], dtype.into(), 3, &mut out, true);
             assert_eq!(out, [0.0; 6]);
             run(
                 isa,
@@ -271,12 +276,12 @@ fn degenerate_shapes() {
                 0,
                 5,
                 &[0; 60][..3 * 5 * dtype.size_bytes()],
-                dtype,
+                dtype.into(),
                 3,
                 &mut [],
                 true,
             );
-            run(isa, &[1.0; 10], 2, 5, &[], dtype, 0, &mut [], true);
+            run(isa, &[1.0; 10], 2, 5, &[], dtype.into(), 0, &mut [], true);
         }
     }
 }

@@ -1,4 +1,4 @@
-//! CPU matrix-vector kernels: `out = x · Wᵀ` for f32 activations and F32 / F16 / BF16 weights.
+//! CPU matrix-vector kernels: `out = x · Wᵀ` for f32 activations and F32 / F16 / BF16 / FP8 (E4M3) weights.
 //!
 //! Every linear layer of the CPU backend goes through [`matmul`], and the CPU lane (expert misses computed straight
 //! from host RAM, one rayon task per expert) goes through [`matmul_serial`]. With a handful of tokens a linear layer
@@ -17,6 +17,11 @@
 //! | `avx512bf16`  | the above + avx512bf16     | FMA   | `vcvtph2ps`, FMA | `vdpbf16ps` on x split in bf16 hi + lo |
 //! | `avx2`        | avx2 + fma + f16c          | FMA   | `vcvtph2ps`, FMA | zero-extend, `<< 16`, FMA              |
 //! | `scalar`      | nothing (any architecture) | 8 partial sums per dot product, f32                       |
+//!
+//! FP8 weights come with per-block scales ([`BlockScales`]): every path converts E4M3 bytes to f32 in registers
+//! (`scalar` by the exact conversion; AVX2 and AVX-512 zero-extend, place the magnitude bits as an f32's and
+//! multiply by 2^120, NaN bytes blended in), and the driver runs the kernel once per block of columns and adds
+//! each block's dot product times its scale (f32 accumulation throughout; per channel, one block per row).
 //!
 //! The automatic choice is the first available of `avx512`, `avx2`, `scalar`: the `vdpbf16ps` kernel is built and
 //! tested but slower and less exact on the CPU measured (see [`AUTO_USES_DPBF16`]). The environment variable
@@ -83,6 +88,8 @@ mod avx512bf16;
 mod bf16_split;
 mod driver;
 #[cfg(test)]
+mod fp8_tests;
+#[cfg(test)]
 mod kernel_tests;
 #[cfg(target_arch = "x86_64")]
 mod prefetch;
@@ -94,6 +101,8 @@ pub enum WeightDType {
     F32,
     F16,
     BF16,
+    /// E4M3, always with [`BlockScales`].
+    F8E4M3,
 }
 
 impl WeightDType {
@@ -102,37 +111,79 @@ impl WeightDType {
         match self {
             WeightDType::F32 => 4,
             WeightDType::F16 | WeightDType::BF16 => 2,
+            WeightDType::F8E4M3 => 1,
         }
+    }
+}
+
+/// The scales of an FP8 matrix `[n_rows, k]`: weight `(r, c)` is its E4M3 value times scale
+/// `(r / block_rows, c / block_cols)` of a row-major `[n_rows.div_ceil(block_rows), k.div_ceil(block_cols)]` grid
+/// of little-endian f32 (`bytes`, unaligned allowed).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockScales<'a> {
+    pub bytes: &'a [u8],
+    pub block_rows: usize,
+    pub block_cols: usize,
+}
+
+impl BlockScales<'_> {
+    /// The scale of weight row `row`'s column block `block`, in a grid `per_row` blocks wide.
+    fn get(&self, row: usize, block: usize, per_row: usize) -> f32 {
+        let at = 4 * ((row / self.block_rows) * per_row + block);
+        f32::from_le_bytes(self.bytes[at..at + 4].try_into().expect("four bytes"))
+    }
+}
+
+/// How a weight matrix is stored: its element dtype and, for FP8, its scales. A plain [`WeightDType`] converts
+/// into an unscaled encoding.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightEncoding<'a> {
+    pub dtype: WeightDType,
+    pub scales: Option<BlockScales<'a>>,
+}
+
+impl From<WeightDType> for WeightEncoding<'_> {
+    fn from(dtype: WeightDType) -> Self {
+        WeightEncoding { dtype, scales: None }
     }
 }
 
 /// `out[m*n_rows + r] = sum_k x[m*k + kk] * W[r, kk]` for every token `m` in `0..m_tokens`, `r` in `0..n_rows`.
 ///
-/// `w` is the raw little-endian bytes of a row-major `[n_rows, k]` matrix in `dtype`; it may point into a
-/// memory-mapped file and need not be aligned. `x` is f32 `[m_tokens, k]`; `out` is f32 `[m_tokens, n_rows]` and
+/// `w` is the raw little-endian bytes of a row-major `[n_rows, k]` matrix in `encoding` (a [`WeightDType`], or an
+/// FP8 one with its [`BlockScales`]); it may point into a memory-mapped file and need not be aligned. `x` is f32 `[m_tokens, k]`; `out` is f32 `[m_tokens, n_rows]` and
 /// is overwritten. Multithreaded with rayon over blocks of rows (run serially when the matrix is small); each weight
 /// row is read from memory once for all tokens.
 ///
 /// # Panics
 /// If `x.len() != m_tokens * k`, `w.len() != n_rows * k * dtype.size_bytes()` or `out.len() != m_tokens * n_rows`
-/// (callers validate shapes, so these are programmer errors), and if `FERRY_GEMV_ISA` is invalid (callers check
-/// it first with [`check_isa_env`]). `k == 0` is allowed and gives zeros.
-pub fn matmul(x: &[f32], m_tokens: usize, k: usize, w: &[u8], dtype: WeightDType, n_rows: usize, out: &mut [f32]) {
-    driver::run(selected_isa(), x, m_tokens, k, w, dtype, n_rows, out, true);
-}
-
-/// Same as [`matmul`], on the calling thread only: for callers already inside a rayon task (e.g. one task per
-/// expert). Same panics.
-pub fn matmul_serial(
+/// (callers validate shapes, so these are programmer errors), if FP8 weights come without scales (or other weights
+/// with them) or with too few, and if `FERRY_GEMV_ISA` is invalid (callers check it first with
+/// [`check_isa_env`]). `k == 0` is allowed and gives zeros.
+pub fn matmul<'a>(
     x: &[f32],
     m_tokens: usize,
     k: usize,
     w: &[u8],
-    dtype: WeightDType,
+    encoding: impl Into<WeightEncoding<'a>>,
     n_rows: usize,
     out: &mut [f32],
 ) {
-    driver::run(selected_isa(), x, m_tokens, k, w, dtype, n_rows, out, false);
+    driver::run(selected_isa(), x, m_tokens, k, w, encoding.into(), n_rows, out, true);
+}
+
+/// Same as [`matmul`], on the calling thread only: for callers already inside a rayon task (e.g. one task per
+/// expert). Same panics.
+pub fn matmul_serial<'a>(
+    x: &[f32],
+    m_tokens: usize,
+    k: usize,
+    w: &[u8],
+    encoding: impl Into<WeightEncoding<'a>>,
+    n_rows: usize,
+    out: &mut [f32],
+) {
+    driver::run(selected_isa(), x, m_tokens, k, w, encoding.into(), n_rows, out, false);
 }
 
 /// Name of the kernel [`matmul`] uses for `dtype` on this machine, e.g. `"avx512 bf16 (shift)"`. Panics as
@@ -327,6 +378,8 @@ fn kernels(isa: Isa, dtype: WeightDType) -> &'static Kernels {
             (Isa::Avx2, F32) => return &avx2::F32_KERNELS,
             (Isa::Avx2, F16) => return &avx2::F16_KERNELS,
             (Isa::Avx2, BF16) => return &avx2::BF16_KERNELS,
+            (Isa::Avx2, F8E4M3) => return &avx2::F8_KERNELS,
+            (Isa::Avx512 | Isa::Avx512Bf16, F8E4M3) => return &avx512::F8_KERNELS,
             (Isa::Avx512 | Isa::Avx512Bf16, F32) => return &avx512::F32_KERNELS,
             (Isa::Avx512 | Isa::Avx512Bf16, F16) => return &avx512::F16_KERNELS,
             (Isa::Avx512, BF16) => return &avx512::BF16_KERNELS,
@@ -338,6 +391,7 @@ fn kernels(isa: Isa, dtype: WeightDType) -> &'static Kernels {
         F32 => &scalar::F32_KERNELS,
         F16 => &scalar::F16_KERNELS,
         BF16 => &scalar::BF16_KERNELS,
+        F8E4M3 => &scalar::F8_KERNELS,
     }
 }
 

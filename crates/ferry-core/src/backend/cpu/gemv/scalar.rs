@@ -7,6 +7,7 @@ use super::{Block, Kernels, XFormat};
 const F32: u8 = 0;
 const F16: u8 = 1;
 const BF16: u8 = 2;
+const F8: u8 = 3;
 const LANES: usize = 8;
 
 /// Element `i` of the row at `p`, as f32.
@@ -18,7 +19,8 @@ unsafe fn load<const D: u8>(p: *const u8, i: usize) -> f32 {
     match D {
         F32 => f32::from_le_bytes(p.add(4 * i).cast::<[u8; 4]>().read()),
         F16 => half::f16::from_bits(u16::from_le_bytes(p.add(2 * i).cast::<[u8; 2]>().read())).to_f32(),
-        _ => f32::from_bits(u32::from(u16::from_le_bytes(p.add(2 * i).cast::<[u8; 2]>().read())) << 16),
+        BF16 => f32::from_bits(u32::from(u16::from_le_bytes(p.add(2 * i).cast::<[u8; 2]>().read())) << 16),
+        _ => crate::loader::fp8_e4m3_to_f32(p.add(i).read()),
     }
 }
 
@@ -69,3 +71,5 @@ unsafe fn block<const D: u8, const R: usize, const T: usize>(
 pub(super) static F32_KERNELS: Kernels = kernel_table!("scalar f32", XFormat::F32, block<F32>, rows = 1, tokens = 4);
 pub(super) static F16_KERNELS: Kernels = kernel_table!("scalar f16", XFormat::F32, block<F16>, rows = 1, tokens = 4);
 pub(super) static BF16_KERNELS: Kernels = kernel_table!("scalar bf16", XFormat::F32, block<BF16>, rows = 1, tokens = 4);
+pub(super) static F8_KERNELS: Kernels =
+    kernel_table!("scalar fp8 e4m3 (scale)", XFormat::F32, block<F8>, rows = 1, tokens = 4);

@@ -1,0 +1,169 @@
+//! How a routed expert's block is laid out in device memory and in the host bank, which moe.cu reads: bf16 gate,
+//! up and down back to back, or FP8 (E4M3) gate, up and down followed, from the next 16-byte boundary, by their
+//! f32 scales. One contiguous block per expert in either format, so an offloaded miss stays one copy and the cache
+//! counts the block's real bytes. Also the launches of the FP8 expert kernels (moe.rs picks them by format).
+
+use super::launch::{grid_1d, kernel, Ptr, BLOCK_THREADS};
+use super::memory::bf16_bytes;
+use super::{Bf16Matrix, CudaBackend};
+use crate::backend::ExpertTensors;
+use crate::loader::{DType, TensorRef};
+use crate::{Error, Result};
+
+/// Zero bytes that pad an FP8 block's weights to the 16-byte boundary where its scales start.
+const PAD: [u8; 16] = [0; 16];
+
+/// The blocks an FP8 expert's scales cover, `[rows, cols]` per scale: gate's and up's (equal), and down's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Blocks {
+    pub gate_up: [usize; 2],
+    pub down: [usize; 2],
+}
+
+/// How one layer's expert blocks are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertFormat {
+    Bf16,
+    Fp8(Fp8Blocks),
+}
+
+/// The scale blocks of an FP8 matrix, or an error naming it.
+fn scale_block(t: &TensorRef) -> Result<[usize; 2]> {
+    t.scales()
+        .map(|s| s.block)
+        .ok_or_else(|| Error::tensor(&t.name, "an FP8 expert matrix without scales"))
+}
+
+/// Scales of a `[rows, cols]` matrix in `block`-sized blocks.
+fn grid(rows: usize, cols: usize, block: [usize; 2]) -> usize {
+    rows.div_ceil(block[0]) * cols.div_ceil(block[1])
+}
+
+impl ExpertFormat {
+    /// The format of a layer's experts: every matrix bf16, or every one FP8 with gate and up in the same blocks
+    /// and every expert alike.
+    pub(super) fn of(experts: &[ExpertTensors]) -> Result<Self> {
+        let format = |e: &ExpertTensors| -> Result<ExpertFormat> {
+            if e.gate.dtype != DType::F8E4M3 {
+                return Ok(ExpertFormat::Bf16);
+            }
+            let blocks = Fp8Blocks {
+                gate_up: scale_block(&e.gate)?,
+                down: scale_block(&e.down)?,
+            };
+            if scale_block(&e.up)? != blocks.gate_up {
+                return Err(Error::tensor(
+                    &e.up.name,
+                    "FP8 scale blocks unlike its gate projection's",
+                ));
+            }
+            Ok(ExpertFormat::Fp8(blocks))
+        };
+        let first = experts
+            .first()
+            .ok_or_else(|| Error::Cuda("a MoE layer without experts".into()))?;
+        let layer = format(first)?;
+        for e in experts {
+            if format(e)? != layer {
+                return Err(Error::tensor(
+                    &e.gate.name,
+                    format!("stored unlike the layer's first expert ({layer:?})"),
+                ));
+            }
+        }
+        Ok(layer)
+    }
+
+    /// Where an FP8 block's scales start: after the three matrices' bytes, at a multiple of 16.
+    fn scales_at(inter: usize, hidden: usize) -> usize {
+        (3 * inter * hidden).next_multiple_of(16)
+    }
+
+    /// Bytes of one expert's block.
+    pub(super) fn block_bytes(self, inter: usize, hidden: usize) -> usize {
+        match self {
+            ExpertFormat::Bf16 => 3 * inter * hidden * 2,
+            ExpertFormat::Fp8(b) => {
+                Self::scales_at(inter, hidden) + 4 * (2 * grid(inter, hidden, b.gate_up) + grid(hidden, inter, b.down))
+            }
+        }
+    }
+
+    /// An expert's block as the byte runs that make it, in order (matrices, then padding and scales for FP8):
+    /// copied back to back they are [`ExpertFormat::block_bytes`] bytes.
+    pub(super) fn block_parts(self, e: &ExpertTensors) -> Result<Vec<&[u8]>> {
+        let matrices = [&e.gate, &e.up, &e.down];
+        match self {
+            ExpertFormat::Bf16 => matrices.into_iter().map(bf16_bytes).collect(),
+            ExpertFormat::Fp8(_) => {
+                let (inter, hidden) = (e.gate.shape[0], e.gate.shape[1]);
+                let mut parts: Vec<&[u8]> = matrices.iter().map(|t| t.bytes()).collect();
+                parts.push(&PAD[..Self::scales_at(inter, hidden) - 3 * inter * hidden]);
+                for t in matrices {
+                    let scales = t
+                        .scales()
+                        .ok_or_else(|| Error::tensor(&t.name, "an FP8 expert matrix without scales"))?;
+                    parts.push(scales.values.bytes());
+                }
+                Ok(parts)
+            }
+        }
+    }
+
+    /// The FP8 kernels' block arguments: gate/up rows and columns per scale, then down's.
+    pub(super) fn fp8_block_args(blocks: Fp8Blocks) -> [i32; 4] {
+        [blocks.gate_up[0], blocks.gate_up[1], blocks.down[0], blocks.down[1]].map(|v| v as i32)
+    }
+}
+
+kernel! {
+    /// moe.cu's `dequantize_fp8_expert`: matrices `first..first + count` of an FP8 expert block as bf16, back to
+    /// back.
+    struct DequantizeFp8Expert = "dequantize_fp8_expert" {
+        block: Ptr<u8>,
+        hidden: i32,
+        inter: i32,
+        gate_up_block_rows: i32,
+        gate_up_block_cols: i32,
+        down_block_rows: i32,
+        down_block_cols: i32,
+        first: i32,
+        count: i32,
+        hi: Ptr<u16>,
+        lo: Ptr<u16>,
+    }
+}
+
+/// Gate and up (`down == false`, one `[2 * inter, hidden]` matrix) or down (`[hidden, inter]`) of the FP8 expert
+/// block at `block`, dequantized into bf16 halves `hi + lo` in `scratch` (at least `4 * inter * hidden` values):
+/// the grouped prefill path's cuBLAS products read FP8 experts this way (no FP8 tensor cores yet), one product per
+/// half.
+pub(super) fn dequantized(
+    cuda: &CudaBackend,
+    block: u64,
+    blocks: Fp8Blocks,
+    inter: usize,
+    hidden: usize,
+    down: bool,
+    scratch: Ptr<u16>,
+) -> Result<[Bf16Matrix; 2]> {
+    let [gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols] =
+        ExpertFormat::fp8_block_args(blocks);
+    let (first, count) = if down { (2, 1) } else { (0, 2) };
+    let launch = DequantizeFp8Expert {
+        block: Ptr::at(block),
+        hidden: hidden as i32,
+        inter: inter as i32,
+        gate_up_block_rows,
+        gate_up_block_cols,
+        down_block_rows,
+        down_block_cols,
+        first,
+        count,
+        hi: scratch,
+        lo: scratch.offset(2 * inter * hidden),
+    };
+    launch.launch(cuda, grid_1d(count as usize * inter * hidden, BLOCK_THREADS))?;
+    let (rows, cols) = if down { (hidden, inter) } else { (2 * inter, hidden) };
+    Ok([scratch, scratch.offset(2 * inter * hidden)].map(|data| Bf16Matrix { data, rows, cols }))
+}
