@@ -50,15 +50,7 @@ const KERNELS: &[(&str, &[&str])] = &[
     ),
     ("attention", &["attention", "attention_combine"]),
     ("qkv", &["qkv_rope_kv_append"]),
-    (
-        "mla",
-        &[
-            "mla_latent_append",
-            "mla_absorb_query",
-            "mla_attend",
-            "mla_expand_output",
-        ],
-    ),
+    ("mla", &["mla_latent_append", "mla_attend"]),
     (
         "moe",
         &[
