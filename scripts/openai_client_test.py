@@ -5,7 +5,8 @@ Checks what a user of the SDK relies on: plain and streamed results are equal at
 requests each get what they get alone, a client that hangs up mid-stream frees its KV (seen on /metrics), stop
 strings and seeds work, and every error case comes back as the SDK's typed error with the right status.
 Tool calls: the scripted checkpoints (scripts/make_tool_call_fixtures.py) write a Hermes call (Qwen3-style) and two
-XML calls (Qwen3.5-style) whatever the prompt; the SDK must get them as `tool_calls`, plain and streamed.
+XML calls (Qwen3.5-style) whatever the prompt; the SDK must get them as `tool_calls`, plain and streamed, and
+`tool_choice` "required" or a named function must force calls (the XML script's own, which it writes unforced).
 Run by scripts/test.sh after the Rust tests: python scripts/openai_client_test.py path/to/ferry
 """
 
@@ -308,7 +309,22 @@ def plain_tool_calls(message):
     return [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments):
+def check_forced_tool_calls(client, kwargs, unforced_calls, same_as_unforced):
+    """`tool_choice` "required" and a named function give calls of the weather tool, plain and streamed alike, with
+    no content; `same_as_unforced`: the calls the model makes unforced (a script the grammar allows as it is)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        forced = client.chat.completions.create(tool_choice=choice, **kwargs).choices[0]
+        assert forced.finish_reason == "tool_calls" and forced.message.content is None, forced
+        calls = plain_tool_calls(forced.message)
+        assert calls and all(name == "get_weather" and isinstance(json.loads(a)["city"], str) for _, name, a in calls), calls
+        if same_as_unforced:
+            assert [c[1:] for c in calls] == [c[1:] for c in unforced_calls], (calls, unforced_calls)
+        content, _, finish, streamed = streamed_tool_calls(client, tool_choice=choice, **kwargs)
+        assert (content, finish) == ("", "tool_calls") and [c[1:] for c in streamed] == [c[1:] for c in calls]
+
+
+def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments, forced_as_unforced):
     """Plain and streamed requests against a scripted checkpoint get the same calls, content and reasoning."""
     server = Server(ferry, fixture=fixture)
     try:
@@ -346,20 +362,23 @@ def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments):
         none = server.client.chat.completions.create(tool_choice="none", **kwargs).choices[0]
         assert none.message.tool_calls is None and none.finish_reason == "stop", none
         assert "<tool_call>" in none.message.content
-        expect_error(400, lambda: server.client.chat.completions.create(tool_choice="required", **kwargs), param="tool_choice")
+        check_forced_tool_calls(server.client, kwargs, calls, forced_as_unforced)
         return server.client.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0].message
     finally:
         server.stop()
 
 
 def test_hermes_tool_calls_plain_and_streamed(ferry):
-    check_tool_calls(HERMES_FIXTURE, ferry, "Let me check.", "\nThe user wants the weather.\n", [{"city": "Paris", "days": 3}])
+    # Forced, the script's "Let me check." before its call is not allowed: the model writes some other call.
+    check_tool_calls(
+        HERMES_FIXTURE, ferry, "Let me check.", "\nThe user wants the weather.\n", [{"city": "Paris", "days": 3}], False
+    )
 
 
 def test_xml_tool_calls_plain_and_streamed(ferry):
     # "3" in the XML is the integer 3: the tool's schema says `days` is an integer.
     one_call = check_tool_calls(
-        XML_FIXTURE, ferry, None, "Two cities, two calls.\n", [{"city": "Paris", "days": 3}, {"city": "Oslo"}]
+        XML_FIXTURE, ferry, None, "Two cities, two calls.\n", [{"city": "Paris", "days": 3}, {"city": "Oslo"}], True
     )
     assert len(one_call.tool_calls) == 1, "parallel_tool_calls=False keeps the first call"
 

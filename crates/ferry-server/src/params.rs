@@ -220,6 +220,7 @@ impl ChatBody {
             messages: messages(body)?,
             template_kwargs: template_kwargs(body)?,
             thinking: None,
+            thinking_budget: None,
             tools: ToolRequest::parse(body)?,
             params: GenerationParams {
                 logprobs: sampling::chat_logprobs(body)?,

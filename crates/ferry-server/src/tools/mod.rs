@@ -9,6 +9,7 @@
 //! Not here: reasoning (`<think>`), which reasoning.rs splits off before this parser sees the text, so a call
 //! written inside the reasoning stays reasoning.
 
+pub mod forced;
 mod hermes;
 mod qwen_xml;
 pub mod request;
