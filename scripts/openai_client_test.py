@@ -309,19 +309,44 @@ def plain_tool_calls(message):
     return [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-def check_forced_tool_calls(client, kwargs, unforced_calls, same_as_unforced):
-    """`tool_choice` "required" and a named function give calls of the weather tool, plain and streamed alike, with
-    no content; `same_as_unforced`: the calls the model makes unforced (a script the grammar allows as it is)."""
+# The weather tool with its city listed: forced greedy output cannot run on in a free string.
+FORCED_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        **WEATHER_TOOL["function"],
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def check_forced_tool_calls(client, reasoning, unforced_calls, same_as_unforced):
+    """`tool_choice` "required" and a named function give one call of the weather tool (parallel calls off), plain
+    and streamed alike, after the model's thinking and with no content; `same_as_unforced`: the call is the model's
+    first unforced one (a script the grammar allows as it is)."""
+    kwargs = dict(
+        model=MODEL, messages=WEATHER_QUESTION, tools=[FORCED_WEATHER_TOOL], temperature=0, parallel_tool_calls=False
+    )
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in ("required", named):
         forced = client.chat.completions.create(tool_choice=choice, **kwargs).choices[0]
         assert forced.finish_reason == "tool_calls" and forced.message.content is None, forced
+        assert (forced.message.model_extra or {}).get("reasoning_content") == reasoning, forced.message
         calls = plain_tool_calls(forced.message)
-        assert calls and all(name == "get_weather" and isinstance(json.loads(a)["city"], str) for _, name, a in calls), calls
+        assert len(calls) == 1 and calls[0][1] == "get_weather", calls
+        assert json.loads(calls[0][2])["city"] in ("Paris", "Oslo"), calls
         if same_as_unforced:
-            assert [c[1:] for c in calls] == [c[1:] for c in unforced_calls], (calls, unforced_calls)
-        content, _, finish, streamed = streamed_tool_calls(client, tool_choice=choice, **kwargs)
-        assert (content, finish) == ("", "tool_calls") and [c[1:] for c in streamed] == [c[1:] for c in calls]
+            assert calls[0][1:] == unforced_calls[0][1:], (calls, unforced_calls)
+        content, streamed_reasoning, finish, streamed = streamed_tool_calls(client, tool_choice=choice, **kwargs)
+        assert (content, streamed_reasoning, finish) == ("", reasoning, "tool_calls")
+        assert [c[1:] for c in streamed] == [c[1:] for c in calls], (streamed, calls)
 
 
 def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments, forced_as_unforced):
@@ -362,14 +387,14 @@ def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments, for
         none = server.client.chat.completions.create(tool_choice="none", **kwargs).choices[0]
         assert none.message.tool_calls is None and none.finish_reason == "stop", none
         assert "<tool_call>" in none.message.content
-        check_forced_tool_calls(server.client, kwargs, calls, forced_as_unforced)
+        check_forced_tool_calls(server.client, reasoning, calls, forced_as_unforced)
         return server.client.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0].message
     finally:
         server.stop()
 
 
 def test_hermes_tool_calls_plain_and_streamed(ferry):
-    # Forced, the script's "Let me check." before its call is not allowed: the model writes some other call.
+    # Forced, the script's "Let me check." before its call is not allowed: the model writes another call.
     check_tool_calls(
         HERMES_FIXTURE, ferry, "Let me check.", "\nThe user wants the weather.\n", [{"city": "Paris", "days": 3}], False
     )

@@ -160,6 +160,11 @@ impl ChatRequest {
             }),
             _ => None,
         };
+        // Under a grammar, thinking can only come first: a `<think>` inside a forced call is the call's text.
+        let reasoning = match tool_grammar {
+            Some(_) => reasoning.map(|parser| parser.leading_only(thinking == Thinking::Optional)),
+            None => reasoning,
+        };
         Ok(PreparedPrompt {
             ids,
             parser: PieceParser::new(reasoning, self.tools.parser(model.tool_call_format)),
