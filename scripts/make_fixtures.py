@@ -29,6 +29,9 @@ Fixtures:
                      fused expert tensors
     qwen3_5_moe_text Qwen3_5MoeForCausalLM: the same text model on its own, tied embeddings
     qwen3_next       Qwen3NextForCausalLM: in_proj_qkvz / in_proj_ba layout, a dense layer, hub-style config
+    glm4_moe         Glm4MoeForCausalLM: partial rotary, q/k norm, q/k/v bias, the grouped sigmoid router with a
+                     non-zero (float32) correction bias in two groups, a plain-added shared expert, a dense first
+                     layer, and a multi-token-prediction layer's tensors after the decoder's (which transformers skips)
 
 Needs torch, transformers (5.x), tokenizers and safetensors. Usage:
 
@@ -72,6 +75,7 @@ EMBED_STD = 0.4  # embed_tokens and lm_head: final logits get std ~ 0.4 * sqrt(6
 ROUTER_STD = 0.5  # router logits get std ~ 0.5 * sqrt(64) = 4
 NORM_JITTER = 0.1  # RMSNorm weights are 1 + 0.1 * randn
 BIAS_STD = 0.1
+CORRECTION_BIAS_STD = 0.1  # the sigmoid router's e_score_correction_bias, stored in float32 as published
 # Gated DeltaNet: conv taps large enough that the conv keeps the projections' scale; decay rates
 # A = exp(A_log) around 1 and dt = softplus(a + dt_bias) around 0.15 give a per-token state decay of
 # about 0.85, so the recurrent state carries a dozen tokens (and across prefill chunks).
@@ -360,6 +364,7 @@ class Fixture:
     moe_prefix: str = "mlp"  # hub module name of the sparse block ("block_sparse_moe" for Mixtral)
     hub_config: bool = True  # rewrite config.json to the transformers 4.x hub conventions
     mtp_head: bool = False  # add mtp.* tensors as published checkpoints carry them (transformers skips them)
+    mtp_layer: bool = False  # add model.layers.{num_hidden_layers}.* tensors, GLM-4.5's and DeepSeek-V3's MTP layer
 
 
 FIXTURES = [
@@ -536,6 +541,37 @@ FIXTURES = [
         num_shards=3,
         expert_names="per_expert",
     ),
+    Fixture(
+        name="glm4_moe",
+        config_class="Glm4MoeConfig",
+        architecture="Glm4MoeForCausalLM",
+        config=dict(
+            COMMON,
+            head_dim=16,
+            num_hidden_layers=3,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            num_nextn_predict_layers=1,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+        ),
+        tokenizer=QWEN_TOKENIZER,
+        seed=9000,
+        num_shards=2,
+        expert_names="per_expert",
+        mtp_layer=True,
+    ),
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -663,8 +699,9 @@ def hub_style_config(config_dict: dict, model_type: str) -> dict:
     d["torch_dtype"] = d.pop("dtype")
     if model_type == "qwen3_moe":
         d["num_experts"] = d.pop("num_local_experts")
-    if model_type == "qwen3_next":  # as Qwen3-Next-80B-A3B's config: layer pattern by interval
+    if model_type in ("qwen3_next", "glm4_moe"):  # as their published configs: the factor at the top level
         d["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if model_type == "qwen3_next":  # as Qwen3-Next-80B-A3B's config: layer pattern by interval
         interval = 4
         assert d.pop("layer_types") == [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(d["num_hidden_layers"])
@@ -727,6 +764,9 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             else:
                 value = LINEAR_STD * noise
             param.copy_(value.to(torch.bfloat16).to(torch.float32))
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # zeros in transformers' init; trained routers' are not
+                buffer.copy_(CORRECTION_BIAS_STD * torch.randn(buffer.shape, generator=gen))
 
 
 def hub_state_dict(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tensor]:
@@ -741,7 +781,9 @@ def hub_state_dict(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tenso
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
-        tensor = tensor.detach().to(torch.bfloat16)
+        # The router's correction bias stays float32, as transformers keeps it and the published checkpoints store it.
+        dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+        tensor = tensor.detach().to(dtype)
         if fx.moe_prefix != "mlp":
             name = name.replace(".mlp.", f".{fx.moe_prefix}.")
         if fx.expert_names == "fused" or ".experts." not in name:
@@ -765,6 +807,8 @@ def hub_state_dict(model: torch.nn.Module, fx: Fixture) -> dict[str, torch.Tenso
                 out[f"{prefix}.{e}.{names[role]}.weight"] = stacked[e].clone().contiguous()
     if fx.mtp_head:
         out.update(mtp_tensors(model.config.get_text_config()))
+    if fx.mtp_layer:
+        out.update(mtp_layer_tensors(model.config))
     return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))
 
 
@@ -782,6 +826,23 @@ def mtp_tensors(text) -> dict[str, torch.Tensor]:
         "mtp.pre_fc_norm_hidden.weight": (h,),
         "mtp.norm.weight": (h,),
         "mtp.layers.0.input_layernorm.weight": (h,),
+    }
+    return {name: (LINEAR_STD * torch.randn(shape, generator=gen)).to(torch.bfloat16) for name, shape in shapes.items()}
+
+
+def mtp_layer_tensors(config) -> dict[str, torch.Tensor]:
+    """A few tensors of the multi-token-prediction layer GLM-4.5 (and DeepSeek-V3) store after the decoder's
+    layers, as `model.layers.{num_hidden_layers}.*`; transformers does not load them, and text serving must not."""
+    gen = torch.Generator().manual_seed(0)
+    h, n = config.hidden_size, config.num_local_experts
+    layer = f"model.layers.{config.num_hidden_layers}"
+    shapes = {
+        f"{layer}.eh_proj.weight": (h, 2 * h),
+        f"{layer}.enorm.weight": (h,),
+        f"{layer}.hnorm.weight": (h,),
+        f"{layer}.shared_head.norm.weight": (h,),
+        f"{layer}.input_layernorm.weight": (h,),
+        f"{layer}.mlp.gate.weight": (n, h),
     }
     return {name: (LINEAR_STD * torch.randn(shape, generator=gen)).to(torch.bfloat16) for name, shape in shapes.items()}
 
@@ -850,13 +911,28 @@ class RouterGapMonitor:
         self.handles = [
             m.register_forward_hook(self._hook)
             for m in model.modules()
-            if type(m).__name__.endswith("TopKRouter")
+            if type(m).__name__.lower().endswith("topkrouter")
         ]
 
     def _hook(self, module, args, output):
         logits = output[0].detach().float()
+        if hasattr(module, "e_score_correction_bias"):
+            logits = self._grouped_choice(module, logits)
         top = logits.topk(module.top_k + 1, dim=-1).values
         self.gaps.append(top[:, -2] - top[:, -1])
+
+    def _grouped_choice(self, module, logits: torch.Tensor) -> torch.Tensor:
+        """The sigmoid router's choice scores (biased, the groups left out at -inf); records the gap between the
+        last kept group and the first left out."""
+        scores = logits.sigmoid() + module.e_score_correction_bias
+        grouped = scores.view(scores.shape[0], module.num_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        if module.topk_group < module.num_group:
+            top = group_scores.topk(module.topk_group + 1, dim=-1)
+            self.gaps.append(top.values[:, -2] - top.values[:, -1])
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(module.topk_group, dim=-1).indices, True)
+        return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(scores)
 
     def stats(self) -> tuple[float, int, int]:
         gaps = torch.cat(self.gaps)

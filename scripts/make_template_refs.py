@@ -4,14 +4,19 @@ expected strings to tests/fixtures/chat_templates/<family>.json, so that ferry's
 against them in CI (crates/ferry-core/tests/chat_templates.rs), where transformers does not run.
 
 Tool conversations (tool definitions passed as `tools=`, assistant tool calls with their arguments as objects, as
-ferry passes them after parsing OpenAI's JSON strings, and `tool` results) are rendered for the Qwen families,
-whose templates render tools: Qwen3's in the Hermes JSON format, Qwen3.5's in the XML one.
+ferry passes them after parsing OpenAI's JSON strings, and `tool` results) are rendered for the families whose
+templates render tools: Qwen3's in the Hermes JSON format, Qwen3.5's in the XML one, GLM-4.5's keys and values,
+gpt-oss's Harmony; DeepSeek-V3.1's template renders calls in the history only (it concatenates the arguments as a
+string, so with objects transformers refuses those conversations, and ferry must too).
 
-Templates: Qwen3, Mixtral-Instruct and OLMoE are the fixtures' tokenizer_config.json ones; Qwen3.5's (as shipped
-with Qwen3.6) is tests/fixtures/chat_templates/qwen3_5.jinja. Each is rendered with the qwen3_moe fixture's
-tokenizer or its own fixture's, whose bos/eos tokens the templates read.
+Templates: Qwen3, Mixtral-Instruct and OLMoE are the fixtures' tokenizer_config.json ones; the others are files in
+tests/fixtures/chat_templates: Qwen3.5's (as shipped with Qwen3.6), gpt-oss's (openai/gpt-oss-120b, as llama.cpp's
+models/templates keeps it), GLM-4.5's (zai-org/GLM-4.5) and DeepSeek-V3.1's (deepseek-ai/DeepSeek-V3.1). Each is
+rendered with the qwen3_moe fixture's tokenizer or its own fixture's, whose bos/eos tokens the templates read.
+gpt-oss's template writes the current date (`strftime_now`): the test compares with the date masked.
 
-Usage: python3 scripts/make_template_refs.py [REPO_ROOT] [OUT_DIR]   (needs transformers; run once, commit output)
+Usage: python3 scripts/make_template_refs.py [REPO_ROOT] [OUT_DIR] [--only FAMILY]   (needs transformers; run once,
+commit output; --only remakes one family's file and leaves the others' bytes as they are)
 """
 
 import json
@@ -20,8 +25,10 @@ import sys
 
 from transformers import AutoTokenizer
 
-ROOT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
-OUT = sys.argv[2] if len(sys.argv) > 2 else os.path.join(ROOT, "tests/fixtures/chat_templates")
+ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+ARGS = [a for i, a in enumerate(sys.argv) if a != "--only" and (i == 0 or sys.argv[i - 1] != "--only")]
+ROOT = ARGS[1] if len(ARGS) > 1 else os.path.join(os.path.dirname(__file__), "..")
+OUT = ARGS[2] if len(ARGS) > 2 else os.path.join(ROOT, "tests/fixtures/chat_templates")
 
 SYSTEM = {"role": "system", "content": "You are terse.\nAnswer in one line."}
 USER1 = {"role": "user", "content": "What is 2+2? Say \"four\" — or 4 (ünïcödé, 世界)."}
@@ -97,17 +104,36 @@ TOOL_CONVERSATIONS = {
     "thinking_call_nested_arguments": [USER_WEATHER, ASSISTANT_THINKING_CALL, RESULT_SEARCH],
 }
 
+# gpt-oss's template renders an assistant's earlier reasoning from `thinking`: before a call that no later answer
+# follows, and in a last assistant turn rendered without the generation prompt.
+ASSISTANT_THOUGHT_CALL = {"role": "assistant", "content": "", "thinking": "Paris first.", "tool_calls": [CALL_PARIS]}
+ASSISTANT_THOUGHT_ANSWER = {"role": "assistant", "content": "4", "thinking": "2+2 is 4."}
+HARMONY_CONVERSATIONS = {
+    "thought_then_call_then_result": ([SYSTEM, USER_WEATHER, ASSISTANT_THOUGHT_CALL, RESULT_PARIS], TOOLS),
+    "thought_call_answered_later": ([USER_WEATHER, ASSISTANT_THOUGHT_CALL, RESULT_PARIS, ASSISTANT_AFTER_TOOLS,
+                                     USER2], TOOLS),
+    "thought_in_last_answer": ([USER1, ASSISTANT_THOUGHT_ANSWER], None),
+    "thought_in_earlier_answer": ([USER1, ASSISTANT_THOUGHT_ANSWER, USER2], None),
+}
+
 # (name, fixture whose tokenizer renders it, template file or None for the fixture's own, kwargs variants,
-#  whether the template renders tools)
+#  whether the template renders tools, conversations of its own: {name: (messages, tools)})
 FAMILIES = [
-    ("qwen3", "qwen3_moe", None, [{}, {"enable_thinking": False}], True),
-    ("qwen3_5", "qwen3_moe", "tests/fixtures/chat_templates/qwen3_5.jinja", [{}, {"enable_thinking": False}], True),
-    ("mixtral", "mixtral", None, [{}], False),
-    ("olmoe", "olmoe", None, [{}], False),
+    ("qwen3", "qwen3_moe", None, [{}, {"enable_thinking": False}], True, {}),
+    ("qwen3_5", "qwen3_moe", "tests/fixtures/chat_templates/qwen3_5.jinja", [{}, {"enable_thinking": False}], True,
+     {}),
+    ("mixtral", "mixtral", None, [{}], False, {}),
+    ("olmoe", "olmoe", None, [{}], False, {}),
+    ("gpt_oss", "qwen3_moe", "tests/fixtures/chat_templates/gpt_oss.jinja",
+     [{}, {"reasoning_effort": "low"}, {"reasoning_effort": "high"}], True, HARMONY_CONVERSATIONS),
+    ("glm4_5", "qwen3_moe", "tests/fixtures/chat_templates/glm4_5.jinja", [{}, {"enable_thinking": False}], True,
+     {}),
+    ("deepseek_v3_1", "qwen3_moe", "tests/fixtures/chat_templates/deepseek_v3_1.jinja", [{}, {"thinking": True}],
+     True, {}),
 ]
 
 
-def conversations(renders_tools):
+def conversations(renders_tools, own):
     """(name, messages, tools) of every case a family renders."""
     for name, messages in CONVERSATIONS.items():
         yield name, messages, None
@@ -115,17 +141,21 @@ def conversations(renders_tools):
         for name, messages in TOOL_CONVERSATIONS.items():
             yield name, messages, TOOLS
         yield "tool_history_without_tools", TOOL_CONVERSATIONS["parallel_calls_and_answer"], None
+    for name, (messages, tools) in own.items():
+        yield name, messages, tools
 
 
 def main():
     os.makedirs(OUT, exist_ok=True)
-    for name, fixture, template_file, variants, renders_tools in FAMILIES:
+    for name, fixture, template_file, variants, renders_tools, own in FAMILIES:
+        if ONLY and name != ONLY:
+            continue
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tests/fixtures", fixture))
         if template_file:
             with open(os.path.join(ROOT, template_file)) as f:
                 tokenizer.chat_template = f.read()
         cases = []
-        for conversation, messages, tools in conversations(renders_tools):
+        for conversation, messages, tools in conversations(renders_tools, own):
             for add_generation_prompt in (True, False):
                 for kwargs in variants:
                     case = {

@@ -20,8 +20,17 @@ out.
   (tests/fixtures/chat_templates/qwen3_5.jinja, whose generation prompt opens <think>): reasoning, then two XML
   calls of `get_weather`, {"city": "Paris", "days": "3"} (an integer once converted by a schema that says so) and
   {"city": "Oslo"}.
+- tests/fixtures/tool_calls_harmony: from tests/fixtures/qwen3_moe with gpt-oss's template
+  (tests/fixtures/chat_templates/gpt_oss.jinja) and Harmony's markup tokens added as special tokens, as gpt-oss's
+  tokenizer has them: an `analysis` message, then a `commentary` message to `functions.get_weather` with
+  {"city": "Paris", "days": 3}, ended by `<|call|>` (an end-of-sequence token, as in gpt-oss's
+  generation_config.json, with `<|return|>`). Each scripted token predicts one next token, so the second header,
+  whose markup tokens the first message already used, is one plain added token spelling the same text.
+
+The model's source is the qwen3_moe family: the format lives in the tokenizer and the template, not the weights.
 
 Pure Python (no numpy, torch or safetensors needed). Usage: python3 scripts/make_tool_call_fixtures.py [REPO_ROOT]
+[--only NAME]
 """
 
 import json
@@ -30,11 +39,13 @@ import shutil
 import struct
 import sys
 
-ROOT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "--only" else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIXTURES = os.path.join(ROOT, "tests/fixtures")
 
 END_OF_TURN = "<|im_end|>"
 LOGIT = 10.0  # the LM head's weight; the final norm scales a one-hot row to sqrt(hidden) = 8, so logits are 80
+
+HARMONY_MARKUP = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
 
 SCRIPTS = {
     "tool_calls_hermes": {
@@ -60,6 +71,24 @@ SCRIPTS = {
             "eter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</para",
             "meter>\n</function>\n</tool_call>\n<tool_",
             "call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+        ],
+    },
+    "tool_calls_harmony": {
+        "source": "qwen3_moe",
+        "template": "tests/fixtures/chat_templates/gpt_oss.jinja",
+        "special": HARMONY_MARKUP,
+        "end_of_sequence": ["<|return|>", "<|call|>"],
+        "pieces": [
+            "<|channel|>",
+            "analysis",
+            "<|message|>",
+            "The user wants the weather in Paris.",
+            "<|end|>",
+            "<|start|>",
+            "assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+            '{"city": "Paris", ',
+            '"days": 3}',
+            "<|call|>",
         ],
     },
 }
@@ -104,7 +133,7 @@ def is_output_projection(name):
     return name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj"))
 
 
-def build(name, source, template, pieces):
+def build(name, source, template, pieces, special=(), end_of_sequence=()):
     src = os.path.join(FIXTURES, source)
     out = os.path.join(FIXTURES, name)
     os.makedirs(out, exist_ok=True)
@@ -115,16 +144,15 @@ def build(name, source, template, pieces):
         tokenizer_config = json.load(f)
     ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
     next_id = max(max(ids.values()), max(tokenizer["model"]["vocab"].values())) + 1
-    chain = []
-    for piece in pieces:
-        if piece not in ids:
-            token = {"id": next_id, "content": piece, "single_word": False, "lstrip": False, "rstrip": False,
-                     "normalized": False, "special": False}
+    for content in [*special, *pieces]:
+        if content not in ids:
+            token = {"id": next_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+                     "normalized": False, "special": content in special}
             tokenizer["added_tokens"].append(token)
             tokenizer_config["added_tokens_decoder"][str(next_id)] = {k: v for k, v in token.items() if k != "id"}
-            ids[piece] = next_id
+            ids[content] = next_id
             next_id += 1
-        chain.append(ids[piece])
+    chain = [ids[piece] for piece in pieces]
     assert len(set(chain)) == len(chain), "each scripted token must predict one next token"
     if template:
         tokenizer_config.pop("chat_template", None)
@@ -134,6 +162,13 @@ def build(name, source, template, pieces):
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump(tokenizer_config, f, ensure_ascii=False, indent=2)
     shutil.copy(os.path.join(src, "generation_config.json"), out)
+    if end_of_sequence:
+        with open(os.path.join(out, "generation_config.json")) as f:
+            generation_config = json.load(f)
+        generation_config["eos_token_id"] += [ids[token] for token in end_of_sequence]
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump(generation_config, f, indent=2)
+            f.write("\n")
 
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
@@ -180,8 +215,12 @@ def build(name, source, template, pieces):
 
 
 def main():
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     for name, script in SCRIPTS.items():
-        build(name, script["source"], script["template"], script["pieces"])
+        if only and name != only:
+            continue
+        build(name, script["source"], script["template"], script["pieces"], script.get("special", ()),
+              script.get("end_of_sequence", ()))
 
 
 if __name__ == "__main__":

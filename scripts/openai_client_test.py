@@ -4,9 +4,10 @@
 Checks what a user of the SDK relies on: plain and streamed results are equal at temperature 0, 8 concurrent
 requests each get what they get alone, a client that hangs up mid-stream frees its KV (seen on /metrics), stop
 strings and seeds work, and every error case comes back as the SDK's typed error with the right status.
-Tool calls: the scripted checkpoints (scripts/make_tool_call_fixtures.py) write a Hermes call (Qwen3-style) and two
-XML calls (Qwen3.5-style) whatever the prompt; the SDK must get them as `tool_calls`, plain and streamed, and
-`tool_choice` "required" or a named function must force calls (the XML script's own, which it writes unforced).
+Tool calls: the scripted checkpoints (scripts/make_tool_call_fixtures.py) write a Hermes call (Qwen3-style), two
+XML calls (Qwen3.5-style) and a Harmony call after Harmony reasoning (gpt-oss-style) whatever the prompt; the SDK
+must get them as `tool_calls`, plain and streamed, and `tool_choice` "required" or a named function must force calls
+in the Hermes and XML formats (the XML script's own, which it writes unforced).
 Run by scripts/test.sh after the Rust tests: python scripts/openai_client_test.py path/to/ferry
 """
 
@@ -47,6 +48,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIXTURE = os.path.join(ROOT, "tests/fixtures/qwen3_moe")
 HERMES_FIXTURE = os.path.join(ROOT, "tests/fixtures/tool_calls_hermes")
 XML_FIXTURE = os.path.join(ROOT, "tests/fixtures/tool_calls_qwen3_xml")
+HARMONY_FIXTURE = os.path.join(ROOT, "tests/fixtures/tool_calls_harmony")
 KEY = "sdk-test-key"
 MODEL = "tiny"
 
@@ -349,8 +351,13 @@ def check_forced_tool_calls(client, reasoning, unforced_calls, same_as_unforced)
         assert [c[1:] for c in streamed] == [c[1:] for c in calls], (streamed, calls)
 
 
-def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments, forced_as_unforced):
-    """Plain and streamed requests against a scripted checkpoint get the same calls, content and reasoning."""
+def check_tool_calls(
+    fixture, ferry, content, reasoning, expected_arguments, forced_as_unforced, unparsed_markup="<tool_call>"
+):
+    """Plain and streamed requests against a scripted checkpoint get the same calls, content and reasoning.
+    `forced_as_unforced`: see check_forced_tool_calls; None where the format cannot be forced (a 400).
+    `unparsed_markup`: what the content shows of a call when no tools are offered (Harmony: nothing, the call is a
+    message to no known tool, which stays reasoning)."""
     server = Server(ferry, fixture=fixture)
     try:
         kwargs = dict(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL])
@@ -386,8 +393,14 @@ def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments, for
         # tool_choice "none": no calls come back (the scripted model writes its markup anyway: it is content).
         none = server.client.chat.completions.create(tool_choice="none", **kwargs).choices[0]
         assert none.message.tool_calls is None and none.finish_reason == "stop", none
-        assert "<tool_call>" in none.message.content
-        check_forced_tool_calls(server.client, reasoning, calls, forced_as_unforced)
+        if unparsed_markup:
+            assert unparsed_markup in none.message.content
+        else:
+            assert not none.message.content and '"city"' in none.message.model_extra["reasoning_content"], none
+        if forced_as_unforced is None:
+            expect_error(400, lambda: server.client.chat.completions.create(tool_choice="required", **kwargs), param="tool_choice")
+        else:
+            check_forced_tool_calls(server.client, reasoning, calls, forced_as_unforced)
         return server.client.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0].message
     finally:
         server.stop()
@@ -406,6 +419,34 @@ def test_xml_tool_calls_plain_and_streamed(ferry):
         XML_FIXTURE, ferry, None, "Two cities, two calls.\n", [{"city": "Paris", "days": 3}, {"city": "Oslo"}], True
     )
     assert len(one_call.tool_calls) == 1, "parallel_tool_calls=False keeps the first call"
+
+
+def test_harmony_reasoning_and_tool_call_plain_and_streamed(ferry):
+    check_tool_calls(
+        HARMONY_FIXTURE, ferry, None, "The user wants the weather in Paris.", [{"city": "Paris", "days": 3}], None, None
+    )
+    server = Server(ferry, fixture=HARMONY_FIXTURE)
+    try:
+        for effort in ("low", "high"):
+            r = server.client.chat.completions.create(
+                model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], reasoning_effort=effort
+            )
+            assert r.choices[0].finish_reason == "tool_calls", r
+    finally:
+        server.stop()
+
+
+def test_reasoning_effort_needs_a_template_that_takes_it(server):
+    expect_error(
+        400,
+        lambda: server.client.chat.completions.create(model=MODEL, messages=chat("hi"), reasoning_effort="low"),
+        param="reasoning_effort",
+    )
+    expect_error(
+        400,
+        lambda: server.client.chat.completions.create(model=MODEL, messages=chat("hi"), reasoning_effort="max"),
+        param="reasoning_effort",
+    )
 
 
 def run_tests(package, tests):

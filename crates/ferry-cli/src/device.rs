@@ -12,6 +12,8 @@ use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, ModelInfo};
 use ferry_core::moe::PolicyChoice;
 
+use crate::doctor_lanes::{split_rule, MoeStrategy};
+
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
@@ -123,10 +125,12 @@ impl OffloadArgs {
 }
 
 /// Opens the backend; on a GPU, divides its memory budget for `checkpoint` and builds the backend with expert
-/// offload (a cache under `--moe-cache-policy`) when the plan says so. Returns the plan (None on the CPU).
+/// offload (a cache under `--moe-cache-policy`, misses split by `strategy`) when the plan says so. Returns the plan
+/// (None on the CPU).
 pub fn open_backend(
     device: Device,
     offload: &OffloadArgs,
+    strategy: MoeStrategy,
     checkpoint: &Checkpoint,
 ) -> Result<(Backends, Option<MemoryPlan>)> {
     // FERRY_GEMV_ISA picks the CPU kernels' path; they cannot return an error, so a bad value is reported here,
@@ -140,8 +144,8 @@ pub fn open_backend(
             .ok(),
     };
     let Some(gpu) = gpu else {
-        if !offload.is_default() {
-            bail!("--gpu-memory-budget and the offload flags need a GPU (this run is on the CPU)");
+        if !offload.is_default() || strategy != MoeStrategy::Offload {
+            bail!("--gpu-memory-budget, --moe-strategy and the offload flags need a GPU (this run is on the CPU)");
         }
         return Ok((Backends::Cpu(CpuBackend), None));
     };
@@ -173,6 +177,7 @@ pub fn open_backend(
         let info = ModelInfo::new(&spec, checkpoint.weight_dtype());
         let slots = u32::try_from(plan.slots).context("expert cache slots")?;
         tracing::info!("expert cache policy {}", offload.moe_cache_policy);
+        let split = split_rule(strategy, &gpu, info.bytes_per_expert as usize, info.experts_per_token)?;
         gpu.offload(OffloadConfig {
             slots: plan.slots,
             policy: offload
@@ -180,7 +185,11 @@ pub fn open_backend(
                 .build(slots, info.num_moe_layers as u32, info.experts_per_token as u32),
             decode_prefetch: true,
         })
+        .split(split)
     } else {
+        if strategy != MoeStrategy::Offload {
+            tracing::info!("every expert is resident: --moe-strategy {strategy:?} has no misses to split");
+        }
         gpu
     };
     Ok((Backends::Cuda(Box::new(gpu.build()?)), Some(plan)))

@@ -14,6 +14,7 @@ use ferry_core::model::{Model, ModelInfo};
 use ferry_core::moe::{RoutingTap, TraceHeader, TraceRecorder};
 
 use crate::device::{open_backend, Device, ModelArgs, OffloadArgs};
+use crate::doctor_lanes::StrategyArgs;
 use crate::progress::LoadProgress;
 
 #[derive(clap::Args)]
@@ -49,6 +50,8 @@ pub struct GenerateArgs {
     device: Device,
     #[command(flatten)]
     offload: OffloadArgs,
+    #[command(flatten)]
+    strategy: StrategyArgs,
     /// Print one JSON object (token_ids, text, prompt_tokens, completion_tokens, finish_reason).
     #[arg(long)]
     json: bool,
@@ -59,7 +62,7 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let mut checkpoint = args.model.open()?;
-    let (backends, plan) = open_backend(args.device, &args.offload, &checkpoint)?;
+    let (backends, plan) = open_backend(args.device, &args.offload, args.strategy.moe_strategy, &checkpoint)?;
     let step_tokens = args.offload.step_tokens(plan.as_ref());
     let tokenizer = checkpoint.tokenizer.take().map(Arc::new);
     crate::with_backend!(backends, be => generate_on(be, &checkpoint, tokenizer.clone(), &args, step_tokens))

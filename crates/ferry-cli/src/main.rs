@@ -4,6 +4,7 @@ mod bench;
 mod cache_sim;
 mod device;
 mod doctor;
+mod doctor_lanes;
 mod generate;
 mod hub;
 mod info;

@@ -19,6 +19,7 @@ use ferry_core::model::Model;
 use ferry_server::{AppState, ConnectionLimits, LoadedModel, SamplingDefaults, ServerConfig, ToolCallParserChoice};
 
 use crate::device::{kv_budget_tokens, open_backend, Backends, Device, OffloadArgs};
+use crate::doctor_lanes::StrategyArgs;
 use crate::hub;
 use crate::progress::LoadProgress;
 
@@ -66,7 +67,9 @@ pub struct ServeArgs {
     no_special_tokens_in_content: bool,
     /// How tool calls are read out of the model's output: hermes (`<tool_call>{"name": ..., "arguments":
     /// ...}</tool_call>`, Qwen3, Qwen2.5), qwen3_xml (`<tool_call><function=NAME><parameter=P>...`,
-    /// Qwen3-Coder, Qwen3.5, Qwen3.6) or none. Default: the format the chat template's tool section uses.
+    /// Qwen3-Coder, Qwen3.5, Qwen3.6), glm45 (`<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...`,
+    /// GLM-4.5, GLM-4.6), deepseek_v31 (`<｜tool▁calls▁begin｜>...`, DeepSeek-V3.1), harmony (gpt-oss's channels,
+    /// which also carry its reasoning and answer) or none. Default: the format the chat template uses.
     #[arg(long, value_parser = |name: &str| name.parse::<ToolCallParserChoice>())]
     tool_call_parser: Option<ToolCallParserChoice>,
     /// Browser origins allowed to call the API cross-site (CORS), comma-separated, e.g. http://localhost:3000;
@@ -80,6 +83,8 @@ pub struct ServeArgs {
     device: Device,
     #[command(flatten)]
     offload: OffloadArgs,
+    #[command(flatten)]
+    strategy: StrategyArgs,
     /// Compute every prompt from scratch: no reuse of the KV blocks (and hybrid models' saved states) of earlier
     /// requests' prefixes.
     #[arg(long)]
@@ -240,7 +245,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     if !args.no_prefix_cache {
         offload.snapshot_slots = PREFIX_SNAPSHOT_SLOTS;
     }
-    let (backends, plan) = open_backend(args.device, &offload, &checkpoint)?;
+    let (backends, plan) = open_backend(args.device, &offload, args.strategy.moe_strategy, &checkpoint)?;
     let plan = plan.as_ref();
     let mut shown = LoadProgress::new(&args.model_label());
     let mut progress = |done: usize, total: usize| {

@@ -289,7 +289,29 @@ fn tool_uses(message: &Value) -> Vec<(String, Value)> {
 
 #[test]
 fn a_model_that_calls_a_tool_answers_with_tool_use_blocks_plain_and_streamed() {
-    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tool_calls_hermes");
+    check_tool_use("tool_calls_hermes");
+}
+
+#[test]
+fn a_harmony_model_thinks_then_calls_a_tool() {
+    let whole = check_tool_use("tool_calls_harmony");
+    assert_eq!(
+        block_text(&whole, "thinking"),
+        "The user wants the weather in Paris.",
+        "{whole}"
+    );
+    assert_eq!(
+        tool_uses(&whole),
+        [("get_weather".to_string(), json!({"city": "Paris", "days": 3}))]
+    );
+}
+
+/// A scripted checkpoint's tool calls as tool_use blocks, plain and streamed alike, and back in the history; the
+/// plain answer.
+fn check_tool_use(fixture: &str) -> Value {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(fixture);
     let server = Server::start_serving(&["--model", fixture.to_str().unwrap(), "--api-key", KEY]);
     let weather = json!({"name": "get_weather", "description": "The weather forecast for a city.", "input_schema": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}});
@@ -339,6 +361,7 @@ fn a_model_that_calls_a_tool_answers_with_tool_use_blocks_plain_and_streamed() {
         counted["input_tokens"].as_u64() > prompt_tokens(&whole["usage"]).as_u64(),
         "the history grew the prompt"
     );
+    whole
 }
 
 fn tool_fixture(name: &str) -> String {

@@ -44,6 +44,19 @@ impl Rng {
             .collect();
         TensorRef::from_bytes(name, DType::BF16, shape.to_vec(), bytes).unwrap()
     }
+
+    /// `count` unbiased experts of `hidden` inputs and `inter` features.
+    fn experts(&mut self, count: usize, hidden: usize, inter: usize) -> Vec<ExpertTensors> {
+        (0..count)
+            .map(|e| {
+                ExpertTensors::unbiased(
+                    self.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.1),
+                    self.bf16(&format!("e{e}.up"), &[inter, hidden], 0.1),
+                    self.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1),
+                )
+            })
+            .collect()
+    }
 }
 
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
@@ -391,15 +404,7 @@ fn router_and_routed_experts() {
         (12, 10, 520, 100),
         (8, 2, 520, 64),
     ] {
-        let bank: Vec<ExpertTensors> = (0..experts)
-            .map(|e| {
-                ExpertTensors::unbiased(
-                    rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.1),
-                    rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.1),
-                    rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1),
-                )
-            })
-            .collect();
+        let bank = rng.experts(experts, hidden, inter);
         // 1, 3 and 8 rows take the decode kernels; 40 rows the grouped GEMM path, and (for the smaller experts,
         // which the CPU reference computes quickly) more rows than one group of it takes.
         let many = (hidden * inter <= 520 * 100).then_some(MOE_GROUP_ROWS + 40);
@@ -439,26 +444,106 @@ fn router_and_routed_experts() {
     }
 }
 
-/// The router and expert kinds the CUDA backend has no kernels for yet are refused when a model loads, with a
-/// configuration error naming them, rather than run wrongly.
+/// A router with a correction bias over `logits` (`[rows, experts]`), then the routed experts of `bank` on `x`.
+struct RouterCase<'a> {
+    kind: RouterKind,
+    top_k: usize,
+    rows: usize,
+    logits: &'a [f32],
+    bias: &'a TensorRef,
+    x: &'a [f32],
+    bank: &'a [ExpertTensors],
+}
+
+impl RouterCase<'_> {
+    /// The routed ids, and the experts' weighted sum (which the weights decide).
+    fn run<B: Backend>(&self, be: &B) -> (Vec<u32>, Vec<f32>) {
+        let experts = self.bank.len();
+        let set = be.experts(self.bank.to_vec(), ExpertActivation::SiluGlu).unwrap();
+        let bias = be.weight(self.bias.clone()).unwrap();
+        let router = Router {
+            kind: self.kind,
+            top_k: self.top_k,
+            correction_bias: Some(&bias),
+        };
+        let routing = be
+            .route(&be.upload(self.logits, self.rows, experts).unwrap(), router)
+            .unwrap();
+        let hidden = self.x.len() / self.rows;
+        let out = be
+            .moe_experts(&be.upload(self.x, self.rows, hidden).unwrap(), &routing, &set)
+            .unwrap();
+        (be.routing_to_host(&routing).unwrap(), be.to_host(&out).unwrap())
+    }
+}
+
+/// DeepSeek-V3's and GLM-4.5's router on the device against the CPU's: the same experts in the same order, and
+/// the same weights (seen through the routed experts' weighted sum), with the correction bias, for the shapes of
+/// the released models and of the fixture, groups kept or left out, a last lane partly filled.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
-fn router_and_expert_kinds_without_kernels_are_refused_at_load() {
+fn grouped_sigmoid_router() {
     let p = pair();
-    let grouped = RouterKind::SigmoidGroupedTopK {
-        n_group: 8,
-        topk_group: 4,
-        renormalize: true,
-        scaling: 2.5,
-    };
-    let refused = p.gpu.check_router(grouped).unwrap_err();
-    assert!(
-        matches!(refused, Error::Config(ref m) if m.contains("SigmoidGroupedTopK")),
-        "{refused}"
-    );
-    p.gpu
-        .check_router(RouterKind::SoftmaxTopK { renormalize: true })
-        .unwrap();
+    let mut rng = Rng::new(8);
+    let (hidden, inter) = (64, 32);
+    // (experts, n_group, topk_group, top_k): GLM-4.5(-Air), DeepSeek-V3, the glm4_moe fixture, 96 experts (the
+    // last lane holds experts of two groups' ends), the router kernel's most experts.
+    for (experts, n_group, topk_group, top_k) in [
+        (128, 1, 1, 8),
+        (160, 1, 1, 8),
+        (256, 8, 4, 8),
+        (8, 2, 1, 2),
+        (96, 4, 3, 6),
+        (512, 16, 4, 8),
+    ] {
+        let bank = rng.experts(experts, hidden, inter);
+        let bias = TensorRef::from_f32("bias", vec![experts], &rng.values(experts, 0.1)).unwrap();
+        for rows in [1, 5, 40] {
+            let x = rng.values(rows * hidden, 1.0);
+            // Logits within +-4: sigmoid scores far from saturating to equal values.
+            let logits = rng.values(rows * experts, 4.0);
+            for (renormalize, scaling) in [(true, 2.5), (false, 1.0)] {
+                let kind = RouterKind::SigmoidGroupedTopK {
+                    n_group,
+                    topk_group,
+                    renormalize,
+                    scaling,
+                };
+                let what = format!("grouped router e{experts} g{n_group}/{topk_group} k{top_k} rows={rows} {kind:?}");
+                let case = RouterCase {
+                    kind,
+                    top_k,
+                    rows,
+                    logits: &logits,
+                    bias: &bias,
+                    x: &x,
+                    bank: &bank,
+                };
+                let (cpu, gpu) = (case.run(&p.cpu), case.run(&p.gpu));
+                assert_eq!(gpu.0, cpu.0, "{what}: routed ids");
+                check(&what, gpu.1, cpu.1, F32_LIMIT);
+            }
+        }
+    }
+}
+
+/// The expert kinds the CUDA backend has no kernels for yet are refused when a model loads, with a configuration
+/// error naming them, rather than run wrongly; every router kind has a kernel.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn expert_kinds_without_kernels_are_refused_at_load() {
+    let p = pair();
+    for kind in [
+        RouterKind::SoftmaxTopK { renormalize: true },
+        RouterKind::SigmoidGroupedTopK {
+            n_group: 8,
+            topk_group: 4,
+            renormalize: true,
+            scaling: 2.5,
+        },
+    ] {
+        p.gpu.check_router(kind).unwrap();
+    }
     let mut rng = Rng::new(6);
     let expert = ExpertTensors::unbiased(
         rng.bf16("gate", &[32, 64], 0.1),

@@ -26,6 +26,7 @@ const FAMILIES: &[&str] = &[
     "qwen3_5_moe",
     "qwen3_5_moe_text",
     "qwen3_next",
+    "glm4_moe",
 ];
 const LOGIT_TOLERANCE: f32 = 1e-3;
 /// Several chunks for the long prompt (472 tokens), none aligned to the reference's 64-token delta-rule chunks.
@@ -179,6 +180,16 @@ fn every_family_has_a_fixture() {
     }
 }
 
+/// GLM-4.5's multi-token-prediction layer, stored after the decoder's layers, is counted outside the text model
+/// (which loading logs as skipped), and the decoder's own layers are not.
+#[test]
+fn layers_past_the_decoder_are_outside_the_text_model() {
+    let checkpoint = Checkpoint::open(&fixtures().join("glm4_moe")).unwrap();
+    let layers = checkpoint.config["num_hidden_layers"].as_u64().unwrap() as usize;
+    let outside: Vec<(String, usize)> = checkpoint.weights.outside_text_model(layers).into_iter().collect();
+    assert_eq!(outside, [(format!("model.layers.{layers}."), 6)]);
+}
+
 /// One test per family on the CPU (CI) and, ignored unless asked for, on the GPU (scripts/device/gpu-tests.sh).
 macro_rules! parity_tests {
     ($($family:ident),*) => {
@@ -236,7 +247,8 @@ parity_tests!(
     qwen2_moe,
     qwen3_5_moe,
     qwen3_5_moe_text,
-    qwen3_next
+    qwen3_next,
+    glm4_moe
 );
 
 /// What the scheduler does with a hybrid model: a long prompt prefilled in chunks, each chunk batched with another

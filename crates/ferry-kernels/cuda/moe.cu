@@ -1,9 +1,23 @@
-// The MoE block on the device: router top-k, and the routed experts of a few tokens (decode) read through a
-// per-layer table of expert pointers, so where an expert lives (resident, or a cache slot) is the table's
-// business alone. An expert's block holds gate [inter, hidden], then up [inter, hidden], then down [hidden, inter].
+// The MoE block on the device: the routers (softmax top-k; DeepSeek-V3's grouped sigmoid top-k), and the routed
+// experts of a few tokens (decode) read through a per-layer table of expert pointers, so where an expert lives
+// (resident, or a cache slot) is the table's business alone. An expert's block holds gate [inter, hidden], then up
+// [inter, hidden], then down [hidden, inter].
 #include "common.cuh"
 
 constexpr int MAX_EXPERTS_PER_LANE = ROUTER_MAX_EXPERTS / 32;
+
+// The warp's largest value and its index (the lower index among equals), left in every lane.
+__device__ __forceinline__ void warp_argmax(float& best, int& best_id) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
+        if (other > best || (other == best && other_id < best_id)) {
+            best = other;
+            best_id = other_id;
+        }
+    }
+}
 
 // One warp per row: softmax over the experts, then the top_k largest in order (ties to the lower id), with
 // weights renormalised over the chosen ones when asked.
@@ -40,15 +54,7 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
                 best_id = x;
             }
         }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-            const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
-            if (other > best || (other == best && other_id < best_id)) {
-                best = other;
-                best_id = other_id;
-            }
-        }
+        warp_argmax(best, best_id);
         const float p = best / total;
         kept += p;
         if (lane == 0) {
@@ -61,6 +67,89 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
     }
     if (renormalize && lane == 0)
         for (int k = 0; k < top_k; ++k) weights[r * top_k + k] /= kept;
+}
+
+// One warp per row: DeepSeek-V3's and GLM-4.5's router (RouterKind::SigmoidGroupedTopK), as the CPU backend
+// computes it. score = sigmoid(logit) and choice = score + bias[e]; the n_group groups of consecutive experts rank
+// by the sum of their two best choices, the experts of the best topk_group groups (the others are out) give the
+// top_k best choices in order, ties to the lower id (groups likewise); weight = score / (sum of the chosen scores +
+// 1e-20, when renormalize) * scaling.
+extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ logits, const float* __restrict__ bias,
+                                                      int num_experts, int n_group, int topk_group, int top_k,
+                                                      int renormalize, float scaling, int* __restrict__ ids,
+                                                      float* __restrict__ weights) {
+    // A group holds at least two experts, so there are at most ROUTER_MAX_EXPERTS / 2 groups.
+    __shared__ float scores[ROUTER_MAX_EXPERTS];
+    __shared__ float choices[ROUTER_MAX_EXPERTS];
+    __shared__ float group_scores[ROUTER_MAX_EXPERTS / 2];
+    __shared__ int group_kept[ROUTER_MAX_EXPERTS / 2];
+    const int r = blockIdx.x, lane = threadIdx.x;
+    const int group_size = num_experts / n_group;
+    const float* row = logits + static_cast<size_t>(r) * num_experts;
+    for (int x = lane; x < num_experts; x += 32) {
+        const float score = 1.0f / (1.0f + expf(-row[x]));
+        scores[x] = score;
+        choices[x] = score + bias[x];
+    }
+    __syncwarp();
+    for (int g = lane; g < n_group; g += 32) {
+        float first = -INFINITY, second = -INFINITY;
+        for (int j = 0; j < group_size; ++j) {
+            const float v = choices[g * group_size + j];
+            if (v > first) {
+                second = first;
+                first = v;
+            } else if (v > second) {
+                second = v;
+            }
+        }
+        group_scores[g] = first + second;
+        group_kept[g] = 0;
+    }
+    __syncwarp();
+    for (int t = 0; t < topk_group; ++t) {
+        float best = -INFINITY;
+        int best_g = 0x7fffffff;
+        for (int g = lane; g < n_group; g += 32)
+            if (!group_kept[g] && (group_scores[g] > best || (group_scores[g] == best && g < best_g))) {
+                best = group_scores[g];
+                best_g = g;
+            }
+        warp_argmax(best, best_g);
+        if (lane == 0) group_kept[best_g] = 1;
+        __syncwarp();
+    }
+    // Each lane's candidates: its experts of the kept groups; an expert chosen or left out is marked taken.
+    float candidate[MAX_EXPERTS_PER_LANE];
+    bool taken[MAX_EXPERTS_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
+        const int x = lane + 32 * i;
+        taken[i] = x >= num_experts || !group_kept[x / group_size];
+        candidate[i] = taken[i] ? -INFINITY : choices[x];
+    }
+    float total = 0.0f;
+    for (int k = 0; k < top_k; ++k) {
+        float best = -INFINITY;
+        int best_id = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
+            const int x = lane + 32 * i;
+            if (!taken[i] && (candidate[i] > best || (candidate[i] == best && x < best_id))) {
+                best = candidate[i];
+                best_id = x;
+            }
+        }
+        warp_argmax(best, best_id);
+        total += scores[best_id];
+        if (lane == 0) ids[r * top_k + k] = best_id;
+#pragma unroll
+        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i)
+            if (lane + 32 * i == best_id) taken[i] = true;
+    }
+    const float denominator = renormalize ? total + 1e-20f : 1.0f;
+    if (lane == 0)
+        for (int k = 0; k < top_k; ++k) weights[r * top_k + k] = scores[ids[r * top_k + k]] / denominator * scaling;
 }
 
 // act[(r * top_k + k), i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), e = ids[r * top_k + k].
@@ -164,14 +253,22 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const uint32
 }
 
 // out[r] = sum_k weights[r, k] * y[r * top_k + k], in router order (the prefill path's combine, and the offload
-// decode path's after moe_down_pairs: the same sum, in the same order, as moe_down's).
+// decode path's after moe_down_pairs: the same sum, in the same order, as moe_down's). With the CPU lane, a pair p
+// with host_index[p] >= 0 was computed on the host: its product is row host_index[p] of host_y instead, summed in
+// its place, so the lane's share costs no extra pass over the output (host_index null: every pair is in y).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights, int top_k,
-                                       int hidden, float* __restrict__ out) {
+                                       int hidden, const float* __restrict__ host_y,
+                                       const int* __restrict__ host_index, float* __restrict__ out) {
     const int r = blockIdx.x;
     for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
         float sum = 0.0f;
-        for (int k = 0; k < top_k; ++k)
-            sum += weights[r * top_k + k] * y[(static_cast<size_t>(r) * top_k + k) * hidden + h];
+        for (int k = 0; k < top_k; ++k) {
+            const int pair = r * top_k + k;
+            const int host = host_index != nullptr ? host_index[pair] : -1;
+            const float product = host >= 0 ? host_y[static_cast<size_t>(host) * hidden + h]
+                                             : y[static_cast<size_t>(pair) * hidden + h];
+            sum += weights[pair] * product;
+        }
         out[static_cast<size_t>(r) * hidden + h] = sum;
     }
 }

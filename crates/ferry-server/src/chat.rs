@@ -12,11 +12,13 @@ use ferry_core::engine::{Request, ResponseFormat, SamplingParams, StopRules, Thi
 use ferry_core::loader::{ChatMessage, ChatPrompt};
 use serde_json::{Map, Value};
 
+use crate::body::Body;
 use crate::error::ApiError;
 use crate::generation::PieceParser;
 use crate::reasoning::ReasoningParser;
 use crate::tools::forced::{self, Thinking};
-use crate::tools::ToolRequest;
+use crate::tools::harmony::HarmonyParser;
+use crate::tools::{ToolCallFormat, ToolRequest};
 use crate::{sampling, AppState, LoadedModel};
 
 /// What every generation asks of the engine, in either protocol.
@@ -54,9 +56,26 @@ pub struct ChatRequest {
     pub thinking: Option<bool>,
     /// Most tokens of thinking before the end of thinking is forced (Anthropic's `budget_tokens`).
     pub thinking_budget: Option<usize>,
+    /// How hard the model reasons (OpenAI's `reasoning_effort`), for templates that take it (gpt-oss's); it wins
+    /// over the kwargs.
+    pub reasoning_effort: Option<String>,
     /// The tools offered, what the model may do with them, and so how its output is parsed for calls.
     pub tools: ToolRequest,
     pub params: GenerationParams,
+}
+
+const REASONING_EFFORT: &str = "reasoning_effort";
+
+/// `reasoning_effort`: `low`, `medium` or `high`, the efforts gpt-oss's template knows.
+pub fn reasoning_effort(body: &Body) -> Result<Option<String>, ApiError> {
+    let effort = body.string(REASONING_EFFORT)?;
+    match effort.as_deref() {
+        None | Some("low" | "medium" | "high") => Ok(effort),
+        Some(other) => Err(ApiError::invalid_param(
+            REASONING_EFFORT,
+            format!("`reasoning_effort` is \"{other}\"; expected \"low\", \"medium\" or \"high\""),
+        )),
+    }
 }
 
 /// What a text completion starts from.
@@ -108,6 +127,15 @@ impl ChatRequest {
         let mut kwargs = self.template_kwargs.clone();
         if let Some(thinking) = self.thinking {
             kwargs.insert("enable_thinking".into(), thinking.into());
+        }
+        if let Some(effort) = &self.reasoning_effort {
+            if !tokenizer.chat_template_mentions(REASONING_EFFORT) {
+                return Err(ApiError::invalid_param(
+                    REASONING_EFFORT,
+                    "this model's chat template takes no reasoning effort",
+                ));
+            }
+            kwargs.insert(REASONING_EFFORT.into(), effort.clone().into());
         }
         tokenizer
             .encode_chat(
@@ -165,9 +193,17 @@ impl ChatRequest {
             Some(_) => reasoning.map(|parser| parser.leading_only(thinking == Thinking::Optional)),
             None => reasoning,
         };
+        let calls = self.tools.parser(model.tool_call_format);
+        let parser = match model.tool_call_format {
+            // Harmony's channels carry the reasoning and the answer too, calls offered or not.
+            Some(ToolCallFormat::Harmony) => {
+                PieceParser::harmony(HarmonyParser::new(|token| model.tokenizer.token_id(token), calls))
+            }
+            _ => PieceParser::new(reasoning, calls),
+        };
         Ok(PreparedPrompt {
             ids,
-            parser: PieceParser::new(reasoning, self.tools.parser(model.tool_call_format)),
+            parser,
             tool_grammar,
             thinking_budget,
         })

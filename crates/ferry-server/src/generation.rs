@@ -15,6 +15,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::error::ApiError;
 use crate::reasoning::{ReasoningParser, Split};
+use crate::tools::harmony::HarmonyParser;
 use crate::tools::{ToolCallParser, ToolEvent};
 use crate::{AppState, LoadedModel};
 
@@ -66,30 +67,57 @@ pub enum Output {
 }
 
 /// Turns the engine's text into pieces: reasoning split from content, then tool calls out of the content, so that
-/// a call written while reasoning stays reasoning.
+/// a call written while reasoning stays reasoning; or, for Harmony's channels, all three by one parser.
 pub struct PieceParser {
     reasoning: Option<ReasoningParser>,
     tools: Option<ToolCallParser>,
+    harmony: Option<HarmonyParser>,
 }
 
 impl PieceParser {
     /// `reasoning` splits `<think>` reasoning out, for models that reason; `tools` parses tool calls, for requests
     /// that offer tools.
     pub fn new(reasoning: Option<ReasoningParser>, tools: Option<ToolCallParser>) -> Self {
-        PieceParser { reasoning, tools }
+        PieceParser {
+            reasoning,
+            tools,
+            harmony: None,
+        }
+    }
+
+    /// Output in Harmony's channels.
+    pub fn harmony(parser: HarmonyParser) -> Self {
+        PieceParser {
+            reasoning: None,
+            tools: None,
+            harmony: Some(parser),
+        }
     }
 
     /// Tool calls in the output so far.
     fn tool_calls(&self) -> usize {
-        self.tools.as_ref().map_or(0, ToolCallParser::calls)
+        match &self.harmony {
+            Some(harmony) => harmony.calls(),
+            None => self.tools.as_ref().map_or(0, ToolCallParser::calls),
+        }
     }
 
     /// Whether the output may hold reasoning.
     pub fn splits_reasoning(&self) -> bool {
-        self.reasoning.is_some()
+        self.reasoning.is_some() || self.harmony.is_some()
+    }
+
+    /// Token `id`'s text: the markup a Harmony model writes in special tokens is given back (the engine's text
+    /// leaves special tokens out).
+    fn push_token(&mut self, id: u32, text: &str) -> Vec<Piece> {
+        let marker = self.harmony.as_ref().and_then(|h| h.marker(id));
+        self.push(marker.unwrap_or(text))
     }
 
     fn push(&mut self, text: &str) -> Vec<Piece> {
+        if let Some(harmony) = &mut self.harmony {
+            return harmony.push(text);
+        }
         let pieces = match &mut self.reasoning {
             Some(parser) => {
                 let split = parser.push(text);
@@ -103,6 +131,9 @@ impl PieceParser {
 
     /// Whatever was held back, at the end.
     fn finish(&mut self) -> Vec<Piece> {
+        if let Some(harmony) = &mut self.harmony {
+            return harmony.finish();
+        }
         let pieces = self
             .reasoning
             .as_mut()
@@ -273,7 +304,7 @@ impl Generation {
             Event::Token { id, text, logprobs } => {
                 self.in_flight.on_token();
                 self.logprobs.extend(logprobs.map(|lp| (id, lp)));
-                Output::Pieces(self.parser.push(&text))
+                Output::Pieces(self.parser.push_token(id, &text))
             }
             Event::Finished {
                 reason,

@@ -70,6 +70,10 @@ impl Metrics {
                 counter!("ferry_expert_cache_hits_total").absolute(offload.hits());
                 counter!("ferry_expert_cache_misses_total").absolute(offload.misses());
                 counter!("ferry_expert_cache_bytes_copied_total").absolute(offload.bytes_copied);
+                counter!("ferry_expert_cpu_lane_experts_total").absolute(offload.host_experts);
+                counter!("ferry_expert_cpu_lane_bytes_total").absolute(offload.host_bytes);
+                gauge!("ferry_expert_cpu_lane_gb_per_second").set(offload.host_gb_s());
+                gauge!("ferry_expert_link_gb_per_second").set(offload.link_gb_s());
             }
         });
         self.handle.render()
@@ -96,6 +100,9 @@ mod tests {
             layer_hits: vec![20, 10],
             layer_misses: vec![4, 6],
             bytes_copied: 4096,
+            host_experts: 3,
+            host_bytes: 3000,
+            host_ns: 1000,
             ..OffloadStats::default()
         };
         let offloaded = metrics.render(Some(EngineStatus {
@@ -106,6 +113,9 @@ mod tests {
             "ferry_expert_cache_hits_total 30",
             "ferry_expert_cache_misses_total 10",
             "ferry_expert_cache_bytes_copied_total 4096",
+            "ferry_expert_cpu_lane_experts_total 3",
+            "ferry_expert_cpu_lane_bytes_total 3000",
+            "ferry_expert_cpu_lane_gb_per_second 3",
         ] {
             assert!(offloaded.contains(line), "no {line:?} in\n{offloaded}");
         }

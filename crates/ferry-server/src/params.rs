@@ -200,6 +200,7 @@ fn chat_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError> 
         content,
         tool_calls,
         tool_call_id,
+        thinking: None,
     })
 }
 
@@ -221,6 +222,7 @@ impl ChatBody {
             template_kwargs: template_kwargs(body)?,
             thinking: None,
             thinking_budget: None,
+            reasoning_effort: crate::chat::reasoning_effort(body)?,
             tools: ToolRequest::parse(body)?,
             params: GenerationParams {
                 logprobs: sampling::chat_logprobs(body)?,

@@ -15,7 +15,8 @@ pub struct Split {
 #[derive(Debug)]
 pub struct ReasoningParser {
     in_reasoning: bool,
-    /// Just after `</think>`: the newlines the model puts before its answer are dropped.
+    /// At the start and just after `</think>`: the newlines the model puts before its answer (or, GLM-4.5, before
+    /// its `<think>`) are dropped.
     after_close: bool,
     /// Thinking only at the start of the output (see [`ReasoningParser::leading_only`]).
     leading_only: bool,
@@ -32,7 +33,7 @@ impl ReasoningParser {
         let closed = prompt.rfind(CLOSE);
         ReasoningParser {
             in_reasoning: opened.is_some() && opened > closed,
-            after_close: false,
+            after_close: true,
             leading_only: false,
             settled: false,
             pending: String::new(),
@@ -151,6 +152,16 @@ mod tests {
         );
         let thinking_off = "<|im_start|>assistant\n<think>\n\n</think>\n\n";
         assert_eq!(split_all(thinking_off, &["answer"]), split("", "answer"));
+        // DeepSeek-V3.1 opens or closes thinking by its `thinking` flag.
+        let deepseek_thinking = "<｜User｜>hi<｜Assistant｜><think>";
+        assert_eq!(split_all(deepseek_thinking, &["why</th", "ink>so"]), split("why", "so"));
+        let deepseek_plain = "<｜User｜>hi<｜Assistant｜></think>";
+        assert_eq!(split_all(deepseek_plain, &["so"]), split("", "so"));
+        // GLM-4.5 writes a line break before its `<think>`, or (thinking off) finds `<think></think>` in the prompt.
+        let glm = "[gMASK]<sop><|user|>\nhi<|assistant|>";
+        assert_eq!(split_all(glm, &["\n<think>hm</think>", "\nok"]), split("hm", "ok"));
+        let glm_off = "[gMASK]<sop><|user|>\nhi/nothink<|assistant|>\n<think></think>";
+        assert_eq!(split_all(glm_off, &["\nok"]), split("", "ok"));
     }
 
     #[test]

@@ -20,6 +20,7 @@ use ferry_core::backend::profiled::Profiled;
 use self::report::{print_report, MemoryCeiling};
 use self::run::{bench_on, Machine};
 use crate::device::{open_backend, Backends, Device, ModelArgs, OffloadArgs};
+use crate::doctor_lanes::StrategyArgs;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -29,6 +30,8 @@ pub struct BenchArgs {
     device: Device,
     #[command(flatten)]
     offload: OffloadArgs,
+    #[command(flatten)]
+    strategy: StrategyArgs,
     /// Tokens of the prefill prompt.
     #[arg(long, default_value_t = 4096)]
     prompt_tokens: usize,
@@ -59,7 +62,7 @@ pub struct BenchArgs {
 
 pub fn run(args: BenchArgs) -> Result<()> {
     let checkpoint = args.model.open()?;
-    let (backends, plan) = open_backend(args.device, &args.offload, &checkpoint)?;
+    let (backends, plan) = open_backend(args.device, &args.offload, args.strategy.moe_strategy, &checkpoint)?;
     let (ceiling, h2d_gb_s) = match &backends {
         Backends::Cuda(cuda) => {
             let c = cuda.measure_ceilings()?;

@@ -42,6 +42,15 @@ pub(super) struct OffloadReport {
     guesses_copied: u64,
     guesses_dropped: u64,
     prefetches_used: u64,
+    /// Per lane (`--moe-strategy`): misses copied over the link and computed by the CPU lane per decoded token
+    /// (distinct experts per layer and step), the lane's (row, expert) pairs per token, and each lane's achieved
+    /// rate (the link's over its demand copies' time, the CPU lane's over its busy time; 0 when unused).
+    link_experts_per_token: f64,
+    host_experts_per_token: f64,
+    host_pairs_per_token: f64,
+    host_bytes_per_token: f64,
+    link_gb_s: f64,
+    host_gb_s: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -92,6 +101,15 @@ pub(super) struct Prefill {
     pub(super) ttft_seconds: f64,
 }
 
+/// Bytes over nanoseconds, GB/s; 0 for no time.
+fn lane_gb_s(bytes: u64, ns: u64) -> f64 {
+    if ns == 0 {
+        0.0
+    } else {
+        bytes as f64 / ns as f64
+    }
+}
+
 /// The offload counters' change over a decode of `tokens` tokens in `seconds`, against the PCIe bound.
 pub(super) fn offload_report(
     before: Option<OffloadStats>,
@@ -138,6 +156,15 @@ pub(super) fn offload_report(
         guesses_copied: after.guesses_copied - before.guesses_copied,
         guesses_dropped: after.guesses_dropped - before.guesses_dropped,
         prefetches_used: after.prefetches_used - before.prefetches_used,
+        link_experts_per_token: (after.copies - before.copies) as f64 / tokens as f64,
+        host_experts_per_token: (after.host_experts - before.host_experts) as f64 / tokens as f64,
+        host_pairs_per_token: (after.host_pairs - before.host_pairs) as f64 / tokens as f64,
+        host_bytes_per_token: (after.host_bytes - before.host_bytes) as f64 / tokens as f64,
+        link_gb_s: lane_gb_s(
+            (after.copies - after.prefetched - (before.copies - before.prefetched)) * after.bytes_per_expert as u64,
+            after.link_ns - before.link_ns,
+        ),
+        host_gb_s: lane_gb_s(after.host_bytes - before.host_bytes, after.host_ns - before.host_ns),
     })
 }
 
@@ -245,6 +272,13 @@ pub(super) fn print_report(r: &BenchReport) {
                 "{:.1} tok/s ({:.1} % achieved)",
                 o.pcie_bound_tok_s,
                 100.0 * o.achieved_over_pcie_bound
+            ),
+        ));
+        rows.push((
+            "lanes per token",
+            format!(
+                "link {:.1} experts at {:.1} GB/s, CPU {:.1} experts ({:.1} rows) at {:.1} GB/s",
+                o.link_experts_per_token, o.link_gb_s, o.host_experts_per_token, o.host_pairs_per_token, o.host_gb_s
             ),
         ));
         rows.push((

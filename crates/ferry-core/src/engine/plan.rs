@@ -86,7 +86,7 @@ fn activation_shapes(spec: &ModelSpec) -> ActivationShapes {
         .max()
         .unwrap_or(0);
     let (top_k, expert_intermediate, shared) = spec.moe.as_ref().map_or((0, 0, 0), |m| {
-        (m.top_k, m.intermediate, m.shared_expert_intermediate.unwrap_or(0))
+        (m.top_k, m.intermediate, m.shared_expert.map_or(0, |s| s.intermediate))
     });
     let (gdn_conv, gdn_value) = spec
         .gated_delta_net

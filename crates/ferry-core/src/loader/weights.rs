@@ -408,17 +408,24 @@ impl WeightStore {
         found
     }
 
-    /// Tensors outside the text model (not under its `model.` prefix, not `lm_head`), counted by the prefix that
-    /// names their part: a multimodal checkpoint's vision tower (`model.visual.`), a multi-token-prediction head
-    /// (`mtp.`). Text serving never reads them.
-    pub fn outside_text_model(&self) -> BTreeMap<String, usize> {
+    /// Tensors outside the text model of `decoder_layers` layers, counted by the prefix that names their part: a
+    /// multimodal checkpoint's vision tower (`model.visual.`), a multi-token-prediction head (`mtp.`), or the
+    /// multi-token-prediction layers that DeepSeek-V3 and GLM-4.5 store after the decoder's own
+    /// (`model.layers.{decoder_layers + i}.`). Text serving never reads them.
+    pub fn outside_text_model(&self, decoder_layers: usize) -> BTreeMap<String, usize> {
+        let layers = format!("{}layers.", self.text_prefix);
         let mut parts = BTreeMap::new();
         for name in self.tensors.keys() {
-            if name.starts_with(self.text_prefix) || name.starts_with("lm_head.") {
-                continue;
-            }
-            let depth = if name.starts_with("model.") { 2 } else { 1 };
-            let part: String = name.split('.').take(depth).map(|p| format!("{p}.")).collect();
+            let part: String = match name.strip_prefix(&layers).and_then(|rest| rest.split_once('.')) {
+                Some((index, _)) if index.parse().is_ok_and(|i: usize| i >= decoder_layers) => {
+                    format!("{layers}{index}.")
+                }
+                _ if name.starts_with(self.text_prefix) || name.starts_with("lm_head.") => continue,
+                _ => {
+                    let depth = if name.starts_with("model.") { 2 } else { 1 };
+                    name.split('.').take(depth).map(|p| format!("{p}.")).collect()
+                }
+            };
             *parts.entry(part).or_insert(0) += 1;
         }
         parts

@@ -75,9 +75,27 @@ pub struct MoeSpec {
     pub intermediate: usize,
     pub router: RouterKind,
     pub activation: ExpertActivation,
-    /// A shared expert of this intermediate size, scaled by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE).
-    pub shared_expert_intermediate: Option<usize>,
+    pub shared_expert: Option<SharedExpert>,
     pub naming: ExpertNaming,
+}
+
+/// A MoE block's shared expert: a SwiGLU MLP every token passes through, added to the routed experts' sum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedExpert {
+    pub intermediate: usize,
+    /// Qwen2-MoE's kind: stored as `shared_expert` and scaled by `sigmoid(shared_expert_gate(x))`. Otherwise
+    /// DeepSeek-V3's and GLM-4.5's: stored as `shared_experts` (all `n_shared_experts` as one MLP), added as is.
+    pub sigmoid_gated: bool,
+}
+
+impl SharedExpert {
+    /// Qwen's shared expert of `intermediate` features, scaled by its sigmoid gate.
+    pub fn sigmoid_gated(intermediate: usize) -> Self {
+        SharedExpert {
+            intermediate,
+            sigmoid_gated: true,
+        }
+    }
 }
 
 /// How a layer mixes information across tokens.
@@ -274,7 +292,7 @@ impl QwenExpertsConfig {
             intermediate: self.moe_intermediate_size,
             router: RouterKind::SoftmaxTopK { renormalize },
             activation: ExpertActivation::SiluGlu,
-            shared_expert_intermediate,
+            shared_expert: shared_expert_intermediate.map(SharedExpert::sigmoid_gated),
             naming: STANDARD_EXPERTS,
         })
     }

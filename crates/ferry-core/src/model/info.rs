@@ -59,7 +59,9 @@ impl ModelInfo {
                 + value * h
         });
         let (num_experts, top_k, moe_inter, shared) = spec.moe.as_ref().map_or((0, 0, 0, 0), |m| {
-            let shared = m.shared_expert_intermediate.map_or(0, |i| 3 * h * i as u64 + h);
+            let shared = m
+                .shared_expert
+                .map_or(0, |s| 3 * h * s.intermediate as u64 + s.sigmoid_gated as u64 * h);
             (m.num_experts as u64, m.top_k as u64, m.intermediate as u64, shared)
         });
         let expert_params = 3 * h * moe_inter;

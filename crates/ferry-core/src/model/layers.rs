@@ -1,6 +1,6 @@
 //! The building blocks every family's decoder is made of: attention (GQA, RoPE, optional biases, q/k norms,
 //! output gate and window), Gated DeltaNet, the SwiGLU MLP, and the MoE block (router of any [`RouterKind`],
-//! routed experts of any activation, optional sigmoid-gated shared expert).
+//! routed experts of any activation, optional shared expert, sigmoid-gated or added as is).
 
 use std::ops::Range;
 
@@ -293,7 +293,8 @@ impl<B: Backend> Mlp<B> {
 
 struct SharedExpert<B: Backend> {
     mlp: Mlp<B>,
-    gate: B::Weight,
+    /// The sigmoid gate of Qwen's kind (`shared_expert_gate`); None: added as is.
+    gate: Option<B::Weight>,
 }
 
 pub struct MoeBlock<B: Backend> {
@@ -356,10 +357,14 @@ impl<B: Backend> MoeBlock<B> {
         let experts = w
             .backend
             .experts(expert_tensors(w, &block, &moe.naming, moe, hidden)?, moe.activation)?;
-        let shared = match moe.shared_expert_intermediate {
-            Some(inter) => Some(SharedExpert {
-                mlp: Mlp::load(w, &format!("{block}.shared_expert"), hidden, inter)?,
-                gate: w.load(&format!("{block}.shared_expert_gate.weight"), &[1, hidden])?,
+        let shared = match moe.shared_expert {
+            Some(s) if s.sigmoid_gated => Some(SharedExpert {
+                mlp: Mlp::load(w, &format!("{block}.shared_expert"), hidden, s.intermediate)?,
+                gate: Some(w.load(&format!("{block}.shared_expert_gate.weight"), &[1, hidden])?),
+            }),
+            Some(s) => Some(SharedExpert {
+                mlp: Mlp::load(w, &format!("{block}.shared_experts"), hidden, s.intermediate)?,
+                gate: None,
             }),
             None => None,
         };
@@ -429,7 +434,9 @@ impl<B: Backend> MoeBlock<B> {
         let mut out = be.moe_experts(x, &routing, &self.experts)?;
         if let Some(shared) = &self.shared {
             let mut y = shared.mlp.forward(be, x)?;
-            be.sigmoid_gate(&mut y, &be.linear(x, &shared.gate, None)?)?;
+            if let Some(gate) = &shared.gate {
+                be.sigmoid_gate(&mut y, &be.linear(x, gate, None)?)?;
+            }
             be.add_assign(&mut out, &y)?;
         }
         Ok(out)

@@ -29,7 +29,7 @@ pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
         intermediate: c.intermediate_size,
         router: RouterKind::SoftmaxTopK { renormalize: true },
         activation: ExpertActivation::SiluGlu,
-        shared_expert_intermediate: None,
+        shared_expert: None,
         naming: ExpertNaming {
             block: "block_sparse_moe",
             projections: ["w1", "w3", "w2"],

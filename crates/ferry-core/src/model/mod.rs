@@ -4,6 +4,7 @@
 //! against [`Backend`].
 
 pub mod config;
+mod glm4_moe;
 pub mod info;
 pub mod layers;
 mod mixtral;
@@ -32,6 +33,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_next",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
+    "glm4_moe",
 ];
 
 /// The spec of a checkpoint's model, from its `model_type` and config.
@@ -43,6 +45,7 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
         "olmoe" => olmoe::spec(config),
         "qwen3_next" => qwen3_next::spec(config),
         "qwen3_5_moe" | "qwen3_5_moe_text" => qwen3_5_moe::spec(config),
+        "glm4_moe" => glm4_moe::spec(config),
         other => Err(Error::Config(format!(
             "unsupported model_type \"{other}\"; supported: {}",
             SUPPORTED_MODEL_TYPES.join(", ")
@@ -96,10 +99,11 @@ impl<B: Backend> Model<B> {
                 bad.inf
             );
         }
-        for (part, count) in checkpoint.weights.outside_text_model() {
+        for (part, count) in checkpoint.weights.outside_text_model(spec.layers.len()) {
             let what = match part.as_str() {
                 "model.visual." => "the vision tower",
                 "mtp." => "the multi-token-prediction head",
+                p if p.contains(".layers.") => "a multi-token-prediction layer, past the decoder's",
                 _ => "not part of the text model",
             };
             tracing::info!("not loading {count} tensors under {part}: {what}, which text generation does not use");
@@ -321,7 +325,7 @@ mod tests {
                     alpha: 1.702,
                     limit: 7.0,
                 },
-                shared_expert_intermediate: None,
+                shared_expert: None,
                 naming: config::STANDARD_EXPERTS,
             }),
         }

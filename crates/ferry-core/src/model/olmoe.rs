@@ -36,7 +36,7 @@ pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
             renormalize: c.norm_topk_prob,
         },
         activation: ExpertActivation::SiluGlu,
-        shared_expert_intermediate: None,
+        shared_expert: None,
         naming: STANDARD_EXPERTS,
     });
     Ok(spec)

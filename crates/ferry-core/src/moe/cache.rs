@@ -23,7 +23,7 @@ pub struct Plan {
     /// this plan.
     pub evicted: Vec<ExpertKey>,
     /// Missing experts the caller asked to compute elsewhere rather than fetch ([`ExpertCache::plan_elsewhere`]),
-    /// in first-routed order: the seam of a CPU lane for misses, which no backend has yet.
+    /// in first-routed order: the misses the CUDA offload's CPU lane computes.
     pub elsewhere: Vec<u32>,
     layer: u32,
     placement: Placement,
@@ -143,6 +143,18 @@ impl ExpertCache {
     /// `prefill_rows.len()` rows, equally many per row, and an expert that only prefill rows route to is told to the
     /// policy as an [`Access::Prefill`]. With no rows given, every row is a decode step.
     pub fn plan_batch(&mut self, layer: u32, routed: &[u32], prefill_rows: &[bool]) -> Result<Plan> {
+        self.plan_batch_elsewhere(layer, routed, prefill_rows, |_| false)
+    }
+
+    /// [`Self::plan_batch`], except that the missing experts for which `elsewhere` holds are not fetched but listed
+    /// in [`Plan::elsewhere`], for the caller to compute off the device: they take no slot, and count as misses.
+    pub fn plan_batch_elsewhere(
+        &mut self,
+        layer: u32,
+        routed: &[u32],
+        prefill_rows: &[bool],
+        elsewhere: impl Fn(u32) -> bool,
+    ) -> Result<Plan> {
         if !prefill_rows.is_empty() && !routed.len().is_multiple_of(prefill_rows.len()) {
             return Err(Error::Shape(format!(
                 "{} routed ids are not a whole number of ids for each of {} rows",
@@ -152,17 +164,13 @@ impl ExpertCache {
         }
         let mut plan = Plan::default();
         self.begin(routed, prefill_rows, &mut plan);
-        self.place(layer, Placement::Step, &|_| false, &mut plan)?;
+        self.place(layer, Placement::Step, &elsewhere, &mut plan)?;
         Ok(plan)
     }
 
-    /// [`Self::plan`], except that the missing experts for which `elsewhere` holds are not fetched but listed in
-    /// [`Plan::elsewhere`], for the caller to compute off the device: they take no slot, and count as misses.
+    /// [`Self::plan_batch_elsewhere`] with every row a decode step.
     pub fn plan_elsewhere(&mut self, layer: u32, routed: &[u32], elsewhere: impl Fn(u32) -> bool) -> Result<Plan> {
-        let mut plan = Plan::default();
-        self.begin(routed, &[], &mut plan);
-        self.place(layer, Placement::Step, &elsewhere, &mut plan)?;
-        Ok(plan)
+        self.plan_batch_elsewhere(layer, routed, &[], elsewhere)
     }
 
     /// Plans copying `experts` of `layer` in before its step routes (a prefetch: the caller expects that step to

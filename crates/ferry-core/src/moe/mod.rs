@@ -1,5 +1,5 @@
 //! The expert cache's pure logic: eviction policies (and their names), the per-layer planner over one slot pool
-//! shared by all MoE layers, the offload's counters, and routing traces. A backend that offloads experts (host bank, device slots,
+//! shared by all MoE layers, the split of a layer's misses between the link and a CPU lane, the offload's counters, and routing traces. A backend that offloads experts (host bank, device slots,
 //! copies) applies the plans made here; nothing in this module touches a device, so all of it is tested on the
 //! CPU. Not here: how a GPU budget is divided (`engine::plan`), which needs the model and the backend.
 
@@ -9,6 +9,7 @@ pub mod floors;
 pub mod lrfu;
 pub mod policy;
 pub mod prefill;
+pub mod split;
 pub mod stats;
 pub mod tap;
 pub mod trace;
@@ -19,6 +20,7 @@ pub use floors::LayerFloors;
 pub use lrfu::Lrfu;
 pub use policy::{Access, Belady, EvictionPolicy, ExpertKey, Lru};
 pub use prefill::PrefillAware;
+pub use split::{plan_split, rows_per_expert, LaneRates, Miss, Split, SplitRule};
 pub use stats::OffloadStats;
 pub use tap::{RoutingTap, TraceRecorder, TraceReplayer};
 pub use trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};

@@ -38,6 +38,15 @@ pub struct OffloadStats {
     /// point that copies and compute cannot overlap.
     pub router_waits: u64,
     pub router_wait_ns: u64,
+    /// The CPU lane: the misses it computed instead of copying (distinct experts per layer and step), their (row,
+    /// expert) pairs, the expert bytes it read and its busy time.
+    pub host_experts: u64,
+    pub host_pairs: u64,
+    pub host_bytes: u64,
+    pub host_ns: u64,
+    /// The link's time over each layer's demand copies (from the first queued to the last landed; a guessed copy
+    /// still in flight when they were queued counts in it).
+    pub link_ns: u64,
 }
 
 impl OffloadStats {
@@ -57,6 +66,17 @@ impl OffloadStats {
     /// Of the experts routed by layers that had a guess, the share guessed; 0 before any guess.
     pub fn guess_recall(&self) -> f64 {
         ratio(self.guessed_routed, self.routed_after_guess)
+    }
+
+    /// The CPU lane's achieved rate over the expert bytes it read, GB/s; 0 before it ran.
+    pub fn host_gb_s(&self) -> f64 {
+        ratio(self.host_bytes, self.host_ns)
+    }
+
+    /// The link's achieved rate over the demand copies (prefetches are not timed), GB/s; 0 before any.
+    pub fn link_gb_s(&self) -> f64 {
+        let demand = self.copies.saturating_sub(self.prefetched) * self.bytes_per_expert as u64;
+        ratio(demand, self.link_ns)
     }
 
     /// Hits over accesses; 0 before any access.

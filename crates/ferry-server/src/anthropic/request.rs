@@ -86,6 +86,7 @@ impl MessagesBody {
             template_kwargs: Default::default(),
             thinking,
             thinking_budget,
+            reasoning_effort: None,
             tools: tools::tool_request(body)?,
             params: GenerationParams {
                 max_tokens,

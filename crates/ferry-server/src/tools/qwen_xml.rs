@@ -5,9 +5,8 @@
 //! and arrays are parsed as JSON, strings stay strings). The call starts once `<function=NAME>` is whole and each
 //! parameter becomes a piece of the arguments once its `</parameter>` is seen.
 
-use serde_json::Value;
-
-use super::{tool, CallBody, ToolEvent, ToolSpec};
+use super::arg_value::{argument_fragment, arguments_end};
+use super::{opens_with, tool, CallBody, ToolEvent, ToolSpec};
 
 const FUNCTION: &str = "<function=";
 const FUNCTION_END: &str = "</function>";
@@ -24,11 +23,6 @@ pub struct XmlCall {
     invalid: bool,
     /// After `</function>`: the rest of the body is ignored.
     done: bool,
-}
-
-/// Whether `text` could still grow into `tag` or already starts with it.
-fn opens_with(text: &str, tag: &str) -> bool {
-    text.starts_with(tag) || tag.starts_with(text)
 }
 
 impl XmlCall {
@@ -73,9 +67,7 @@ impl XmlCall {
                 // The template writes a newline on each side of the value.
                 let raw = raw.strip_prefix('\n').unwrap_or(raw);
                 let raw = raw.strip_suffix('\n').unwrap_or(raw);
-                let schema = tool(tools, function).and_then(|t| t.parameters.get("properties")?.get(name));
-                let separator = if self.parameters == 0 { "{" } else { "," };
-                let fragment = format!("{separator}{}:{}", Value::from(name), convert(raw, schema));
+                let fragment = argument_fragment(self.parameters, raw, tool(tools, function), name);
                 out.push(ToolEvent::Arguments { index, fragment });
                 self.parameters += 1;
                 let consumed = skipped + value_end + PARAMETER_END.len();
@@ -106,48 +98,10 @@ impl CallBody for XmlCall {
             return false;
         }
         // A parameter left open when generation ended is dropped; the arguments stay a JSON object.
-        let fragment = if self.parameters == 0 { "{}" } else { "}" };
         out.push(ToolEvent::Arguments {
             index,
-            fragment: fragment.into(),
+            fragment: arguments_end(self.parameters).into(),
         });
         true
     }
-}
-
-/// A parameter's text as the JSON value its schema asks for; text that does not read as any of the schema's
-/// types stays a string, as does a parameter the schema does not describe.
-fn convert(raw: &str, schema: Option<&Value>) -> Value {
-    let types: Vec<&str> = match schema.and_then(|s| s.get("type")) {
-        Some(Value::String(t)) => vec![t.as_str()],
-        Some(Value::Array(list)) => list.iter().filter_map(Value::as_str).collect(),
-        _ => vec![],
-    };
-    for kind in types {
-        let value = match kind {
-            "string" => Some(Value::from(raw)),
-            "integer" => raw.trim().parse::<i64>().ok().map(Value::from),
-            "number" => match raw.trim().parse::<i64>() {
-                Ok(n) => Some(Value::from(n)),
-                Err(_) => raw
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-                    .and_then(|x| serde_json::Number::from_f64(x).map(Value::Number)),
-            },
-            "boolean" => match raw.trim().to_ascii_lowercase().as_str() {
-                "true" => Some(Value::Bool(true)),
-                "false" => Some(Value::Bool(false)),
-                _ => None,
-            },
-            "null" => (raw.trim() == "null").then_some(Value::Null),
-            "object" => serde_json::from_str(raw).ok().filter(Value::is_object),
-            "array" => serde_json::from_str(raw).ok().filter(Value::is_array),
-            _ => None,
-        };
-        if let Some(value) = value {
-            return value;
-        }
-    }
-    Value::from(raw)
 }

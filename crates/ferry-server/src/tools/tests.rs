@@ -265,3 +265,128 @@ fn the_parser_is_picked_from_the_template_or_named() {
         .unwrap();
     assert_eq!(ToolCallParserChoice::FromTemplate.format(&mixtral), None);
 }
+
+const GLM: ToolCallFormat = ToolCallFormat::Glm45;
+const DEEPSEEK: ToolCallFormat = ToolCallFormat::DeepSeekV31;
+
+#[test]
+fn glm_call_with_typed_arguments() {
+    let text = "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New\nYork</arg_value>\n\
+                <arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n<arg_value>true\
+                </arg_value>\n<arg_key>note</arg_key>\n<arg_value>{\"a\": 1}</arg_value>\n</tool_call>";
+    let arguments = json!({"city": "New\nYork", "days": 3, "metric": true, "note": "{\"a\": 1}"});
+    assert_eq!(
+        parse(GLM, true, text),
+        outcome("Checking.", &[("get_weather", arguments)])
+    );
+}
+
+#[test]
+fn glm_calls_without_line_breaks_and_without_arguments() {
+    // GLM-4.6 and later write no line breaks between the elements.
+    let text = "<tool_call>search<arg_key>filters</arg_key><arg_value>{\"lang\": \"en\"}</arg_value><arg_key>sites\
+                </arg_key><arg_value>[\"a.no\", 2]</arg_value></tool_call><tool_call>get_weather</tool_call>Done.";
+    let calls = [
+        ("search", json!({"filters": {"lang": "en"}, "sites": ["a.no", 2]})),
+        ("get_weather", json!({})),
+    ];
+    assert_eq!(parse(GLM, true, text), outcome("Done.", &calls));
+    assert_eq!(parse(GLM, false, text), outcome("Done.", &calls[..1]));
+}
+
+#[test]
+fn glm_what_is_not_a_call_stays_text_and_a_cut_call_closes() {
+    let unknown = "<tool_call>launch\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n</tool_call>";
+    assert_eq!(parse(GLM, true, unknown), outcome(unknown, &[]));
+    let cut = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days";
+    assert_eq!(
+        parse(GLM, true, cut),
+        outcome("", &[("get_weather", json!({"city": "Paris"}))])
+    );
+}
+
+#[test]
+fn deepseek_group_of_calls_after_text() {
+    // The arguments come out as written (compact here, so that they compare equal to `json!`'s text).
+    let text = "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\":\"Paris\",\
+                \"days\":3}<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>search<｜tool▁sep｜>{\"sites\":[\"a\"]}\
+                <｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+    let calls = [
+        ("get_weather", json!({"city": "Paris", "days": 3})),
+        ("search", json!({"sites": ["a"]})),
+    ];
+    assert_eq!(parse(DEEPSEEK, true, text), outcome("Let me check.", &calls));
+    assert_eq!(parse(DEEPSEEK, false, text), outcome("Let me check.", &calls[..1]));
+}
+
+#[test]
+fn deepseek_unknown_tool_stays_text_and_a_cut_call_closes() {
+    let unknown =
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>launch<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+    assert_eq!(
+        parse(DEEPSEEK, true, unknown),
+        outcome("<｜tool▁call▁begin｜>launch<｜tool▁sep｜>{}<｜tool▁call▁end｜>", &[])
+    );
+    let cut = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\":\"Oslo\"}";
+    assert_eq!(
+        parse(DEEPSEEK, true, cut),
+        outcome("", &[("get_weather", json!({"city": "Oslo"}))])
+    );
+    let no_arguments = "<｜tool▁call▁begin｜>search<｜tool▁sep｜><｜tool▁call▁end｜>";
+    assert_eq!(
+        parse(DEEPSEEK, true, no_arguments),
+        outcome("", &[("search", json!({}))])
+    );
+}
+
+#[test]
+fn deepseek_arguments_stream_as_written() {
+    let mut parser = ToolCallParser::new(DEEPSEEK, tools(), true);
+    let mut events = parser.push("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜> {\"ci");
+    events.extend(parser.push("ty\": \"Paris\"}<｜tool▁call▁end｜>"));
+    let start = ToolEvent::Start {
+        index: 0,
+        name: "get_weather".into(),
+    };
+    let fragment = |f: &str| ToolEvent::Arguments {
+        index: 0,
+        fragment: f.into(),
+    };
+    assert_eq!(events, vec![start, fragment("{\"ci"), fragment("ty\": \"Paris\"}")]);
+}
+
+#[test]
+fn the_new_formats_are_picked_from_their_templates_or_named() {
+    for (name, format) in [
+        ("glm45", GLM),
+        ("deepseek_v31", DEEPSEEK),
+        ("harmony", ToolCallFormat::Harmony),
+    ] {
+        assert_eq!(
+            name.parse::<ToolCallParserChoice>(),
+            Ok(ToolCallParserChoice::Format(format))
+        );
+    }
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    for (template, format) in [
+        ("glm4_5.jinja", GLM),
+        ("deepseek_v3_1.jinja", DEEPSEEK),
+        ("gpt_oss.jinja", ToolCallFormat::Harmony),
+    ] {
+        let scratch = tempfile::tempdir().unwrap();
+        for file in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(fixtures.join("qwen3_moe").join(file), scratch.path().join(file)).unwrap();
+        }
+        std::fs::copy(
+            fixtures.join("chat_templates").join(template),
+            scratch.path().join("chat_template.jinja"),
+        )
+        .unwrap();
+        let tokenizer = ferry_core::loader::Tokenizer::load(scratch.path()).unwrap().unwrap();
+        assert_eq!(
+            ToolCallParserChoice::FromTemplate.format(&tokenizer),
+            Some(format),
+            "{template}"
+        );
+    }
+}

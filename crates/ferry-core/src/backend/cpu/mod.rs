@@ -9,6 +9,7 @@
 mod attention;
 mod gdn;
 pub mod gemv;
+pub mod lane;
 mod moe;
 
 use rayon::prelude::*;

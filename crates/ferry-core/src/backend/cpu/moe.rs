@@ -91,8 +91,8 @@ fn softmax_top_k(logits: &[f32], top_k: usize, renormalize: bool) -> (Vec<usize>
 }
 
 /// [`RouterKind::SigmoidGroupedTopK`] for one row, as transformers' `DeepseekV3TopkRouter` computes it: experts
-/// outside the best groups have their biased score replaced by 0 (not excluded), and the renormalising sum gets
-/// 1e-20 added.
+/// outside the best groups are out of the choice (their biased score -inf), and the renormalising sum gets 1e-20
+/// added.
 fn sigmoid_grouped_top_k(
     logits: &[f32],
     bias: &[f32],
@@ -114,7 +114,7 @@ fn sigmoid_grouped_top_k(
     let mut groups: Vec<usize> = (0..n_group).collect();
     rank(&mut groups, |g| group_scores[g]);
     for &g in &groups[topk_group..] {
-        biased[g * group_size..(g + 1) * group_size].fill(0.0);
+        biased[g * group_size..(g + 1) * group_size].fill(f32::NEG_INFINITY);
     }
     let mut order: Vec<usize> = (0..logits.len()).collect();
     rank(&mut order, |e| biased[e]);
@@ -263,7 +263,7 @@ mod tests {
     }
 
     /// DeepSeek-V3's router written out plainly, apart from the backend's: the best `topk_group` groups by the sum
-    /// of their two best biased scores, the other groups' biased scores zeroed, the top k of what remains.
+    /// of their two best biased scores, the other groups' experts left out, the top k of what remains.
     fn reference_grouped(logits: &[f32], bias: &[f32], top_k: usize, groups: usize, keep: usize) -> Vec<(u32, f32)> {
         let scores: Vec<f32> = logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect();
         let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
@@ -282,7 +282,8 @@ mod tests {
         let mut candidates: Vec<(f32, usize)> = biased
             .iter()
             .enumerate()
-            .map(|(e, &s)| (if kept.contains(&(e / size)) { s } else { 0.0 }, e))
+            .filter(|&(e, _)| kept.contains(&(e / size)))
+            .map(|(e, &s)| (s, e))
             .collect();
         candidates.sort_by(|a, b| b.0.total_cmp(&a.0));
         let chosen = &candidates[..top_k];
@@ -355,6 +356,32 @@ mod tests {
             ),
             "the grouped router needs its correction bias"
         );
+    }
+
+    /// The experts of the groups left out are out of the choice (transformers masks them with -inf), even when
+    /// every biased score of the kept groups is negative.
+    #[test]
+    fn grouped_sigmoid_router_never_chooses_from_groups_left_out() {
+        let kind = RouterKind::SigmoidGroupedTopK {
+            n_group: 2,
+            topk_group: 1,
+            renormalize: false,
+            scaling: 1.0,
+        };
+        // Scores 0.5 each; biased -0.1, -0.2 (group 0: -0.3) and 0.4, -0.4 (group 1: 0.0): group 1 is kept, and
+        // expert 3 (-0.4) is chosen over group 0's experts, whose zeroed scores would have beaten it.
+        let bias = TensorRef::from_f32("bias", vec![4], &[-0.6, -0.7, -0.1, -0.9]).unwrap();
+        let routing = route(
+            &tensor(1, 4, vec![0.0; 4]),
+            Router {
+                kind,
+                top_k: 2,
+                correction_bias: Some(&bias),
+            },
+        )
+        .unwrap();
+        assert_eq!(routing.ids, [2, 3]);
+        assert_eq!(routing.weights, [0.5, 0.5]);
     }
 
     #[test]

@@ -127,6 +127,18 @@ impl HostBank {
         Ok(index)
     }
 
+    /// Block `index`'s bytes in place, for the CPU lane to read.
+    pub fn block(&self, index: usize) -> Result<&[u8]> {
+        let (chunk, slot) = (index / self.blocks_per_chunk, index % self.blocks_per_chunk);
+        let range = slot * self.stride..slot * self.stride + self.block_bytes;
+        let bytes = match self.chunks.get(chunk) {
+            Some(Chunk::Pinned(p)) => p.as_slice().map_err(cuda_err("pinned bank memory"))?,
+            Some(Chunk::Pageable(v)) => v,
+            None => return Err(Error::Cuda(format!("no bank block {index}"))),
+        };
+        Ok(&bytes[range])
+    }
+
     /// Queues the copy of block `index` to device address `dst` on `stream`.
     pub fn copy_to_device(&mut self, index: usize, dst: u64, stream: &Arc<CudaStream>) -> Result<()> {
         let (chunk, slot) = (index / self.blocks_per_chunk, index % self.blocks_per_chunk);

@@ -54,6 +54,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         "moe",
         &[
             "route_softmax_topk",
+            "route_sigmoid_grouped_topk",
             "moe_gate_up",
             "moe_down",
             "moe_down_pairs",

@@ -40,7 +40,7 @@ use crate::kv::{KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::moe::OffloadStats;
 use crate::{Error, Result};
-pub use ceilings::GpuCeilings;
+pub use ceilings::{GpuCeilings, LaneCeilings};
 use context::{blas_err, cuda_err};
 pub use ferry_kernels::constants::GEMV_MAX_ROWS;
 pub use kv::{DeviceBatch, DeviceKv};

@@ -1,7 +1,8 @@
 //! The MoE block on the GPU (moe.cu): loading a layer's routed experts (a resident slab, or the offload's bank),
 //! routing on the device, the decode kernels that read the experts through the layer's table of block addresses
 //! (under offload, resident experts first and each copied expert once its copy lands), and the grouped prefill
-//! path, which gathers each expert's rows and runs them through cuBLAS.
+//! path, which gathers each expert's rows and runs them through cuBLAS. With the offload's CPU lane, both paths
+//! leave the host's experts out and moe_combine reads their products from the lane's upload.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{GEMV_MAX_ROWS, MOE_DOWN_ROWS, MOE_WARPS, ROUTER_MAX_EXPERTS};
@@ -9,7 +10,7 @@ use ferry_kernels::constants::{GEMV_MAX_ROWS, MOE_DOWN_ROWS, MOE_WARPS, ROUTER_M
 use super::elementwise::copy_rows;
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::memory::bf16_bytes;
-use super::offload::LayerCopies;
+use super::offload::{LayerCopies, Offload};
 use super::workspace::MOE_GROUP_ROWS;
 use super::{cuda_err, Bf16Matrix, CudaBackend, CudaExperts, CudaRouting, CudaTensor, CudaWeight};
 use crate::backend::{ExpertActivation, ExpertTensors, Router, RouterKind};
@@ -27,6 +28,23 @@ kernel! {
         num_experts: i32,
         top_k: i32,
         renormalize: i32,
+        ids: Ptr<i32>,
+        weights: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// moe.cu's `route_sigmoid_grouped_topk`: [`RouterKind::SigmoidGroupedTopK`] over each row's `num_experts`
+    /// logits with the per-expert correction `bias`, one warp per row.
+    struct RouteSigmoidGroupedTopk = "route_sigmoid_grouped_topk" {
+        logits: Ptr<f32>,
+        bias: Ptr<f32>,
+        num_experts: i32,
+        n_group: i32,
+        topk_group: i32,
+        top_k: i32,
+        renormalize: i32,
+        scaling: f32,
         ids: Ptr<i32>,
         weights: Ptr<f32>,
     }
@@ -87,14 +105,24 @@ kernel! {
 }
 
 kernel! {
-    /// moe.cu's `moe_combine`: `out[r] = sum_k weights[r, k] * y[r * top_k + k]`, in router order.
+    /// moe.cu's `moe_combine`: `out[r] = sum_k weights[r, k] * y[r * top_k + k]`, in router order, a pair's product
+    /// read from row `host_index[pair]` of `host_y` where that is not negative (the CPU lane's; null: none).
     struct MoeCombine = "moe_combine" {
         y: Ptr<f32>,
         weights: Ptr<f32>,
         top_k: i32,
         hidden: i32,
+        host_y: Ptr<f32>,
+        host_index: Ptr<i32>,
         out: Ptr<f32>,
     }
+}
+
+/// The CPU lane's products of a batch on the device: `[host pairs, hidden]`, and per (row, k) pair of the batch its
+/// row there or -1.
+struct HostProducts {
+    products: CudaTensor,
+    index: CudaSlice<i32>,
 }
 
 /// One group of rows of the grouped MoE path, and the experts' shape.
@@ -163,24 +191,19 @@ pub(super) fn upload_experts(
     })
 }
 
-/// [`crate::backend::Backend::check_router`]: moe.cu routes softmax top-k only.
+/// [`crate::backend::Backend::check_router`]: moe.cu has a kernel for every [`RouterKind`].
 pub(super) fn check_router(kind: RouterKind) -> Result<()> {
     match kind {
-        RouterKind::SoftmaxTopK { .. } => Ok(()),
-        RouterKind::SigmoidGroupedTopK { .. } => Err(no_router_for(kind)),
+        RouterKind::SoftmaxTopK { .. } | RouterKind::SigmoidGroupedTopK { .. } => Ok(()),
     }
 }
 
-fn no_router_for(kind: RouterKind) -> Error {
-    Error::Config(format!(
-        "the CUDA backend has no router for {kind:?} yet (the CPU backend has)"
-    ))
-}
-
+/// [`crate::backend::Backend::route`]: the router kernel of the kind, on the device, whether the routing stays
+/// there (decode) or its ids go to the host (offload's plan).
 pub(super) fn route(cuda: &CudaBackend, logits: &CudaTensor, router: Router<'_, CudaWeight>) -> Result<CudaRouting> {
-    let (top_k, RouterKind::SoftmaxTopK { renormalize }) = (router.top_k, router.kind) else {
-        return Err(no_router_for(router.kind));
-    };
+    let (kind, top_k) = (router.kind, router.top_k);
+    kind.check(logits.cols, top_k)
+        .map_err(|e| Error::Shape(format!("route: {e}")))?;
     if logits.cols > ROUTER_MAX_EXPERTS {
         return Err(Error::Cuda(format!(
             "{} experts is over the router kernel's {ROUTER_MAX_EXPERTS}",
@@ -189,15 +212,56 @@ pub(super) fn route(cuda: &CudaBackend, logits: &CudaTensor, router: Router<'_, 
     }
     let ids: CudaSlice<i32> = cuda.alloc(logits.rows * top_k)?;
     let weights: CudaSlice<f32> = cuda.alloc(logits.rows * top_k)?;
-    let router = RouteSoftmaxTopk {
-        logits: ptr(&logits.data),
-        num_experts: logits.cols as i32,
-        top_k: top_k as i32,
-        renormalize: renormalize as i32,
-        ids: ptr(&ids),
-        weights: ptr(&weights),
-    };
-    router.launch(cuda, per_row(logits.rows, 32))?;
+    let grid = per_row(logits.rows, 32);
+    match (kind, router.correction_bias) {
+        (RouterKind::SoftmaxTopK { renormalize }, None) => RouteSoftmaxTopk {
+            logits: ptr(&logits.data),
+            num_experts: logits.cols as i32,
+            top_k: top_k as i32,
+            renormalize: renormalize as i32,
+            ids: ptr(&ids),
+            weights: ptr(&weights),
+        }
+        .launch(cuda, grid)?,
+        (
+            RouterKind::SigmoidGroupedTopK {
+                n_group,
+                topk_group,
+                renormalize,
+                scaling,
+            },
+            Some(bias),
+        ) => {
+            let bias = match bias {
+                CudaWeight::Vector(v) if v.len() == logits.cols => ptr(v),
+                _ => {
+                    return Err(Error::Shape(format!(
+                        "route: the correction bias is not a vector of the {} experts",
+                        logits.cols
+                    )))
+                }
+            };
+            RouteSigmoidGroupedTopk {
+                logits: ptr(&logits.data),
+                bias,
+                num_experts: logits.cols as i32,
+                n_group: n_group as i32,
+                topk_group: topk_group as i32,
+                top_k: top_k as i32,
+                renormalize: renormalize as i32,
+                scaling,
+                ids: ptr(&ids),
+                weights: ptr(&weights),
+            }
+            .launch(cuda, grid)?
+        }
+        (kind, bias) => {
+            return Err(Error::Shape(format!(
+                "route: {kind:?} {} a correction bias",
+                if bias.is_none() { "needs" } else { "takes no" }
+            )))
+        }
+    }
     Ok(CudaRouting {
         ids,
         weights,
@@ -253,11 +317,12 @@ pub(super) fn moe_experts(
         .offload
         .as_ref()
         .ok_or_else(|| Error::Cuda("offloaded experts without offload".into()))?;
-    let copies =
-        offload
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .prepare_layer(&cuda.stream, layer, routing, table)?;
+    let mut offload = offload.lock().unwrap_or_else(|e| e.into_inner());
+    let copies = offload.prepare_layer(&cuda.stream, layer, routing, table, x)?;
+    if !copies.host.is_empty() {
+        return moe_with_host_lane(cuda, &mut offload, layer, x, routing, table, &copies, inter);
+    }
+    drop(offload);
     if x.rows > MOE_DECODE_MAX_ROWS || copies.fetched.is_empty() {
         cuda.stream
             .wait(copies.all_ready())
@@ -355,11 +420,28 @@ fn moe_decode_under_copies(
     hidden: usize,
     inter: usize,
 ) -> Result<CudaTensor> {
+    let y = decode_products(cuda, x, routing, table, copies, hidden, inter)?;
+    let out = cuda.tensor(routing.rows, hidden)?;
+    launch_combine(cuda, &y, routing, 0..routing.rows, None, &out)?;
+    Ok(out)
+}
+
+/// The decode path's unweighted products `[pairs, hidden]` of every pair on a device expert (resident first, then
+/// each copied expert once its copy has landed); the rows of pairs on host experts are left unwritten.
+fn decode_products(
+    cuda: &CudaBackend,
+    x: &CudaTensor,
+    routing: &CudaRouting,
+    table: &CudaSlice<u64>,
+    copies: &LayerCopies,
+    hidden: usize,
+    inter: usize,
+) -> Result<CudaTensor> {
     let pairs = routing.rows * routing.top_k;
     let ids = &copies.ids[..pairs];
-    let fetched = |e: i32| copies.fetched.iter().any(|&(f, _)| f as i32 == e);
+    let elsewhere = |e: i32| copies.fetched.iter().any(|&(f, _)| f as i32 == e) || copies.host.contains(&(e as u32));
     // The run order: pairs on resident experts, then each fetched expert's pairs, in plan order.
-    let mut order: Vec<i32> = (0..pairs as i32).filter(|&p| !fetched(ids[p as usize])).collect();
+    let mut order: Vec<i32> = (0..pairs as i32).filter(|&p| !elsewhere(ids[p as usize])).collect();
     let mut runs = vec![(None, 0, order.len())];
     for (expert, event) in &copies.fetched {
         let first = order.len();
@@ -402,15 +484,121 @@ fn moe_decode_under_copies(
             },
         )?;
     }
-    let out = cuda.tensor(routing.rows, hidden)?;
+    Ok(y)
+}
+
+/// moe_combine over `rows` of the batch: `y` holds those rows' products (its first row is `rows.start`'s first
+/// pair), `host` the lane's products of the whole batch.
+fn launch_combine(
+    cuda: &CudaBackend,
+    y: &CudaTensor,
+    routing: &CudaRouting,
+    rows: std::ops::Range<usize>,
+    host: Option<&HostProducts>,
+    out: &CudaTensor,
+) -> Result<()> {
+    let (top_k, hidden) = (routing.top_k, out.cols);
+    let first_pair = rows.start * top_k;
+    let (host_y, host_index) = match host {
+        Some(h) => (ptr(&h.products.data), ptr(&h.index).offset(first_pair)),
+        None => (Ptr::null(), Ptr::null()),
+    };
     let combine = MoeCombine {
         y: ptr(&y.data),
-        weights: ptr(&routing.weights),
-        top_k: routing.top_k as i32,
+        weights: ptr(&routing.weights).offset(first_pair),
+        top_k: top_k as i32,
         hidden: hidden as i32,
-        out: ptr(&out.data),
+        host_y,
+        host_index,
+        out: ptr(&out.data).offset(rows.start * hidden),
     };
-    combine.launch(cuda, per_row(routing.rows, BLOCK_THREADS))?;
+    combine.launch(cuda, per_row(rows.len(), BLOCK_THREADS))
+}
+
+/// The MoE block under offload when the CPU lane takes some of this layer's misses (`copies.host`): the lane
+/// computes their pairs from the bank while this thread queues the GPU's share (every decode pair, or the first
+/// row group of a larger batch), then the lane's products are uploaded and moe_combine sums each row's pairs in
+/// router order, each from wherever it was computed. Each product differs from the GPU's only in the order of its
+/// dot products' additions (f32 on both sides); the sum over a row's experts is the same expression in the same
+/// order.
+#[allow(clippy::too_many_arguments)]
+fn moe_with_host_lane(
+    cuda: &CudaBackend,
+    offload: &mut Offload,
+    layer: usize,
+    x: &CudaTensor,
+    routing: &CudaRouting,
+    table: &CudaSlice<u64>,
+    copies: &LayerCopies,
+    inter: usize,
+) -> Result<CudaTensor> {
+    let hidden = x.cols;
+    let pairs = routing.rows * routing.top_k;
+    let mut index = vec![-1i32; pairs];
+    let mut host_pairs: Vec<(u32, u32)> = Vec::new();
+    for (pair, &e) in copies.ids[..pairs].iter().enumerate() {
+        if let Some(at) = copies.host.iter().position(|&h| h as i32 == e) {
+            index[pair] = host_pairs.len() as i32;
+            host_pairs.push(((pair / routing.top_k) as u32, at as u32));
+        }
+    }
+    let host = HostProducts {
+        products: cuda.tensor(host_pairs.len(), hidden)?,
+        index: cuda.copy_to_device(&index)?,
+    };
+    let on_host = |pair: usize| index[pair] >= 0;
+    let out = cuda.tensor(routing.rows, hidden)?;
+    if x.rows <= MOE_DECODE_MAX_ROWS {
+        let queued = offload.compute_on_host(
+            &cuda.stream,
+            layer,
+            (x.rows, hidden),
+            inter,
+            &copies.host,
+            &host_pairs,
+            &host.products,
+            || decode_products(cuda, x, routing, table, copies, hidden, inter),
+        )?;
+        launch_combine(cuda, &queued?, routing, 0..routing.rows, Some(&host), &out)?;
+        return Ok(out);
+    }
+    cuda.stream
+        .wait(copies.all_ready())
+        .map_err(cuda_err("waiting for expert copies"))?;
+    let groups: Vec<ExpertGroup> = (0..routing.rows)
+        .step_by(MOE_GROUP_ROWS)
+        .map(|first_row| ExpertGroup {
+            first_row,
+            rows: MOE_GROUP_ROWS.min(routing.rows - first_row),
+            hidden,
+            inter,
+        })
+        .collect();
+    let products =
+        |group: &ExpertGroup| group_products(cuda, x, routing, &copies.ids, &copies.addresses, group, &on_host);
+    let first = offload.compute_on_host(
+        &cuda.stream,
+        layer,
+        (x.rows, hidden),
+        inter,
+        &copies.host,
+        &host_pairs,
+        &host.products,
+        || products(&groups[0]),
+    )??;
+    launch_combine(cuda, &first, routing, 0..groups[0].rows, Some(&host), &out)?;
+    drop(first);
+    for group in &groups[1..] {
+        let y = products(group)?;
+        launch_combine(
+            cuda,
+            &y,
+            routing,
+            group.first_row..group.first_row + group.rows,
+            Some(&host),
+            &out,
+        )?;
+    }
     Ok(out)
 }
 
@@ -434,21 +622,23 @@ fn moe_experts_grouped(
             hidden,
             inter,
         };
-        moe_expert_group(cuda, x, routing, ids, addresses, &group, &out)?;
+        let y = group_products(cuda, x, routing, ids, addresses, &group, &|_| false)?;
+        launch_combine(cuda, &y, routing, first_row..first_row + group.rows, None, &out)?;
     }
     Ok(out)
 }
 
-/// Rows `group.first_row..+group.rows` of the grouped MoE block, written to the same rows of `out`.
-fn moe_expert_group(
+/// The unweighted products `[group pairs, hidden]` of rows `group.first_row..+group.rows`, except the pairs (of
+/// the whole batch) for which `on_host` holds, whose rows are left unwritten.
+fn group_products(
     cuda: &CudaBackend,
     x: &CudaTensor,
     routing: &CudaRouting,
     ids: &[i32],
     addresses: &[u64],
     group: &ExpertGroup,
-    out: &CudaTensor,
-) -> Result<()> {
+    on_host: &dyn Fn(usize) -> bool,
+) -> Result<CudaTensor> {
     let &ExpertGroup {
         first_row,
         rows,
@@ -456,12 +646,19 @@ fn moe_expert_group(
         inter,
     } = group;
     let top_k = routing.top_k;
-    let pairs = rows * top_k;
-    let ids = &ids[first_row * top_k..first_row * top_k + pairs];
-    // The group's (row, k) pairs ordered by expert (stably, so rows keep their order): each expert's pairs are
-    // one contiguous run, which its GEMMs read and write in place.
-    let mut order: Vec<u32> = (0..pairs as u32).collect();
+    let first_pair = first_row * top_k;
+    let group_pairs = rows * top_k;
+    let ids = &ids[first_pair..first_pair + group_pairs];
+    // The group's device pairs ordered by expert (stably, so rows keep their order): each expert's pairs are one
+    // contiguous run, which its GEMMs read and write in place.
+    let mut order: Vec<u32> = (0..group_pairs as u32)
+        .filter(|&pair| !on_host(first_pair + pair as usize))
+        .collect();
+    if order.is_empty() {
+        return cuda.tensor(group_pairs, hidden);
+    }
     order.sort_by_key(|&pair| ids[pair as usize]);
+    let pairs = order.len();
     let source_rows: Vec<u32> = order
         .iter()
         .map(|&pair| (first_row + pair as usize / top_k) as u32)
@@ -513,15 +710,7 @@ fn moe_expert_group(
         cuda.gemm_split(&halves, first, len, down_of(e), &by_expert)?;
     }
     drop(halves);
-    let y = cuda.tensor(pairs, hidden)?;
+    let y = cuda.tensor(group_pairs, hidden)?;
     copy_rows(cuda, "scatter_rows", &by_expert, &order_dev, pairs, &y)?;
-    // The group's router weights and output rows, within the whole batch's.
-    let combine = MoeCombine {
-        y: ptr(&y.data),
-        weights: ptr(&routing.weights).offset(first_row * top_k),
-        top_k: top_k as i32,
-        hidden: hidden as i32,
-        out: ptr(&out.data).offset(first_row * hidden),
-    };
-    combine.launch(cuda, per_row(rows, BLOCK_THREADS))
+    Ok(y)
 }

@@ -14,19 +14,26 @@
 //! most one guessed copy is still in flight when the next layer's own copies are queued, and the guesses not yet
 //! copied when that layer routes are dropped.
 //!
+//! The CPU lane. With a [`SplitRule`] other than `Link`, the misses of each step are split ([`plan_split`]): the
+//! link's share is copied as above, the host's is computed by the CPU lane ([`HostLane`]) straight from the bank
+//! while the GPU runs the rest. The layer's input rows come to the host with the routed ids (the same wait), the
+//! lane's products go back on the compute stream and moe_combine sums them in router order with the GPU's.
+//!
 //! The offload is part of the backend from its construction ([`CudaBackend::builder`]), with the eviction policy
-//! its caller chose.
+//! and the split rule its caller chose.
 
 use std::sync::{Arc, Mutex};
 
 use std::time::Instant;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use super::bank::HostBank;
-use super::{cuda_err, CudaBackend, CudaRouting};
-use crate::backend::{ExpertTensors, SeqSlice};
-use crate::moe::{EvictionPolicy, ExpertCache, OffloadStats, Plan};
+use super::{cuda_err, CudaBackend, CudaRouting, CudaTensor};
+use crate::backend::cpu::gemv::WeightDType;
+use crate::backend::cpu::lane::{HostLane, LaneExpert, LaneWork};
+use crate::backend::{ExpertActivation, ExpertTensors, SeqSlice};
+use crate::moe::{plan_split, rows_per_expert, EvictionPolicy, ExpertCache, OffloadStats, Plan, SplitRule};
 use crate::{Error, Result};
 
 /// How experts are offloaded: the GPU cache's slots (each holds one expert of any MoE layer) and the policy that
@@ -43,6 +50,7 @@ pub struct OffloadConfig {
 pub struct CudaBackendBuilder {
     backend: CudaBackend,
     offload: Option<OffloadConfig>,
+    split: SplitRule,
 }
 
 impl CudaBackend {
@@ -51,6 +59,7 @@ impl CudaBackend {
         Ok(CudaBackendBuilder {
             backend: CudaBackend::new(ordinal)?,
             offload: None,
+            split: SplitRule::Link,
         })
     }
 }
@@ -61,6 +70,15 @@ impl CudaBackendBuilder {
         self.backend.memory_info()
     }
 
+    pub fn device_name(&self) -> &str {
+        self.backend.device_name()
+    }
+
+    /// [`CudaBackend::measure_lanes`] on the opened GPU, before a split rule is chosen.
+    pub fn measure_lanes(&self, experts: usize, copy_bytes: usize) -> Result<super::LaneCeilings> {
+        self.backend.measure_lanes(experts, copy_bytes)
+    }
+
     /// Keeps the routed experts of the models the backend loads in a host bank, cached on the GPU as `config` says.
     pub fn offload(self, config: OffloadConfig) -> Self {
         CudaBackendBuilder {
@@ -69,10 +87,16 @@ impl CudaBackendBuilder {
         }
     }
 
+    /// Who computes the misses under offload (`--moe-strategy`): the link alone (the default), the CPU lane
+    /// alone, or the two split by the planner. Nothing without offload.
+    pub fn split(self, split: SplitRule) -> Self {
+        CudaBackendBuilder { split, ..self }
+    }
+
     pub fn build(self) -> Result<CudaBackend> {
         let mut backend = self.backend;
         if let Some(config) = self.offload {
-            backend.offload = Some(Mutex::new(Offload::new(backend.ctx.clone(), config)?));
+            backend.offload = Some(Mutex::new(Offload::new(backend.ctx.clone(), config, self.split)?));
         }
         Ok(backend)
     }
@@ -100,6 +124,8 @@ pub struct LayerCopies {
     pub resident_ready: CudaEvent,
     /// Each expert copied in for this layer, in plan order, with the event recorded after its copy.
     pub fetched: Vec<(u32, CudaEvent)>,
+    /// The misses the CPU lane computes ([`Offload::compute_on_host`]), in first-routed order: no slot holds them.
+    pub host: Vec<u32>,
 }
 
 impl LayerCopies {
@@ -144,10 +170,22 @@ pub struct Offload {
     /// Per row of the batch being run, whether it is a prefill chunk's (a slice of more than one token): what the
     /// cache tells its policy of each expert's use.
     prefill_rows: Vec<bool>,
+    /// Who computes the misses, and the CPU lane when it may take any.
+    split: SplitRule,
+    lane: Option<HostLane>,
+    /// The layer's input rows, read with its routed ids when the lane is on, and the lane's products.
+    rows_host: Option<PinnedHostSlice<f32>>,
+    products_host: Option<PinnedHostSlice<f32>>,
+    /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time).
+    link_timing: Option<(CudaEvent, CudaEvent)>,
 }
 
 impl Offload {
-    fn new(ctx: Arc<CudaContext>, config: OffloadConfig) -> Result<Self> {
+    fn new(ctx: Arc<CudaContext>, config: OffloadConfig, split: SplitRule) -> Result<Self> {
+        let lane = match split {
+            SplitRule::Link => None,
+            _ => Some(HostLane::new(HostLane::default_threads())?),
+        };
         let slots = u32::try_from(config.slots)
             .map_err(|_| Error::Cuda(format!("{} expert cache slots are too many", config.slots)))?;
         Ok(Offload {
@@ -165,13 +203,19 @@ impl Offload {
             next_guess: None,
             counters: OffloadStats::default(),
             prefill_rows: Vec::new(),
+            split,
+            lane,
+            rows_host: None,
+            products_host: None,
+            link_timing: None,
         })
     }
 
     /// Whether the MoE blocks of a step of `rows` rows should guess the next layer's routing: decode steps (at
     /// most `decode_rows` rows), when decode prefetch is on.
     pub fn wants_guess(&self, rows: usize, decode_rows: usize) -> bool {
-        self.decode_prefetch && rows <= decode_rows
+        // With every miss on the host nothing is copied, guesses included.
+        self.decode_prefetch && rows <= decode_rows && self.split != SplitRule::Cpu
     }
 
     /// Keeps `routing`, a guess of how MoE layer `layer` will route, to be read with the next layer's own ids.
@@ -278,8 +322,30 @@ impl Offload {
     /// layer's one wait for the device (every kernel queued so far has finished after it, so no slot is still being
     /// read). While it waits, the host copies guessed experts whenever the copy stream is idle; those still
     /// uncopied when the ids arrive are dropped.
-    fn read_ids(&mut self, compute: &Arc<CudaStream>, routings: &[&CudaRouting]) -> Result<Vec<i32>> {
+    fn read_ids(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        routings: &[&CudaRouting],
+        rows: Option<&CudaTensor>,
+    ) -> Result<Vec<i32>> {
         let len: usize = routings.iter().map(|r| r.rows * r.top_k).sum();
+        if let Some(x) = rows {
+            // The layer's input is complete before its router ran, so it arrives with the ids.
+            let values = x.rows * x.cols;
+            if self.rows_host.as_ref().is_none_or(|h| h.len() < values) {
+                self.rows_host = Some(
+                    unsafe { self.ctx.alloc_pinned_with_flags::<f32>(values.next_power_of_two(), 0) }
+                        .map_err(cuda_err("pinning the lane's rows"))?,
+                );
+            }
+            let Some(host) = self.rows_host.as_mut() else {
+                return Err(Error::Cuda("no buffer for the lane's rows".into()));
+            };
+            let dst = &mut host.as_mut_slice().map_err(cuda_err("lane rows"))?[..values];
+            let src = x.data.device_ptr(compute).0;
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, compute.cu_stream()) }
+                .map_err(cuda_err("the lane's rows to the host"))?;
+        }
         if self.routed_host.as_ref().is_none_or(|h| h.len() < len) {
             self.routed_host = Some(
                 unsafe { self.ctx.alloc_pinned_with_flags::<i32>(len.next_power_of_two(), 0) }
@@ -364,22 +430,26 @@ impl Offload {
         Ok(more)
     }
 
-    /// Makes the routed experts of `layer` resident for this step: reads the routed ids (and those of a guess
-    /// handed over for the next layer), plans, queues the copies of the misses, each with its event, and the slot
-    /// table's upload on `compute`. The caller makes `compute` wait for the returned events before the kernels that
-    /// read the experts.
+    /// Makes the routed experts of `layer` resident for this step, or leaves them to the CPU lane: reads the routed
+    /// ids (and those of a guess handed over for the next layer, and with the lane on the rows of `x`), splits the
+    /// misses, plans, queues the copies of the link's misses, each with its event, and the slot table's upload on
+    /// `compute`. The caller makes `compute` wait for the returned events before the kernels that read the
+    /// experts, and has the lane compute [`LayerCopies::host`].
     pub fn prepare_layer(
         &mut self,
         compute: &Arc<CudaStream>,
         layer: usize,
         routing: &CudaRouting,
         table: &CudaSlice<u64>,
+        x: &CudaTensor,
     ) -> Result<LayerCopies> {
         let routed = routing.rows * routing.top_k;
         let guess = self.guess.take();
         let mut routings = vec![routing];
         routings.extend(guess.as_ref().map(|g| &g.routing));
-        let all_ids = self.read_ids(compute, &routings)?;
+        let rows = self.lane.is_some().then_some(x);
+        let all_ids = self.read_ids(compute, &routings, rows)?;
+        self.read_link_timing()?;
         let ids: Vec<u32> = all_ids[..routed].iter().map(|&e| e as u32).collect();
         // Rows of a batch that was not started here (an op called on its own) all count as decode rows.
         let prefill_rows = if self.prefill_rows.len() == routing.rows {
@@ -387,7 +457,10 @@ impl Offload {
         } else {
             &[]
         };
-        let plan = self.cache.plan_batch(layer as u32, &ids, prefill_rows)?;
+        let host = self.split_misses(layer, &ids);
+        let plan = self
+            .cache
+            .plan_batch_elsewhere(layer as u32, &ids, prefill_rows, |e| host.contains(&e))?;
         let routed_experts: Vec<u32> = plan.resident.iter().chain(&plan.fetch).map(|&(e, _)| e).collect();
         if let Some(scored) = self.next_guess.take().filter(|g| g.layer == layer) {
             let hits = scored.experts.iter().filter(|e| routed_experts.contains(e)).count();
@@ -408,6 +481,7 @@ impl Offload {
             .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
         let layer_experts = layer_state.bank_blocks.len();
         let resident_ready = self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?;
+        let link_start = timed_event(&self.ctx, &self.copy_stream, !plan.fetch.is_empty())?;
         let fetched = Self::apply(
             &mut self.cache,
             bank,
@@ -417,6 +491,9 @@ impl Offload {
             &self.copy_stream,
         )?;
         self.counters.copies += fetched.len() as u64;
+        if let Some(start) = link_start {
+            self.link_timing = timed_event(&self.ctx, &self.copy_stream, true)?.map(|end| (start, end));
+        }
         let mirror = layer_state.table_host.as_mut_slice().map_err(cuda_err("slot table"))?;
         mirror.fill(0);
         for &(expert, slot) in plan.resident.iter().chain(&plan.fetch) {
@@ -432,8 +509,9 @@ impl Offload {
         // A batch that routes to nearly all of this layer's experts (a prefill chunk) will route to nearly all of
         // the next layer's: copy those now, behind this layer's copies and while this layer computes, instead of
         // after the next router. The next layer's kernels wait for them (its `resident_ready`). Only this layer's
-        // experts are still read by a kernel (every earlier one has finished), and the prefetch spares them.
-        if let Some(next) = self.layers.get(layer + 1) {
+        // experts are still read by a kernel (every earlier one has finished), and the prefetch spares them. Not
+        // with the CPU lane: the next layer's experts that few rows use are the lane's, not the link's.
+        if let (Some(next), None) = (self.layers.get(layer + 1), &self.lane) {
             let next_experts = next.bank_blocks.len();
             if routed_experts.len() * PREFETCH_SHARE.1 >= layer_experts * PREFETCH_SHARE.0
                 && routed_experts.len() + next_experts <= self.slots
@@ -461,7 +539,110 @@ impl Offload {
             ids: all_ids[..routed].to_vec(),
             resident_ready,
             fetched,
+            host: plan.elsewhere,
         })
+    }
+
+    /// The misses of `layer` among `ids` that the CPU lane takes, by the split rule.
+    fn split_misses(&self, layer: usize, ids: &[u32]) -> Vec<u32> {
+        if self.split == SplitRule::Link {
+            return Vec::new();
+        }
+        let (misses, hits): (Vec<_>, Vec<_>) = rows_per_expert(ids)
+            .into_iter()
+            .partition(|m| self.cache.slot_of((layer as u32, m.expert)).is_none());
+        let bytes = self.bank.as_ref().map_or(0, |b| b.block_bytes());
+        plan_split(self.split, &misses, hits.len(), bytes).cpu
+    }
+
+    /// Adds the link's busy time over the last layer's demand copies, which have landed by the time the next
+    /// router's ids are read (the kernels that waited for them ran before that router).
+    fn read_link_timing(&mut self) -> Result<()> {
+        if let Some((start, end)) = self.link_timing.take() {
+            let ms = start.elapsed_ms(&end).map_err(cuda_err("timing the expert copies"))?;
+            self.counters.link_ns += (ms as f64 * 1e6) as u64;
+        }
+        Ok(())
+    }
+
+    /// Computes the `pairs` (row of the layer's input, index into `experts`) of `layer`'s host experts on the CPU
+    /// lane while the calling thread runs `during` (which queues the GPU's share), then queues the products' upload
+    /// into `products` (`[pairs, hidden]`) on `compute`. Returns what `during` returned.
+    #[allow(clippy::too_many_arguments)]
+    pub fn compute_on_host<R>(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+        x_shape: (usize, usize),
+        inter: usize,
+        experts: &[u32],
+        pairs: &[(u32, u32)],
+        products: &CudaTensor,
+        during: impl FnOnce() -> R,
+    ) -> Result<R> {
+        let (rows, hidden) = x_shape;
+        let values = pairs.len() * hidden;
+        if self.products_host.as_ref().is_none_or(|h| h.len() < values) {
+            self.products_host = Some(
+                unsafe { self.ctx.alloc_pinned_with_flags::<f32>(values.next_power_of_two(), 0) }
+                    .map_err(cuda_err("pinning the lane's products"))?,
+            );
+        }
+        let (Some(lane), Some(bank), Some(rows_host), Some(products_host)) = (
+            self.lane.as_mut(),
+            self.bank.as_ref(),
+            self.rows_host.as_ref(),
+            self.products_host.as_mut(),
+        ) else {
+            return Err(Error::Cuda(
+                "the CPU lane has no buffers (no lane, or no layer loaded)".into(),
+            ));
+        };
+        let blocks = &self
+            .layers
+            .get(layer)
+            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?
+            .bank_blocks;
+        // An expert's block: gate, up, down, each inter * hidden bf16 values.
+        let matrix = inter * hidden * 2;
+        let lane_experts = experts
+            .iter()
+            .map(|&e| {
+                let block = blocks
+                    .get(e as usize)
+                    .ok_or_else(|| Error::Cuda(format!("no expert {e} in MoE layer {layer}")))?;
+                let bytes = bank.block(*block)?;
+                Ok(LaneExpert {
+                    gate: &bytes[..matrix],
+                    up: &bytes[matrix..2 * matrix],
+                    down: &bytes[2 * matrix..3 * matrix],
+                    dtype: WeightDType::BF16,
+                    gate_bias: None,
+                    up_bias: None,
+                    down_bias: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let work = LaneWork {
+            x: &rows_host.as_slice().map_err(cuda_err("lane rows"))?[..rows * hidden],
+            hidden,
+            inter,
+            activation: ExpertActivation::SiluGlu,
+            experts: &lane_experts,
+            pairs,
+        };
+        let out = &mut products_host.as_mut_slice().map_err(cuda_err("lane products"))?[..values];
+        let (result, busy) = lane.compute(&work, out, during)?;
+        self.counters.host_experts += experts.len() as u64;
+        self.counters.host_pairs += pairs.len() as u64;
+        self.counters.host_bytes += (experts.len() * bank.block_bytes()) as u64;
+        self.counters.host_ns += busy.as_nanos() as u64;
+        // On the compute stream, ahead of the combine. The pinned buffer is next written by a later layer's lane,
+        // after the host has waited for that layer's router, so this upload is done by then.
+        let dst = products.data.device_ptr(compute).0;
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, &*out, compute.cu_stream()) }
+            .map_err(cuda_err("the lane's products to the GPU"))?;
+        Ok(result)
     }
 
     /// Keeps the guessed experts of `layer` (`ids`, as read) to copy while the host waits for that layer's router:
@@ -505,4 +686,16 @@ impl Offload {
             ..self.counters.clone()
         }
     }
+}
+
+/// A timed event recorded on `stream` when `wanted` (the offload's other events skip timing).
+fn timed_event(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, wanted: bool) -> Result<Option<CudaEvent>> {
+    if !wanted {
+        return Ok(None);
+    }
+    let event = ctx
+        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(cuda_err("timing event"))?;
+    event.record(stream).map_err(cuda_err("timing event"))?;
+    Ok(Some(event))
 }

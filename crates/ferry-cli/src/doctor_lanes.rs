@@ -1,0 +1,204 @@
+//! `--moe-strategy offload|hybrid|cpu|auto`: who computes the experts the GPU cache misses, and the measured lane
+//! rates the split is planned from. `ferry doctor` measures the link and the CPU lane at once and writes them to a
+//! small JSON file under the user's cache directory, one entry per host and GPU; `hybrid` and `auto` read it, and
+//! without an entry for this machine measure briefly at startup.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::ValueEnum;
+use ferry_core::backend::cuda::{CudaBackendBuilder, LaneCeilings};
+use ferry_core::moe::{plan_split, LaneRates, Miss, SplitRule};
+
+/// Who computes the routed experts that are not in the GPU cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum MoeStrategy {
+    /// Every miss is copied to the GPU over the link (PCIe).
+    #[default]
+    Offload,
+    /// Misses split between the link and the CPU lane by the measured rates, so both finish together.
+    Hybrid,
+    /// Every miss is computed on the host: nothing crosses the link for experts.
+    Cpu,
+    /// `hybrid` where the planner gives the CPU lane a share of a batch-1 decode step on this machine, else
+    /// `offload`.
+    Auto,
+}
+
+/// The strategy's flag, for the commands that run a model.
+#[derive(clap::Args, Clone, Debug)]
+pub struct StrategyArgs {
+    #[arg(long, value_enum, default_value_t = MoeStrategy::Offload)]
+    pub moe_strategy: MoeStrategy,
+}
+
+/// The GPU's rate over resident expert weights in decode: q30 all resident decodes 193.9 tok/s on the H200 (issue
+/// 12), 48 layers x 8 experts x 9.4 MB a token, about 700 GB/s. Only the hits' share of a step depends on it.
+const GPU_EXPERT_BYTES_PER_S: f64 = 700e9;
+/// What the lane adds to a layer it takes part in: waking its threads, the rows down and the products up.
+const CPU_FIXED_S: f64 = 30e-6;
+/// The startup measurement when no cached one exists: 16 experts (150 MB, past any last-level cache) against
+/// 512 MiB of copies, well under a second.
+const BRIEF_EXPERTS: usize = 16;
+const BRIEF_COPY_BYTES: usize = 512 << 20;
+/// `ferry doctor`'s measurement: the same experts against 4 GiB of copies.
+pub const DOCTOR_EXPERTS: usize = 16;
+pub const DOCTOR_COPY_BYTES: usize = 4 << 30;
+
+/// The split rule for `strategy` on the GPU `builder` opened, for a model whose experts are `bytes_per_expert`
+/// large and `top_k` to a token: the cached rates of this machine, else measured now.
+pub fn split_rule(
+    strategy: MoeStrategy,
+    builder: &CudaBackendBuilder,
+    bytes_per_expert: usize,
+    top_k: usize,
+) -> Result<SplitRule> {
+    let rates = match strategy {
+        MoeStrategy::Offload => return Ok(SplitRule::Link),
+        MoeStrategy::Cpu => return Ok(SplitRule::Cpu),
+        MoeStrategy::Hybrid | MoeStrategy::Auto => {
+            let gpu = builder.device_name().to_string();
+            let ceilings = match load(&gpu) {
+                Some(c) => c,
+                None => {
+                    tracing::info!("no cached lane rates for this machine (`ferry doctor` writes them): measuring");
+                    builder
+                        .measure_lanes(BRIEF_EXPERTS, BRIEF_COPY_BYTES)
+                        .context("measuring the offload lanes")?
+                }
+            };
+            rates(&ceilings)
+        }
+    };
+    let rule = match strategy {
+        MoeStrategy::Auto => auto_rule(rates, bytes_per_expert, top_k),
+        _ => SplitRule::Balanced(rates),
+    };
+    tracing::info!(
+        "--moe-strategy {strategy:?}: link {:.1} GB/s, CPU lane {:.1} GB/s (+{:.0} % a row): {}",
+        rates.link_bytes_per_s / 1e9,
+        rates.cpu_bytes_per_s / 1e9,
+        rates.cpu_row_cost * 100.0,
+        if rule == SplitRule::Link {
+            "misses over the link"
+        } else {
+            "misses split with the CPU lane"
+        }
+    );
+    Ok(rule)
+}
+
+/// `auto`'s rule: the planner's split when it gives the CPU lane any of a batch-1 decode step that misses all its
+/// `top_k` experts, else the link alone. The planner never plans a split slower than the link alone by its model,
+/// so by the model `auto` is never slower than `offload`; where the lane would not help, it is not started at all.
+fn auto_rule(rates: LaneRates, bytes_per_expert: usize, top_k: usize) -> SplitRule {
+    let misses: Vec<Miss> = (0..top_k as u32).map(|expert| Miss { expert, rows: 1 }).collect();
+    if plan_split(SplitRule::Balanced(rates), &misses, 0, bytes_per_expert)
+        .cpu
+        .is_empty()
+    {
+        SplitRule::Link
+    } else {
+        SplitRule::Balanced(rates)
+    }
+}
+
+/// The planner's rates from measured ceilings.
+fn rates(c: &LaneCeilings) -> LaneRates {
+    LaneRates {
+        link_bytes_per_s: c.link_gb_s * 1e9,
+        cpu_bytes_per_s: c.cpu_gb_s * 1e9,
+        cpu_row_cost: c.cpu_row_cost,
+        cpu_fixed_s: CPU_FIXED_S,
+        gpu_bytes_per_s: GPU_EXPERT_BYTES_PER_S,
+    }
+}
+
+/// `$XDG_CACHE_HOME/ferry/lanes.json`, else `~/.cache/ferry/lanes.json`.
+fn cache_path() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))?;
+    Some(base.join("ferry").join("lanes.json"))
+}
+
+/// This machine's key in the cache: host name and GPU.
+fn machine_key(gpu: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{} / {gpu}", host.trim())
+}
+
+fn read_all() -> BTreeMap<String, LaneCeilings> {
+    cache_path()
+        .and_then(|path| std::fs::read_to_string(path).ok())
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default()
+}
+
+/// The cached rates of this machine with `gpu`, if `ferry doctor` measured them.
+pub fn load(gpu: &str) -> Option<LaneCeilings> {
+    read_all().remove(&machine_key(gpu))
+}
+
+/// Writes this machine's rates into the cache (other machines' entries kept); returns the file.
+pub fn store(gpu: &str, ceilings: &LaneCeilings) -> Result<PathBuf> {
+    let path = cache_path().context("no cache directory: set HOME or XDG_CACHE_HOME")?;
+    let mut all = read_all();
+    all.insert(machine_key(gpu), *ceilings);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(&path, serde_json::to_string_pretty(&all)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_takes_the_lane_only_where_the_planner_gives_it_work() {
+        let h200 = LaneCeilings {
+            link_gb_s: 48.0,
+            cpu_gb_s: 68.0,
+            cpu_row_cost: 0.05,
+            cpu_threads: 15,
+        };
+        let expert = 9_437_184;
+        assert!(matches!(auto_rule(rates(&h200), expert, 8), SplitRule::Balanced(_)));
+        let slow_host = LaneCeilings { cpu_gb_s: 2.0, ..h200 };
+        assert_eq!(auto_rule(rates(&slow_host), expert, 8), SplitRule::Link);
+    }
+
+    #[test]
+    fn the_cache_keeps_other_machines_and_rewrites_this_one() {
+        let dir = tempfile::tempdir().unwrap();
+        // SAFETY: this test alone in the crate reads or writes XDG_CACHE_HOME.
+        unsafe { std::env::set_var("XDG_CACHE_HOME", dir.path()) };
+        let first = LaneCeilings {
+            link_gb_s: 50.0,
+            cpu_gb_s: 60.0,
+            cpu_row_cost: 0.1,
+            cpu_threads: 15,
+        };
+        assert_eq!(load("GPU A"), None);
+        store("GPU A", &first).unwrap();
+        let second = LaneCeilings {
+            link_gb_s: 25.0,
+            ..first
+        };
+        store("GPU B", &second).unwrap();
+        assert_eq!(load("GPU A"), Some(first));
+        assert_eq!(load("GPU B"), Some(second));
+        let rewritten = LaneCeilings {
+            cpu_gb_s: 70.0,
+            ..first
+        };
+        let path = store("GPU A", &rewritten).unwrap();
+        assert_eq!(load("GPU A"), Some(rewritten));
+        assert!(path.starts_with(dir.path()));
+    }
+}

@@ -1,0 +1,219 @@
+//! The CPU lane against the CPU backend's `moe_experts`: the same kernels over the same rows in the same order, so
+//! each pair's product, weighted and summed in router order, must equal the backend's output to the bit.
+
+use super::*;
+use crate::backend::cpu::moe::{CpuExperts, Routing};
+use crate::backend::cpu::CpuTensor;
+use crate::backend::ExpertTensors;
+use crate::loader::{DType, TensorRef};
+
+struct Random(u64);
+
+impl Random {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next() + 1.0) / 2.0 * n as f32) as usize % n
+    }
+
+    fn values(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+fn bf16_tensor(name: &str, shape: Vec<usize>, values: &[f32]) -> TensorRef {
+    let bytes = values
+        .iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+        .collect();
+    TensorRef::from_bytes(name, DType::BF16, shape, bytes).unwrap()
+}
+
+/// `n` experts of `hidden` x `inter` in bf16, with f32 biases when `biased`.
+fn experts(random: &mut Random, n: usize, hidden: usize, inter: usize, biased: bool) -> Vec<ExpertTensors> {
+    (0..n)
+        .map(|e| {
+            let mut bias =
+                |len: usize| biased.then(|| TensorRef::from_f32("bias", vec![len], &random.values(len)).unwrap());
+            let (gate_bias, up_bias, down_bias) = (bias(inter), bias(inter), bias(hidden));
+            ExpertTensors {
+                gate_bias,
+                up_bias,
+                down_bias,
+                ..ExpertTensors::unbiased(
+                    bf16_tensor(&format!("gate{e}"), vec![inter, hidden], &random.values(inter * hidden)),
+                    bf16_tensor(&format!("up{e}"), vec![inter, hidden], &random.values(inter * hidden)),
+                    bf16_tensor(&format!("down{e}"), vec![hidden, inter], &random.values(hidden * inter)),
+                )
+            }
+        })
+        .collect()
+}
+
+/// The lane's products for `routing`, weighted and summed per row in router order as moe_combine sums them.
+fn lane_forward(
+    lane: &mut HostLane,
+    experts: &[ExpertTensors],
+    activation: ExpertActivation,
+    x: &CpuTensor,
+    routing: &Routing,
+) -> Vec<f32> {
+    let biases: Vec<[Option<Vec<f32>>; 3]> = experts
+        .iter()
+        .map(|e| [&e.gate_bias, &e.up_bias, &e.down_bias].map(|b| b.as_ref().map(TensorRef::to_f32_vec)))
+        .collect();
+    let lane_experts: Vec<LaneExpert> = experts
+        .iter()
+        .zip(&biases)
+        .map(|(e, [g, u, d])| LaneExpert {
+            gate: e.gate.bytes(),
+            up: e.up.bytes(),
+            down: e.down.bytes(),
+            dtype: WeightDType::BF16,
+            gate_bias: g.as_deref(),
+            up_bias: u.as_deref(),
+            down_bias: d.as_deref(),
+        })
+        .collect();
+    let (hidden, inter) = (x.cols, experts[0].gate.shape[0]);
+    let pairs: Vec<(u32, u32)> = routing
+        .ids
+        .iter()
+        .enumerate()
+        .map(|(p, &e)| ((p / routing.top_k) as u32, e))
+        .collect();
+    let work = LaneWork {
+        x: &x.data,
+        hidden,
+        inter,
+        activation,
+        experts: &lane_experts,
+        pairs: &pairs,
+    };
+    let mut products = vec![f32::NAN; pairs.len() * hidden];
+    let (during, _) = lane.compute(&work, &mut products, || "the caller ran").unwrap();
+    assert_eq!(during, "the caller ran");
+    let mut out = vec![0.0f32; x.rows * hidden];
+    for (r, row) in out.chunks_mut(hidden).enumerate() {
+        for k in 0..routing.top_k {
+            let pair = r * routing.top_k + k;
+            let w = routing.weights[pair];
+            row.iter_mut()
+                .zip(&products[pair * hidden..(pair + 1) * hidden])
+                .for_each(|(o, y)| *o += w * y);
+        }
+    }
+    out
+}
+
+#[test]
+fn lane_matches_the_cpu_backend_to_the_bit_for_1_to_16_rows_both_activations_and_biases() {
+    let mut random = Random(42);
+    let (hidden, inter, n_experts, top_k) = (96, 80, 6, 3);
+    let mut lane = HostLane::new(3).unwrap();
+    for (activation, biased) in [
+        (ExpertActivation::SiluGlu, false),
+        (
+            ExpertActivation::ClampedSwiGlu {
+                alpha: 1.702,
+                limit: 0.5,
+            },
+            true,
+        ),
+    ] {
+        let tensors = experts(&mut random, n_experts, hidden, inter, biased);
+        let cpu = CpuExperts::new(tensors.clone(), activation).unwrap();
+        for rows in [1, 2, 3, 5, 8, 16] {
+            let x = CpuTensor {
+                data: random.values(rows * hidden),
+                rows,
+                cols: hidden,
+            };
+            // Distinct experts per row, in a random router order.
+            let mut ids = Vec::new();
+            for _ in 0..rows {
+                let mut row: Vec<u32> = Vec::new();
+                while row.len() < top_k {
+                    let e = random.below(n_experts) as u32;
+                    if !row.contains(&e) {
+                        row.push(e);
+                    }
+                }
+                ids.extend(row);
+            }
+            let routing = Routing {
+                top_k,
+                weights: random.values(ids.len()),
+                ids,
+            };
+            let want = cpu.forward(&x, &routing).unwrap();
+            let got = lane_forward(&mut lane, &tensors, activation, &x, &routing);
+            assert!(
+                got.iter().zip(&want.data).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{activation:?}, {rows} rows: the lane differs from the CPU backend"
+            );
+        }
+    }
+}
+
+#[test]
+fn lane_spreads_large_experts_over_items_and_refuses_bad_shapes() {
+    // Large enough that gate/up and down each split into several items (ITEM_BYTES over a row's bytes).
+    let mut random = Random(7);
+    let (hidden, inter) = (1024, 320);
+    let tensors = experts(&mut random, 2, hidden, inter, false);
+    let cpu = CpuExperts::new(tensors.clone(), ExpertActivation::SiluGlu).unwrap();
+    let x = CpuTensor {
+        data: random.values(2 * hidden),
+        rows: 2,
+        cols: hidden,
+    };
+    let routing = Routing {
+        top_k: 2,
+        ids: vec![1, 0, 0, 1],
+        weights: vec![0.25, 0.75, 0.5, 0.5],
+    };
+    let mut lane = HostLane::new(2).unwrap();
+    let got = lane_forward(&mut lane, &tensors, ExpertActivation::SiluGlu, &x, &routing);
+    let want = cpu.forward(&x, &routing).unwrap();
+    assert!(got.iter().zip(&want.data).all(|(a, b)| a.to_bits() == b.to_bits()));
+
+    let e = &tensors[0];
+    let expert = LaneExpert {
+        gate: e.gate.bytes(),
+        up: e.up.bytes(),
+        down: &e.down.bytes()[2..],
+        dtype: WeightDType::BF16,
+        gate_bias: None,
+        up_bias: None,
+        down_bias: None,
+    };
+    let work = LaneWork {
+        x: &x.data,
+        hidden,
+        inter,
+        activation: ExpertActivation::SiluGlu,
+        experts: &[expert],
+        pairs: &[(0, 0)],
+    };
+    let mut out = vec![0.0; hidden];
+    assert!(matches!(lane.compute(&work, &mut out, || ()), Err(Error::Shape(_))));
+    let work = LaneWork {
+        experts: &[LaneExpert {
+            down: e.down.bytes(),
+            ..expert
+        }],
+        pairs: &[(2, 0)],
+        ..work
+    };
+    assert!(
+        matches!(lane.compute(&work, &mut out, || ()), Err(Error::Shape(_))),
+        "a row past x"
+    );
+}

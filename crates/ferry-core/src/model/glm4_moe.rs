@@ -1,0 +1,164 @@
+//! GLM-4.5, GLM-4.5-Air and GLM-4.6 (`glm4_moe`): partial rotary (half of each head by default), optional
+//! per-head q/k norm, q/k/v biases, DeepSeek-V3's sigmoid router with its correction bias (`n_group` groups,
+//! one in the released models), shared experts added as is, and the first `first_k_dense_replace` layers dense.
+//! The checkpoints' multi-token-prediction layers (`model.layers.{num_hidden_layers + i}`) are not the decoder's:
+//! the weight store counts them outside the text model and loading logs them as skipped.
+
+use serde::Deserialize;
+
+use super::config::{
+    check_top_k, parse, BaseConfig, FfnKind, ModelSpec, MoeSpec, QkNorm, SharedExpert, STANDARD_EXPERTS,
+};
+use crate::backend::{ExpertActivation, RouterKind};
+use crate::{Error, Result};
+
+#[derive(Deserialize)]
+struct Glm4MoeConfig {
+    #[serde(flatten)]
+    base: BaseConfig,
+    /// transformers 5 reads it as `num_local_experts` too.
+    #[serde(alias = "num_local_experts")]
+    n_routed_experts: usize,
+    num_experts_per_tok: usize,
+    moe_intermediate_size: usize,
+    /// The dense layers' MLP width.
+    intermediate_size: usize,
+    #[serde(default = "one")]
+    n_shared_experts: usize,
+    #[serde(default = "one")]
+    n_group: usize,
+    #[serde(default = "one")]
+    topk_group: usize,
+    #[serde(default = "one")]
+    first_k_dense_replace: usize,
+    #[serde(default = "yes")]
+    norm_topk_prob: bool,
+    #[serde(default = "unit_scale")]
+    routed_scaling_factor: f32,
+    #[serde(default)]
+    use_qk_norm: bool,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn unit_scale() -> f32 {
+    1.0
+}
+
+/// transformers' `Glm4MoeConfig` rotates half of each head when the config names no factor.
+const DEFAULT_PARTIAL_ROTARY_FACTOR: f64 = 0.5;
+
+pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
+    let mut c: Glm4MoeConfig = parse(config)?;
+    check_top_k(c.n_routed_experts, c.num_experts_per_tok)?;
+    let named = c.base.rope_parameters.as_ref().and_then(|r| r.partial_rotary_factor);
+    if named.is_none() && c.base.partial_rotary_factor.is_none() {
+        c.base.partial_rotary_factor = Some(DEFAULT_PARTIAL_ROTARY_FACTOR);
+    }
+    if c.first_k_dense_replace > c.base.num_hidden_layers {
+        return Err(Error::Config(format!(
+            "first_k_dense_replace ({}) is over num_hidden_layers ({})",
+            c.first_k_dense_replace, c.base.num_hidden_layers
+        )));
+    }
+    let mut spec = c.base.spec("glm4_moe")?;
+    if c.use_qk_norm {
+        spec.qk_norm = QkNorm::PerHead;
+    }
+    for layer in &mut spec.layers[..c.first_k_dense_replace] {
+        layer.ffn = FfnKind::Dense {
+            intermediate: c.intermediate_size,
+        };
+    }
+    spec.moe = Some(MoeSpec {
+        num_experts: c.n_routed_experts,
+        top_k: c.num_experts_per_tok,
+        intermediate: c.moe_intermediate_size,
+        router: RouterKind::SigmoidGroupedTopK {
+            n_group: c.n_group,
+            topk_group: c.topk_group,
+            renormalize: c.norm_topk_prob,
+            scaling: c.routed_scaling_factor,
+        },
+        activation: ExpertActivation::SiluGlu,
+        shared_expert: (c.n_shared_experts > 0).then_some(SharedExpert {
+            intermediate: c.n_shared_experts * c.moe_intermediate_size,
+            sigmoid_gated: false,
+        }),
+        naming: STANDARD_EXPERTS,
+    });
+    Ok(spec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{LayerSpec, Mixer, ModelInfo};
+
+    fn bench_config() -> serde_json::Value {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/glm45air.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn glm45_air_is_one_dense_layer_then_45_moe_layers_of_128_experts_and_a_shared_one() {
+        let spec = spec(&bench_config()).unwrap();
+        assert_eq!(spec.layers.len(), 46);
+        let dense = LayerSpec {
+            mixer: Mixer::FULL_ATTENTION,
+            ffn: FfnKind::Dense { intermediate: 10944 },
+        };
+        assert_eq!(spec.layers[0], dense);
+        assert!(spec.layers[1..].iter().all(|l| l.ffn == FfnKind::Moe));
+        assert_eq!(
+            (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rotary_dim),
+            (96, 8, 128, 64)
+        );
+        assert_eq!(spec.qk_norm, QkNorm::None);
+        let moe = spec.moe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.top_k, moe.intermediate), (128, 8, 1408));
+        assert_eq!(
+            moe.router,
+            RouterKind::SigmoidGroupedTopK {
+                n_group: 1,
+                topk_group: 1,
+                renormalize: true,
+                scaling: 1.0
+            }
+        );
+        assert_eq!(
+            moe.shared_expert,
+            Some(SharedExpert {
+                intermediate: 1408,
+                sigmoid_gated: false
+            })
+        );
+        // 106B parameters as published (its MTP layer aside), and 12B active, a count that leaves out the
+        // embedding table and the output head.
+        let info = ModelInfo::new(&spec, crate::loader::DType::BF16);
+        assert!(
+            (105e9..108e9).contains(&(info.params_total as f64)),
+            "{}",
+            info.params_total
+        );
+        let active = info.params_active_per_token - 2 * 151552 * 4096;
+        assert!((11.5e9..12.5e9).contains(&(active as f64)), "{active}");
+    }
+
+    #[test]
+    fn half_of_each_head_rotates_when_the_config_names_no_factor() {
+        let mut config = bench_config();
+        config.as_object_mut().unwrap().remove("partial_rotary_factor");
+        assert_eq!(spec(&config).unwrap().rotary_dim, 64);
+        config["partial_rotary_factor"] = 1.0.into();
+        assert_eq!(spec(&config).unwrap().rotary_dim, 128);
+        config["first_k_dense_replace"] = 47.into();
+        assert!(matches!(spec(&config), Err(Error::Config(_))));
+    }
+}
