@@ -61,6 +61,11 @@ impl ReasoningParser {
             if let Some(at) = self.pending.find(tag) {
                 let before: String = self.pending.drain(..at + tag.len()).collect();
                 self.emit(&before[..at], &mut out);
+                if self.settled {
+                    // Content came first (leading-only thinking): the tag is the content's text.
+                    self.emit(tag, &mut out);
+                    continue;
+                }
                 self.after_close = self.in_reasoning;
                 self.settled |= self.leading_only && self.in_reasoning;
                 self.in_reasoning = !self.in_reasoning;
