@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """The official `anthropic` Python package as a real client of `ferry serve`'s Messages API on the bundled tiny
 checkpoint: `messages.create` and `messages.stream` give the same message at temperature 0, `count_tokens` counts the
-prompt that generation consumes, stop sequences end with `stop_sequence`, and errors come back as the SDK's typed
-errors (so their status and Anthropic shape are right).
+prompt that generation consumes (as many tokens as the tokenizer, the `tokenizers` package, makes of the rendered
+prompt), stop sequences end with `stop_sequence`, and errors come back as the SDK's typed errors (so their status and
+Anthropic shape are right). On the scripted XML checkpoint (Qwen3.5-style), `tool_use` blocks plain and streamed,
+under `tool_choice` auto, any and a named tool, and the history of calls and results counted and answered.
 Run by scripts/test.sh after the Rust tests: python scripts/anthropic_client_test.py path/to/ferry
 """
 
-import anthropic
+import os
 
-from openai_client_test import KEY, MODEL, run_tests
+import anthropic
+import tokenizers
+
+from openai_client_test import FIXTURE, KEY, MODEL, XML_FIXTURE, Server, run_tests
 
 
 def client(server, key=KEY):
@@ -55,6 +60,13 @@ def test_count_tokens_counts_the_prompt(server):
     counted = client(server).messages.count_tokens(model=MODEL, messages=messages, system="Be brief.")
     made = client(server).messages.create(model=MODEL, max_tokens=1, messages=messages, system="Be brief.")
     assert counted.input_tokens == prompt_tokens(made.usage) > 0, (counted, made.usage)
+    # The fixture's Qwen3 template renders the conversation so (its template reference tests hold it to transformers).
+    rendered = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHow many tokens is this?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    tokenizer = tokenizers.Tokenizer.from_file(os.path.join(FIXTURE, "tokenizer.json"))
+    assert counted.input_tokens == len(tokenizer.encode(rendered, add_special_tokens=False).ids), counted
 
 
 def test_a_stop_sequence_ends_the_message(server):
@@ -84,6 +96,54 @@ def test_errors_are_the_sdk_s_typed_errors(server):
     error = expect(anthropic.BadRequestError, lambda: client(server).messages.create(**{**ok, "messages": user([image])}))
     assert error.body["type"] == "error" and error.body["error"]["type"] == "invalid_request_error", error.body
     assert "text-only" in error.body["error"]["message"], error.body
+
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "The weather forecast for a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+}
+# What the scripted XML checkpoint calls, whatever it is asked ("3" read as an integer, as the schema says).
+SCRIPTED_CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]
+
+
+def tool_uses(message):
+    return [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+
+
+def test_tool_use_blocks_plain_and_streamed(ferry):
+    server = Server(ferry, fixture=XML_FIXTURE)
+    try:
+        question = user("What is the weather in Paris and Oslo?")
+        kwargs = dict(model=MODEL, max_tokens=200, messages=question, tools=[WEATHER_TOOL], **GREEDY)
+        named = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+        for choice, expected in (({"type": "auto"}, SCRIPTED_CALLS), ({"type": "any"}, SCRIPTED_CALLS), (named, SCRIPTED_CALLS[:1])):
+            whole = client(server).messages.create(tool_choice=choice, **kwargs)
+            assert whole.stop_reason == "tool_use" and tool_uses(whole) == expected, (choice, whole)
+            assert all(b.id.startswith("toolu_") for b in whole.content if b.type == "tool_use"), whole
+            assert [b.type for b in whole.content] == ["thinking"] + ["tool_use"] * len(expected), whole
+            with client(server).messages.stream(tool_choice=choice, **kwargs) as stream:
+                final = stream.get_final_message()
+            assert final.stop_reason == "tool_use" and tool_uses(final) == expected, (choice, final)
+
+        # The calls and their results go back in the history, as an agent sends them; count_tokens counts it.
+        whole = client(server).messages.create(**kwargs)
+        results = [
+            {"type": "tool_result", "tool_use_id": b.id, "content": "sunny"} for b in whole.content if b.type == "tool_use"
+        ]
+        history = question + [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in whole.content]},
+            {"role": "user", "content": results},
+        ]
+        counted = client(server).messages.count_tokens(model=MODEL, messages=history, tools=[WEATHER_TOOL])
+        again = client(server).messages.create(**{**kwargs, "messages": history})
+        assert counted.input_tokens == prompt_tokens(again.usage) > prompt_tokens(whole.usage), (counted, again.usage)
+    finally:
+        server.stop()
 
 
 def main():

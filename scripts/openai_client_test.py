@@ -6,7 +6,9 @@ requests each get what they get alone, a client that hangs up mid-stream frees i
 strings and seeds work, and every error case comes back as the SDK's typed error with the right status.
 Tool calls: the scripted checkpoints (scripts/make_tool_call_fixtures.py) write a Hermes call (Qwen3-style), two
 XML calls (Qwen3.5-style), a GLM-4.5 call and a Harmony call after Harmony reasoning (gpt-oss-style) whatever the
-prompt; the SDK must get them as `tool_calls`, plain and streamed.
+prompt; the SDK must get them as `tool_calls`, plain and streamed, and `tool_choice` "required" or a named function
+must force calls in the Hermes and XML formats (the XML script's own, which it writes unforced) and be a 400 in the
+formats ferry has no grammar for.
 Run by scripts/test.sh after the Rust tests: python scripts/openai_client_test.py path/to/ferry
 """
 
@@ -311,8 +313,51 @@ def plain_tool_calls(message):
     return [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments, unparsed_markup="<tool_call>"):
+# The weather tool with its city listed: forced greedy output cannot run on in a free string.
+FORCED_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        **WEATHER_TOOL["function"],
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def check_forced_tool_calls(client, reasoning, unforced_calls, same_as_unforced):
+    """`tool_choice` "required" and a named function give one call of the weather tool (parallel calls off), plain
+    and streamed alike, after the model's thinking and with no content; `same_as_unforced`: the call is the model's
+    first unforced one (a script the grammar allows as it is)."""
+    kwargs = dict(
+        model=MODEL, messages=WEATHER_QUESTION, tools=[FORCED_WEATHER_TOOL], temperature=0, parallel_tool_calls=False
+    )
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        forced = client.chat.completions.create(tool_choice=choice, **kwargs).choices[0]
+        assert forced.finish_reason == "tool_calls" and forced.message.content is None, forced
+        assert (forced.message.model_extra or {}).get("reasoning_content") == reasoning, forced.message
+        calls = plain_tool_calls(forced.message)
+        assert len(calls) == 1 and calls[0][1] == "get_weather", calls
+        assert json.loads(calls[0][2])["city"] in ("Paris", "Oslo"), calls
+        if same_as_unforced:
+            assert calls[0][1:] == unforced_calls[0][1:], (calls, unforced_calls)
+        content, streamed_reasoning, finish, streamed = streamed_tool_calls(client, tool_choice=choice, **kwargs)
+        assert (content, streamed_reasoning, finish) == ("", reasoning, "tool_calls")
+        assert [c[1:] for c in streamed] == [c[1:] for c in calls], (streamed, calls)
+
+
+def check_tool_calls(
+    fixture, ferry, content, reasoning, expected_arguments, forced_as_unforced, unparsed_markup="<tool_call>"
+):
     """Plain and streamed requests against a scripted checkpoint get the same calls, content and reasoning.
+    `forced_as_unforced`: see check_forced_tool_calls; None where the format cannot be forced (a 400).
     `unparsed_markup`: what the content shows of a call when no tools are offered (Harmony: nothing, the call is a
     message to no known tool, which stays reasoning)."""
     server = Server(ferry, fixture=fixture)
@@ -354,31 +399,37 @@ def check_tool_calls(fixture, ferry, content, reasoning, expected_arguments, unp
             assert unparsed_markup in none.message.content
         else:
             assert not none.message.content and '"city"' in none.message.model_extra["reasoning_content"], none
-        expect_error(400, lambda: server.client.chat.completions.create(tool_choice="required", **kwargs), param="tool_choice")
+        if forced_as_unforced is None:
+            expect_error(400, lambda: server.client.chat.completions.create(tool_choice="required", **kwargs), param="tool_choice")
+        else:
+            check_forced_tool_calls(server.client, reasoning, calls, forced_as_unforced)
         return server.client.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0].message
     finally:
         server.stop()
 
 
 def test_hermes_tool_calls_plain_and_streamed(ferry):
-    check_tool_calls(HERMES_FIXTURE, ferry, "Let me check.", "\nThe user wants the weather.\n", [{"city": "Paris", "days": 3}])
+    # Forced, the script's "Let me check." before its call is not allowed: the model writes another call.
+    check_tool_calls(
+        HERMES_FIXTURE, ferry, "Let me check.", "\nThe user wants the weather.\n", [{"city": "Paris", "days": 3}], False
+    )
 
 
 def test_xml_tool_calls_plain_and_streamed(ferry):
     # "3" in the XML is the integer 3: the tool's schema says `days` is an integer.
     one_call = check_tool_calls(
-        XML_FIXTURE, ferry, None, "Two cities, two calls.\n", [{"city": "Paris", "days": 3}, {"city": "Oslo"}]
+        XML_FIXTURE, ferry, None, "Two cities, two calls.\n", [{"city": "Paris", "days": 3}, {"city": "Oslo"}], True
     )
     assert len(one_call.tool_calls) == 1, "parallel_tool_calls=False keeps the first call"
 
 
 def test_glm_tool_call_plain_and_streamed(ferry):
-    check_tool_calls(GLM_FIXTURE, ferry, None, "The user wants the weather.", [{"city": "Paris", "days": 3}])
+    check_tool_calls(GLM_FIXTURE, ferry, None, "The user wants the weather.", [{"city": "Paris", "days": 3}], None)
 
 
 def test_harmony_reasoning_and_tool_call_plain_and_streamed(ferry):
     check_tool_calls(
-        HARMONY_FIXTURE, ferry, None, "The user wants the weather in Paris.", [{"city": "Paris", "days": 3}], None
+        HARMONY_FIXTURE, ferry, None, "The user wants the weather in Paris.", [{"city": "Paris", "days": 3}], None, None
     )
     server = Server(ferry, fixture=HARMONY_FIXTURE)
     try:

@@ -16,6 +16,6 @@ cargo test --workspace
 if [ ! -x .venv-ci/bin/python ]; then
     python3 -m venv .venv-ci
 fi
-.venv-ci/bin/python -m pip install --quiet --disable-pip-version-check "openai==3.51.0" "anthropic==2.15.0"
+.venv-ci/bin/python -m pip install --quiet --disable-pip-version-check "openai==3.51.0" "anthropic==2.15.0" "tokenizers==0.23.3"
 .venv-ci/bin/python scripts/openai_client_test.py "${CARGO_TARGET_DIR:-target}/debug/ferry"
 .venv-ci/bin/python scripts/anthropic_client_test.py "${CARGO_TARGET_DIR:-target}/debug/ferry"

@@ -363,3 +363,111 @@ fn check_tool_use(fixture: &str) -> Value {
     );
     whole
 }
+
+fn tool_fixture(name: &str) -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
+    path.to_str().unwrap().to_string()
+}
+
+fn weather_tool(city: Value) -> Value {
+    json!({"name": "get_weather", "description": "The forecast for a city.", "input_schema": {"type": "object",
+        "properties": {"city": city, "days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["city"],
+        "additionalProperties": false}})
+}
+
+/// A message and its stream: the stream's message checked equal to the plain one (ids aside), returned.
+fn message_plain_and_streamed(server: &Server, request: &Value) -> Value {
+    let (status, whole) = post_json(server, "/v1/messages", request);
+    assert_eq!(status, 200, "{whole}");
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = post(server, "/v1/messages", &streamed);
+    assert_eq!(status, 200, "{text}");
+    let streamed = message_from_stream(&events(&text));
+    assert_eq!(streamed["stop_reason"], whole["stop_reason"], "{streamed}");
+    assert_eq!(tool_uses(&streamed), tool_uses(&whole), "{streamed}");
+    assert_eq!(block_text(&streamed, "text"), block_text(&whole, "text"));
+    whole
+}
+
+#[test]
+fn forced_tool_choices_answer_with_the_tool_use_blocks_the_model_writes_unforced() {
+    let server = Server::start_serving(&["--model", &tool_fixture("tool_calls_qwen3_xml"), "--api-key", KEY]);
+    let question = json!([{"role": "user", "content": "What is the weather in Paris and Oslo?"}]);
+    let request = |choice: Value| {
+        json!({"model": "tiny", "max_tokens": 200, "tools": [weather_tool(json!({"type": "string"}))],
+            "messages": question, "tool_choice": choice})
+    };
+    let unforced = message_plain_and_streamed(&server, &request(json!({"type": "auto"})));
+    let expected = vec![
+        ("get_weather".to_string(), json!({"city": "Paris", "days": 3})),
+        ("get_weather".to_string(), json!({"city": "Oslo"})),
+    ];
+    assert_eq!(tool_uses(&unforced), expected);
+    let any = message_plain_and_streamed(&server, &request(json!({"type": "any"})));
+    assert_eq!(
+        (tool_uses(&any), &any["stop_reason"]),
+        (expected.clone(), &json!("tool_use"))
+    );
+    assert_eq!(
+        block_text(&any, "thinking"),
+        block_text(&unforced, "thinking"),
+        "it thought first"
+    );
+    let named = json!({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": true});
+    let named = message_plain_and_streamed(&server, &request(named));
+    assert_eq!(tool_uses(&named), expected[..1].to_vec());
+}
+
+/// A random model under Qwen3.5's template (which opens `<think>` itself), greedy: it thinks until max_tokens.
+fn thinking_random_model() -> Server {
+    let template = std::path::Path::new(&tool_fixture("tool_calls_qwen3_xml")).join("chat_template.jinja");
+    Server::start_serving(&[
+        "--model",
+        &tool_fixture("qwen3_moe"),
+        "--api-key",
+        KEY,
+        "--chat-template",
+        template.to_str().unwrap(),
+    ])
+}
+
+#[test]
+fn a_spent_thinking_budget_ends_the_thinking_and_the_answer_follows() {
+    let server = thinking_random_model();
+    let unbounded = json!({"thinking": {"type": "adaptive"}, "max_tokens": 40});
+    let (status, unbounded) = post_json(&server, "/v1/messages", &message(unbounded));
+    assert_eq!(status, 200, "{unbounded}");
+    assert_eq!(unbounded["stop_reason"], "max_tokens", "{unbounded}");
+    assert_eq!(
+        block_text(&unbounded, "text"),
+        "",
+        "the model never stops thinking by itself: {unbounded}"
+    );
+    let bounded = json!({"thinking": {"type": "enabled", "budget_tokens": 6}, "max_tokens": 40});
+    let (status, bounded) = post_json(&server, "/v1/messages", &message(bounded));
+    assert_eq!(status, 200, "{bounded}");
+    let (thought, all_thought) = (block_text(&bounded, "thinking"), block_text(&unbounded, "thinking"));
+    assert!(
+        !thought.is_empty() && thought.len() < all_thought.len() && all_thought.starts_with(&thought),
+        "the first 6 tokens of the same thinking: {thought:?} of {all_thought:?}"
+    );
+    assert!(!block_text(&bounded, "text").is_empty(), "an answer follows: {bounded}");
+
+    // Forced to call a tool, it thinks within its budget, then calls.
+    let cities = json!({"type": "string", "enum": ["Paris", "Oslo"]});
+    let forced = message(
+        json!({"thinking": {"type": "enabled", "budget_tokens": 8}, "max_tokens": 300,
+        "tools": [weather_tool(cities)], "tool_choice": {"type": "any"}}),
+    );
+    let forced = message_plain_and_streamed(&server, &forced);
+    assert_eq!(forced["stop_reason"], "tool_use", "{forced}");
+    let calls = tool_uses(&forced);
+    assert!(!calls.is_empty(), "{forced}");
+    for (name, input) in calls {
+        assert_eq!(name, "get_weather");
+        assert!(["Paris", "Oslo"].contains(&input["city"].as_str().unwrap()), "{input}");
+    }
+}

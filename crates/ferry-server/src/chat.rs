@@ -1,10 +1,14 @@
 //! The protocol-neutral request: what a chat or text generation asks for, whichever API it came through (OpenAI's
 //! chat and text completions, Anthropic's messages), and how it becomes an engine request: the chat template
-//! rendered, the prompt tokenized and checked against the context window, the sampling defaults filled in.
+//! rendered, the prompt tokenized and checked against the context window, the sampling defaults filled in, the
+//! output constrained (a `response_format`, or forced tool calls) and the thinking bounded (a thinking budget).
+//!
+//! A thinking budget on a model that does not reason (no `<think>` tokens its template uses) bounds nothing: the
+//! model writes no thinking, which is within any budget, so the request is served as it is (documented in README).
 //!
 //! Not here: reading a protocol's JSON (params.rs, anthropic/), admission and output (generation.rs).
 
-use ferry_core::engine::{Request, ResponseFormat, SamplingParams, StopRules};
+use ferry_core::engine::{Request, ResponseFormat, SamplingParams, StopRules, ThinkingBudget};
 use ferry_core::loader::{ChatMessage, ChatPrompt};
 use serde_json::{Map, Value};
 
@@ -12,9 +16,10 @@ use crate::body::Body;
 use crate::error::ApiError;
 use crate::generation::PieceParser;
 use crate::reasoning::ReasoningParser;
+use crate::tools::forced::{self, Thinking};
 use crate::tools::harmony::HarmonyParser;
 use crate::tools::{ToolCallFormat, ToolRequest};
-use crate::{AppState, LoadedModel};
+use crate::{sampling, AppState, LoadedModel};
 
 /// What every generation asks of the engine, in either protocol.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -49,6 +54,8 @@ pub struct ChatRequest {
     pub template_kwargs: Map<String, Value>,
     /// The template's thinking switch (`enable_thinking`), when the protocol sets it; it wins over the kwargs.
     pub thinking: Option<bool>,
+    /// Most tokens of thinking before the end of thinking is forced (Anthropic's `budget_tokens`).
+    pub thinking_budget: Option<usize>,
     /// How hard the model reasons (OpenAI's `reasoning_effort`), for templates that take it (gpt-oss's); it wins
     /// over the kwargs.
     pub reasoning_effort: Option<String>,
@@ -82,6 +89,9 @@ pub enum Prompt {
 pub struct PreparedPrompt {
     pub ids: Vec<u32>,
     pub parser: PieceParser,
+    /// The grammar of the forced tool calls (llguidance's Lark), when `tool_choice` forces calls.
+    pub tool_grammar: Option<String>,
+    pub thinking_budget: Option<ThinkingBudget>,
 }
 
 /// A 404 when the request names a model other than the one served (a request naming none gets it).
@@ -144,15 +154,93 @@ impl ChatRequest {
     /// Rendered with the generation prompt and tokenized.
     pub fn prepare(&self, model: &LoadedModel) -> Result<PreparedPrompt, ApiError> {
         let ChatPrompt { text, ids } = self.encode(model, true)?;
+        let reasoning = model.splits_reasoning().then(|| ReasoningParser::new(&text));
+        let starts_inside = reasoning.as_ref().is_some_and(ReasoningParser::in_reasoning);
+        let switched_off = self.thinking == Some(false)
+            || (self.thinking.is_none() && self.template_kwargs.get("enable_thinking") == Some(&Value::Bool(false)));
+        let thinking = match (reasoning.is_some(), starts_inside, switched_off) {
+            (false, _, _) => Thinking::Off,
+            (true, true, _) => Thinking::Inside,
+            (true, false, true) => Thinking::Off,
+            (true, false, false) => Thinking::Optional,
+        };
+        let tool_grammar = match (self.tools.choice.forces_calls(), model.tool_call_format) {
+            (false, _) => None,
+            (true, Some(format)) => Some(forced::grammar(&self.tools, format, thinking)?),
+            (true, None) => {
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    "this model's chat template names no tool call format to force (see --tool-call-parser)",
+                ))
+            }
+        };
+        let tokenizer = &model.tokenizer;
+        let thinking_budget = match (
+            self.thinking_budget,
+            tokenizer.token_id("<think>"),
+            tokenizer.token_id("</think>"),
+        ) {
+            (Some(max_tokens), Some(start_id), Some(end_id)) if reasoning.is_some() => Some(ThinkingBudget {
+                max_tokens,
+                start_id,
+                end_id,
+                starts_inside,
+            }),
+            _ => None,
+        };
+        // Under a grammar, thinking can only come first: a `<think>` inside a forced call is the call's text.
+        let reasoning = match tool_grammar {
+            Some(_) => reasoning.map(|parser| parser.leading_only(thinking == Thinking::Optional)),
+            None => reasoning,
+        };
         let calls = self.tools.parser(model.tool_call_format);
         let parser = match model.tool_call_format {
             // Harmony's channels carry the reasoning and the answer too, calls offered or not.
             Some(ToolCallFormat::Harmony) => {
                 PieceParser::harmony(HarmonyParser::new(|token| model.tokenizer.token_id(token), calls))
             }
-            _ => PieceParser::new(model.splits_reasoning().then(|| ReasoningParser::new(&text)), calls),
+            _ => PieceParser::new(reasoning, calls),
         };
-        Ok(PreparedPrompt { ids, parser })
+        Ok(PreparedPrompt {
+            ids,
+            parser,
+            tool_grammar,
+            thinking_budget,
+        })
+    }
+}
+
+impl PreparedPrompt {
+    /// The engine request for this prompt under `params`, and the parser of its output: its output constrained by
+    /// `response_format` or the forced tool calls' grammar (not both), its thinking bounded. Errors name
+    /// `prompt_field` for a prompt that leaves no room in the context window.
+    pub fn start(
+        self,
+        state: &AppState,
+        model: &LoadedModel,
+        params: &GenerationParams,
+        prompt_field: &str,
+    ) -> Result<(Request, PieceParser), ApiError> {
+        let mut request = engine_request(model, params, self.ids, prompt_field)?;
+        let compiler = &state.0.grammar;
+        request.constraint = match (&params.response_format, self.tool_grammar) {
+            (Some(_), Some(_)) => {
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    "a forced `tool_choice` and `response_format` cannot both constrain the output",
+                ))
+            }
+            (Some(format), None) => Some(sampling::constraint(compiler, model, format, "response_format")?),
+            (None, Some(grammar)) => Some(sampling::constraint(
+                compiler,
+                model,
+                &ResponseFormat::Lark(grammar),
+                "tools",
+            )?),
+            (None, None) => None,
+        };
+        request.thinking_budget = self.thinking_budget;
+        Ok((request, self.parser))
     }
 }
 
@@ -168,6 +256,8 @@ impl Prompt {
         Ok(PreparedPrompt {
             ids,
             parser: PieceParser::new(None, None),
+            tool_grammar: None,
+            thinking_budget: None,
         })
     }
 }
@@ -182,7 +272,7 @@ pub fn tokenize(model: &LoadedModel, text: &str, add_special_tokens: bool) -> Re
 
 /// The engine request for `prompt_ids`, refusing a prompt that leaves no room in the context window (the error
 /// names `prompt_field`, where the prompt came from).
-pub fn engine_request(
+fn engine_request(
     model: &LoadedModel,
     params: &GenerationParams,
     prompt_ids: Vec<u32>,
@@ -235,6 +325,7 @@ pub fn engine_request(
             eos_token_ids: model.eos_token_ids.clone(),
             ignore_eos: params.ignore_eos,
         },
+        thinking_budget: None,
         prompt_ids,
     };
     request

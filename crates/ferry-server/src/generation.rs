@@ -243,10 +243,8 @@ pub struct Generation {
     in_flight: InFlight,
     events: UnboundedReceiver<Event>,
     parser: PieceParser,
+    /// The request's stop strings, which the engine names by index when one ends the output.
     stop_strings: Vec<String>,
-    /// The tokens generated and the text the engine released, to tell which stop string ended the output.
-    generated: Vec<u32>,
-    released: String,
     ended: bool,
     /// Logprobs of the tokens generated since a renderer last took them (when the request asked for them).
     logprobs: Vec<(u32, TokenLogprobs)>,
@@ -289,9 +287,7 @@ impl Generation {
             events,
             parser,
             stop_strings,
-            generated: vec![],
             logprobs: vec![],
-            released: String::new(),
             ended: false,
         })
     }
@@ -308,8 +304,6 @@ impl Generation {
             Event::Token { id, text, logprobs } => {
                 self.in_flight.on_token();
                 self.logprobs.extend(logprobs.map(|lp| (id, lp)));
-                self.generated.push(id);
-                self.released += &text;
                 Output::Pieces(self.parser.push_token(id, &text))
             }
             Event::Finished {
@@ -353,47 +347,22 @@ impl Generation {
         }
     }
 
-    /// The engine says "stop" for an end-of-sequence token and a stop string alike; its last token tells which,
-    /// and the text generated past what was released (the stop string is never released) tells which string.
+    /// The engine's reason in the protocols' terms: an end-of-sequence token or a complete grammar (forced tool
+    /// calls) ends the turn.
     fn finish_reason(&self, reason: engine::FinishReason) -> FinishReason {
-        let model = &self.in_flight.model;
-        let last = self.generated.last();
         match reason {
             engine::FinishReason::Length => FinishReason::Length,
-            engine::FinishReason::Stop if last.is_some_and(|id| model.eos_token_ids.contains(id)) => self.end_of_turn(),
-            engine::FinishReason::Stop => {
-                let decoded = model.tokenizer.decode(&self.generated, true).unwrap_or_default();
-                let unreleased = decoded.get(self.released.len()..).unwrap_or(&decoded);
-                match matched_stop_string(unreleased, &self.stop_strings) {
-                    Some(stop) => FinishReason::StopString(stop.to_string()),
-                    None => self.end_of_turn(),
-                }
+            engine::FinishReason::Stop => self.end_of_turn(),
+            engine::FinishReason::StopString(index) => {
+                FinishReason::StopString(self.stop_strings.get(index).cloned().unwrap_or_default())
             }
         }
     }
 }
 
-/// The stop string that ends first in `text`: the one the engine's scan matched.
-fn matched_stop_string<'a>(text: &str, stop_strings: &'a [String]) -> Option<&'a str> {
-    stop_strings
-        .iter()
-        .filter(|stop| !stop.is_empty())
-        .filter_map(|stop| text.find(stop.as_str()).map(|at| (at + stop.len(), stop.as_str())))
-        .min_by_key(|(end, _)| *end)
-        .map(|(_, stop)| stop)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_stop_string_that_ends_first_is_the_one_matched() {
-        let stops = ["world".to_string(), "lo w".to_string(), "xyz".to_string()];
-        assert_eq!(matched_stop_string("lo world", &stops), Some("lo w"));
-        assert_eq!(matched_stop_string(" world!", &stops), Some("world"));
-        assert_eq!(matched_stop_string("nothing", &stops), None);
-    }
 
     #[test]
     fn pieces_keep_reasoning_before_content_and_drop_empty_text() {

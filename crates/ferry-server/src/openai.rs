@@ -17,13 +17,13 @@ use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Map, Value};
 
 use crate::body::Body;
-use crate::chat::{check_model_name, engine_request, GenerationParams};
+use crate::chat::check_model_name;
 use crate::error::ApiError;
 use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output, Piece};
 use crate::params::{ChatBody, CompletionBody, OpenAiOptions};
 use crate::sampling;
 use crate::{unix_seconds, AppState, LoadedModel};
-use ferry_core::engine::{Request, TokenLogprobs};
+use ferry_core::engine::TokenLogprobs;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
@@ -345,35 +345,14 @@ async fn respond(state: AppState, started: Result<Started, ApiError>) -> Respons
     }
 }
 
-/// The request with its `response_format` compiled for the served model, if it has one.
-fn constrained(
-    state: &AppState,
-    model: &LoadedModel,
-    params: &GenerationParams,
-    mut request: Request,
-) -> Result<Request, ApiError> {
-    if let Some(format) = &params.response_format {
-        request.constraint = Some(sampling::constraint(&state.0.grammar, model, format)?);
-    }
-    Ok(request)
-}
-
 fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let ChatBody { chat, options } = ChatBody::parse(&Body::parse(body)?)?;
     check_model_name(state, options.model.as_deref())?;
     let model = state.model()?;
-    let prompt = chat.prepare(&model)?;
-    let request = engine_request(&model, &chat.params, prompt.ids, "messages")?;
-    let request = constrained(state, &model, &chat.params, request)?;
+    let (request, parser) = chat.prepare(&model)?.start(state, &model, &chat.params, "messages")?;
     let logprobs_of = chat.params.logprobs.map(|_| model.clone());
-    let renderer = Renderer::new(
-        state,
-        Endpoint::Chat,
-        &options,
-        prompt.parser.splits_reasoning(),
-        logprobs_of,
-    );
-    let generation = Generation::start(state, &model, request, prompt.parser)?;
+    let renderer = Renderer::new(state, Endpoint::Chat, &options, parser.splits_reasoning(), logprobs_of);
+    let generation = Generation::start(state, &model, request, parser)?;
     Ok((renderer, generation, chat.params.stream))
 }
 
@@ -385,12 +364,10 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     } = CompletionBody::parse(&Body::parse(body)?)?;
     check_model_name(state, options.model.as_deref())?;
     let model = state.model()?;
-    let prompt = prompt.prepare(&model)?;
-    let request = engine_request(&model, &params, prompt.ids, "prompt")?;
-    let request = constrained(state, &model, &params, request)?;
+    let (request, parser) = prompt.prepare(&model)?.start(state, &model, &params, "prompt")?;
     let logprobs_of = params.logprobs.map(|_| model.clone());
     let renderer = Renderer::new(state, Endpoint::Text, &options, false, logprobs_of);
-    let generation = Generation::start(state, &model, request, prompt.parser)?;
+    let generation = Generation::start(state, &model, request, parser)?;
     Ok((renderer, generation, params.stream))
 }
 

@@ -221,6 +221,7 @@ impl ChatBody {
             messages: messages(body)?,
             template_kwargs: template_kwargs(body)?,
             thinking: None,
+            thinking_budget: None,
             reasoning_effort: crate::chat::reasoning_effort(body)?,
             tools: ToolRequest::parse(body)?,
             params: GenerationParams {

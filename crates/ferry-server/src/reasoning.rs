@@ -18,6 +18,10 @@ pub struct ReasoningParser {
     /// At the start and just after `</think>`: the newlines the model puts before its answer (or, GLM-4.5, before
     /// its `<think>`) are dropped.
     after_close: bool,
+    /// Thinking only at the start of the output (see [`ReasoningParser::leading_only`]).
+    leading_only: bool,
+    /// Past the point where thinking could begin: the rest is content, tags and all.
+    settled: bool,
     pending: String,
 }
 
@@ -30,19 +34,40 @@ impl ReasoningParser {
         ReasoningParser {
             in_reasoning: opened.is_some() && opened > closed,
             after_close: true,
+            leading_only: false,
+            settled: false,
             pending: String::new(),
         }
+    }
+
+    /// For output whose grammar (forced tool calls) allows thinking only first, and only where `may_open`: once the
+    /// thinking ended or content began, a `<think>` tag is text (inside a call's string, say), not reasoning.
+    pub fn leading_only(mut self, may_open: bool) -> Self {
+        self.leading_only = true;
+        self.settled = !may_open && !self.in_reasoning;
+        self
     }
 
     pub fn push(&mut self, piece: &str) -> Split {
         self.pending.push_str(piece);
         let mut out = Split::default();
         loop {
+            if self.settled {
+                let rest = std::mem::take(&mut self.pending);
+                self.emit(&rest, &mut out);
+                return out;
+            }
             let tag = if self.in_reasoning { CLOSE } else { OPEN };
             if let Some(at) = self.pending.find(tag) {
                 let before: String = self.pending.drain(..at + tag.len()).collect();
                 self.emit(&before[..at], &mut out);
+                if self.settled {
+                    // Content came first (leading-only thinking): the tag is the content's text.
+                    self.emit(tag, &mut out);
+                    continue;
+                }
                 self.after_close = self.in_reasoning;
+                self.settled |= self.leading_only && self.in_reasoning;
                 self.in_reasoning = !self.in_reasoning;
                 continue;
             }
@@ -78,6 +103,7 @@ impl ReasoningParser {
         };
         if !text.is_empty() {
             self.after_close = false;
+            self.settled |= self.leading_only;
         }
         out.content.push_str(text);
     }
@@ -141,5 +167,35 @@ mod tests {
         assert_eq!(split_all(glm, &["\n<think>hm</think>", "\nok"]), split("hm", "ok"));
         let glm_off = "[gMASK]<sop><|user|>\nhi/nothink<|assistant|>\n<think></think>";
         assert_eq!(split_all(glm_off, &["\nok"]), split("", "ok"));
+    }
+
+    #[test]
+    fn leading_only_thinking_ends_the_split_once_it_or_content_is_over() {
+        let split_leading = |prompt: &str, may_open: bool, pieces: &[&str]| {
+            let mut parser = ReasoningParser::new(prompt).leading_only(may_open);
+            let mut all = Split::default();
+            for piece in pieces {
+                let s = parser.push(piece);
+                all.reasoning += &s.reasoning;
+                all.content += &s.content;
+            }
+            all
+        };
+        let qwen3 = "<|im_start|>assistant\n";
+        let call = "<tool_call>{\"a\": \"<think>x</think>\"}";
+        assert_eq!(
+            split_leading(qwen3, true, &["<thi", "nk>hm</think>\n\n", call]),
+            split("hm", call)
+        );
+        assert_eq!(split_leading(qwen3, true, &[call]), split("", call));
+        assert_eq!(
+            split_leading(qwen3, false, &["<think>", call]),
+            split("", &format!("<think>{call}"))
+        );
+        let qwen3_5 = "<|im_start|>assistant\n<think>\n";
+        assert_eq!(
+            split_leading(qwen3_5, false, &["why</think>", call]),
+            split("why", call)
+        );
     }
 }

@@ -120,9 +120,14 @@ pub fn response_format(body: &Body) -> Result<Option<ResponseFormat>, ApiError> 
 /// a server never asked for structured output does not pay); an error if this tokenizer cannot have one.
 pub(crate) type Compiler = OnceLock<Result<Arc<GrammarCompiler>, String>>;
 
-/// The constraint for `format` on `model`: a 400 naming `response_format` for a schema that cannot be compiled or
-/// a model that cannot constrain its output.
-pub fn constraint(compiler: &Compiler, model: &LoadedModel, format: &ResponseFormat) -> Result<Constraint, ApiError> {
+/// The constraint for `format` on `model`: a 400 naming `param` (where the format came from) for a schema or
+/// grammar that cannot be compiled or a model that cannot constrain its output.
+pub fn constraint(
+    compiler: &Compiler,
+    model: &LoadedModel,
+    format: &ResponseFormat,
+    param: &str,
+) -> Result<Constraint, ApiError> {
     let compiler = compiler
         .get_or_init(|| {
             GrammarCompiler::new(&model.tokenizer, &model.eos_token_ids, model.vocab_size)
@@ -130,10 +135,10 @@ pub fn constraint(compiler: &Compiler, model: &LoadedModel, format: &ResponseFor
                 .map_err(|e| e.to_string())
         })
         .as_ref()
-        .map_err(|e| ApiError::invalid_param("response_format", e.clone()))?;
+        .map_err(|e| ApiError::invalid_param(param, format!("`{param}`: {e}")))?;
     compiler
         .compile(format)
-        .map_err(|e| ApiError::invalid_param("response_format", e.to_string()))
+        .map_err(|e| ApiError::invalid_param(param, format!("`{param}`: {e}")))
 }
 
 /// A token as OpenAI shows it: its text (a lone part of a character shows as U+FFFD) and that text's bytes.

@@ -1,5 +1,5 @@
-//! Structured outputs: a `response_format` (any JSON object, or JSON valid under a schema) compiled by llguidance
-//! into a [`Constraint`], one per request, that the request's `Emitter` consults each step: the constraint masks the
+//! Structured outputs: a `response_format` (any JSON object, or JSON valid under a schema) or a grammar (the
+//! server's forced tool calls) compiled by llguidance into a [`Constraint`], one per request, that the request's `Emitter` consults each step: the constraint masks the
 //! logits row to the tokens the grammar allows next, the sampler picks among them, and the constraint is told the
 //! chosen token. Generation ends when the grammar is complete and allows nothing more (its eos tokens).
 //!
@@ -28,6 +28,8 @@ pub enum ResponseFormat {
     JsonObject,
     /// JSON valid under this JSON Schema (OpenAI's `json_schema`).
     JsonSchema(Value),
+    /// Text of this grammar in llguidance's Lark syntax (`%json {...}` embeds a schema).
+    Lark(String),
 }
 
 /// Compiles response formats for one model: its tokens' bytes in a trie, built once (a vocabulary's worth of
@@ -74,33 +76,37 @@ impl GrammarCompiler {
         })
     }
 
-    /// The constraint for a request with this response format; a schema llguidance cannot compile is the caller's
-    /// mistake, named as `response_format`.
+    /// The constraint for a request with this response format; a schema or grammar llguidance cannot compile is
+    /// the caller's mistake (an `Error::Request` saying what failed, for the caller to name its field).
     pub fn compile(&self, format: &ResponseFormat) -> Result<Constraint> {
-        let mut schema = match format {
-            ResponseFormat::JsonObject => json!({"type": "object"}),
-            ResponseFormat::JsonSchema(schema) => schema.clone(),
+        let grammar = match format {
+            ResponseFormat::JsonObject => json_schema(json!({"type": "object"}))?,
+            ResponseFormat::JsonSchema(schema) => json_schema(schema.clone())?,
+            ResponseFormat::Lark(grammar) => TopLevelGrammar::from_lark(grammar.clone()),
         };
-        let Some(object) = schema.as_object_mut() else {
-            return Err(Error::Request(
-                "response_format.json_schema.schema must be a JSON object".into(),
-            ));
+        let what = match format {
+            ResponseFormat::Lark(_) => "grammar",
+            _ => "schema",
         };
-        object.entry("x-guidance").or_insert_with(layout);
-        let parser = self
-            .factory
-            .create_parser(TopLevelGrammar::from_json_schema(schema))
-            .map_err(|e| Error::Request(format!("response_format: the schema cannot be compiled: {e}")))?;
+        let cannot = |e: &dyn fmt::Display| Error::Request(format!("the {what} cannot be compiled: {e}"));
+        let parser = self.factory.create_parser(grammar).map_err(|e| cannot(&e))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(error) = matcher.get_error() {
-            return Err(Error::Request(format!(
-                "response_format: the schema cannot be compiled: {error}"
-            )));
+            return Err(cannot(&error));
         }
         Ok(Constraint {
             matcher: Box::new(matcher),
         })
     }
+}
+
+/// A JSON Schema as a grammar, in [`layout`] unless the schema sets its own.
+fn json_schema(mut schema: Value) -> Result<TopLevelGrammar> {
+    let Some(object) = schema.as_object_mut() else {
+        return Err(Error::Request("the schema must be a JSON object".into()));
+    };
+    object.entry("x-guidance").or_insert_with(layout);
+    Ok(TopLevelGrammar::from_json_schema(schema))
 }
 
 /// One request's grammar state: what it allows next, given the tokens committed so far.
@@ -141,7 +147,7 @@ impl Constraint {
         match any {
             true => Ok(()),
             false => Err(Error::Request(
-                "response_format: the grammar allows no token the model can produce here".into(),
+                "constrained decoding: the grammar allows no token the model can produce here".into(),
             )),
         }
     }
@@ -151,14 +157,14 @@ impl Constraint {
     pub(super) fn commit(&mut self, token: u32) -> Result<bool> {
         self.matcher.consume_token(token).map_err(|e| grammar_error(&e))?;
         if let Some(error) = self.matcher.get_error() {
-            return Err(Error::Request(format!("response_format: {error}")));
+            return Err(Error::Request(format!("constrained decoding: {error}")));
         }
         Ok(self.matcher.is_stopped())
     }
 }
 
 fn grammar_error(e: &anyhow::Error) -> Error {
-    Error::Request(format!("response_format: {e}"))
+    Error::Request(format!("constrained decoding: {e}"))
 }
 
 #[cfg(test)]
@@ -225,7 +231,7 @@ mod tests {
     }
 
     #[test]
-    fn schemas_that_cannot_be_compiled_name_response_format() {
+    fn schemas_and_grammars_that_cannot_be_compiled_are_the_callers_mistake() {
         let compiler = GrammarCompiler::new(&fixture_tokenizer(), &EOS, 512).unwrap();
         for bad in [
             json!({"type": "nonsense"}),
@@ -234,10 +240,14 @@ mod tests {
         ] {
             let error = compiler.compile(&ResponseFormat::JsonSchema(bad.clone())).unwrap_err();
             assert!(
-                matches!(&error, Error::Request(m) if m.starts_with("response_format")),
+                matches!(&error, Error::Request(m) if m.contains("schema")),
                 "{bad}: {error}"
             );
         }
+        let error = compiler
+            .compile(&ResponseFormat::Lark("start: missing".into()))
+            .unwrap_err();
+        assert!(matches!(&error, Error::Request(m) if m.contains("grammar")), "{error}");
     }
 
     #[test]

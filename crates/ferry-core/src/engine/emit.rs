@@ -1,7 +1,7 @@
 //! What becomes of a request's logits once its pending tokens are computed: repetition, presence and frequency
 //! penalties, logit bias, a `response_format` constraint's mask, logprobs, the sampler, the incremental detokenizer
 //! (never splits a character; what it holds back is released at the end), stop strings, eos, the constraint's end,
-//! max_tokens and the context window. One [`Emitter`] per request, kept across preemptions so that its sampler,
+//! max_tokens and the context window; a thinking budget, which forces the end of thinking once spent. One [`Emitter`] per request, kept across preemptions so that its sampler,
 //! penalties and grammar state carry on. Not where the token goes (the scheduler hands it to the request's sink).
 
 use std::borrow::Cow;
@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::constraint::Constraint;
 use super::logprobs::{token_logprobs, TokenLogprobs};
-use super::request::{FinishReason, Request};
+use super::request::{FinishReason, Request, ThinkingBudget};
 use super::sampler::{apply_logit_bias, apply_penalties, apply_repetition_penalty, Sampler};
 use super::stop::StopStrings;
 use crate::loader::{Detokenizer, TextDecoder};
@@ -25,6 +25,32 @@ pub(super) struct Emitter {
     constraint: Option<Constraint>,
     detokenizer: Detokenizer,
     stop_strings: StopStrings,
+    thinking: Option<Thinking>,
+}
+
+/// Where a request with a thinking budget is in its thinking.
+struct Thinking {
+    budget: ThinkingBudget,
+    inside: bool,
+    /// Tokens generated inside the thinking so far.
+    spent: usize,
+}
+
+impl Thinking {
+    /// The token the budget forces next, if it is spent while thinking.
+    fn forced(&self) -> Option<u32> {
+        (self.inside && self.spent >= self.budget.max_tokens).then_some(self.budget.end_id)
+    }
+
+    fn saw(&mut self, token: u32) {
+        if token == self.budget.end_id {
+            self.inside = false;
+        } else if token == self.budget.start_id {
+            self.inside = true;
+        } else if self.inside {
+            self.spent += 1;
+        }
+    }
 }
 
 /// One generated token.
@@ -52,6 +78,11 @@ impl Emitter {
             constraint: request.constraint.as_ref().map(Constraint::fork),
             detokenizer: Detokenizer::new(),
             stop_strings: StopStrings::new(request.stop_strings.clone()),
+            thinking: request.thinking_budget.map(|budget| Thinking {
+                budget,
+                inside: budget.starts_inside,
+                spent: 0,
+            }),
         }
     }
 
@@ -66,7 +97,11 @@ impl Emitter {
         max_model_len: usize,
     ) -> Result<Emitted> {
         let logits = self.shaped_logits(request, logits)?;
-        let id = self.sampler.sample(&logits);
+        let forced = self.thinking.as_ref().and_then(Thinking::forced);
+        let id = forced.unwrap_or_else(|| self.sampler.sample(&logits));
+        if let Some(thinking) = &mut self.thinking {
+            thinking.saw(id);
+        }
         let logprobs = request.logprobs.map(|top_n| token_logprobs(&logits, id, top_n));
         let grammar_complete = match &mut self.constraint {
             Some(constraint) => constraint.commit(id)?,
@@ -83,13 +118,14 @@ impl Emitter {
         let ending = eos || grammar_complete || out_of_room;
         let piece = self.released_text(decoder, id, eos, ending)?;
         let (mut text, stopped) = self.stop_strings.push(&piece);
-        if ending && !stopped {
+        if ending && stopped.is_none() {
             text += &self.stop_strings.flush();
         }
-        let finish = match (stopped || eos || grammar_complete, out_of_room) {
-            (true, _) => Some(FinishReason::Stop),
-            (false, true) => Some(FinishReason::Length),
-            (false, false) => None,
+        let finish = match (stopped, eos || grammar_complete, out_of_room) {
+            (Some(index), _, _) => Some(FinishReason::StopString(index)),
+            (None, true, _) => Some(FinishReason::Stop),
+            (None, false, true) => Some(FinishReason::Length),
+            (None, false, false) => None,
         };
         Ok(Emitted {
             id,
@@ -222,7 +258,7 @@ pub(super) mod tests {
         // "e" is held back while it could start "ei"; the stop string and what follows are dropped.
         assert_eq!(
             emit_all(&stopped, &bcei, 16),
-            ("bc".into(), vec![1, 2, 4, 8], Some(FinishReason::Stop))
+            ("bc".into(), vec![1, 2, 4, 8], Some(FinishReason::StopString(0)))
         );
         let mut eos = request(6);
         eos.stop.eos_token_ids = vec![4];
@@ -291,5 +327,32 @@ pub(super) mod tests {
         penalised.prompt_ids = vec![7];
         // Token 0 leads until it has been generated once.
         assert_eq!(emit_all(&penalised, &repeat, 16).0, "ab");
+    }
+
+    #[test]
+    fn a_spent_thinking_budget_forces_the_end_of_thinking() {
+        // 'f' (5) opens thinking and 'g' (6) ends it; the model would think ('b') forever.
+        let budget = ThinkingBudget {
+            max_tokens: 2,
+            start_id: 5,
+            end_id: 6,
+            starts_inside: false,
+        };
+        let thinks_on = steps(&[1, 5, 1, 1, 1, 1, 1]);
+        let mut bounded = request(7);
+        bounded.thinking_budget = Some(budget);
+        assert_eq!(emit_all(&bounded, &thinks_on, 16).0, "bfbbgbb");
+        assert_eq!(emit_all(&request(7), &thinks_on, 16).0, "bfbbbbb", "no budget");
+        // A template that opened the thinking: the budget counts from the first token.
+        bounded.thinking_budget = Some(ThinkingBudget {
+            starts_inside: true,
+            ..budget
+        });
+        assert_eq!(emit_all(&bounded, &steps(&[1; 7]), 16).0, "bbgbbbb");
+        // Thinking the model ended itself within its budget is left alone.
+        let short = steps(&[5, 1, 6, 1, 1]);
+        bounded.thinking_budget = Some(budget);
+        bounded.max_tokens = 5;
+        assert_eq!(emit_all(&bounded, &short, 16).0, "fbgbb");
     }
 }

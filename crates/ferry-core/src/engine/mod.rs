@@ -18,7 +18,7 @@ pub use emit::NoText;
 pub use executor::{Executor, ModelExecutor};
 pub use logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use plan::MAX_BATCH_TOKENS;
-pub use request::{Event, EventSink, FinishReason, Request, RequestId, StopRules};
+pub use request::{Event, EventSink, FinishReason, Request, RequestId, StopRules, ThinkingBudget};
 pub use sampler::{apply_penalties, argmax, Sampler, SamplingParams};
 pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats, StepReport};
 pub use service::{EngineHandle, EngineStatus, Heartbeat};

@@ -18,6 +18,19 @@ pub struct StopRules {
     pub ignore_eos: bool,
 }
 
+/// A bound on a reasoning model's thinking: once `max_tokens` tokens have been generated inside its thinking, the
+/// next token is `end_id` (its end-of-thinking token, `</think>`), whatever the logits say, as llama.cpp's reasoning
+/// budget and vLLM's thinking budget do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ThinkingBudget {
+    pub max_tokens: usize,
+    /// The token that opens thinking (`<think>`).
+    pub start_id: u32,
+    pub end_id: u32,
+    /// The prompt ends inside the thinking (a template that opens `<think>` itself, as Qwen3.5's does).
+    pub starts_inside: bool,
+}
+
 #[derive(Clone, Debug)]
 pub struct Request {
     pub prompt_ids: Vec<u32>,
@@ -37,6 +50,8 @@ pub struct Request {
     pub constraint: Option<Constraint>,
     pub stop_strings: Vec<String>,
     pub stop: StopRules,
+    /// Thinking ended by force past its budget; None: the model thinks as long as it likes.
+    pub thinking_budget: Option<ThinkingBudget>,
 }
 
 impl Request {
@@ -55,6 +70,7 @@ impl Request {
             constraint: None,
             stop_strings: Vec::new(),
             stop: StopRules::default(),
+            thinking_budget: None,
         }
     }
 
@@ -117,8 +133,10 @@ impl Request {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An eos token or a stop string was generated.
+    /// An eos token was generated, or the constraint's grammar is complete.
     Stop,
+    /// The stop string at this index of [`Request::stop_strings`] was generated (it is not part of the output).
+    StopString(usize),
     /// max_tokens or the context window was reached.
     Length,
 }
@@ -126,7 +144,7 @@ pub enum FinishReason {
 impl FinishReason {
     pub fn as_str(self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
+            FinishReason::Stop | FinishReason::StopString(_) => "stop",
             FinishReason::Length => "length",
         }
     }

@@ -39,6 +39,8 @@ struct Node {
     depth: usize,
     /// Length of the longest stop string that ends this node's prefix, 0 if none.
     longest_stop: usize,
+    /// That stop string's index in the list given to [`StopStrings::new`].
+    stop_index: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -60,7 +62,7 @@ impl Default for StopStrings {
 impl StopStrings {
     pub fn new(stops: Vec<String>) -> Self {
         let mut nodes = vec![Node::default()];
-        for stop in stops.iter().filter(|s| !s.is_empty()) {
+        for (index, stop) in stops.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
             let mut at = ROOT;
             for &byte in stop.as_bytes() {
                 at = match nodes[at].children.iter().find(|&&(b, _)| b == byte) {
@@ -77,7 +79,10 @@ impl StopStrings {
                     }
                 };
             }
-            nodes[at].longest_stop = stop.len();
+            if nodes[at].longest_stop == 0 {
+                nodes[at].longest_stop = stop.len();
+                nodes[at].stop_index = index;
+            }
         }
         // Failure links breadth first, so that a node's failure (shallower) is complete before the node is.
         let mut queue = std::collections::VecDeque::from([ROOT]);
@@ -92,6 +97,7 @@ impl StopStrings {
                 nodes[child].fail = fail;
                 if nodes[child].longest_stop == 0 {
                     nodes[child].longest_stop = nodes[fail].longest_stop;
+                    nodes[child].stop_index = nodes[fail].stop_index;
                 }
                 queue.push_back(child);
             }
@@ -117,31 +123,34 @@ impl StopStrings {
         }
     }
 
-    /// Adds a piece of text; returns the text safe to release and whether a stop string was reached (the stop
-    /// string and everything after it are dropped). Of several stop strings in the text, the one that starts first
-    /// wins.
-    pub fn push(&mut self, piece: &str) -> (String, bool) {
+    /// Adds a piece of text; returns the text safe to release and, when a stop string was reached, its index (the
+    /// stop string and everything after it are dropped). Of several stop strings in the text, the one that starts
+    /// first wins (of two starting together, the one ending first; of duplicates, the first listed).
+    pub fn push(&mut self, piece: &str) -> (String, Option<usize>) {
         let start = self.pending.len();
         self.pending.push_str(piece);
-        let mut first_stop: Option<usize> = None;
+        // (where it starts, its index)
+        let mut first_stop: Option<(usize, usize)> = None;
         for (i, &byte) in piece.as_bytes().iter().enumerate() {
             self.state = Self::step(&self.nodes, self.state, byte);
             // The longest stop string ending here is the one ending here that starts first.
-            let len = self.nodes[self.state].longest_stop;
-            if len > 0 {
-                let at = start + i + 1 - len;
-                first_stop = Some(first_stop.map_or(at, |first| first.min(at)));
+            let node = &self.nodes[self.state];
+            if node.longest_stop > 0 {
+                let at = start + i + 1 - node.longest_stop;
+                if first_stop.is_none_or(|(first, _)| at < first) {
+                    first_stop = Some((at, node.stop_index));
+                }
             }
         }
-        if let Some(at) = first_stop {
+        if let Some((at, index)) = first_stop {
             self.pending.truncate(at);
             self.state = ROOT;
-            return (std::mem::take(&mut self.pending), true);
+            return (std::mem::take(&mut self.pending), Some(index));
         }
         // Stop strings and the text are UTF-8, so a suffix equal to a stop string's prefix starts and ends on
         // character boundaries.
         let released = self.pending.len() - self.nodes[self.state].depth;
-        (self.pending.drain(..released).collect(), false)
+        (self.pending.drain(..released).collect(), None)
     }
 
     /// The text held back, released when generation ends for another reason.
@@ -164,46 +173,53 @@ pub fn partial_match_len(text: &str, stop: &str) -> usize {
 mod tests {
     use super::*;
 
-    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+    /// The text released and the index of the stop string that ended it.
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, Option<usize>) {
         let mut s = StopStrings::new(stops.iter().map(|s| s.to_string()).collect());
         let mut out = String::new();
         for p in pieces {
             let (text, stopped) = s.push(p);
             out.push_str(&text);
-            if stopped {
-                return (out, true);
+            if stopped.is_some() {
+                return (out, stopped);
             }
         }
         out.push_str(&s.flush());
-        (out, false)
+        (out, None)
     }
 
     #[test]
     fn a_stop_string_split_across_pieces_is_never_released() {
         let mut s = StopStrings::new(vec!["END".into()]);
-        assert_eq!(s.push("abc E"), ("abc ".into(), false));
-        assert_eq!(s.push("N"), ("".into(), false));
-        assert_eq!(s.push("D tail"), ("".into(), true));
+        assert_eq!(s.push("abc E"), ("abc ".into(), None));
+        assert_eq!(s.push("N"), ("".into(), None));
+        assert_eq!(s.push("D tail"), ("".into(), Some(0)));
     }
 
     #[test]
     fn held_text_is_released_when_it_stops_matching_or_at_the_end() {
-        assert_eq!(run(&["END"], &["x E", "Nd", "!"]), ("x ENd!".into(), false));
-        assert_eq!(run(&["END"], &["x E"]), ("x E".into(), false));
-        assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+        assert_eq!(run(&["END"], &["x E", "Nd", "!"]), ("x ENd!".into(), None));
+        assert_eq!(run(&["END"], &["x E"]), ("x E".into(), None));
+        assert_eq!(run(&[], &["a", "b"]), ("ab".into(), None));
     }
 
-    /// What `push` returns, computed the plain way: each stop string searched for and its partial match measured.
-    fn push_by_each_stop(stops: &[&str], pending: &mut String, piece: &str) -> (String, bool) {
+    /// What `push` returns, computed the plain way: each stop string searched for and its partial match measured;
+    /// of the stops found, the one starting first, the shortest of those, the first listed of equal ones.
+    fn push_by_each_stop(stops: &[&str], pending: &mut String, piece: &str) -> (String, Option<usize>) {
         pending.push_str(piece);
-        let stops = stops.iter().filter(|s| !s.is_empty());
-        if let Some(at) = stops.clone().filter_map(|s| pending.find(s)).min() {
+        let found = stops
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_empty())
+            .filter_map(|(i, s)| pending.find(s).map(|at| (at, s.len(), i)))
+            .min();
+        if let Some((at, _, index)) = found {
             pending.truncate(at);
-            return (std::mem::take(pending), true);
+            return (std::mem::take(pending), Some(index));
         }
-        let held = stops.map(|s| partial_match_len(pending, s)).max().unwrap_or(0);
+        let held = stops.iter().map(|s| partial_match_len(pending, s)).max().unwrap_or(0);
         let released = pending.len() - held;
-        (pending.drain(..released).collect(), false)
+        (pending.drain(..released).collect(), None)
     }
 
     #[test]
@@ -230,7 +246,7 @@ mod tests {
                     .collect();
                 let expected = push_by_each_stop(&chosen, &mut pending, &piece);
                 assert_eq!(scan.push(&piece), expected, "{chosen:?} after {piece:?}");
-                if expected.1 {
+                if expected.1.is_some() {
                     break;
                 }
             }
@@ -251,8 +267,14 @@ mod tests {
 
     #[test]
     fn the_earliest_of_several_stops_wins_and_multibyte_text_is_safe() {
-        assert_eq!(run(&["b", "a"], &["xxab"]), ("xx".into(), true));
-        assert_eq!(run(&["世界"], &["hi 世", "界 no"]), ("hi ".into(), true));
-        assert_eq!(run(&["é!"], &["café", " ok"]), ("café ok".into(), false));
+        assert_eq!(run(&["b", "a"], &["xxab"]), ("xx".into(), Some(1)));
+        assert_eq!(run(&["世界"], &["hi 世", "界 no"]), ("hi ".into(), Some(0)));
+        assert_eq!(run(&["é!"], &["café", " ok"]), ("café ok".into(), None));
+        assert_eq!(run(&["world", "lo w"], &["hello world"]), ("hel".into(), Some(1)));
+        assert_eq!(run(&["lo w", "world", "lo"], &["hello world"]), ("hel".into(), Some(2)));
+        assert_eq!(
+            run(&["x", "world", "wor"], &["hello wor", "ld"]),
+            ("hello ".into(), Some(2))
+        );
     }
 }

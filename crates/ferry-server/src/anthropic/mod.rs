@@ -19,7 +19,7 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use crate::body::Body;
-use crate::chat::{check_model_name, engine_request};
+use crate::chat::check_model_name;
 use crate::error::ApiError;
 use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output, Piece};
 use crate::openai::response_id;
@@ -194,8 +194,8 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let chat = &messages.chat;
     let prompt = chat.prepare(&model)?;
     let input_tokens = prompt.ids.len();
-    let request = engine_request(&model, &chat.params, prompt.ids, "messages")?;
-    let generation = Generation::start(state, &model, request, prompt.parser)?;
+    let (request, parser) = prompt.start(state, &model, &chat.params, "messages")?;
+    let generation = Generation::start(state, &model, request, parser)?;
     let meta = MessageMeta {
         id: format!("msg_{:016x}", response_id()),
         model: state.0.config.served_model_name.clone(),

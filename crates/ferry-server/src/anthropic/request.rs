@@ -2,7 +2,8 @@
 //!
 //! As Anthropic's newer SDKs send fields this server has never heard of, unknown fields are tolerated here (unlike
 //! on the OpenAI routes); fields it knows and cannot honour (image blocks, MCP servers) are a 400 naming them.
-//! `thinking` maps to the chat template's thinking switch; thinking blocks in the history go back into the
+//! `thinking` maps to the chat template's thinking switch, and `budget_tokens` to the engine's thinking budget (see
+//! chat.rs for a model that does not think); thinking blocks in the history go back into the
 //! template as the `<think>` text the model wrote (templates strip them from earlier turns as they do for their
 //! own output), and for a model that does not reason they are dropped, as Anthropic drops earlier turns' thinking.
 
@@ -79,10 +80,12 @@ impl MessagesBody {
         if top_p == Some(0.0) {
             return Err(ApiError::invalid_param("top_p", "`top_p` must be greater than 0"));
         }
+        let (thinking, thinking_budget) = thinking(body, max_tokens)?;
         let chat = ChatRequest {
             messages,
             template_kwargs: Default::default(),
-            thinking: thinking(body, max_tokens)?,
+            thinking,
+            thinking_budget,
             reasoning_effort: None,
             tools: tools::tool_request(body)?,
             params: GenerationParams {
@@ -263,12 +266,12 @@ fn messages_of(index: usize, message: &Value, splits_reasoning: bool) -> Result<
 /// `thinking`: `{"type": "enabled", "budget_tokens": N}` (N below `max_tokens`, which bounds the thinking with the
 /// answer), `{"type": "adaptive"}` or `{"type": "between_tools"}` (on: the model decides), or
 /// `{"type": "disabled"}`, as the template's thinking switch.
-fn thinking(body: &Body, max_tokens: Option<usize>) -> Result<Option<bool>, ApiError> {
+fn thinking(body: &Body, max_tokens: Option<usize>) -> Result<(Option<bool>, Option<usize>), ApiError> {
     let Some(fields) = body.object("thinking")? else {
-        return Ok(None);
+        return Ok((None, None));
     };
     let thinking = Body::nested(fields.clone(), "thinking.".into());
-    match thinking.string("type")?.as_deref() {
+    let switch = match thinking.string("type")?.as_deref() {
         Some("disabled") => Ok(Some(false)),
         // The model decides whether and how long to think, in its answer and between tool calls alike.
         Some("adaptive" | "between_tools") => match thinking.string("display")?.as_deref() {
@@ -288,13 +291,14 @@ fn thinking(body: &Body, max_tokens: Option<usize>) -> Result<Option<bool>, ApiE
                     "`thinking.budget_tokens` must be less than `max_tokens`",
                 ));
             }
-            Ok(Some(true))
+            return Ok((Some(true), Some(budget)));
         }
         _ => Err(ApiError::invalid_param(
             "thinking.type",
             "`thinking.type` must be \"enabled\", \"adaptive\", \"between_tools\" or \"disabled\"",
         )),
-    }
+    };
+    Ok((switch?, None))
 }
 
 #[cfg(test)]
@@ -442,6 +446,11 @@ mod tests {
                 "messages[0].content[0]",
             ),
             (with("tool_choice", json!({"type": "any"})), "tool_choice"),
+            (
+                with("tool_choice", json!({"type": "tool", "name": "g"})),
+                "tool_choice.name",
+            ),
+            (with("tool_choice", json!({"type": "tool"})), "tool_choice.name"),
             (with("mcp_servers", json!([])), "mcp_servers"),
         ] {
             assert_eq!(param_of(body.clone()), Some(param.to_string()), "{body}");

@@ -1,6 +1,7 @@
 //! Anthropic's tool fields read into the neutral tool request (tools/request.rs): `tools` (client tools with an
-//! `input_schema`) as the template's function definitions, `tool_choice` (`auto`, `none`; `any` and a named tool
-//! need constrained decoding and are refused, as on the OpenAI routes) with `disable_parallel_tool_use`, and the
+//! `input_schema`) as the template's function definitions, `tool_choice` (`auto`, `none`, and `any` and a named
+//! `tool`, forced by constrained decoding as OpenAI's `required` and named function are) with
+//! `disable_parallel_tool_use`, and the
 //! history's `tool_use` blocks (an assistant's calls) and `tool_result` blocks (a user's answers, which become
 //! `tool` messages as the templates expect).
 
@@ -74,23 +75,20 @@ pub fn tool_request(body: &Body) -> Result<ToolRequest, ApiError> {
     };
     if let Some(choice) = body.get("tool_choice") {
         let choice = nested("tool_choice", choice)?;
-        request.choice =
-            match choice.string("type")?.as_deref() {
-                Some("auto") => ToolChoice::Auto,
-                Some("none") => ToolChoice::None,
-                Some("any" | "tool") => return Err(ApiError::invalid_param(
-                    "tool_choice",
-                    "`tool_choice` `any` or a named tool needs constrained decoding, which this server does not do \
-                     for tool calls; use `auto` (or `none`)",
-                )),
-                _ => {
-                    return Err(ApiError::invalid_param(
-                        "tool_choice.type",
-                        "`tool_choice.type` must be \"auto\", \"none\", \"any\" or \"tool\"",
-                    ))
-                }
-            };
+        request.choice = match choice.string("type")?.as_deref() {
+            Some("auto") => ToolChoice::Auto,
+            Some("none") => ToolChoice::None,
+            Some("any") => ToolChoice::Required,
+            Some("tool") => ToolChoice::Function(choice.string("name")?.ok_or_else(|| required(&choice, "name"))?),
+            _ => {
+                return Err(ApiError::invalid_param(
+                    "tool_choice.type",
+                    "`tool_choice.type` must be \"auto\", \"none\", \"any\" or \"tool\"",
+                ))
+            }
+        };
         request.parallel_calls = !choice.boolean("disable_parallel_tool_use")?;
+        request.check_choice("tool_choice.name")?;
     }
     Ok(request)
 }

@@ -12,6 +12,7 @@
 //! written inside the reasoning stays reasoning.
 
 mod arg_value;
+pub mod forced;
 mod glm;
 pub mod harmony;
 mod hermes;

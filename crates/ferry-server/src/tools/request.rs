@@ -3,8 +3,9 @@
 //!
 //! What ferry does with them: the definitions go to the chat template as transformers' `tools=` passes them and
 //! the output is parsed for calls (`auto`); `none` leaves the tools out of the prompt and parses nothing, so no
-//! call can come back (vLLM's `--exclude-tools-when-tool-choice-none`); `required`, a named function and
-//! `strict` schemas need constrained decoding and are refused with a 400 rather than accepted and not honoured.
+//! call can come back (vLLM's `--exclude-tools-when-tool-choice-none`); `required` and a named function force
+//! calls by constrained decoding (forced.rs), which enforces the tools' schemas, so `strict` is accepted there and
+//! refused under `auto`, where nothing would enforce it.
 
 use ferry_core::loader::{FunctionCall, ToolCall};
 use serde_json::{Map, Value};
@@ -30,6 +31,17 @@ pub struct ToolSpec {
 pub enum ToolChoice {
     Auto,
     None,
+    /// At least one call, of any tool offered.
+    Required,
+    /// Calls of this tool only.
+    Function(String),
+}
+
+impl ToolChoice {
+    /// Whether the output must be tool calls (constrained decoding sees to it).
+    pub fn forces_calls(&self) -> bool {
+        matches!(self, ToolChoice::Required | ToolChoice::Function(_))
+    }
 }
 
 /// A request's tools and what the model may do with them.
@@ -111,7 +123,8 @@ impl ToolSpec {
         }
     }
 
-    fn parse(index: usize, value: &Value) -> Result<Self, ApiError> {
+    /// The tool and whether it asks for `strict` schema adherence.
+    fn parse(index: usize, value: &Value) -> Result<(Self, bool), ApiError> {
         let tool = nested(&format!("tools[{index}]"), value)?;
         check_function_type(&tool)?;
         let function = required(&tool, "function", tool.get("function"))?;
@@ -121,33 +134,30 @@ impl ToolSpec {
         // Read to check its type; the template renders it from `definition`.
         function.string("description")?;
         let parameters = Value::Object(function.object("parameters")?.cloned().unwrap_or_default());
-        if function.boolean("strict")? {
-            let param = function.param("strict");
-            return Err(ApiError::invalid_param(
-                &param,
-                format!("`{param}` needs constrained decoding, which ferry does not do for tool calls"),
-            ));
-        }
+        let strict = function.boolean("strict")?;
         function.refuse_unread(&[])?;
         tool.refuse_unread(&[])?;
-        Ok(ToolSpec {
+        let spec = ToolSpec {
             name,
             parameters,
             definition: value.clone(),
-        })
+        };
+        Ok((spec, strict))
     }
 }
 
 impl ToolRequest {
     /// `tools`, `tool_choice` and `parallel_tool_calls` of an OpenAI chat request.
     pub fn parse(body: &Body) -> Result<Self, ApiError> {
-        let tools: Vec<ToolSpec> = match body.get("tools") {
-            None => vec![],
+        let (tools, strict): (Vec<ToolSpec>, Vec<bool>) = match body.get("tools") {
+            None => (vec![], vec![]),
             Some(Value::Array(list)) => list
                 .iter()
                 .enumerate()
                 .map(|(i, tool)| ToolSpec::parse(i, tool))
-                .collect::<Result<_, _>>()?,
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .unzip(),
             Some(other) => return Err(wrong_type("tools", "an array of tools", other)),
         };
         for (i, tool) in tools.iter().enumerate() {
@@ -162,8 +172,17 @@ impl ToolRequest {
             None => ToolChoice::Auto,
             Some(Value::String(choice)) if choice == "auto" => ToolChoice::Auto,
             Some(Value::String(choice)) if choice == "none" => ToolChoice::None,
-            Some(Value::String(choice)) if choice == "required" => return Err(needs_constraints("\"required\"")),
-            Some(Value::Object(_)) => return Err(needs_constraints("a named function")),
+            Some(Value::String(choice)) if choice == "required" => ToolChoice::Required,
+            Some(choice @ Value::Object(_)) => {
+                let choice = nested("tool_choice", choice)?;
+                check_function_type(&choice)?;
+                let function = required(&choice, "function", choice.get("function"))?;
+                let function = nested(&choice.param("function"), function)?;
+                let name = required(&function, "name", function.string("name")?)?;
+                function.refuse_unread(&[])?;
+                choice.refuse_unread(&[])?;
+                ToolChoice::Function(name)
+            }
             Some(_) => {
                 return Err(ApiError::invalid_param(
                     "tool_choice",
@@ -177,38 +196,60 @@ impl ToolRequest {
             Some(Value::Bool(parallel)) => *parallel,
             Some(other) => return Err(wrong_type("parallel_tool_calls", "a boolean", other)),
         };
-        Ok(ToolRequest {
+        if let Some(i) = strict
+            .iter()
+            .position(|&strict| strict)
+            .filter(|_| !choice.forces_calls())
+        {
+            let param = format!("tools[{i}].function.strict");
+            return Err(ApiError::invalid_param(
+                &param,
+                format!(
+                    "`{param}`: ferry enforces tool schemas only when `tool_choice` is \"required\" or names a \
+                     function"
+                ),
+            ));
+        }
+        let request = ToolRequest {
             tools,
             choice,
             parallel_calls,
-        })
+        };
+        request.check_choice("tool_choice.function.name")?;
+        Ok(request)
     }
 
-    /// The definitions the chat template renders: none under `tool_choice: none`.
+    /// A forced choice needs tools, and a named one must be among them; `name_param` is where a protocol names it.
+    pub fn check_choice(&self, name_param: &str) -> Result<(), ApiError> {
+        match &self.choice {
+            ToolChoice::Required if self.tools.is_empty() => Err(ApiError::invalid_param(
+                "tool_choice",
+                "`tool_choice` requires a tool call, but the request offers no `tools`",
+            )),
+            ToolChoice::Function(name) if !self.tools.iter().any(|t| &t.name == name) => Err(ApiError::invalid_param(
+                name_param,
+                format!("`{name_param}`: no tool named `{name}` is offered in `tools`"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The definitions the chat template renders: none under `tool_choice: none`, all of them otherwise (a named
+    /// function included, as vLLM renders them).
     pub fn template_tools(&self) -> Vec<Value> {
         match self.choice {
-            ToolChoice::Auto => self.tools.iter().map(|t| t.definition.clone()).collect(),
             ToolChoice::None => vec![],
+            _ => self.tools.iter().map(|t| t.definition.clone()).collect(),
         }
     }
 
     /// The parser for this request's output: none without tools, under `tool_choice: none`, or without a format.
     pub fn parser(&self, format: Option<ToolCallFormat>) -> Option<ToolCallParser> {
-        match (self.choice == ToolChoice::Auto && !self.tools.is_empty(), format) {
+        match (self.choice != ToolChoice::None && !self.tools.is_empty(), format) {
             (true, Some(format)) => Some(ToolCallParser::new(format, self.tools.clone(), self.parallel_calls)),
             _ => None,
         }
     }
-}
-
-fn needs_constraints(what: &str) -> ApiError {
-    ApiError::invalid_param(
-        "tool_choice",
-        format!(
-            "`tool_choice` {what} needs constrained decoding, which ferry does not do for tool calls; use \"auto\" \
-             (or \"none\")"
-        ),
-    )
 }
 
 /// A message's `tool_calls` (OpenAI's shape): each call's `arguments`, a JSON string in OpenAI's API (an object is
@@ -290,6 +331,15 @@ mod tests {
         assert!(none.template_tools().is_empty());
         assert!(none.parser(Some(ToolCallFormat::Hermes)).is_none());
         assert_eq!(parse(json!({})).unwrap(), ToolRequest::default());
+        let required = parse(json!({"tools": [weather()], "tool_choice": "required"})).unwrap();
+        assert_eq!(required.choice, ToolChoice::Required);
+        assert_eq!(required.template_tools(), vec![weather()]);
+        assert!(required.parser(Some(ToolCallFormat::Hermes)).is_some());
+        let mut strict = weather();
+        strict["function"]["strict"] = json!(true);
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        let named = parse(json!({"tools": [strict], "tool_choice": named})).unwrap();
+        assert_eq!(named.choice, ToolChoice::Function("get_weather".into()));
         assert_eq!(
             ToolSpec::function("get_weather", Some("d"), weather()["function"]["parameters"].clone()),
             request.tools[0]
@@ -323,17 +373,25 @@ mod tests {
                 json!({"tools": [{"function": {"name": "f", "strict": true}}]}),
                 "tools[0].function.strict",
             ),
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (
+                json!({"tools": [weather()], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                "tool_choice.function.name",
+            ),
+            (
+                json!({"tools": [weather()], "tool_choice": {"type": "function"}}),
+                "tool_choice.function",
+            ),
+            (
+                json!({"tools": [weather()], "tool_choice": {"function": {"name": "get_weather", "x": 1}}}),
+                "tool_choice.function.x",
+            ),
             (
                 json!({"tools": [{"function": {"name": "f", "strict": "y"}}]}),
                 "tools[0].function.strict",
             ),
             (json!({"tools": [weather(), weather()]}), "tools[1].function.name"),
             (json!({"tool_choice": "always"}), "tool_choice"),
-            (json!({"tools": [weather()], "tool_choice": "required"}), "tool_choice"),
-            (
-                json!({"tools": [weather()], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
-                "tool_choice",
-            ),
             (json!({"parallel_tool_calls": 1}), "parallel_tool_calls"),
         ];
         for (body, param) in cases {

@@ -338,7 +338,10 @@ fn a_request_that_stops_early_is_retired_with_its_counts() {
         completion_tokens,
     };
     assert_eq!(outcome(&eos), ("bc".into(), finished(FinishReason::Stop, 3)));
-    assert_eq!(outcome(&stopped), ("bc".into(), finished(FinishReason::Stop, 4)));
+    assert_eq!(
+        outcome(&stopped),
+        ("bc".into(), finished(FinishReason::StopString(0), 4))
+    );
     assert_eq!(outcome(&full).1, finished(FinishReason::Length, 6));
     assert!(s.executor.kv.live.is_empty());
 }

@@ -1,0 +1,204 @@
+//! Forced tool calls over OpenAI's chat completions (`tool_choice` "required" or a named function), plain and
+//! streamed: on the scripted checkpoint they are the calls the model makes unforced; on a random model, in either
+//! tool call format, every answer is calls of declared tools with arguments valid under their schemas.
+
+mod common;
+
+use std::path::Path;
+
+use common::{chat, Server, KEY};
+use serde_json::{json, Value};
+
+fn fixture(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
+    path.to_str().unwrap().to_string()
+}
+
+fn serve(model: &str, extra: &[&str]) -> Server {
+    let model = fixture(model);
+    Server::start_serving(&[&["--model", model.as_str(), "--api-key", KEY], extra].concat())
+}
+
+fn weather(city: Value) -> Value {
+    json!({"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city.",
+        "parameters": {"type": "object", "properties": {"city": city, "days": {"type": "integer", "minimum": 1,
+        "maximum": 9}}, "required": ["city"], "additionalProperties": false}}})
+}
+
+fn clock() -> Value {
+    json!({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}})
+}
+
+/// (name, arguments) of each call in an answer's `tool_calls`, the arguments parsed from their JSON text.
+fn calls_of(tool_calls: &Value) -> Vec<(String, Value)> {
+    tool_calls
+        .as_array()
+        .map(|calls| {
+            calls
+                .iter()
+                .map(|call| {
+                    let arguments = call["function"]["arguments"].as_str().unwrap();
+                    let arguments = serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{arguments}: {e}"));
+                    (call["function"]["name"].as_str().unwrap().to_string(), arguments)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A whole answer: its content, calls and finish reason.
+fn answer(server: &Server, body: &Value) -> (Value, Vec<(String, Value)>, String) {
+    let (status, response) = server.post("/v1/chat/completions", body);
+    assert_eq!(status, 200, "{response}");
+    let choice = &response["choices"][0];
+    let message = &choice["message"];
+    let finish = choice["finish_reason"].as_str().unwrap().to_string();
+    (message["content"].clone(), calls_of(&message["tool_calls"]), finish)
+}
+
+/// The same from a streamed answer: the content joined, the calls' deltas put together.
+fn streamed_answer(server: &Server, body: &Value) -> (String, Vec<(String, Value)>, String) {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let mut content = String::new();
+    let mut calls: Vec<Value> = vec![];
+    let mut finish = String::new();
+    for data in server.post_stream("/v1/chat/completions", &body) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&data).unwrap();
+        let choice = &chunk["choices"][0];
+        let delta = &choice["delta"];
+        content += delta["content"].as_str().unwrap_or_default();
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            let index = call["index"].as_u64().unwrap() as usize;
+            if index == calls.len() {
+                assert!(call["id"].is_string() && call["function"]["name"].is_string(), "{call}");
+                calls.push(json!({"function": {"name": call["function"]["name"], "arguments": ""}}));
+            }
+            let arguments = calls[index]["function"]["arguments"].as_str().unwrap().to_string();
+            let fragment = call["function"]["arguments"].as_str().unwrap_or_default();
+            calls[index]["function"]["arguments"] = (arguments + fragment).into();
+        }
+        if let Some(reason) = choice["finish_reason"].as_str() {
+            finish = reason.to_string();
+        }
+    }
+    (content, calls_of(&Value::Array(calls)), finish)
+}
+
+#[test]
+fn forced_choices_give_the_calls_the_scripted_model_makes_unforced_plain_and_streamed() {
+    let server = serve("tool_calls_qwen3_xml", &[]);
+    let question = "What is the weather in Paris and Oslo?";
+    let tools = json!([clock(), weather(json!({"type": "string"}))]);
+    let body = |extra: Value| {
+        let mut body = chat(question, json!({"tools": tools, "max_tokens": 200, "temperature": 0}));
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let (_, unforced, finish) = answer(&server, &body(json!({})));
+    assert_eq!(finish, "tool_calls");
+    let expected = vec![
+        ("get_weather".to_string(), json!({"city": "Paris", "days": 3})),
+        ("get_weather".to_string(), json!({"city": "Oslo"})),
+    ];
+    assert_eq!(unforced, expected);
+
+    let required = body(json!({"tool_choice": "required"}));
+    let (content, calls, finish) = answer(&server, &required);
+    assert_eq!(
+        (content, calls, finish.as_str()),
+        (Value::Null, expected.clone(), "tool_calls")
+    );
+    let (content, calls, finish) = streamed_answer(&server, &required);
+    assert_eq!(
+        (content.as_str(), calls, finish.as_str()),
+        ("", expected.clone(), "tool_calls")
+    );
+
+    // Named, one call only: the model's first.
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    let named = body(json!({"tool_choice": named, "parallel_tool_calls": false}));
+    let (_, calls, finish) = answer(&server, &named);
+    assert_eq!((calls, finish.as_str()), (expected[..1].to_vec(), "tool_calls"));
+    let (_, calls, _) = streamed_answer(&server, &named);
+    assert_eq!(calls, expected[..1].to_vec());
+}
+
+/// Checks calls against the tools [`clock`] and [`weather`] with `cities`.
+fn assert_valid(calls: &[(String, Value)], cities: &[&str], parallel: bool) {
+    assert!(!calls.is_empty() && (parallel || calls.len() == 1), "{calls:?}");
+    for (name, arguments) in calls {
+        let arguments = arguments.as_object().unwrap_or_else(|| panic!("{arguments}"));
+        match name.as_str() {
+            "get_time" => {}
+            "get_weather" => {
+                assert!(cities.contains(&arguments["city"].as_str().unwrap()), "{arguments:?}");
+                if let Some(days) = arguments.get("days") {
+                    assert!((1..=9).contains(&days.as_i64().unwrap()), "{arguments:?}");
+                }
+                assert!(arguments.keys().all(|k| k == "city" || k == "days"), "{arguments:?}");
+            }
+            other => panic!("a call of {other}, which is not offered"),
+        }
+    }
+}
+
+#[test]
+fn a_random_model_forced_to_call_calls_declared_tools_with_valid_arguments_in_either_format() {
+    let cities = ["Paris", "Oslo", "Lima"];
+    let tools = json!([clock(), weather(json!({"type": "string", "enum": cities}))]);
+    let xml_template = Path::new(&fixture("tool_calls_qwen3_xml")).join("chat_template.jinja");
+    let xml_template = xml_template.to_str().unwrap();
+    for extra in [vec![], vec!["--chat-template", xml_template]] {
+        let server = serve("qwen3_moe", &extra);
+        for seed in 0..6 {
+            let parallel = seed % 2 == 0;
+            let body = chat(
+                "Weather?",
+                json!({"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel,
+                    "chat_template_kwargs": {"enable_thinking": false},
+                    "max_tokens": 400, "temperature": 1, "seed": seed}),
+            );
+            let (content, calls, finish) = answer(&server, &body);
+            assert_eq!((&content, finish.as_str()), (&Value::Null, "tool_calls"), "{calls:?}");
+            assert_valid(&calls, &cities, parallel);
+            let (content, streamed, _) = streamed_answer(&server, &body);
+            assert_eq!(
+                (content.as_str(), &streamed),
+                ("", &calls),
+                "seeded: the stream says the same"
+            );
+        }
+    }
+}
+
+#[test]
+fn forced_choices_that_cannot_be_served_are_400s_naming_the_field() {
+    let server = serve("qwen3_moe", &[]);
+    let tools = json!([weather(json!({"type": "string"}))]);
+    let cases = [
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
+            "tool_choice.function.name",
+        ),
+        (
+            json!({"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "strict": true}}]}),
+            "tools[0].function.strict",
+        ),
+    ];
+    for (extra, param) in cases {
+        let (status, response) = server.post("/v1/chat/completions", &chat("hi", extra.clone()));
+        assert_eq!(status, 400, "{extra}: {response}");
+        assert_eq!(response["error"]["param"], param, "{extra}: {response}");
+    }
+}
