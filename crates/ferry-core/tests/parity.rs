@@ -26,6 +26,8 @@ const FAMILIES: &[&str] = &[
     "qwen3_5_moe",
     "qwen3_5_moe_text",
     "qwen3_next",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
 ];
 const LOGIT_TOLERANCE: f32 = 1e-3;
 /// Several chunks for the long prompt (472 tokens), none aligned to the reference's 64-token delta-rule chunks.
@@ -236,7 +238,9 @@ parity_tests!(
     qwen2_moe,
     qwen3_5_moe,
     qwen3_5_moe_text,
-    qwen3_next
+    qwen3_next,
+    gpt_oss,
+    gpt_oss_mxfp4
 );
 
 /// What the scheduler does with a hybrid model: a long prompt prefilled in chunks, each chunk batched with another

@@ -2,6 +2,7 @@
 //! `tokenizer.json`, `tokenizer_config.json` (chat template, special tokens) and `generation_config.json`.
 
 mod generation;
+pub mod mxfp4;
 mod tokenizer;
 mod weights;
 

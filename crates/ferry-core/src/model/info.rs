@@ -4,8 +4,9 @@
 
 use serde::Serialize;
 
-use super::config::{FfnKind, Mixer, ModelSpec, QkNorm};
+use super::config::{ExpertLayout, FfnKind, Mixer, ModelSpec, QkNorm};
 use super::recurrent_spec;
+use crate::loader::DType;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelInfo {
@@ -37,7 +38,7 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
-    pub fn new(spec: &ModelSpec, weight_dtype: crate::loader::DType) -> Self {
+    pub fn new(spec: &ModelSpec, weight_dtype: DType) -> Self {
         let h = spec.hidden_size as u64;
         let (heads, kv_heads, d) = (spec.num_heads as u64, spec.num_kv_heads as u64, spec.head_dim as u64);
         let qk_norm = match spec.qk_norm {
@@ -82,6 +83,18 @@ impl ModelInfo {
         }
         let bank_params = moe_layers * num_experts * expert_params;
         let bytes = weight_dtype.size() as u64;
+        // What one expert occupies where it is kept: MXFP4's 17 bytes per 32 weights (gpt-oss), plus f32 gate and
+        // up biases and a down bias in the stored dtype when the family has them.
+        let bytes_per_expert = match spec.moe.as_ref().map(|m| m.naming.layout) {
+            Some(ExpertLayout::GptOss { mxfp4 }) => {
+                let weights = match mxfp4 {
+                    true => DType::Mxfp4.bytes_for(expert_params as usize) as u64,
+                    false => expert_params * bytes,
+                };
+                weights + 4 * 2 * moe_inter + bytes * h
+            }
+            _ => expert_params * bytes,
+        };
         ModelInfo {
             model_type: spec.model_type.to_string(),
             num_layers: spec.layers.len(),
@@ -97,8 +110,8 @@ impl ModelInfo {
             weight_dtype: weight_dtype.name().to_string(),
             params_total: dense + bank_params,
             params_active_per_token: dense + moe_layers * top_k * expert_params,
-            bytes_per_expert: expert_params * bytes,
-            expert_bank_bytes: bank_params * bytes,
+            bytes_per_expert,
+            expert_bank_bytes: moe_layers * num_experts * bytes_per_expert,
             dense_bytes: dense * bytes,
             kv_bytes_per_token_bf16: 2 * spec.num_attention_layers() as u64 * kv_heads * d * 2,
             recurrent_state_bytes_per_seq: recurrent_spec(spec).map_or(0, |r| r.bytes_per_seq() as u64),

@@ -4,6 +4,7 @@
 //! against [`Backend`].
 
 pub mod config;
+mod gpt_oss;
 pub mod info;
 pub mod layers;
 mod mixtral;
@@ -33,6 +34,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_next",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
+    "gpt_oss",
 ];
 
 /// The spec of a checkpoint's model, from its `model_type` and config.
@@ -44,6 +46,7 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
         "olmoe" => olmoe::spec(config),
         "qwen3_next" => qwen3_next::spec(config),
         "qwen3_5_moe" | "qwen3_5_moe_text" => qwen3_5_moe::spec(config),
+        "gpt_oss" => gpt_oss::spec(config),
         other => Err(Error::Config(format!(
             "unsupported model_type \"{other}\"; supported: {}",
             SUPPORTED_MODEL_TYPES.join(", ")
@@ -298,6 +301,7 @@ mod tests {
             max_position_embeddings: 64,
             qk_norm: QkNorm::PerHead,
             attention_output_gate: false,
+            attention_sinks: false,
             norm_weight_offset: false,
             tie_word_embeddings: false,
             layers: windows

@@ -10,6 +10,7 @@ mod attention;
 mod gdn;
 pub mod gemv;
 mod moe;
+mod mxfp4;
 
 use rayon::prelude::*;
 
@@ -103,14 +104,6 @@ impl CpuBatch {
     }
 }
 
-fn weight_dtype(dtype: DType) -> WeightDType {
-    match dtype {
-        DType::F32 => WeightDType::F32,
-        DType::F16 => WeightDType::F16,
-        DType::BF16 => WeightDType::BF16,
-    }
-}
-
 /// `x W^T` for `rows` rows of `x` and a weight `[n, k]` held in place.
 fn matmul(x: &[f32], rows: usize, w: &TensorRef) -> Result<Vec<f32>> {
     let &[n, k] = w.shape.as_slice() else {
@@ -123,7 +116,17 @@ fn matmul(x: &[f32], rows: usize, w: &TensorRef) -> Result<Vec<f32>> {
         format!("{} [{n}, {k}] applied to {} values in {rows} rows", w.name, x.len())
     })?;
     let mut out = vec![0.0; rows * n];
-    gemv::matmul(x, rows, k, w.bytes(), weight_dtype(w.dtype), n, &mut out);
+    let dtype = match w.dtype {
+        DType::F32 => WeightDType::F32,
+        DType::F16 => WeightDType::F16,
+        DType::BF16 => WeightDType::BF16,
+        DType::Mxfp4 => {
+            mxfp4::matmul(x, rows, k, w.bytes(), n, &mut out);
+            return Ok(out);
+        }
+        DType::U8 => return Err(Error::tensor(&w.name, "raw u8 bytes are not a weight matrix")),
+    };
+    gemv::matmul(x, rows, k, w.bytes(), dtype, n, &mut out);
     Ok(out)
 }
 
@@ -307,6 +310,7 @@ impl Backend for CpuBackend {
         &self,
         qkv: &CpuTensor,
         qk_norm: Option<QkNormWeights<'_, TensorRef>>,
+        sinks: Option<&TensorRef>,
         rope: &Rope,
         kv: &mut HostKv,
         layer: usize,
@@ -316,6 +320,7 @@ impl Backend for CpuBackend {
         let inputs = attention::AttentionInputs {
             qkv,
             qk_norm,
+            sinks,
             rope,
             params,
         };
