@@ -42,6 +42,11 @@ Fixtures:
     qwen3_5_moe_fp8_dynamic
                      qwen3_5_moe_text in compressed-tensors FP8-Dynamic (per-channel bf16 `weight_scale`):
                      attention, shared and fused routed experts FP8; Gated DeltaNet, routers, gates bf16 (ignore)
+    gpt_oss          GptOssForCausalLM: attention sinks and biases, a sliding-window and a full layer, YaRN,
+                     router bias, bf16 fused experts as transformers stores them (gate/up interleaved, [E, in, out])
+    gpt_oss_mxfp4    the same model with MXFP4 experts as OpenAI ships them (*_blocks, *_scales, bf16 biases;
+                     quantization_config mxfp4); the reference runs on the dequantized weights, which
+                     from_pretrained with Mxfp4Config(dequantize=True) must reproduce bit for bit
 
 FP8 references are weight-only: the fixture's weights are quantized (per 128 x 128 block or per output channel,
 scale = largest magnitude / 448) and the float32 reference runs transformers on the *dequantized* weights (FP8 value
@@ -368,6 +373,38 @@ QWEN3_NEXT_HYBRID = dict(
 )
 QWEN3_5_TEXT = QWEN3_NEXT_HYBRID  # Qwen3.5 has no dense layers and always renormalises the top-k weights
 
+# gpt-oss: a banded layer then a full one (a window of 16, so the long prompt leaves most keys outside it),
+# YaRN as gpt-oss's config sets it but with an original context of 256 so that head_dim 16's frequencies fall on
+# both sides of the ramp, and hidden and expert sizes divisible by MXFP4's 32.
+GPT_OSS = dict(
+    COMMON,
+    head_dim=16,
+    max_position_embeddings=8192,  # factor x original_max_position_embeddings, as transformers expects
+    num_hidden_layers=2,
+    layer_types=["sliding_attention", "full_attention"],
+    sliding_window=16,
+    intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    swiglu_limit=7.0,
+    attention_bias=True,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 256,
+        "truncate": False,
+    },
+)
+# Sinks of the order of the attention scores, so that they take a visible share of the softmax.
+SINK_STD = 1.0
+# MXFP4 expert weights: scales 2^-4 .. 2^-2 times e2m1 values up to 6, about LINEAR_STD's spread.
+MXFP4_SCALE_EXPONENTS = (-4, -2)
+
 
 @dataclass
 class Fixture:
@@ -378,7 +415,9 @@ class Fixture:
     tokenizer: TokenizerStyle
     seed: int
     num_shards: int
-    expert_names: str  # "per_expert" (gate/up/down_proj), "w1w3w2" (Mixtral) or "fused" (v5 3-D)
+    # "per_expert" (gate/up/down_proj), "w1w3w2" (Mixtral), "fused" (v5 3-D), "gpt_oss" (transformers' gpt-oss
+    # tensors as they are) or "mxfp4" (gpt-oss's experts as *_blocks and *_scales)
+    expert_names: str
     moe_prefix: str = "mlp"  # hub module name of the sparse block ("block_sparse_moe" for Mixtral)
     hub_config: bool = True  # rewrite config.json to the transformers 4.x hub conventions
     mtp_head: bool = False  # add mtp.* tensors as published checkpoints carry them (transformers skips them)
@@ -635,6 +674,28 @@ FIXTURES = [
         num_shards=2,
         expert_names="per_expert",
         mtp_layer=True,
+    ),
+    Fixture(
+        name="gpt_oss",
+        config_class="GptOssConfig",
+        architecture="GptOssForCausalLM",
+        config=GPT_OSS,
+        tokenizer=QWEN_TOKENIZER,
+        seed=9000,
+        num_shards=2,
+        expert_names="gpt_oss",
+        hub_config=False,
+    ),
+    Fixture(
+        name="gpt_oss_mxfp4",
+        config_class="GptOssConfig",
+        architecture="GptOssForCausalLM",
+        config=GPT_OSS,
+        tokenizer=QWEN_TOKENIZER,
+        seed=9100,
+        num_shards=2,
+        expert_names="mxfp4",
+        hub_config=False,
     ),
 ]
 
@@ -923,6 +984,13 @@ def write_configs(out: Path, fx: Fixture, config, tok: Tokenizer) -> None:
     if fx.hub_config:
         saved = json.loads((out / "config.json").read_text())
         write_json(out / "config.json", hub_style_config(saved, config.model_type))
+    if fx.expert_names == "mxfp4":  # as openai/gpt-oss-20b's config.json says it
+        saved = json.loads((out / "config.json").read_text())
+        saved["quantization_config"] = {
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+            "quant_method": "mxfp4",
+        }
+        write_json(out / "config.json", saved)
 
     style = fx.tokenizer
     eos = [tok.token_to_id(t) for t in style.generation_eos]
@@ -959,10 +1027,12 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 value = A_LOG_STD * noise
             elif name.endswith("dt_bias"):
                 value = DT_BIAS_MEAN + DT_BIAS_STD * noise
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 value = BIAS_STD * noise
-            elif name.endswith("mlp.gate.weight"):  # router
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # router
                 value = ROUTER_STD * noise
+            elif name.endswith("self_attn.sinks"):
+                value = SINK_STD * noise
             elif "embed_tokens" in name or "lm_head" in name:
                 value = EMBED_STD * noise
             else:
@@ -990,7 +1060,11 @@ def hub_state_dict(model: torch.nn.Module, fx: Fixture, dtype=torch.bfloat16) ->
         tensor = tensor.detach().to(stored)
         if fx.moe_prefix != "mlp":
             name = name.replace(".mlp.", f".{fx.moe_prefix}.")
-        if fx.expert_names == "fused" or ".experts." not in name:
+        if fx.expert_names == "mxfp4" and name in model.mxfp4_packed:
+            blocks, scales = model.mxfp4_packed[name]
+            out[f"{name}_blocks"], out[f"{name}_scales"] = blocks, scales
+            continue
+        if fx.expert_names in ("fused", "gpt_oss", "mxfp4") or ".experts." not in name:
             out[name] = tensor.contiguous()
             continue
         prefix, kind = name.rsplit(".", 1)  # "...experts", "gate_up_proj" | "down_proj"
@@ -1063,6 +1137,17 @@ def check_hub_names(fx: Fixture, config, state: dict[str, torch.Tensor]) -> None
     else:
         assert "lm_head.weight" in state
     for name, t in state.items():
+        if fx.expert_names in ("gpt_oss", "mxfp4"):
+            if name.endswith("experts.gate_up_proj"):
+                assert t.shape == (n_exp, hidden, 2 * inter), (name, t.shape)
+            elif name.endswith("experts.gate_up_proj_blocks"):
+                assert t.shape == (n_exp, 2 * inter, hidden // 32, 16) and t.dtype == torch.uint8, (name, t.shape)
+            elif name.endswith("experts.down_proj_scales"):
+                assert t.shape == (n_exp, hidden, inter // 32) and t.dtype == torch.uint8, (name, t.shape)
+            packed = name.endswith(("_blocks", "_scales"))
+            assert not packed or (fx.expert_names == "mxfp4" and ".mlp.experts." in name), name
+            assert not name.endswith(("experts.gate_up_proj", "experts.down_proj")) or fx.expert_names == "gpt_oss"
+            continue
         if fx.expert_names == "fused":
             if name.endswith("experts.gate_up_proj"):
                 assert t.shape == (n_exp, 2 * inter, hidden), (name, t.shape)
@@ -1194,7 +1279,28 @@ def build_model(fx: Fixture, config, seed: int):
     init_weights(model, seed)
     if fx.fp8:
         model.fp8_originals = fp8_round_trip_model(model, fx)
+    if fx.expert_names == "mxfp4":
+        mxfp4_experts(model, seed)
     return model.eval()
+
+
+def mxfp4_experts(model, seed: int) -> None:
+    """Random MXFP4 expert weights: packed blocks and scales kept for the checkpoint (`model.mxfp4_packed`, by
+    parameter name), and the model's float32 weights set to their exact dequantization ([E, in, out])."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    packed = {}
+    for name, param in sorted(model.named_parameters()):
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue
+        experts, inputs, outputs = param.shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=gen, dtype=torch.uint8)
+        low, high = MXFP4_SCALE_EXPONENTS
+        scales = (127 + torch.randint(low, high + 1, (experts, outputs, inputs // 32), generator=gen)).to(torch.uint8)
+        param.copy_(convert_moe_packed_tensors(blocks, scales).to(torch.float32))
+        packed[name] = (blocks, scales)
+    model.mxfp4_packed = packed
 
 
 def run_reference(model, cases: list[dict]) -> tuple[list[dict], dict]:
@@ -1269,10 +1375,15 @@ def verify_fixture(out: Path, fx: Fixture, model, results: list[dict]) -> None:
             ids = hf_tok(r["prompt_text"]).input_ids
         assert ids == r["prompt_ids"], f"tokenizer reload changed {r['name']} ids"
 
+    quantization = {}
+    if fx.expert_names == "mxfp4":  # the reference is transformers' own dequantization of the packed experts
+        quantization["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
     loaded, info = getattr(transformers, fx.architecture).from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+        out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True, **quantization
     )
-    loaded.eval()
+    # Mxfp4Config(dequantize=True) leaves the dequantized experts in bf16 (exact: e2m1 times a power of two); the
+    # reference computes in float32 on those same values.
+    loaded = loaded.to(torch.float32).eval()
     problems = {k: v for k, v in info.items() if v}
     if problems:  # the weight comparison below decides; this is for the log
         print(f"  from_pretrained loading info: {problems}")

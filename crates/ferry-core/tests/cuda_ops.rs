@@ -262,6 +262,7 @@ fn attention_calls<B: Backend>(
                 .attention(
                     &be.upload(qkv, rows, qkv_cols).unwrap(),
                     qk_norm,
+                    None,
                     &rope_table,
                     &mut kv,
                     0,

@@ -36,6 +36,12 @@ __device__ __forceinline__ void fma4(float p, const float4& v, float4& acc) {
     acc.w = fmaf(p, v.w, acc.w);
 }
 
+// A softmax denominator `total` of terms exp(s - max), plus the sink's exp(sinks[h] - max) when there are sinks
+// (gpt-oss): a logit in the denominator only. A row with no keys (max -inf) never reaches here.
+__device__ __forceinline__ float with_sink(float total, float max, const float* sinks, int h) {
+    return sinks == nullptr ? total : total + expf(sinks[h] - max);
+}
+
 struct AttentionArgs {
     const float* q;
     const float* k_pool;
@@ -46,6 +52,7 @@ struct AttentionArgs {
     const uint32_t* row_pos;
     const uint32_t* row_table;
     const uint32_t* block_tables;
+    const float* sinks;
     int num_heads, num_kv_heads, head_dim;
     float scale;
     int window, split_len, stages;
@@ -211,17 +218,18 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
         float4* dst = splits == 1
                           ? reinterpret_cast<float4*>(a.out + static_cast<size_t>(r) * q_cols + h * a.head_dim)
                           : reinterpret_cast<float4*>(a.partial_out + part * a.head_dim);
-        // With one split the output is final; with several, the partial (max, denominator, unnormalised sum) is
-        // for attention_combine.
+        // With one split the output is final, its denominator with the head's sink; with several, the partial
+        // (max, denominator, unnormalised sum) is for attention_combine, which adds the sink.
+        const float denominator = splits == 1 ? with_sink(total, running_max[i], a.sinks, h) : total;
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c) {
             if (lane + 32 * c >= chunks) continue;
             float4 o = acc[i][c];
             if (splits == 1) {
-                o.x /= total;
-                o.y /= total;
-                o.z /= total;
-                o.w /= total;
+                o.x /= denominator;
+                o.y /= denominator;
+                o.z /= denominator;
+                o.w /= denominator;
             }
             dst[lane + 32 * c] = o;
         }
@@ -250,17 +258,18 @@ __device__ __forceinline__ void attend_split_heads(int heads_per_warp, const Att
 // flight while it computes; the group's heads read each tile once. Scores take one lane per key, values one lane
 // per float4 chunk of head_dim (a multiple of 4, at most 256), with an online softmax in f32 (no scores matrix
 // is stored). With one split the block writes the output; with several it writes its partial (max, denominator,
-// unnormalised output) for attention_combine. Dynamic shared memory, in floats:
+// unnormalised output) for attention_combine. `sinks` (null: none) holds a logit per query head that joins the
+// softmax's denominator only. Dynamic shared memory, in floats:
 // stages * 2 * KEYS_PER_TILE * (head_dim + 4) + group * head_dim + warps * heads_per_warp * KEYS_PER_TILE.
 extern "C" __global__ void __launch_bounds__(ATTENTION_MAX_WARPS * 32)
     attention(const float* __restrict__ q, const float* __restrict__ k_pool, const float* __restrict__ v_pool,
               float* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_stats,
               const uint32_t* __restrict__ row_pos, const uint32_t* __restrict__ row_table,
-              const uint32_t* __restrict__ block_tables, int num_heads, int num_kv_heads, int head_dim, float scale,
-              int window, int split_len, int heads_per_warp, int stages) {
-    const AttentionArgs a{q,         k_pool,    v_pool,       out,       partial_out,  partial_stats,
-                          row_pos,   row_table, block_tables, num_heads, num_kv_heads, head_dim,
-                          scale,     window,    split_len,    stages};
+              const uint32_t* __restrict__ block_tables, const float* __restrict__ sinks, int num_heads,
+              int num_kv_heads, int head_dim, float scale, int window, int split_len, int heads_per_warp, int stages) {
+    const AttentionArgs a{q,         k_pool,       v_pool, out,       partial_out,  partial_stats,
+                          row_pos,   row_table,    block_tables, sinks,     num_heads,    num_kv_heads,
+                          head_dim,  scale,        window, split_len, stages};
     if (head_dim <= 128)
         attend_split_heads<1>(heads_per_warp, a);
     else
@@ -269,10 +278,12 @@ extern "C" __global__ void __launch_bounds__(ATTENTION_MAX_WARPS * 32)
 
 // Merges the splits' partials of every (row, head): block (r, h). Warp 0 turns the splits' maxima into weights;
 // then every thread sums one float4 chunk of head_dim over an interleaved share of the splits, and the shares
-// are added in shared memory. splits <= ATTENTION_MAX_SPLITS, head_dim / 4 <= ATTENTION_COMBINE_THREADS.
+// are added in shared memory; the head's sink (if `sinks` is not null) joins the denominator.
+// splits <= ATTENTION_MAX_SPLITS, head_dim / 4 <= ATTENTION_COMBINE_THREADS.
 extern "C" __global__ void __launch_bounds__(ATTENTION_COMBINE_THREADS)
     attention_combine(const float* __restrict__ partial_out, const float* __restrict__ partial_stats,
-                      float* __restrict__ out, int num_heads, int head_dim, int splits) {
+                      const float* __restrict__ sinks, float* __restrict__ out, int num_heads, int head_dim,
+                      int splits) {
     __shared__ float weight[ATTENTION_MAX_SPLITS];
     __shared__ float denominator;
     __shared__ float4 shares[ATTENTION_COMBINE_THREADS];
@@ -299,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(ATTENTION_COMBINE_THREADS)
             total = fmaf(w, mine[i].y, total);
         }
         total = warp_sum(total);
-        if (threadIdx.x == 0) denominator = total;
+        if (threadIdx.x == 0) denominator = with_sink(total, total_max, sinks, blockIdx.y);
     }
     __syncthreads();
     const int chunks = head_dim >> 2;

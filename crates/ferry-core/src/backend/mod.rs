@@ -339,13 +339,16 @@ pub trait Backend: Send + Sync + Sized {
     /// Attention of one layer from its fused projection `qkv` (`[rows, (num_heads + 2 * num_kv_heads) * head_dim]`:
     /// each row's queries, then keys, then values): q and k are normalised (`qk_norm`) and rotated at each row's
     /// position (RoPE over the first `rotary_dim` features of each head, halves rotated against each other), k and
-    /// v are written into the cache of `layer`, then causal attention of q over each sequence.
+    /// v are written into the cache of `layer`, then causal attention of q over each sequence. With `sinks`
+    /// (`[num_heads]`, gpt-oss's attention sinks), head h's softmax has one more logit, `sinks[h]`, in its
+    /// denominator only: key j weighs `exp(s_j) / (sum_i exp(s_i) + exp(sinks[h]))`.
     /// Returns `[rows, num_heads * head_dim]`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         qkv: &Self::Tensor,
         qk_norm: Option<QkNormWeights<'_, Self::Weight>>,
+        sinks: Option<&Self::Weight>,
         rope: &Self::RopeTable,
         kv: &mut Self::Kv,
         layer: usize,

@@ -136,7 +136,7 @@ impl<B: Backend> Backend for Profiled<'_, B> {
         fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
         fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> ();
         fn attention(&self, qkv: &Self::Tensor, qk_norm: Option<QkNormWeights<'_, Self::Weight>>,
-            rope: &Self::RopeTable, kv: &mut Self::Kv, layer: usize, batch: &Self::Batch, params: &AttentionParams)
+            sinks: Option<&Self::Weight>, rope: &Self::RopeTable, kv: &mut Self::Kv, layer: usize, batch: &Self::Batch, params: &AttentionParams)
             -> Self::Tensor;
         fn mla_attention(&self, q: &Self::Tensor, compressed: &Self::Tensor, kv_norm: &Self::Weight,
             kv_b: &Self::Weight, rope: &Self::RopeTable, kv: &mut Self::Kv, layer: usize, batch: &Self::Batch,

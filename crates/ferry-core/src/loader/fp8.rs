@@ -123,6 +123,8 @@ impl Fp8Config {
                 }))
             }
             "compressed-tensors" => Self::compressed_tensors(q).map(Some),
+            // gpt-oss's MXFP4 experts: not FP8, and read by their family (model/gpt_oss.rs).
+            "mxfp4" => Ok(None),
             other => bad(format!("quant_method {other:?} (supported: fp8, compressed-tensors)")),
         }
     }

@@ -3,6 +3,7 @@
 
 mod fp8;
 mod generation;
+pub mod mxfp4;
 mod tokenizer;
 mod weights;
 

@@ -27,14 +27,27 @@ pub enum DType {
     BF16,
     /// `float8_e4m3fn`; a weight of this dtype carries its [`Fp8Scales`].
     F8E4M3,
+    /// Raw bytes: MXFP4's stored blocks and scales.
+    U8,
+    /// An MXFP4 matrix packed at load ([`super::mxfp4`]): 17 bytes per 32 values, so no whole size per value.
+    Mxfp4,
 }
 
 impl DType {
+    /// Bytes per value; for [`DType::Mxfp4`], which has none, the average rounded up (see [`DType::bytes_for`]).
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::F8E4M3 => 1,
+            DType::F8E4M3 | DType::U8 | DType::Mxfp4 => 1,
+        }
+    }
+
+    /// Bytes of `numel` values (for MXFP4, a multiple of 32: half a byte each and a scale byte per 32).
+    pub fn bytes_for(self, numel: usize) -> usize {
+        match self {
+            DType::Mxfp4 => numel / 2 + numel / super::mxfp4::MXFP4_BLOCK,
+            other => numel * other.size(),
         }
     }
 
@@ -44,6 +57,8 @@ impl DType {
             DType::F16 => "f16",
             DType::BF16 => "bf16",
             DType::F8E4M3 => "fp8",
+            DType::U8 => "u8",
+            DType::Mxfp4 => "mxfp4",
         }
     }
 }
@@ -91,7 +106,7 @@ impl std::fmt::Debug for TensorRef {
 impl TensorRef {
     /// A tensor over bytes of our own; fails unless `bytes` holds exactly `shape` elements of `dtype`.
     pub fn from_bytes(name: &str, dtype: DType, shape: Vec<usize>, bytes: Vec<u8>) -> Result<Self> {
-        let expected = shape.iter().product::<usize>() * dtype.size();
+        let expected = dtype.bytes_for(shape.iter().product::<usize>());
         if bytes.len() != expected {
             return Err(Error::tensor(
                 name,
@@ -132,8 +147,17 @@ impl TensorRef {
         Ok(self)
     }
 
+    /// Fails for a packed MXFP4 matrix, whose bytes are not one run per row (all blocks, then all scales).
+    fn expect_divisible_rows(&self) -> Result<()> {
+        match self.dtype {
+            DType::Mxfp4 => Err(Error::tensor(&self.name, "a packed MXFP4 matrix is not sliced by rows")),
+            _ => Ok(()),
+        }
+    }
+
     /// Entry `index` of the outermost dimension (expert `index` of a fused [E, ...] expert tensor), without copying.
     pub fn select(&self, index: usize) -> Result<TensorRef> {
+        self.expect_divisible_rows()?;
         let (&outer, inner) = self
             .shape
             .split_first()
@@ -166,6 +190,7 @@ impl TensorRef {
 
     /// Rows `start..end` of the outermost dimension, without copying.
     pub fn rows(&self, start: usize, end: usize) -> Result<TensorRef> {
+        self.expect_divisible_rows()?;
         let outer = *self.shape.first().unwrap_or(&0);
         if start > end || end > outer {
             return Err(Error::tensor(
@@ -253,6 +278,8 @@ impl TensorRef {
             DType::BF16 => count_non_finite::<2>(self.bytes(), 0x7f80, 0x007f),
             // E4M3 has no infinities; S.1111.111 is NaN.
             DType::F8E4M3 => (self.bytes().iter().filter(|&&b| b & 0x7f == 0x7f).count() as u64, 0),
+            // Every byte is a value or a power of two.
+            DType::U8 | DType::Mxfp4 => (0, 0),
         }
     }
 
@@ -274,6 +301,15 @@ impl TensorRef {
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
+            DType::U8 => b.iter().map(|&v| v as f32).collect(),
+            DType::Mxfp4 => {
+                let (rows, cols) = (self.shape[0], self.numel() / self.shape[0].max(1));
+                let mut out = vec![0.0; rows * cols];
+                for (r, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+                    super::mxfp4::dequantize_row(b, rows, cols, r, row);
+                }
+                out
+            }
         }
     }
 }
@@ -549,6 +585,29 @@ fn synthetic_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<TensorRef>
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 16;
     let numel: usize = shape.iter().product();
+    if name.ends_with("_scales") {
+        // MXFP4 scales: e2m1 values (|v| <= 6) times 2^-(log2(fan-in) / 2 + 2) keep activations of order one.
+        let fan_in = (*shape.last().unwrap_or(&1) * super::mxfp4::MXFP4_BLOCK) as f32;
+        let exponent = (fan_in.log2() / 2.0).round() as u8 + 2;
+        return TensorRef::from_bytes(name, DType::U8, shape.to_vec(), vec![127 - exponent; numel]);
+    }
+    let key = name.bytes().fold(seed ^ 0x9e37_79b9_7f4a_7c15, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    if name.ends_with("_blocks") {
+        // MXFP4 blocks: any byte is two e2m1 values.
+        let mut bytes = vec![0u8; numel];
+        bytes.par_chunks_mut(CHUNK * 2).enumerate().for_each(|(chunk, out)| {
+            let mut state = key ^ (chunk as u64).wrapping_mul(0xd6e8_feb8_6659_fd93) | 1;
+            for b in out {
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                *b = (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8;
+            }
+        });
+        return TensorRef::from_bytes(name, DType::U8, shape.to_vec(), bytes);
+    }
     let mut bytes = vec![0u8; numel * 2];
     if shape.len() == 1 {
         let one = half::bf16::ONE.to_le_bytes();
@@ -560,9 +619,6 @@ fn synthetic_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<TensorRef>
             *shape.last().unwrap_or(&1) as f32
         };
         let bound = 3f32.sqrt() / fan_in.sqrt();
-        let key = name.bytes().fold(seed ^ 0x9e37_79b9_7f4a_7c15, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        });
         bytes.par_chunks_mut(CHUNK * 2).enumerate().for_each(|(chunk, out)| {
             let mut state = key ^ (chunk as u64).wrapping_mul(0xd6e8_feb8_6659_fd93) | 1;
             for b in out.chunks_exact_mut(2) {
@@ -639,6 +695,7 @@ fn map_shard(path: &Path) -> Result<Vec<TensorRef>> {
             safetensors::Dtype::F16 => DType::F16,
             safetensors::Dtype::BF16 => DType::BF16,
             safetensors::Dtype::F8_E4M3 => DType::F8E4M3,
+            safetensors::Dtype::U8 => DType::U8,
             other => {
                 return Err(Error::tensor(
                     &name,

@@ -44,13 +44,29 @@ pub enum QkNorm {
 pub struct ExpertNaming {
     /// The MoE block: `mlp` or Mixtral's `block_sparse_moe`.
     pub block: &'static str,
+    /// The router under the block: `gate`, or gpt-oss's `router` (which has a bias).
+    pub router: &'static str,
     /// Per-expert gate, up and down projections: `gate_proj`/`up_proj`/`down_proj` or Mixtral's `w1`/`w3`/`w2`.
     pub projections: [&'static str; 3],
+    pub layout: ExpertLayout,
+}
+
+/// How the routed experts are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// Per-expert tensors under `projections`, or transformers 5's fused `gate_up_proj` (gate rows, then up rows)
+    /// and `down_proj`, `[out, in]` per expert.
+    Standard,
+    /// gpt-oss's fused tensors with biases, gate and up interleaved: bf16 `[E, in, out]` as transformers stores
+    /// them, or (`mxfp4`) OpenAI's `*_blocks`/`*_scales` (see `gpt_oss.rs`).
+    GptOss { mxfp4: bool },
 }
 
 pub const STANDARD_EXPERTS: ExpertNaming = ExpertNaming {
     block: "mlp",
+    router: "gate",
     projections: ["gate_proj", "up_proj", "down_proj"],
+    layout: ExpertLayout::Standard,
 };
 
 /// A decoder layer's feed-forward block.
@@ -188,6 +204,8 @@ pub struct ModelSpec {
     pub qk_norm: QkNorm,
     /// q_proj also yields a per-head output gate: the attention output is scaled by `sigmoid(gate)` before o_proj.
     pub attention_output_gate: bool,
+    /// Attention has a learned per-head sink logit (`self_attn.sinks`) in its softmax's denominator (gpt-oss).
+    pub attention_sinks: bool,
     /// RMSNorm weights are stored as offsets from one: the scale is `1 + w` (Qwen3-Next, Qwen3.5).
     pub norm_weight_offset: bool,
     pub tie_word_embeddings: bool,
@@ -262,6 +280,7 @@ impl BaseConfig {
             max_position_embeddings: self.max_position_embeddings,
             qk_norm: QkNorm::None,
             attention_output_gate: false,
+            attention_sinks: false,
             norm_weight_offset: false,
             tie_word_embeddings: self.tie_word_embeddings,
             layers: vec![

@@ -4,9 +4,9 @@
 
 use serde::Serialize;
 
-use super::config::{FfnKind, Mixer, ModelSpec, QkNorm};
+use super::config::{ExpertLayout, FfnKind, Mixer, ModelSpec, QkNorm};
 use super::recurrent_spec;
-use crate::loader::WeightFormat;
+use crate::loader::{DType, WeightFormat};
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelInfo {
@@ -23,11 +23,11 @@ pub struct ModelInfo {
     pub hidden_size: usize,
     pub moe_intermediate_size: usize,
     pub vocab_size: usize,
-    /// The weights' format: the unquantized dtype, and the routed experts' FP8 scheme when they are FP8.
+    /// The weights' format: the unquantized dtype, and the routed experts' FP8 scheme or MXFP4 when they are.
     pub weight_dtype: String,
     pub params_total: u64,
     pub params_active_per_token: u64,
-    /// Real bytes: FP8 experts count one byte per weight plus their f32 scales.
+    /// Real bytes: FP8 experts count one byte per weight plus their f32 scales, MXFP4 ones 17 bytes per 32 weights.
     pub bytes_per_expert: u64,
     /// Every routed expert of every MoE layer: what lives in host RAM under offload.
     pub expert_bank_bytes: u64,
@@ -103,12 +103,24 @@ impl ModelInfo {
         }
         let bank_params = moe_layers * num_experts * expert_params;
         let bytes = format.dtype.size() as u64;
-        let bytes_per_expert = match format.experts_fp8 {
-            Some(scheme) => {
+        let gpt_oss_experts = match spec.moe.as_ref().map(|m| m.naming.layout) {
+            Some(ExpertLayout::GptOss { mxfp4 }) => Some(mxfp4),
+            _ => None,
+        };
+        // What one expert's weights occupy where they are kept: FP8's byte per weight and f32 scales, MXFP4's 17
+        // bytes per 32 weights (gpt-oss), or the stored dtype.
+        let expert_weight_bytes = match (format.experts_fp8, gpt_oss_experts) {
+            (Some(scheme), _) => {
                 let (h, i) = (spec.hidden_size, moe_inter as usize);
                 2 * scheme.matrix_bytes(i, h) + scheme.matrix_bytes(h, i)
             }
-            None => expert_params * bytes,
+            (None, Some(true)) => DType::Mxfp4.bytes_for(expert_params as usize) as u64,
+            (None, _) => expert_params * bytes,
+        };
+        // gpt-oss's experts also carry f32 gate and up biases and a down bias in the stored dtype.
+        let bytes_per_expert = match gpt_oss_experts {
+            Some(_) => expert_weight_bytes + 4 * 2 * moe_inter + bytes * h,
+            None => expert_weight_bytes,
         };
         ModelInfo {
             model_type: spec.model_type.to_string(),
@@ -122,7 +134,10 @@ impl ModelInfo {
             hidden_size: spec.hidden_size,
             moe_intermediate_size: moe_inter as usize,
             vocab_size: spec.vocab_size,
-            weight_dtype: format.describe(),
+            weight_dtype: match (format.experts_fp8, gpt_oss_experts) {
+                (None, Some(true)) => format!("{}, experts mxfp4", format.dtype.name()),
+                _ => format.describe(),
+            },
             params_total: dense + bank_params,
             params_active_per_token: dense + moe_layers * top_k * expert_params,
             bytes_per_expert,

@@ -5,7 +5,8 @@
 use std::ops::Range;
 
 use super::config::{
-    ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm, STANDARD_EXPERTS,
+    ExpertLayout, ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm,
+    STANDARD_EXPERTS,
 };
 use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Router, RouterKind};
 use crate::loader::{TensorRef, WeightStore};
@@ -61,6 +62,9 @@ pub struct Attention<B: Backend> {
     /// then its gate.
     output_gate: Option<(B::Weight, Option<B::Weight>)>,
     o_proj: B::Weight,
+    o_bias: Option<B::Weight>,
+    /// The per-head sink logits of families that have them ([`ModelSpec::attention_sinks`]).
+    sinks: Option<B::Weight>,
     /// q_norm and k_norm scales, and whether they apply per head.
     qk_norm: Option<(B::Weight, B::Weight, bool)>,
     eps: f32,
@@ -139,6 +143,11 @@ impl<B: Backend> Attention<B> {
             qkv_bias,
             output_gate,
             o_proj: w.load(&name("o_proj.weight"), &[h, q_width])?,
+            o_bias: optional("o_proj.bias", h)?.map(|b| w.backend.weight(b)).transpose()?,
+            sinks: match spec.attention_sinks {
+                true => Some(w.load(&name("sinks"), &[spec.num_heads])?),
+                false => None,
+            },
             qk_norm,
             eps: spec.rms_norm_eps,
             params: AttentionParams {
@@ -173,11 +182,11 @@ impl<B: Backend> Attention<B> {
             per_head: *per_head,
             eps: self.eps,
         });
-        let mut out = be.attention(&qkv, qk_norm, rope, kv, layer, batch, &self.params)?;
+        let mut out = be.attention(&qkv, qk_norm, self.sinks.as_ref(), rope, kv, layer, batch, &self.params)?;
         if let Some(gate) = &gate {
             be.sigmoid_gate(&mut out, gate)?;
         }
-        be.linear(&out, &self.o_proj, None)
+        be.linear(&out, &self.o_proj, self.o_bias.as_ref())
     }
 }
 
@@ -299,6 +308,7 @@ struct SharedExpert<B: Backend> {
 
 pub struct MoeBlock<B: Backend> {
     router: B::Weight,
+    router_bias: Option<B::Weight>,
     router_kind: RouterKind,
     /// The router's per-expert correction bias, for the kinds that have one.
     correction_bias: Option<B::Weight>,
@@ -318,6 +328,9 @@ fn expert_tensors(
     moe: &MoeSpec,
     hidden: usize,
 ) -> Result<Vec<ExpertTensors>> {
+    if let ExpertLayout::GptOss { mxfp4 } = naming.layout {
+        return super::gpt_oss::experts(w, block, moe, hidden, mxfp4);
+    }
     let (n, inter) = (moe.num_experts, moe.intermediate);
     let fused = format!("{block}.experts.gate_up_proj");
     if w.store.contains(&fused) {
@@ -372,8 +385,13 @@ impl<B: Backend> MoeBlock<B> {
             true => Some(w.load(&format!("{block}.gate.e_score_correction_bias"), &[moe.num_experts])?),
             false => None,
         };
+        let router = format!("{block}.{}", moe.naming.router);
         Ok(MoeBlock {
-            router: w.load(&format!("{block}.gate.weight"), &[moe.num_experts, hidden])?,
+            router: w.load(&format!("{router}.weight"), &[moe.num_experts, hidden])?,
+            router_bias: w
+                .optional(&format!("{router}.bias"), &[moe.num_experts])?
+                .map(|b| w.backend.weight(b))
+                .transpose()?,
             router_kind: moe.router,
             correction_bias,
             num_experts: moe.num_experts,
@@ -406,7 +424,7 @@ impl<B: Backend> MoeBlock<B> {
         tap: Option<&mut (dyn RoutingTap + '_)>,
         next: Option<&MoeBlock<B>>,
     ) -> Result<B::Tensor> {
-        let mut routing = be.route(&be.linear(x, &self.router, None)?, self.router())?;
+        let mut routing = be.route(&be.linear(x, &self.router, self.router_bias.as_ref())?, self.router())?;
         let mut replayed = false;
         if let Some(tap) = tap {
             let routed = match tap.wants_router_choice() {
@@ -428,7 +446,7 @@ impl<B: Backend> MoeBlock<B> {
             }
         }
         if let Some(next) = next.filter(|_| !replayed && be.wants_routing_guess(be.shape(x).0)) {
-            let guess = be.route(&be.linear(x, &next.router, None)?, next.router())?;
+            let guess = be.route(&be.linear(x, &next.router, next.router_bias.as_ref())?, next.router())?;
             be.guess_routing(&next.experts, guess)?;
         }
         let mut out = be.moe_experts(x, &routing, &self.experts)?;

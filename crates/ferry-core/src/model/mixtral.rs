@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use super::config::{check_top_k, parse, BaseConfig, ExpertNaming, ModelSpec, MoeSpec};
+use super::config::{check_top_k, parse, BaseConfig, ExpertLayout, ExpertNaming, ModelSpec, MoeSpec};
 use crate::backend::{ExpertActivation, RouterKind};
 use crate::Result;
 
@@ -32,7 +32,9 @@ pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
         shared_expert: None,
         naming: ExpertNaming {
             block: "block_sparse_moe",
+            router: "gate",
             projections: ["w1", "w3", "w2"],
+            layout: ExpertLayout::Standard,
         },
     });
     Ok(spec)

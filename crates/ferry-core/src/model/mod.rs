@@ -6,6 +6,7 @@
 pub mod config;
 mod deepseek_v3;
 mod glm4_moe;
+mod gpt_oss;
 pub mod info;
 pub mod layers;
 mod mixtral;
@@ -40,6 +41,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "deepseek_v3",
     "kimi_k2",
     "glm4_moe",
+    "gpt_oss",
 ];
 
 /// The spec of a checkpoint's model, from its `model_type` and config.
@@ -54,6 +56,7 @@ pub fn spec_for(model_type: &str, config: &serde_json::Value) -> Result<ModelSpe
         "deepseek_v3" => deepseek_v3::spec(config, "deepseek_v3"),
         "kimi_k2" => deepseek_v3::spec(config, "kimi_k2"),
         "glm4_moe" => glm4_moe::spec(config),
+        "gpt_oss" => gpt_oss::spec(config),
         other => Err(Error::Config(format!(
             "unsupported model_type \"{other}\"; supported: {}",
             SUPPORTED_MODEL_TYPES.join(", ")
@@ -325,6 +328,7 @@ mod tests {
             max_position_embeddings: 64,
             qk_norm: QkNorm::PerHead,
             attention_output_gate: false,
+            attention_sinks: false,
             norm_weight_offset: false,
             tie_word_embeddings: false,
             layers: windows

@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::{check_shape, dot, CpuBackend, CpuBatch, CpuTensor};
+use super::{check_shape, check_vector, dot, CpuBackend, CpuBatch, CpuTensor};
 use crate::backend::{AttentionParams, Backend, QkNormWeights, Rope};
 use crate::kv::HostKv;
 use crate::loader::TensorRef;
@@ -37,6 +37,7 @@ fn rope(x: &mut CpuTensor, positions: &[u32], rope: &Rope) {
 pub(super) struct AttentionInputs<'a> {
     pub qkv: &'a CpuTensor,
     pub qk_norm: Option<QkNormWeights<'a, TensorRef>>,
+    pub sinks: Option<&'a TensorRef>,
     pub rope: &'a Rope,
     pub params: &'a AttentionParams,
 }
@@ -47,6 +48,7 @@ impl AttentionInputs<'_> {
         let AttentionInputs {
             qkv,
             qk_norm,
+            sinks,
             rope: rope_table,
             params: p,
         } = self;
@@ -75,6 +77,13 @@ impl AttentionInputs<'_> {
                 )
             },
         )?;
+        let sinks = match sinks {
+            Some(s) => {
+                check_vector(s, p.num_heads, "attention sinks")?;
+                Some(s.to_f32_vec())
+            }
+            None => None,
+        };
         let mut q = qkv.columns(0..q_width);
         let mut k = qkv.columns(q_width..q_width + kv_width);
         let v = qkv.columns(q_width + kv_width..qkv.cols);
@@ -111,9 +120,10 @@ impl AttentionInputs<'_> {
                         dot(qh, kj) * p.scale
                     })
                     .collect();
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sink = sinks.as_ref().map(|s| s[h]);
+                let max = scores.iter().copied().chain(sink).fold(f32::NEG_INFINITY, f32::max);
                 let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-                let total: f32 = exps.iter().sum();
+                let total = exps.iter().sum::<f32>() + sink.map_or(0.0, |s| (s - max).exp());
                 for (j, e) in (first..=pos).zip(&exps) {
                     let vj = &cached.value(j)[kh * p.head_dim..][..p.head_dim];
                     let w = e / total;
@@ -218,7 +228,9 @@ mod tests {
                     .upload(&input[start * cols..(start + len) * cols], len, cols)
                     .unwrap();
                 let rope = Rope::new(1e4, p.head_dim, 0);
-                let out = be.attention(&qkv, None, &rope, &mut kv, layer, &batch, p).unwrap();
+                let out = be
+                    .attention(&qkv, None, None, &rope, &mut kv, layer, &batch, p)
+                    .unwrap();
                 got[layer].extend(out.data);
             }
         }
@@ -244,7 +256,16 @@ mod tests {
         let narrow = be.upload(&inputs[0][..16], 1, 16).unwrap();
         assert!(
             matches!(
-                be.attention(&narrow, None, &Rope::new(1e4, 4, 0), &mut kv, 1, &batch, &layers[0]),
+                be.attention(
+                    &narrow,
+                    None,
+                    None,
+                    &Rope::new(1e4, 4, 0),
+                    &mut kv,
+                    1,
+                    &batch,
+                    &layers[0]
+                ),
                 Err(crate::Error::Shape(_))
             ),
             "layer 1 keeps two kv heads of 8, not one of 4"

@@ -12,6 +12,7 @@ pub mod gemv;
 pub mod lane;
 mod mla;
 mod moe;
+mod mxfp4;
 
 use rayon::prelude::*;
 
@@ -105,20 +106,27 @@ impl CpuBatch {
     }
 }
 
-/// How the gemv kernels read `w`: its dtype and, for FP8, its scales.
-fn weight_encoding(w: &TensorRef) -> WeightEncoding<'_> {
+/// How the gemv kernels read `w`: its dtype and, for FP8, its scales. MXFP4 is not theirs to read ([`matmul`] hands
+/// it to [`mxfp4::matmul`]), nor are raw bytes.
+fn weight_encoding(w: &TensorRef) -> Result<WeightEncoding<'_>> {
     let dtype = match w.dtype {
         DType::F32 => WeightDType::F32,
         DType::F16 => WeightDType::F16,
         DType::BF16 => WeightDType::BF16,
         DType::F8E4M3 => WeightDType::F8E4M3,
+        DType::U8 | DType::Mxfp4 => {
+            return Err(Error::tensor(
+                &w.name,
+                format!("{} is not a dtype the gemv kernels read", w.dtype.name()),
+            ))
+        }
     };
     let scales = w.scales().map(|s| BlockScales {
         bytes: s.values.bytes(),
         block_rows: s.block[0],
         block_cols: s.block[1],
     });
-    WeightEncoding { dtype, scales }
+    Ok(WeightEncoding { dtype, scales })
 }
 
 /// `x W^T` for `rows` rows of `x` and a weight `[n, k]` held in place.
@@ -136,7 +144,10 @@ fn matmul(x: &[f32], rows: usize, w: &TensorRef) -> Result<Vec<f32>> {
         format!("{} is FP8 without scales", w.name)
     })?;
     let mut out = vec![0.0; rows * n];
-    gemv::matmul(x, rows, k, w.bytes(), weight_encoding(w), n, &mut out);
+    match w.dtype {
+        DType::Mxfp4 => mxfp4::matmul(x, rows, k, w.bytes(), n, &mut out),
+        _ => gemv::matmul(x, rows, k, w.bytes(), weight_encoding(w)?, n, &mut out),
+    }
     Ok(out)
 }
 
@@ -320,6 +331,7 @@ impl Backend for CpuBackend {
         &self,
         qkv: &CpuTensor,
         qk_norm: Option<QkNormWeights<'_, TensorRef>>,
+        sinks: Option<&TensorRef>,
         rope: &Rope,
         kv: &mut HostKv,
         layer: usize,
@@ -329,6 +341,7 @@ impl Backend for CpuBackend {
         let inputs = attention::AttentionInputs {
             qkv,
             qk_norm,
+            sinks,
             rope,
             params,
         };

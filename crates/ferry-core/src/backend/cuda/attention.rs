@@ -53,6 +53,7 @@ kernel! {
         row_pos: Ptr<u32>,
         row_table: Ptr<u32>,
         block_tables: Ptr<u32>,
+        sinks: Ptr<f32>,
         num_heads: i32,
         num_kv_heads: i32,
         head_dim: i32,
@@ -65,10 +66,12 @@ kernel! {
 }
 
 kernel! {
-    /// attention.cu's `attention_combine`: block (row, head) merges the splits' partials into `out`.
+    /// attention.cu's `attention_combine`: block (row, head) merges the splits' partials into `out`, the head's
+    /// sink (`sinks` may be null) in the denominator.
     struct AttentionCombine = "attention_combine" {
         partial_out: Ptr<f32>,
         partial_stats: Ptr<f32>,
+        sinks: Ptr<f32>,
         out: Ptr<f32>,
         num_heads: i32,
         head_dim: i32,
@@ -223,10 +226,12 @@ pub(super) fn qkv_rope_kv_append(
 }
 
 /// Causal attention of `q` (`[rows, num_heads * head_dim]`) over layer `layer` of the cache, which already holds
-/// the keys and values of the batch's rows: [`crate::backend::Backend::attention`] after the append.
+/// the keys and values of the batch's rows: [`crate::backend::Backend::attention`] after the append. `sinks`:
+/// the per-head sink logits (`[num_heads]`), if any.
 pub(super) fn attend(
     cuda: &CudaBackend,
     q: &CudaTensor,
+    sinks: Option<&CudaWeight>,
     kv: &DeviceKv,
     layer: usize,
     batch: &DeviceBatch,
@@ -238,6 +243,16 @@ pub(super) fn attend(
             q.rows, q.cols, p.num_heads, p.head_dim, p.num_kv_heads
         )));
     }
+    let sinks = match sinks {
+        Some(CudaWeight::Vector(s)) if s.len() == p.num_heads => ptr(s),
+        Some(_) => {
+            return Err(Error::Shape(format!(
+                "attention: sinks are not a vector of {} heads",
+                p.num_heads
+            )))
+        }
+        None => Ptr::null(),
+    };
     let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, cuda.max_shared_per_block)?;
     let threads = (shape.warps * 32) as u32;
     let per_multiprocessor = blocks_per_multiprocessor(cuda, threads, shape.shared_bytes)?;
@@ -269,6 +284,7 @@ pub(super) fn attend(
         row_pos: ptr(&batch.positions),
         row_table: ptr(&batch.row_table),
         block_tables: ptr(&batch.block_tables),
+        sinks,
         num_heads: p.num_heads as i32,
         num_kv_heads: p.num_kv_heads as i32,
         head_dim: p.head_dim as i32,
@@ -288,6 +304,7 @@ pub(super) fn attend(
         let combine = AttentionCombine {
             partial_out: ptr(&partial_out),
             partial_stats: ptr(&partial_stats),
+            sinks,
             out: ptr(&out.data),
             num_heads: p.num_heads as i32,
             head_dim: p.head_dim as i32,

@@ -44,8 +44,15 @@ impl ExpertFormat {
     /// and every expert alike.
     pub(super) fn of(experts: &[ExpertTensors]) -> Result<Self> {
         let format = |e: &ExpertTensors| -> Result<ExpertFormat> {
-            if e.gate.dtype != DType::F8E4M3 {
-                return Ok(ExpertFormat::Bf16);
+            match e.gate.dtype {
+                DType::F8E4M3 => {}
+                DType::Mxfp4 | DType::U8 => {
+                    return Err(Error::tensor(
+                        &e.gate.name,
+                        format!("the CUDA backend has no {} expert kernels yet", e.gate.dtype.name()),
+                    ))
+                }
+                _ => return Ok(ExpertFormat::Bf16),
             }
             let blocks = Fp8Blocks {
                 gate_up: scale_block(&e.gate)?,

@@ -303,6 +303,7 @@ impl Backend for CudaBackend {
         &self,
         qkv: &CudaTensor,
         qk_norm: Option<QkNormWeights<'_, CudaWeight>>,
+        sinks: Option<&CudaWeight>,
         rope: &CudaRope,
         kv: &mut DeviceKv,
         layer: usize,
@@ -311,7 +312,7 @@ impl Backend for CudaBackend {
     ) -> Result<CudaTensor> {
         let pools = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
         let q = attention::qkv_rope_kv_append(self, qkv, qk_norm, rope, pools, batch, p)?;
-        attention::attend(self, &q, kv, layer, batch, p)
+        attention::attend(self, &q, sinks, kv, layer, batch, p)
     }
 
     fn mla_attention(
