@@ -9,7 +9,10 @@
 # q36-15.8 (4K and 32K prompts) | q36-22.3-uniform | q36-22.3-locality (q36-22.3 under each trace) | serve-q30 |
 # serve-q36 (bench/serve_bench.py against `ferry serve`; SERVE_BENCH_ARGS passes more arguments to it) | agent-q30 |
 # agent-q36 (serve_bench.py's agent loop with prefix caching, then with --no-prefix-cache, whose greedy replies must
-# be identical). Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
+# be identical) | dsv3-10 (DeepSeek-V3's shape cut to its 3 dense + 7 MoE layers, experts in FP8 as DeepSeek ships
+# them: 73.5 GiB of the full model's 650 GB bank, which does not fit the host's 128 GB) | glm45air-fp8 (GLM-4.5-Air's
+# shape, experts in FP8: 97 GiB). MOE_STRATEGY=S adds `--moe-strategy S` to every run (bench and serve) and `-S` to the result names,
+# except in the lanes workloads, which set it themselves. Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 scripts/device/unstage.sh
@@ -18,17 +21,23 @@ mkdir -p "$out"
 ferry=.stage/ferry
 q30="--synthetic bench/q30.json --device cuda"
 q36="--synthetic bench/q36.json --device cuda"
+strategy_args=() suffix=
+if [ -n "${MOE_STRATEGY:-}" ]; then
+    strategy_args=(--moe-strategy "$MOE_STRATEGY") suffix=-$MOE_STRATEGY
+fi
 bench() {
-    local name=$1
+    local name=$1$suffix
     shift
+    case " $* " in *" --moe-strategy "*) ;; *) set -- "$@" "${strategy_args[@]}" ;; esac
     echo "== $name: ferry bench $*"
     "$ferry" bench "$@" --output "$out/$name.json" >"$out/$name.log" 2>&1 || echo "$name failed (rc $?)"
     grep -v INFO "$out/$name.log" | tail -25
 }
 # The agent loop on a server with prefix caching, then on one without, comparing their replies.
 agent() {
-    local name=$1 label=$2
+    local name=$1$suffix label="$2${MOE_STRATEGY:+, --moe-strategy $MOE_STRATEGY}"
     shift 2
+    set -- "$@" "${strategy_args[@]}"
     SERVE_BENCH_ARGS="--workload agent-loop" bench/serve_and_bench.sh "$out/$name.json" "$label" "$@" || return 1
     SERVE_BENCH_ARGS="--workload agent-loop --compare $out/$name.json" \
         bench/serve_and_bench.sh "$out/$name-no-prefix-cache.json" "$label, --no-prefix-cache" "$@" --no-prefix-cache
@@ -87,6 +96,14 @@ for workload in "$@"; do
     agent-q36)
         agent agent-q36-15.8GiB "H200, q36, --gpu-memory-budget 15.8GiB" $q36 --tokenizer tests/fixtures/qwen3_5_moe \
             --gpu-memory-budget 15.8GiB --kv-reserve-tokens 16384 || status=1 ;;
+    dsv3-10)
+        bench dsv3-10layers-fp8-22.3GiB --synthetic bench/dsv3-10layers.json --expert-dtype fp8 --device cuda \
+            --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 4096
+        ;;
+    glm45air-fp8)
+        bench glm45air-fp8-22.3GiB --synthetic bench/glm45air.json --expert-dtype fp8 --device cuda \
+            --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 4096
+        ;;
     *)
         echo "unknown workload $workload" >&2
         status=1
