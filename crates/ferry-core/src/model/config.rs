@@ -390,52 +390,72 @@ pub fn check_top_k(num_experts: usize, top_k: usize) -> Result<()> {
     Ok(())
 }
 
-/// DeepSeek-V3's MoE layout, which GLM-4.5 shares: the first `first_k_dense` layers a dense MLP of
-/// `dense_intermediate`, the others routed by sigmoid scores with a correction bias among `n_group` groups of
-/// experts, plus `n_shared` shared experts (one MLP that many times as wide) added as is. Each family reads it from
-/// its own config fields, with its own defaults.
+/// DeepSeek-V3's MoE, as its config.json names it and GLM-4.5's does alike: the first `first_k_dense_replace` layers
+/// a dense MLP of `intermediate_size`, the others routed by sigmoid scores with a correction bias among `n_group`
+/// groups of experts, plus `n_shared_experts` shared experts (one MLP that many times as wide) added as is. A family
+/// whose configs may leave some of these out fills in its own defaults first ([`with_defaults`]).
+#[derive(Deserialize)]
 pub struct GroupedSigmoidMoe {
-    pub num_experts: usize,
-    pub top_k: usize,
-    pub intermediate: usize,
-    pub dense_intermediate: usize,
-    pub first_k_dense: usize,
-    pub n_shared: usize,
-    pub n_group: usize,
-    pub topk_group: usize,
-    pub renormalize: bool,
-    pub scaling: f32,
+    /// transformers 5 reads GLM's as `num_local_experts` too.
+    #[serde(alias = "num_local_experts")]
+    n_routed_experts: usize,
+    num_experts_per_tok: usize,
+    moe_intermediate_size: usize,
+    /// The dense layers' MLP width.
+    intermediate_size: usize,
+    n_shared_experts: Option<usize>,
+    n_group: usize,
+    topk_group: usize,
+    first_k_dense_replace: usize,
+    #[serde(default = "default_true")]
+    norm_topk_prob: bool,
+    routed_scaling_factor: f32,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// `config` with each of `defaults` set where the config leaves it out.
+pub fn with_defaults(config: &serde_json::Value, defaults: &[(&str, serde_json::Value)]) -> serde_json::Value {
+    let mut config = config.clone();
+    if let Some(fields) = config.as_object_mut() {
+        for (name, value) in defaults {
+            fields.entry(*name).or_insert_with(|| value.clone());
+        }
+    }
+    config
 }
 
 impl GroupedSigmoidMoe {
     /// Makes `spec`'s first layers dense and the others this MoE.
     pub fn apply(&self, spec: &mut ModelSpec) -> Result<()> {
-        check_top_k(self.num_experts, self.top_k)?;
-        let layers = spec.layers.len();
-        if self.first_k_dense > layers {
+        check_top_k(self.n_routed_experts, self.num_experts_per_tok)?;
+        let (layers, first_k_dense) = (spec.layers.len(), self.first_k_dense_replace);
+        if first_k_dense > layers {
             return Err(Error::Config(format!(
-                "first_k_dense_replace ({}) is over num_hidden_layers ({layers})",
-                self.first_k_dense
+                "first_k_dense_replace ({first_k_dense}) is over num_hidden_layers ({layers})"
             )));
         }
-        for layer in &mut spec.layers[..self.first_k_dense] {
+        for layer in &mut spec.layers[..first_k_dense] {
             layer.ffn = FfnKind::Dense {
-                intermediate: self.dense_intermediate,
+                intermediate: self.intermediate_size,
             };
         }
+        let n_shared = self.n_shared_experts.unwrap_or(0);
         spec.moe = Some(MoeSpec {
-            num_experts: self.num_experts,
-            top_k: self.top_k,
-            intermediate: self.intermediate,
+            num_experts: self.n_routed_experts,
+            top_k: self.num_experts_per_tok,
+            intermediate: self.moe_intermediate_size,
             router: RouterKind::SigmoidGroupedTopK {
                 n_group: self.n_group,
                 topk_group: self.topk_group,
-                renormalize: self.renormalize,
-                scaling: self.scaling,
+                renormalize: self.norm_topk_prob,
+                scaling: self.routed_scaling_factor,
             },
             activation: ExpertActivation::SiluGlu,
-            shared_expert: (self.n_shared > 0).then_some(SharedExpert {
-                intermediate: self.n_shared * self.intermediate,
+            shared_expert: (n_shared > 0).then_some(SharedExpert {
+                intermediate: n_shared * self.moe_intermediate_size,
                 sigmoid_gated: false,
             }),
             naming: STANDARD_EXPERTS,

@@ -12,17 +12,8 @@ use crate::{Error, Result};
 struct DeepseekV3Config {
     #[serde(flatten)]
     base: BaseConfig,
-    intermediate_size: usize,
-    moe_intermediate_size: usize,
-    n_routed_experts: usize,
-    n_shared_experts: Option<usize>,
-    num_experts_per_tok: usize,
-    n_group: usize,
-    topk_group: usize,
-    #[serde(default = "default_true")]
-    norm_topk_prob: bool,
-    routed_scaling_factor: f32,
-    first_k_dense_replace: usize,
+    #[serde(flatten)]
+    moe: GroupedSigmoidMoe,
     /// Every `moe_layer_freq`-th layer past the dense ones is MoE; DeepSeek-V3 and Kimi-K2 use 1.
     moe_layer_freq: Option<usize>,
     /// Hub configs say how experts are scored and chosen; transformers' DeepSeek-V3 knows only these.
@@ -89,19 +80,7 @@ pub fn spec(config: &serde_json::Value, model_type: &'static str) -> Result<Mode
         rope_interleaved: c.rope_interleave,
         softmax_scale,
     });
-    GroupedSigmoidMoe {
-        num_experts: c.n_routed_experts,
-        top_k: c.num_experts_per_tok,
-        intermediate: c.moe_intermediate_size,
-        dense_intermediate: c.intermediate_size,
-        first_k_dense: c.first_k_dense_replace,
-        n_shared: c.n_shared_experts.unwrap_or(0),
-        n_group: c.n_group,
-        topk_group: c.topk_group,
-        renormalize: c.norm_topk_prob,
-        scaling: c.routed_scaling_factor,
-    }
-    .apply(&mut spec)?;
+    c.moe.apply(&mut spec)?;
     Ok(spec)
 }
 
