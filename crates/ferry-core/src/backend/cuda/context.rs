@@ -185,3 +185,6 @@ impl CudaBackend {
         kernel(&self.functions, name)
     }
 }
+
+#[cfg(test)]
+mod tests;
