@@ -437,6 +437,17 @@ def test_harmony_reasoning_and_tool_call_plain_and_streamed(ferry):
                 model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], reasoning_effort=effort
             )
             assert r.choices[0].finish_reason == "tool_calls", r
+        # The call goes back with its reasoning, as vLLM takes it: gpt-oss's template renders the reasoning before
+        # the call (an analysis message), so the prompt grows by it.
+        call = r.choices[0].message.model_dump(exclude_none=True)
+        result = {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"], "content": "sunny"}
+        prompts = []
+        for fields in ({"role", "content", "tool_calls"}, {"role", "content", "tool_calls", "reasoning_content"}):
+            message = {k: v for k, v in call.items() if k in fields}
+            history = WEATHER_QUESTION + [message, result]
+            again = server.client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL])
+            prompts.append(again.usage.prompt_tokens)
+        assert call["reasoning_content"] and prompts[1] > prompts[0], (call, prompts)
     finally:
         server.stop()
 
