@@ -114,22 +114,19 @@ mod tests {
         crate::params::messages(&Body::new(body.as_object().unwrap().clone())).unwrap()
     }
 
-    /// The reference case `conversation` of a family's transformers renderings, with and without the generation
-    /// prompt in that order, with its default kwargs.
-    fn reference(family: &str, conversation: &str) -> (Value, Vec<String>) {
+    /// A reference case's conversation (tests/fixtures/chat_templates/FAMILY.json, whose renderings
+    /// ferry-core's chat_templates test holds equal to transformers') and its tools.
+    fn reference(family: &str, conversation: &str) -> (Vec<ChatMessage>, Value) {
         let path = fixtures().join(format!("chat_templates/{family}.json"));
         let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let cases: Vec<&Value> = reference["cases"]
+        let case = reference["cases"]
             .as_array()
             .unwrap()
             .iter()
-            .filter(|c| c["conversation"] == conversation && c["chat_template_kwargs"] == json!({}))
-            .collect();
-        let expected = cases
-            .iter()
-            .map(|c| c["expected"].as_str().unwrap().to_string())
-            .collect();
-        (cases[0]["tools"].clone(), expected)
+            .find(|c| c["conversation"] == conversation)
+            .unwrap();
+        let messages = serde_json::from_value(case["messages"].clone()).unwrap();
+        (messages, case["tools"].clone())
     }
 
     /// The template of `template` rendered with the qwen3_moe fixture's tokenizer, as the references were made.
@@ -144,27 +141,20 @@ mod tests {
         (scratch, tokenizer)
     }
 
-    fn render(tokenizer: &Tokenizer, messages: &[ChatMessage], tools: &Value) -> Vec<String> {
+    /// `messages`, adapted to `format`, render as the reference conversation does, with and without the generation
+    /// prompt.
+    fn assert_renders_as(format: HistoryFormat, messages: Value, template: &str, family: &str, conversation: &str) {
+        let (_dir, tokenizer) = tokenizer(template);
+        let (expected, tools) = reference(family, conversation);
         let tools = tools.as_array().cloned().unwrap_or_default();
-        [true, false]
-            .iter()
-            .map(|&prompt| {
-                let text = tokenizer
+        let adapted = format.adapt(&openai(messages)).unwrap();
+        for prompt in [true, false] {
+            let render = |messages: &[ChatMessage]| {
+                tokenizer
                     .apply_chat_template(messages, &tools, prompt, &Default::default())
-                    .unwrap();
-                mask_date(&text)
-            })
-            .collect()
-    }
-
-    /// gpt-oss's template writes today's date.
-    fn mask_date(text: &str) -> String {
-        match text.find("Current date: ") {
-            Some(at) => {
-                let date = at + "Current date: ".len();
-                format!("{}YYYY-MM-DD{}", &text[..date], &text[date + "YYYY-MM-DD".len()..])
-            }
-            None => text.to_string(),
+                    .unwrap()
+            };
+            assert_eq!(render(&adapted), render(&expected), "{conversation}");
         }
     }
 
@@ -179,7 +169,7 @@ mod tests {
 
     #[test]
     fn openai_reasoning_and_string_arguments_reach_gpt_oss_template_as_transformers_renders_them() {
-        let messages = openai(json!([
+        let call_and_answer = json!([
             {"role": "user", "content": "Weather in Paris and Oslo for 3 days?"},
             {"role": "assistant", "content": "", "reasoning_content": "Paris first.", "tool_calls": [
                 {"id": "call_1", "type": "function",
@@ -187,29 +177,19 @@ mod tests {
             {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_1"},
             {"role": "assistant", "content": "Paris 21, Oslo 4."},
             {"role": "user", "content": "  And 3+3?  "}
-        ]));
-        let (tools, expected) = reference("gpt_oss", "thought_call_answered_later");
-        let (_dir, gpt_oss) = tokenizer("gpt_oss.jinja");
-        let adapted = HARMONY.adapt(&messages).unwrap();
-        assert_eq!(
-            render(&gpt_oss, &adapted, &tools),
-            expected.iter().map(|e| mask_date(e)).collect::<Vec<_>>()
-        );
-        let (_, expected) = reference("gpt_oss", "thought_in_last_answer");
-        let answer = openai(json!([
+        ]);
+        let conversation = "thought_call_answered_later";
+        assert_renders_as(HARMONY, call_and_answer, "gpt_oss.jinja", "gpt_oss", conversation);
+        let answer = json!([
             {"role": "user", "content": "What is 2+2? Say \"four\" — or 4 (ünïcödé, 世界)."},
             {"role": "assistant", "content": "4", "reasoning_content": "2+2 is 4."}
-        ]));
-        let adapted = HARMONY.adapt(&answer).unwrap();
-        assert_eq!(
-            render(&gpt_oss, &adapted, &Value::Null),
-            expected.iter().map(|e| mask_date(e)).collect::<Vec<_>>()
-        );
+        ]);
+        assert_renders_as(HARMONY, answer, "gpt_oss.jinja", "gpt_oss", "thought_in_last_answer");
     }
 
     #[test]
     fn deepseek_v3_1_gets_call_arguments_as_the_text_sent_as_transformers_renders_them() {
-        let messages = openai(json!([
+        let messages = json!([
             {"role": "system", "content": "You are terse.\nAnswer in one line."},
             {"role": "user", "content": "Weather in Paris and Oslo for 3 days?"},
             {"role": "assistant", "content": "Checking both.", "tool_calls": [
@@ -221,15 +201,25 @@ mod tests {
             {"role": "tool", "content": "sunny, 4 C", "tool_call_id": "call_2"},
             {"role": "assistant", "content": "Paris 21, Oslo 4."},
             {"role": "user", "content": "  And 3+3?  "}
-        ]));
-        let (tools, expected) = reference("deepseek_v3_1", "text_arguments_parallel_calls_and_answer");
-        let (_dir, deepseek) = tokenizer("deepseek_v3_1.jinja");
-        let adapted = DEEPSEEK.adapt(&messages).unwrap();
-        assert_eq!(render(&deepseek, &adapted, &tools), expected);
+        ]);
+        let conversation = "text_arguments_parallel_calls_and_answer";
+        assert_renders_as(
+            DEEPSEEK,
+            messages.clone(),
+            "deepseek_v3_1.jinja",
+            "deepseek_v3_1",
+            conversation,
+        );
         // Objects, as other templates read them, are refused by DeepSeek's (transformers refuses them too).
+        let (_dir, deepseek) = tokenizer("deepseek_v3_1.jinja");
+        let objects = HistoryFormat {
+            arguments_as_text: false,
+            ..DEEPSEEK
+        };
+        let messages = objects.adapt(&openai(messages)).unwrap();
         assert!(deepseek
             .apply_chat_template(&messages, &[], true, &Default::default())
-            .is_err_and(|e| e.to_string().contains("string")));
+            .is_err());
     }
 
     #[test]
