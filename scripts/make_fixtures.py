@@ -42,6 +42,14 @@ Fixtures:
     qwen3_5_moe_fp8_dynamic
                      qwen3_5_moe_text in compressed-tensors FP8-Dynamic (per-channel bf16 `weight_scale`):
                      attention, shared and fused routed experts FP8; Gated DeltaNet, routers, gates bf16 (ignore)
+    deepseek_v3_fp8  deepseek_v3 in block FP8 as DeepSeek publishes it (quant_method fp8, 128 x 128, no module list):
+                     every projection FP8 (q_a/q_b, kv_a_proj_with_mqa, kv_b_proj, o_proj, dense MLP, shared and
+                     routed experts) with f32 `weight_scale_inv`; embeddings, norms, routers, lm_head and the MTP
+                     layer's tensors bf16, the correction bias float32
+    glm4_moe_fp8     glm4_moe in FP8 as zai-org publishes GLM-4.5/4.5-Air/4.6 (compressed-tensors, per-channel bf16
+                     `weight_scale`): attention, dense MLP, shared and routed experts FP8; `ignore` lists every
+                     tensor left in bf16 (norms, q/k/v biases, routers and their correction biases, embeddings,
+                     lm_head, the MTP layer's)
     gpt_oss          GptOssForCausalLM: attention sinks and biases, a sliding-window and a full layer, YaRN,
                      router bias, bf16 fused experts as transformers stores them (gate/up interleaved, [E, in, out])
     gpt_oss_mxfp4    the same model with MXFP4 experts as OpenAI ships them (*_blocks, *_scales, bf16 biases;
@@ -101,9 +109,9 @@ def make_fixture(fx: Fixture, base_tok: Tokenizer, out_root: Path) -> dict:
     state = hub_state_dict(model, fx)
     check_hub_names(fx, config, state)
     if fx.fp8:
-        state = fp8_hub_state(model, fx, model.fp8_originals)
         saved = json.loads((out / "config.json").read_text())
-        write_json(out / "config.json", dict(saved, quantization_config=fp8_quantization_config(fx, state)))
+        write_json(out / "config.json", dict(saved, quantization_config=fp8_quantization_config(fx, list(state))))
+        state = fp8_hub_state(model, fx, model.fp8_originals)
     write_shards(out, state, fx.num_shards)
     write_json(out / "reference.json", reference_json(config, results))
 

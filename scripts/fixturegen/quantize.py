@@ -5,8 +5,9 @@ the read-back check. MXFP4: gpt-oss's packed experts and their exact dequantizat
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -18,15 +19,54 @@ if TYPE_CHECKING:
 
 FP8_MAX = 448.0
 FP8_BLOCK = (128, 128)
-# The projections the FP8 fixtures store in FP8 (hub and transformers names); everything else stays bf16.
+# The projections the FP8 fixtures store in FP8 (hub and transformers names): attention (MLA's low-rank and
+# latent projections included), dense MLPs, shared and routed experts; everything else stays bf16.
 FP8_TARGET = re.compile(
-    r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|shared_expert\.(gate|up|down)_proj"
-    r"|experts\.\d+\.(gate|up|down)_proj)\.weight$|\.experts\.(gate_up_proj|down_proj)$"
+    r"\.(self_attn\.([qkvo]_proj|q_[ab]_proj|kv_a_proj_with_mqa|kv_b_proj)|mlp\.(gate|up|down)_proj"
+    r"|shared_experts?\.(gate|up|down)_proj|experts\.\d+\.(gate|up|down)_proj)\.weight$"
+    r"|\.experts\.(gate_up_proj|down_proj)$"
 )
 
 
+@dataclass(frozen=True)
+class Fp8Layout:
+    """An FP8 checkpoint as a family publishes it: the scheme, and how config.json lists the modules it keeps
+    unquantized (`modules_to_not_convert` for block FP8, `ignore` for compressed-tensors), made from the names of
+    the hub tensors left in bf16; None where the published config lists none."""
+
+    scheme: str  # "block" (quant_method fp8, 128 x 128, f32 `_scale_inv`) or "channel" (compressed-tensors)
+    unconverted: Callable[[list[str]], list[str]] | None
+
+
+def lm_head_and_routers(kept: list[str]) -> list[str]:
+    """Qwen3's FP8 checkpoints: lm_head and each MoE layer's router by name."""
+    routers = sorted({n.removesuffix(".weight") for n in kept if n.endswith("mlp.gate.weight")}, key=natural_key)
+    return ["lm_head", *routers]
+
+
+def qwen3_5_ignore(_kept: list[str]) -> list[str]:
+    """Qwen3.5's FP8-Dynamic checkpoints: lm_head, then patterns for the routers, shared-expert gates and Gated
+    DeltaNet layers."""
+    return ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*linear_attn.*"]
+
+
+def every_kept_module(kept: list[str]) -> list[str]:
+    """GLM-4.5's FP8 checkpoints: every tensor left unquantized, named without `.weight` (so biases, the router's
+    correction bias and the MTP layer's tensors appear by their full names), norms and embeddings included."""
+    return sorted({n.removesuffix(".weight") for n in kept}, key=natural_key)
+
+
+QWEN3_FP8 = Fp8Layout("block", lm_head_and_routers)
+QWEN3_5_FP8_DYNAMIC = Fp8Layout("channel", qwen3_5_ignore)
+# DeepSeek-V3's (and Kimi-K2's) config names no modules: its bf16 tensors (embeddings, norms, routers, lm_head) are
+# simply stored without scales.
+DEEPSEEK_V3_FP8 = Fp8Layout("block", None)
+# GLM-4.5, 4.5-Air and 4.6 publish per-channel FP8 in compressed-tensors (`weight_scale`), not block FP8.
+GLM4_MOE_FP8 = Fp8Layout("channel", every_kept_module)
+
+
 def fp8_scale_name(fx: Fixture, name: str) -> str:
-    return name + ("_scale_inv" if fx.fp8 == "block" else "_scale")
+    return name + ("_scale_inv" if fx.fp8.scheme == "block" else "_scale")
 
 
 def fp8_quantize(w: torch.Tensor, fx: Fixture) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +76,7 @@ def fp8_quantize(w: torch.Tensor, fx: Fixture) -> tuple[torch.Tensor, torch.Tens
         parts = [fp8_quantize(m, fx) for m in w]
         return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
     rows, cols = w.shape
-    if fx.fp8 == "block":
+    if fx.fp8.scheme == "block":
         br, bc = FP8_BLOCK
         padded = torch.nn.functional.pad(w.abs(), (0, -cols % bc, 0, -rows % br))
         amax = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc).amax(dim=(1, 3))
@@ -99,17 +139,18 @@ def fp8_hub_state(model: torch.nn.Module, fx: Fixture, originals: dict[str, torc
     return out
 
 
-def fp8_quantization_config(fx: Fixture, state: dict[str, torch.Tensor]) -> dict:
-    """The config.json entry the published checkpoints of fx.fp8's layout carry."""
-    if fx.fp8 == "block":
-        routers = sorted({n.removesuffix(".weight") for n in state if n.endswith("mlp.gate.weight")}, key=natural_key)
-        return {
+def fp8_quantization_config(fx: Fixture, names: list[str]) -> dict:
+    """The config.json entry the published checkpoints of fx.fp8's layout carry, for the hub tensors `names`."""
+    layout = fx.fp8
+    unconverted = layout.unconverted([n for n in names if not FP8_TARGET.search(n)]) if layout.unconverted else None
+    if layout.scheme == "block":
+        config = {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": list(FP8_BLOCK),
-            "modules_to_not_convert": ["lm_head", *routers],
         }
+        return config if unconverted is None else dict(config, modules_to_not_convert=unconverted)
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -121,7 +162,7 @@ def fp8_quantization_config(fx: Fixture, state: dict[str, torch.Tensor]) -> dict
                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
             }
         },
-        "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*linear_attn.*"],
+        "ignore": unconverted or [],
     }
 
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .tokenizer import MIXTRAL_TOKENIZER, OLMOE_TOKENIZER, QWEN2_MOE_TOKENIZER, QWEN_TOKENIZER, VOCAB_SIZE, TokenizerStyle
+from .quantize import DEEPSEEK_V3_FP8, GLM4_MOE_FP8, QWEN3_5_FP8_DYNAMIC, QWEN3_FP8, Fp8Layout
+from .tokenizer import (
+    MIXTRAL_TOKENIZER,
+    OLMOE_TOKENIZER,
+    QWEN2_MOE_TOKENIZER,
+    QWEN_TOKENIZER,
+    VOCAB_SIZE,
+    TokenizerStyle,
+)
 from .weights import LINEAR_STD
 
 COMMON = dict(
@@ -86,7 +94,7 @@ class Fixture:
     hub_config: bool = True  # rewrite config.json to the transformers 4.x hub conventions
     mtp_head: bool = False  # add mtp.* tensors as published checkpoints carry them (transformers skips them)
     mtp_layer: bool = False  # add model.layers.{num_hidden_layers}.* tensors, GLM-4.5's and DeepSeek-V3's MTP layer
-    fp8: str | None = None  # "block" (quant_method fp8, 128 x 128) or "channel" (compressed-tensors FP8-Dynamic)
+    fp8: Fp8Layout | None = None  # the FP8 layout its family publishes (quantize.py), None for unquantized
 
 
 
@@ -350,6 +358,8 @@ FIXTURES += [
         hub_config=False,
     ),
     dataclasses.replace(_fixture("gpt_oss"), name="gpt_oss_mxfp4", seed=9100, expert_names="mxfp4"),
-    dataclasses.replace(_fixture("qwen3_moe"), name="qwen3_moe_fp8", fp8="block"),
-    dataclasses.replace(_fixture("qwen3_5_moe_text"), name="qwen3_5_moe_fp8_dynamic", fp8="channel"),
+    dataclasses.replace(_fixture("qwen3_moe"), name="qwen3_moe_fp8", fp8=QWEN3_FP8),
+    dataclasses.replace(_fixture("qwen3_5_moe_text"), name="qwen3_5_moe_fp8_dynamic", fp8=QWEN3_5_FP8_DYNAMIC),
+    dataclasses.replace(_fixture("deepseek_v3"), name="deepseek_v3_fp8", fp8=DEEPSEEK_V3_FP8),
+    dataclasses.replace(_fixture("glm4_moe"), name="glm4_moe_fp8", fp8=GLM4_MOE_FP8),
 ]

@@ -30,6 +30,8 @@ const FAMILIES: &[&str] = &[
     "glm4_moe",
     "qwen3_moe_fp8",
     "qwen3_5_moe_fp8_dynamic",
+    "deepseek_v3_fp8",
+    "glm4_moe_fp8",
     "gpt_oss",
     "gpt_oss_mxfp4",
 ];
@@ -265,12 +267,15 @@ parity_tests!(
     // (2026-12-01: first-step logits off by 0.072 and 0.061): the CUDA backend dequantizes dense FP8 weights to
     // bf16 at upload, and an E4M3 value times its scale needs more than bf16's 8 significant bits; their routed
     // experts, read as FP8 by the expert kernels, pass `cuda_ops::routed_fp8_experts`. They return to the GPU
-    // table when dense FP8 weights are read as FP8 (or as exact bf16 halves) on the device.
+    // table when dense FP8 weights are read as FP8 (or as exact bf16 halves) on the device. The FP8 DeepSeek-V3
+    // and GLM-4.5 fixtures join it after an H200 run: the GPU code that reads them is on the gpu-next branch.
     cpu_only:
     gpt_oss,
     gpt_oss_mxfp4,
     qwen3_moe_fp8,
-    qwen3_5_moe_fp8_dynamic
+    qwen3_5_moe_fp8_dynamic,
+    deepseek_v3_fp8,
+    glm4_moe_fp8
 );
 
 /// `--expert-dtype fp8` on bf16 fixtures: the routed experts quantized at load (128 x 128 blocks) move each case's
