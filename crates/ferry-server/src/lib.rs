@@ -33,6 +33,7 @@ mod openai;
 mod params;
 mod prompt_work;
 mod reasoning;
+mod responses;
 mod sampling;
 mod tools;
 
@@ -229,6 +230,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(endpoints::models))
         .route("/v1/models/{id}", get(endpoints::model))
         .route("/tokenize", post(endpoints::tokenize_route))
