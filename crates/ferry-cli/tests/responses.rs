@@ -263,3 +263,29 @@ fn what_this_server_cannot_honour_is_a_400_naming_the_field() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn a_harmony_model_takes_an_effort_and_its_reasoning_goes_back_in_the_input() {
+    let server = tool_server("tool_calls_harmony");
+    let question = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let request = json!({"model": "tiny", "input": question, "tools": [weather()], "reasoning": {"effort": "low"}});
+    let (status, whole) = respond(&server, &request);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["reasoning"]["effort"], "low");
+    let output = whole["output"].as_array().unwrap();
+    let types: Vec<&str> = output.iter().map(|item| item["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["reasoning", "function_call"], "{whole}");
+    assert_eq!(output[0]["content"][0]["text"], "The user wants the weather in Paris.");
+    let result = json!({"type": "function_call_output", "call_id": output[1]["call_id"], "output": "sunny"});
+    // gpt-oss's template renders the reasoning before the call: given back, it grows the prompt.
+    let mut prompts = vec![];
+    for items in [&output[1..], &output[..]] {
+        let mut input = question.as_array().unwrap().clone();
+        input.extend(items.iter().cloned());
+        input.push(result.clone());
+        let (status, again) = respond(&server, &json!({"model": "tiny", "input": input, "tools": [weather()]}));
+        assert_eq!(status, 200, "{again}");
+        prompts.push(again["usage"]["input_tokens"].as_u64().unwrap());
+    }
+    assert!(prompts[1] > prompts[0], "{prompts:?}");
+}
