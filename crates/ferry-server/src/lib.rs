@@ -1,7 +1,8 @@
 //! ferry-server: the OpenAI-compatible HTTP API in front of ferry's engine.
 //!
-//! - `POST /v1/chat/completions` and `POST /v1/completions` (OpenAI), `POST /v1/messages` (Anthropic), plain or
-//!   streamed as server-sent events, over one protocol-neutral request layer; `POST /v1/messages/count_tokens`;
+//! - `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (OpenAI), `POST /v1/messages`
+//!   (Anthropic), plain or streamed as server-sent events, over one protocol-neutral request layer;
+//!   `POST /v1/messages/count_tokens`;
 //! - `GET /v1/models` and `/v1/models/{id}`, `POST /tokenize` and `/detokenize` (vLLM's), `GET /health` (503 with
 //!   load progress until the model is ready, and with the reason when the engine has died or stalled), `GET
 //!   /metrics` (Prometheus).
