@@ -592,6 +592,23 @@ def test_responses_tool_calls_plain_and_streamed(ferry):
         again = server.client.responses.create(model=MODEL, input=history, tools=[RESPONSES_WEATHER_TOOL])
         assert again.usage.input_tokens > whole.usage.input_tokens
 
+        # A client that keeps nothing asks for the reasoning sealed and gives back only the seal (as Codex CLI does):
+        # the next prompt is the same as with the reasoning's text given back.
+        sealed = server.client.responses.create(include=["reasoning.encrypted_content"], **kwargs)
+        seal = sealed.output[0].encrypted_content
+        assert seal, sealed.output[0]
+        result = {"type": "function_call_output", "call_id": sealed.output[2].call_id, "output": "sunny"}
+        rest = [item.model_dump(exclude_none=True) for item in sealed.output[1:]] + [result]
+        seal_only = {"type": "reasoning", "id": sealed.output[0].id, "summary": [], "encrypted_content": seal}
+        text_only = {"type": "reasoning", "id": sealed.output[0].id, "summary": [],
+                     "content": [{"type": "reasoning_text", "text": sealed.output[0].content[0].text}]}
+        prompts = [server.client.responses.create(model=MODEL, input=question + [item] + rest,
+                                                  tools=[RESPONSES_WEATHER_TOOL]).usage.input_tokens
+                   for item in (seal_only, text_only)]
+        assert prompts[0] == prompts[1] > whole.usage.input_tokens, prompts
+        expect_error(400, lambda: server.client.responses.create(model=MODEL, include=["file_search_call.results"],
+                     input="hi"), param="include[0]")
+
         # Forced (the schema's cities listed: forced greedy output cannot run on in a free string), schemas enforced.
         named = {"type": "function", "name": "get_weather"}
         forced_tool = {"type": "function", **FORCED_WEATHER_TOOL["function"], "strict": True}

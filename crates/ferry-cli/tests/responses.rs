@@ -222,7 +222,7 @@ fn what_this_server_cannot_honour_is_a_400_naming_the_field() {
     for (field, value) in [
         ("store", json!(true)),
         ("previous_response_id", json!("resp_1")),
-        ("include", json!(["reasoning.encrypted_content"])),
+        ("include", json!("reasoning.encrypted_content")),
         ("max_output_tokens", json!(0)),
     ] {
         let mut request = json!({"model": "tiny", "input": "hi"});

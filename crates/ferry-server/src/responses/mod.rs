@@ -32,6 +32,8 @@ struct ResponseMeta {
     model: String,
     /// What the request set that the response repeats (`instructions`, `tools`, `metadata`, `store`, ...).
     echo: Map<String, Value>,
+    /// Reasoning items carry `encrypted_content` (`include`).
+    encrypted_reasoning: bool,
 }
 
 /// `usage`: the prompt (with the tokens the prefix cache held) and the output (with its reasoning).
@@ -103,7 +105,7 @@ fn in_responses_terms(mut error: ApiError) -> ApiError {
 }
 
 async fn respond_whole(meta: ResponseMeta, mut generation: Generation) -> Response {
-    let mut items = OutputItems::new(&meta.id);
+    let mut items = OutputItems::new(&meta.id, meta.encrypted_reasoning);
     // A plain response has no use for the events.
     let mut events = vec![];
     while let Some(output) = generation.next().await {
@@ -133,6 +135,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         model: name,
         chat,
         echo,
+        encrypted_reasoning,
     } = ResponsesBody::parse(&body, keeps_reasoning)?;
     check_model_name(state, name.as_deref())?;
     let (request, parser) = chat
@@ -145,6 +148,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         created_at: unix_seconds(),
         model: state.0.config.served_model_name.clone(),
         echo,
+        encrypted_reasoning,
     };
     Ok((meta, generation, chat.params.stream))
 }
@@ -196,6 +200,7 @@ mod tests {
             created_at: 1,
             model: "m".into(),
             echo: Map::new(),
+            encrypted_reasoning: false,
         };
         let finish = |reason| Finish {
             reason,

@@ -7,6 +7,11 @@
 //! `response.output_item.done`) before the next one opens.
 //!
 //! Events are built here without their `sequence_number` (stream.rs numbers them); a plain response drops them.
+//!
+//! `encrypted_content` (asked for by `include`) lets a client that stores nothing give the reasoning back next turn.
+//! OpenAI encrypts it because its API hides the raw reasoning; this server shows the reasoning in `content` anyway,
+//! so the field is the same text sealed only against other servers' blobs: a version tag, then the text's bytes in
+//! hex. It is an encoding, not encryption.
 
 use serde_json::{json, Value};
 
@@ -29,10 +34,34 @@ struct Open {
     call: Option<(String, String)>,
 }
 
+/// What begins an `encrypted_content` this server wrote.
+const SEAL_TAG: &str = "ferry-reasoning-v1:";
+
+/// A reasoning text as this server's `encrypted_content`.
+pub(super) fn seal_reasoning(text: &str) -> String {
+    let hex: String = text.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("{SEAL_TAG}{hex}")
+}
+
+/// The text of an `encrypted_content` this server wrote, or None for anything else.
+pub(super) fn unseal_reasoning(sealed: &str) -> Option<String> {
+    let hex = sealed.strip_prefix(SEAL_TAG)?;
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    let bytes = (0..hex.len())
+        .step_by(2)
+        .map(|at| u8::from_str_radix(hex.get(at..at + 2)?, 16).ok())
+        .collect::<Option<Vec<u8>>>()?;
+    String::from_utf8(bytes).ok()
+}
+
 /// The output items of one response, and how many generated tokens were reasoning.
 pub struct OutputItems {
     /// The hex part of the response's id, which its items' ids carry.
     response: String,
+    /// Finished reasoning items carry `encrypted_content`.
+    encrypted_reasoning: bool,
     done: Vec<Value>,
     open: Option<Open>,
     pub reasoning_tokens: usize,
@@ -72,9 +101,10 @@ impl Open {
 }
 
 impl OutputItems {
-    pub fn new(response_id: &str) -> Self {
+    pub fn new(response_id: &str, encrypted_reasoning: bool) -> Self {
         OutputItems {
             response: response_id.trim_start_matches("resp_").to_string(),
+            encrypted_reasoning,
             done: vec![],
             open: None,
             reasoning_tokens: 0,
@@ -176,7 +206,10 @@ impl OutputItems {
                 json!({"type": "response.content_part.done", "content_index": 0, "part": part(open.kind, text)});
             events.push(with_item(event, &open.id, output_index));
         }
-        let item = open.item(status);
+        let mut item = open.item(status);
+        if self.encrypted_reasoning && open.kind == Kind::Reasoning {
+            item["encrypted_content"] = seal_reasoning(text).into();
+        }
         events.push(json!({"type": "response.output_item.done", "output_index": output_index, "item": item}));
         self.done.push(item);
     }
@@ -203,7 +236,7 @@ mod tests {
 
     #[test]
     fn pieces_make_items_opened_filled_and_closed_in_order() {
-        let mut items = OutputItems::new("resp_00ab");
+        let mut items = OutputItems::new("resp_00ab", false);
         let mut events = vec![];
         items.token(&[Piece::Reasoning("so".into())], &mut events);
         items.token(&[], &mut events);
@@ -263,14 +296,45 @@ mod tests {
     }
 
     #[test]
+    fn reasoning_items_carry_their_text_sealed_when_asked() {
+        let mut items = OutputItems::new("resp_00ab", true);
+        let mut events = vec![];
+        items.pieces(
+            &[Piece::Reasoning("ünïcode, then".into()), Piece::Content("hi".into())],
+            &mut events,
+        );
+        items.close("completed", &mut events);
+        let output = items.items();
+        let sealed = output[0]["encrypted_content"].as_str().unwrap();
+        assert_eq!(unseal_reasoning(sealed).as_deref(), Some("ünïcode, then"));
+        assert!(
+            output[1].get("encrypted_content").is_none(),
+            "only reasoning items carry it"
+        );
+        let done = events
+            .iter()
+            .find(|e| e["type"] == "response.output_item.done")
+            .unwrap();
+        assert_eq!(done["item"]["encrypted_content"], sealed);
+        for foreign in [
+            "gAAAAB",
+            "ferry-reasoning-v1:6",
+            "ferry-reasoning-v1:zz",
+            "ferry-reasoning-v1:ff",
+        ] {
+            assert_eq!(unseal_reasoning(foreign), None, "{foreign}");
+        }
+    }
+
+    #[test]
     fn an_output_cut_short_leaves_its_last_item_incomplete() {
-        let mut items = OutputItems::new("resp_1");
+        let mut items = OutputItems::new("resp_1", false);
         let mut events = vec![];
         items.token(&[Piece::Content("par".into())], &mut events);
         items.close("incomplete", &mut events);
         assert_eq!(items.items()[0]["status"], "incomplete");
         assert_eq!(items.reasoning_tokens, 0);
-        let mut empty = OutputItems::new("resp_2");
+        let mut empty = OutputItems::new("resp_2", false);
         empty.close("completed", &mut events);
         assert!(empty.items().is_empty());
     }

@@ -6,6 +6,8 @@
 //! `reasoning`) becomes the template's conversation, after `instructions` as its system message. The server keeps
 //! nothing: `store` defaults to true in OpenAI's API, so an omitted `store` is served and the response says
 //! `store: false`; `store: true` asks for what this server cannot do and is refused, as is `previous_response_id`.
+//! What stateless clients use instead, `include: ["reasoning.encrypted_content"]`, is served: the reasoning
+//! items carry their text in `encrypted_content` (output.rs), which comes back in a later turn's `input`.
 //!
 //! Not here: the tool fields (tools.rs), the response (mod.rs, output.rs).
 
@@ -42,6 +44,31 @@ pub struct ResponsesBody {
     pub chat: ChatRequest,
     /// The fields the response object repeats of the request (`instructions`, `tools`, `metadata`, ...).
     pub echo: Map<String, Value>,
+    /// `include` asked for `reasoning.encrypted_content`.
+    pub encrypted_reasoning: bool,
+}
+
+/// The one `include` value with a meaning here: reasoning items carrying their text for a later turn.
+pub(super) const ENCRYPTED_REASONING: &str = "reasoning.encrypted_content";
+
+/// `include`: of what OpenAI can add to a response, only [`ENCRYPTED_REASONING`] exists here (no logprobs, no
+/// tool outputs, no images), so any other value is refused.
+fn include(body: &Body) -> Result<bool, ApiError> {
+    let mut encrypted_reasoning = false;
+    for (index, value) in body.strings("include", false)?.iter().enumerate() {
+        if value != ENCRYPTED_REASONING {
+            let param = format!("include[{index}]");
+            return Err(ApiError::invalid_param(
+                &param,
+                format!(
+                    "`{param}` is \"{}\": this server can include only \"{ENCRYPTED_REASONING}\"",
+                    crate::error::quote(value)
+                ),
+            ));
+        }
+        encrypted_reasoning = true;
+    }
+    Ok(encrypted_reasoning)
 }
 
 pub(super) fn required(body: &Body, name: &str) -> ApiError {
@@ -116,8 +143,14 @@ impl ResponsesBody {
             },
         };
         let model = body.string("model")?;
+        let encrypted_reasoning = include(body)?;
         body.refuse_unread(NO_ACTION_FIELDS)?;
-        Ok(ResponsesBody { model, chat, echo })
+        Ok(ResponsesBody {
+            model,
+            chat,
+            echo,
+            encrypted_reasoning,
+        })
     }
 }
 
@@ -281,12 +314,16 @@ impl History {
                 });
             }
             Some("reasoning") => {
-                if item.get("encrypted_content").is_some() {
-                    return Err(ApiError::invalid_param(
-                        &item.param("encrypted_content"),
-                        "encrypted reasoning comes from another server: this one can neither read nor write it",
-                    ));
-                }
+                let encrypted = match item.get("encrypted_content") {
+                    None | Some(Value::Null) => None,
+                    Some(Value::String(sealed)) => Some(super::output::unseal_reasoning(sealed).ok_or_else(|| {
+                        ApiError::invalid_param(
+                            &item.param("encrypted_content"),
+                            "this `encrypted_content` was not written by this server, which can read only its own",
+                        )
+                    })?),
+                    Some(other) => return Err(wrong_type(&item.param("encrypted_content"), "a string", other)),
+                };
                 let parts = |name: &str, part_type: &str| match item.get(name) {
                     Some(Value::Array(parts)) => parts_text(&item.param(name), parts, part_type),
                     Some(other) => Err(wrong_type(&item.param(name), "an array of parts", other)),
@@ -294,9 +331,10 @@ impl History {
                 };
                 let (content, summary) = (parts("content", "reasoning_text")?, parts("summary", "summary_text")?);
                 // Reasoning given back as a summary alone: the summary is what the model reasoned, in short.
-                let text = match content.is_empty() {
-                    true => summary,
-                    false => content,
+                let text = match (encrypted, content.is_empty()) {
+                    (Some(text), _) => text,
+                    (None, true) => summary,
+                    (None, false) => content,
                 };
                 if keeps_reasoning {
                     self.reasoning.get_or_insert_with(String::new).push_str(&text);
@@ -506,6 +544,23 @@ mod tests {
     }
 
     #[test]
+    fn encrypted_reasoning_is_asked_by_include_and_read_back_from_input() {
+        let plain = parse(json!({"input": "hi"}), true).unwrap();
+        assert!(!plain.encrypted_reasoning);
+        let sealed = super::super::output::seal_reasoning("weighing it");
+        let body = parse(
+            json!({"include": ["reasoning.encrypted_content"], "input": [
+                {"role": "user", "content": "x"},
+                {"type": "reasoning", "summary": [], "encrypted_content": sealed},
+                {"role": "assistant", "content": "y"}]}),
+            true,
+        )
+        .unwrap();
+        assert!(body.encrypted_reasoning);
+        assert_eq!(body.chat.messages[1].thinking.as_deref(), Some("weighing it"));
+    }
+
+    #[test]
     fn every_bad_field_is_named() {
         let with = |name: &str, value: Value| {
             let mut body = json!({"input": "hi"});
@@ -524,7 +579,8 @@ mod tests {
             (with("temperature", json!(3)), "temperature"),
             (with("top_p", json!(0)), "top_p"),
             (with("stop", json!(["x"])), "stop"),
-            (with("include", json!(["reasoning.encrypted_content"])), "include"),
+            (with("include", json!(["message.output_text.logprobs"])), "include[0]"),
+            (with("include", json!("reasoning.encrypted_content")), "include"),
             (with("metadata", json!({"k": 1})), "metadata"),
             (with("reasoning", json!({"effort": "max"})), "reasoning.effort"),
             (with("reasoning", json!({"summary": "detailed"})), "reasoning.summary"),
@@ -562,7 +618,11 @@ mod tests {
                 "input[0].output",
             ),
             (
-                item(json!({"type": "reasoning", "summary": [], "encrypted_content": "x"})),
+                item(json!({"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB"})),
+                "input[0].encrypted_content",
+            ),
+            (
+                item(json!({"type": "reasoning", "summary": [], "encrypted_content": "ferry-reasoning-v1:6"})),
                 "input[0].encrypted_content",
             ),
             (item(json!({"type": "reasoning", "summary": []})), "input[0]"),
