@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Server, KEY};
+use common::{named_events, Server, KEY};
 use serde_json::{json, Value};
 
 const ANTHROPIC_HEADERS: [(&str, &str); 3] = [
@@ -22,23 +22,6 @@ fn post(server: &Server, path: &str, body: &Value) -> (u16, String) {
 fn post_json(server: &Server, path: &str, body: &Value) -> (u16, Value) {
     let (status, text) = post(server, path, body);
     (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
-}
-
-/// A streamed response's events: (event name, data).
-fn events(text: &str) -> Vec<(String, Value)> {
-    let mut out = vec![];
-    let mut name = None;
-    for line in text.lines() {
-        if let Some(event) = line.strip_prefix("event: ") {
-            name = Some(event.to_string());
-        } else if let Some(data) = line.strip_prefix("data: ") {
-            let data: Value = serde_json::from_str(data).unwrap();
-            let name = name.take().expect("every data line has its event line");
-            assert_eq!(data["type"], name.as_str(), "the event name is the data's type");
-            out.push((name, data));
-        }
-    }
-    out
 }
 
 fn message(extra: Value) -> Value {
@@ -144,7 +127,7 @@ fn a_message_and_its_stream_agree_and_count_tokens_counts_the_prompt() {
 
     let (status, text) = post(&server, "/v1/messages", &message(json!({"stream": true})));
     assert_eq!(status, 200, "{text}");
-    let events = events(&text);
+    let events = named_events(&text);
     let streamed = message_from_stream(&events);
     assert_eq!(
         streamed["id"].as_str().unwrap().len(),
@@ -185,7 +168,7 @@ fn a_stop_sequence_ends_the_message_and_is_named() {
         let request = message(json!({"stop_sequences": [stop, "never generated \u{1F6A2}"], "stream": stream}));
         let stopped = match stream {
             false => post_json(&server, "/v1/messages", &request).1,
-            true => message_from_stream(&events(&post(&server, "/v1/messages", &request).1)),
+            true => message_from_stream(&named_events(&post(&server, "/v1/messages", &request).1)),
         };
         assert_eq!(stopped["stop_reason"], "stop_sequence", "{stopped}");
         assert_eq!(stopped["stop_sequence"], stop.as_str(), "{stopped}");
@@ -333,7 +316,7 @@ fn check_tool_use(fixture: &str) -> Value {
     streamed["stream"] = json!(true);
     let (status, text) = post(&server, "/v1/messages", &streamed);
     assert_eq!(status, 200, "{text}");
-    let streamed = message_from_stream(&events(&text));
+    let streamed = message_from_stream(&named_events(&text));
     assert_eq!(streamed["stop_reason"], "tool_use");
     assert_eq!(tool_uses(&streamed), calls);
 
@@ -385,7 +368,7 @@ fn message_plain_and_streamed(server: &Server, request: &Value) -> Value {
     streamed["stream"] = json!(true);
     let (status, text) = post(server, "/v1/messages", &streamed);
     assert_eq!(status, 200, "{text}");
-    let streamed = message_from_stream(&events(&text));
+    let streamed = message_from_stream(&named_events(&text));
     assert_eq!(streamed["stop_reason"], whole["stop_reason"], "{streamed}");
     assert_eq!(tool_uses(&streamed), tool_uses(&whole), "{streamed}");
     assert_eq!(block_text(&streamed, "text"), block_text(&whole, "text"));

@@ -21,17 +21,9 @@ fn events(server: &Server, body: &Value) -> Vec<Value> {
     body["stream"] = json!(true);
     let (status, text) = server.request("POST", "/v1/responses", Some(&body.to_string()), Some(KEY));
     assert_eq!(status, 200, "{text}");
-    let mut out: Vec<Value> = vec![];
-    let mut name = None;
-    for line in text.lines() {
-        if let Some(event) = line.strip_prefix("event: ") {
-            name = Some(event.to_string());
-        } else if let Some(data) = line.strip_prefix("data: ") {
-            let data: Value = serde_json::from_str(data).unwrap();
-            assert_eq!(Some(data["type"].as_str().unwrap()), name.take().as_deref(), "{data}");
-            assert_eq!(data["sequence_number"], out.len(), "{data}");
-            out.push(data);
-        }
+    let out: Vec<Value> = common::named_events(&text).into_iter().map(|(_, data)| data).collect();
+    for (number, data) in out.iter().enumerate() {
+        assert_eq!(data["sequence_number"], number, "{data}");
     }
     out
 }

@@ -183,6 +183,24 @@ impl Drop for Server {
     }
 }
 
+/// A server-sent event stream whose events are named by their data's `type` (Anthropic's, Responses'):
+/// (event name, data), each checked.
+pub fn named_events(text: &str) -> Vec<(String, Value)> {
+    let mut out = vec![];
+    let mut name = None;
+    for line in text.lines() {
+        if let Some(event) = line.strip_prefix("event: ") {
+            name = Some(event.to_string());
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            let data: Value = serde_json::from_str(data).unwrap();
+            let name = name.take().expect("every data line has its event line");
+            assert_eq!(data["type"], name.as_str(), "the event name is the data's type");
+            out.push((name, data));
+        }
+    }
+    out
+}
+
 pub fn dechunk(mut body: &str) -> String {
     let mut out = String::new();
     while let Some((size, rest)) = body.split_once("\r\n") {
