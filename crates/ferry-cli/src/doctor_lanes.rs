@@ -188,7 +188,13 @@ mod tests {
             cpu_threads: 15,
         };
         let expert = 9_437_184;
-        assert!(matches!(auto_rule(rates(&h200), expert, 8), SplitRule::Balanced(_)));
+        let rule = auto_rule(rates(&h200), expert, 8);
+        assert!(matches!(rule, SplitRule::Balanced(_)));
+        // Chosen step by step: a locality step (one miss beside 7 hits) runs as offload, an all-miss step splits.
+        let one_miss = [Miss { expert: 0, rows: 1 }];
+        assert!(plan_split(rule, &one_miss, 7, expert).cpu.is_empty());
+        let all_miss: Vec<Miss> = (0..8).map(|expert| Miss { expert, rows: 1 }).collect();
+        assert!(!plan_split(rule, &all_miss, 0, expert).cpu.is_empty());
         let slow_host = LaneCeilings { cpu_gb_s: 0.1, ..h200 };
         assert_eq!(auto_rule(rates(&slow_host), expert, 8), SplitRule::Link);
         // A lane whose every call costs more than a layer's copies never gets work.

@@ -5,8 +5,8 @@
 //!   logits must be equal bit for bit, with a cache far smaller than the bank, with decode steps where every
 //!   expert hits, where every expert misses and where both mix, and with decode prefetch on and off.
 //! - Everything ferry allocates on the GPU stays under `--gpu-memory-budget`, measured with cuMemGetInfo.
-//! - With the CPU lane forced on (a share of every step's misses, or all of them), greedy tokens equal the
-//!   all-resident run's and logits agree to 1e-3 (the parity tests' tolerance): each lane product is the same f32
+//! - With the CPU lane forced on (a share of every step's misses, or all of them; one sequence or a batch of three;
+//!   bf16 or FP8 banks), greedy tokens equal the all-resident run's and logits agree to 1e-3 (the parity tests' tolerance): each lane product is the same f32
 //!   arithmetic as the GPU's with its dot products summed in another order (AVX-512 lanes against warp shuffles),
 //!   about 1e-7 relative per product, and moe_combine sums every row's experts in router order as before.
 

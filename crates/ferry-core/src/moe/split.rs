@@ -214,6 +214,17 @@ mod tests {
             .collect()
     }
 
+    /// A seeded generator of integers below its argument.
+    fn random(seed: u64) -> impl FnMut(u64) -> u64 {
+        let mut state = seed;
+        move |n| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) % n
+        }
+    }
+
     /// The best split found by trying every subset, for a handful of misses.
     fn brute_force(rates: LaneRates, misses: &[Miss], hits: usize) -> f64 {
         (0..1u32 << misses.len())
@@ -253,13 +264,7 @@ mod tests {
 
     #[test]
     fn balanced_split_is_optimal_against_every_subset() {
-        let mut state = 7u64;
-        let mut next = |n: u64| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (state >> 33) % n
-        };
+        let mut next = random(7);
         for _ in 0..200 {
             let n = 1 + next(10) as usize;
             let rows: Vec<usize> = (0..n).map(|_| 1 + next(12) as usize).collect();
@@ -332,13 +337,7 @@ mod tests {
     /// use to the CPU and streams the rest; its predicted prefill of 48 such layers is what TTFT's MoE part costs.
     #[test]
     fn a_short_prompt_sends_its_rarely_used_experts_to_the_cpu() {
-        let mut state = 13u64;
-        let mut next = |n: u64| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (state >> 33) % n
-        };
+        let mut next = random(13);
         let mut routed: Vec<u32> = Vec::new();
         for _ in 0..75 {
             let mut token: Vec<u32> = Vec::new();
