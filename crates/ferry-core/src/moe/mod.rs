@@ -20,7 +20,7 @@ pub use floors::LayerFloors;
 pub use lrfu::Lrfu;
 pub use policy::{Access, Belady, EvictionPolicy, ExpertKey, Lru};
 pub use prefill::PrefillAware;
-pub use split::{plan_split, rows_per_expert, LaneRates, Miss, Split, SplitRule};
+pub use split::{fit_cpu_lane, plan_split, rows_per_expert, CpuLaneCost, LanePoint, LaneRates, Miss, Split, SplitRule};
 pub use stats::OffloadStats;
 pub use tap::{RoutingTap, TraceRecorder, TraceReplayer};
 pub use trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};

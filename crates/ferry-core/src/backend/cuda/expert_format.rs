@@ -35,7 +35,7 @@ fn scale_block(t: &TensorRef) -> Result<[usize; 2]> {
 }
 
 /// Scales of a `[rows, cols]` matrix in `block`-sized blocks.
-fn grid(rows: usize, cols: usize, block: [usize; 2]) -> usize {
+pub(super) fn grid(rows: usize, cols: usize, block: [usize; 2]) -> usize {
     rows.div_ceil(block[0]) * cols.div_ceil(block[1])
 }
 
@@ -82,7 +82,7 @@ impl ExpertFormat {
     }
 
     /// Where an FP8 block's scales start: after the three matrices' bytes, at a multiple of 16.
-    fn scales_at(inter: usize, hidden: usize) -> usize {
+    pub(super) fn scales_at(inter: usize, hidden: usize) -> usize {
         (3 * inter * hidden).next_multiple_of(16)
     }
 

@@ -10,7 +10,8 @@
 //! context.rs (opening the GPU, the kernel table), launch.rs (typed kernel launches), memory.rs (buffers and
 //! copies), linear.rs (GEMV and cuBLAS products), elementwise.rs, attention.rs, mla.rs (multi-head latent
 //! attention), gdn.rs (Gated DeltaNet), moe.rs
-//! (routing and the expert kernels), kv.rs (the paged KV cache), offload.rs and bank.rs (expert offload).
+//! (routing and the expert kernels), kv.rs (the paged KV cache), offload.rs and bank.rs (expert offload),
+//! offload_lane.rs (its CPU lane), lane_ceilings.rs (the lanes' rates measured).
 
 mod attention;
 mod bank;
@@ -20,6 +21,7 @@ mod elementwise;
 mod expert_format;
 mod gdn;
 mod kv;
+mod lane_ceilings;
 mod launch;
 mod libs;
 mod linear;
@@ -27,6 +29,7 @@ mod memory;
 mod mla;
 mod moe;
 mod offload;
+mod offload_lane;
 pub mod workspace;
 
 use std::collections::HashMap;
@@ -43,10 +46,11 @@ use crate::kv::{KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::moe::OffloadStats;
 use crate::{Error, Result};
-pub use ceilings::{GpuCeilings, LaneCeilings};
+pub use ceilings::GpuCeilings;
 use context::{blas_err, cuda_err};
 pub use ferry_kernels::constants::GEMV_MAX_ROWS;
 pub use kv::{DeviceBatch, DeviceKv};
+pub use lane_ceilings::LaneCeilings;
 use launch::{ptr, Ptr};
 pub use libs::CudaLibraries;
 pub use offload::{CudaBackendBuilder, OffloadConfig};

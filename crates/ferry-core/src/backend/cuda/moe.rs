@@ -639,9 +639,10 @@ fn launch_combine(
 }
 
 /// The MoE block under offload when the CPU lane takes some of this layer's misses (`copies.host`): the lane
-/// computes their pairs from the bank while this thread queues the GPU's share (every decode pair, or the first
-/// row group of a larger batch), then the lane's products are uploaded and moe_combine sums each row's pairs in
-/// router order, each from wherever it was computed. Each product differs from the GPU's only in the order of its
+/// starts on their pairs from the bank and this thread queues the GPU's share (every decode pair, or the first
+/// row group of a larger batch), then the stream's wait for the lane and the products' upload, then moe_combine,
+/// which sums each row's pairs in router order, each from wherever it was computed. The host does not wait for
+/// the lane here: it goes on queuing the rest of the layer and the next while the lane and the GPU compute. Each product differs from the GPU's only in the order of its
 /// dot products' additions (f32 on both sides); the sum over a row's experts is the same expression in the same
 /// order.
 #[allow(clippy::too_many_arguments)]
@@ -683,18 +684,11 @@ fn moe_with_host_lane(
     };
     let on_host = |pair: usize| index[pair] >= 0;
     let out = cuda.tensor(routing.rows, hidden)?;
+    offload.start_on_host(layer, (x.rows, hidden), inter, &copies.host, host_pairs)?;
     if x.rows <= MOE_DECODE_MAX_ROWS {
-        let queued = offload.compute_on_host(
-            &cuda.stream,
-            layer,
-            (x.rows, hidden),
-            inter,
-            &copies.host,
-            &host_pairs,
-            &host.products,
-            || decode_products(cuda, x, routing, table, copies, hidden, inter, format),
-        )?;
-        launch_combine(cuda, &queued?, routing, 0..routing.rows, Some(&host), &out)?;
+        let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format)?;
+        offload.queue_host_products(&cuda.stream, &host.products)?;
+        launch_combine(cuda, &y, routing, 0..routing.rows, Some(&host), &out)?;
         return Ok(out);
     }
     cuda.stream
@@ -712,16 +706,8 @@ fn moe_with_host_lane(
         .collect();
     let products =
         |group: &ExpertGroup| group_products(cuda, x, routing, &copies.ids, &copies.addresses, group, &on_host);
-    let first = offload.compute_on_host(
-        &cuda.stream,
-        layer,
-        (x.rows, hidden),
-        inter,
-        &copies.host,
-        &host_pairs,
-        &host.products,
-        || products(&groups[0]),
-    )??;
+    let first = products(&groups[0])?;
+    offload.queue_host_products(&cuda.stream, &host.products)?;
     launch_combine(cuda, &first, routing, 0..groups[0].rows, Some(&host), &out)?;
     drop(first);
     for group in &groups[1..] {

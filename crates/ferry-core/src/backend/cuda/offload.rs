@@ -15,24 +15,24 @@
 //! copied when that layer routes are dropped.
 //!
 //! The CPU lane. With a [`SplitRule`] other than `Link`, the misses of each step are split ([`plan_split`]): the
-//! link's share is copied as above, the host's is computed by the CPU lane ([`HostLane`]) straight from the bank
-//! while the GPU runs the rest. The layer's input rows come to the host with the routed ids (the same wait), the
-//! lane's products go back on the compute stream and moe_combine sums them in router order with the GPU's.
+//! link's share is copied as above, the host's is computed by the CPU lane (offload_lane.rs) straight from the
+//! bank, bf16 or FP8, while the GPU runs the rest. The layer's input rows come to the host with the routed ids
+//! (the same wait); the compute stream waits for the lane only before the products' upload and moe_combine, which
+//! sums them in router order with the GPU's. A step whose split gives the lane nothing runs as offload's does.
 //!
 //! The offload is part of the backend from its construction ([`CudaBackend::builder`]), with the eviction policy
 //! and the split rule its caller chose.
 
 use std::sync::{Arc, Mutex};
-
 use std::time::Instant;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use super::bank::HostBank;
+use super::expert_format::ExpertFormat;
+use super::offload_lane::OffloadLane;
 use super::{cuda_err, CudaBackend, CudaRouting, CudaTensor};
-use crate::backend::cpu::gemv::WeightDType;
-use crate::backend::cpu::lane::{HostLane, LaneExpert, LaneWork};
-use crate::backend::{ExpertActivation, ExpertTensors, SeqSlice};
+use crate::backend::{ExpertTensors, SeqSlice};
 use crate::moe::{plan_split, rows_per_expert, EvictionPolicy, ExpertCache, OffloadStats, Plan, SplitRule};
 use crate::{Error, Result};
 
@@ -75,8 +75,8 @@ impl CudaBackendBuilder {
     }
 
     /// [`CudaBackend::measure_lanes`] on the opened GPU, before a split rule is chosen.
-    pub fn measure_lanes(&self, experts: usize, copy_bytes: usize) -> Result<super::LaneCeilings> {
-        self.backend.measure_lanes(experts, copy_bytes)
+    pub fn measure_lanes(&self, experts: usize, rounds: usize) -> Result<super::LaneCeilings> {
+        self.backend.measure_lanes(experts, rounds)
     }
 
     /// Keeps the routed experts of the models the backend loads in a host bank, cached on the GPU as `config` says.
@@ -110,6 +110,7 @@ const PREFETCH_SHARE: (usize, usize) = (7, 8);
 /// mirror the table is uploaded from).
 struct OffloadLayer {
     bank_blocks: Vec<usize>,
+    format: ExpertFormat,
     table_host: PinnedHostSlice<u64>,
 }
 
@@ -150,6 +151,9 @@ struct NextLayerGuess {
 }
 
 pub struct Offload {
+    /// The CPU lane when the split rule may give it any miss. First, so that it is dropped (its thread joined)
+    /// before the bank it reads.
+    lane: Option<OffloadLane>,
     ctx: Arc<CudaContext>,
     copy_stream: Arc<CudaStream>,
     slots: usize,
@@ -170,12 +174,8 @@ pub struct Offload {
     /// Per row of the batch being run, whether it is a prefill chunk's (a slice of more than one token): what the
     /// cache tells its policy of each expert's use.
     prefill_rows: Vec<bool>,
-    /// Who computes the misses, and the CPU lane when it may take any.
+    /// Who computes the misses.
     split: SplitRule,
-    lane: Option<HostLane>,
-    /// The layer's input rows, read with its routed ids when the lane is on, and the lane's products.
-    rows_host: Option<PinnedHostSlice<f32>>,
-    products_host: Option<PinnedHostSlice<f32>>,
     /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time).
     link_timing: Option<(CudaEvent, CudaEvent)>,
 }
@@ -184,7 +184,7 @@ impl Offload {
     fn new(ctx: Arc<CudaContext>, config: OffloadConfig, split: SplitRule) -> Result<Self> {
         let lane = match split {
             SplitRule::Link => None,
-            _ => Some(HostLane::new(HostLane::default_threads())?),
+            _ => Some(OffloadLane::new()?),
         };
         let slots = u32::try_from(config.slots)
             .map_err(|_| Error::Cuda(format!("{} expert cache slots are too many", config.slots)))?;
@@ -205,8 +205,6 @@ impl Offload {
             prefill_rows: Vec::new(),
             split,
             lane,
-            rows_host: None,
-            products_host: None,
             link_timing: None,
         })
     }
@@ -226,13 +224,7 @@ impl Offload {
     /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
     /// returns the layer's index.
     pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors]) -> Result<usize> {
-        let format = super::expert_format::ExpertFormat::of(experts)?;
-        // The lane reads a bank block as three bf16 matrices (compute_on_host); an FP8 block has another layout.
-        if self.lane.is_some() && format != super::expert_format::ExpertFormat::Bf16 {
-            return Err(Error::Config(
-                "the CPU lane computes bf16 experts only so far: use --moe-strategy offload with FP8 experts".into(),
-            ));
-        }
+        let format = ExpertFormat::of(experts)?;
         let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1]);
         if self.slab.is_none() {
             if self.slots < experts.len() {
@@ -262,6 +254,7 @@ impl Offload {
         table_host.as_mut_slice().map_err(cuda_err("slot table"))?.fill(0);
         self.layers.push(OffloadLayer {
             bank_blocks,
+            format,
             table_host,
         });
         Ok(self.layers.len() - 1)
@@ -329,22 +322,9 @@ impl Offload {
         rows: Option<&CudaTensor>,
     ) -> Result<Vec<i32>> {
         let len: usize = routings.iter().map(|r| r.rows * r.top_k).sum();
-        if let Some(x) = rows {
+        if let (Some(x), Some(lane)) = (rows, self.lane.as_mut()) {
             // The layer's input is complete before its router ran, so it arrives with the ids.
-            let values = x.rows * x.cols;
-            if self.rows_host.as_ref().is_none_or(|h| h.len() < values) {
-                self.rows_host = Some(
-                    unsafe { self.ctx.alloc_pinned_with_flags::<f32>(values.next_power_of_two(), 0) }
-                        .map_err(cuda_err("pinning the lane's rows"))?,
-                );
-            }
-            let Some(host) = self.rows_host.as_mut() else {
-                return Err(Error::Cuda("no buffer for the lane's rows".into()));
-            };
-            let dst = &mut host.as_mut_slice().map_err(cuda_err("lane rows"))?[..values];
-            let src = x.data.device_ptr(compute).0;
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, compute.cu_stream()) }
-                .map_err(cuda_err("the lane's rows to the host"))?;
+            lane.read_rows(&self.ctx, compute, x)?;
         }
         if self.routed_host.as_ref().is_none_or(|h| h.len() < len) {
             self.routed_host = Some(
@@ -450,6 +430,13 @@ impl Offload {
         let rows = self.lane.is_some().then_some(x);
         let all_ids = self.read_ids(compute, &routings, rows)?;
         self.read_link_timing()?;
+        // The last layer's lane job is done: the stream passed its host function before this router.
+        if let Some(done) = self.lane.as_mut().map(OffloadLane::collect).transpose()?.flatten() {
+            self.counters.host_experts += done.experts as u64;
+            self.counters.host_pairs += done.pairs as u64;
+            self.counters.host_bytes += done.bytes as u64;
+            self.counters.host_ns += done.busy.as_nanos() as u64;
+        }
         let ids: Vec<u32> = all_ids[..routed].iter().map(|&e| e as u32).collect();
         // Rows of a batch that was not started here (an op called on its own) all count as decode rows.
         let prefill_rows = if self.prefill_rows.len() == routing.rows {
@@ -509,9 +496,11 @@ impl Offload {
         // A batch that routes to nearly all of this layer's experts (a prefill chunk) will route to nearly all of
         // the next layer's: copy those now, behind this layer's copies and while this layer computes, instead of
         // after the next router. The next layer's kernels wait for them (its `resident_ready`). Only this layer's
-        // experts are still read by a kernel (every earlier one has finished), and the prefetch spares them. Not
-        // with the CPU lane: the next layer's experts that few rows use are the lane's, not the link's.
-        if let (Some(next), None) = (self.layers.get(layer + 1), &self.lane) {
+        // experts are still read by a kernel (every earlier one has finished), and the prefetch spares them. Only
+        // where this step's split gave the CPU lane nothing (the next layer's experts that few rows use would be
+        // the lane's), and never when no expert may cross the link.
+        let link_alone = plan.elsewhere.is_empty() && self.split != SplitRule::Cpu;
+        if let (Some(next), true) = (self.layers.get(layer + 1), link_alone) {
             let next_experts = next.bank_blocks.len();
             if routed_experts.len() * PREFETCH_SHARE.1 >= layer_experts * PREFETCH_SHARE.0
                 && routed_experts.len() + next_experts <= self.slots
@@ -565,84 +554,42 @@ impl Offload {
         Ok(())
     }
 
-    /// Computes the `pairs` (row of the layer's input, index into `experts`) of `layer`'s host experts on the CPU
-    /// lane while the calling thread runs `during` (which queues the GPU's share), then queues the products' upload
-    /// into `products` (`[pairs, hidden]`) on `compute`. Returns what `during` returned.
-    #[allow(clippy::too_many_arguments)]
-    pub fn compute_on_host<R>(
+    /// Starts the CPU lane on `pairs` (row of the layer's input, index into `experts`) of `layer`'s host
+    /// `experts` and returns at once; [`Offload::queue_host_products`] queues the stream's wait for it.
+    pub fn start_on_host(
         &mut self,
-        compute: &Arc<CudaStream>,
         layer: usize,
         x_shape: (usize, usize),
         inter: usize,
         experts: &[u32],
-        pairs: &[(u32, u32)],
-        products: &CudaTensor,
-        during: impl FnOnce() -> R,
-    ) -> Result<R> {
-        let (rows, hidden) = x_shape;
-        let values = pairs.len() * hidden;
-        if self.products_host.as_ref().is_none_or(|h| h.len() < values) {
-            self.products_host = Some(
-                unsafe { self.ctx.alloc_pinned_with_flags::<f32>(values.next_power_of_two(), 0) }
-                    .map_err(cuda_err("pinning the lane's products"))?,
-            );
-        }
-        let (Some(lane), Some(bank), Some(rows_host), Some(products_host)) = (
-            self.lane.as_mut(),
-            self.bank.as_ref(),
-            self.rows_host.as_ref(),
-            self.products_host.as_mut(),
-        ) else {
-            return Err(Error::Cuda(
-                "the CPU lane has no buffers (no lane, or no layer loaded)".into(),
-            ));
+        pairs: Vec<(u32, u32)>,
+    ) -> Result<()> {
+        let (Some(lane), Some(bank)) = (self.lane.as_mut(), self.bank.as_ref()) else {
+            return Err(Error::Cuda("the CPU lane is off, or no layer is loaded".into()));
         };
-        let blocks = &self
+        let layer_state = self
             .layers
             .get(layer)
-            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?
-            .bank_blocks;
-        // An expert's block: gate, up, down, each inter * hidden bf16 values.
-        let matrix = inter * hidden * 2;
-        let lane_experts = experts
+            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
+        let blocks = experts
             .iter()
             .map(|&e| {
-                let block = blocks
+                let block = layer_state
+                    .bank_blocks
                     .get(e as usize)
                     .ok_or_else(|| Error::Cuda(format!("no expert {e} in MoE layer {layer}")))?;
-                let bytes = bank.block(*block)?;
-                Ok(LaneExpert {
-                    gate: &bytes[..matrix],
-                    up: &bytes[matrix..2 * matrix],
-                    down: &bytes[2 * matrix..3 * matrix],
-                    dtype: WeightDType::BF16,
-                    gate_bias: None,
-                    up_bias: None,
-                    down_bias: None,
-                })
+                bank.block(*block)
             })
             .collect::<Result<Vec<_>>>()?;
-        let work = LaneWork {
-            x: &rows_host.as_slice().map_err(cuda_err("lane rows"))?[..rows * hidden],
-            hidden,
-            inter,
-            activation: ExpertActivation::SiluGlu,
-            experts: &lane_experts,
-            pairs,
-        };
-        let out = &mut products_host.as_mut_slice().map_err(cuda_err("lane products"))?[..values];
-        let (result, busy) = lane.compute(&work, out, during)?;
-        self.counters.host_experts += experts.len() as u64;
-        self.counters.host_pairs += pairs.len() as u64;
-        self.counters.host_bytes += (experts.len() * bank.block_bytes()) as u64;
-        self.counters.host_ns += busy.as_nanos() as u64;
-        // On the compute stream, ahead of the combine. The pinned buffer is next written by a later layer's lane,
-        // after the host has waited for that layer's router, so this upload is done by then.
-        let dst = products.data.device_ptr(compute).0;
-        unsafe { cudarc::driver::result::memcpy_htod_async(dst, &*out, compute.cu_stream()) }
-            .map_err(cuda_err("the lane's products to the GPU"))?;
-        Ok(result)
+        lane.start(&self.ctx, x_shape, inter, &blocks, layer_state.format, pairs)
+    }
+
+    /// Queues on `compute` the wait for the lane's job and the upload of its products into `products`.
+    pub fn queue_host_products(&mut self, compute: &Arc<CudaStream>, products: &CudaTensor) -> Result<()> {
+        self.lane
+            .as_mut()
+            .ok_or_else(|| Error::Cuda("the CPU lane is off".into()))?
+            .queue_products(compute, products)
     }
 
     /// Keeps the guessed experts of `layer` (`ids`, as read) to copy while the host waits for that layer's router:

@@ -2,13 +2,13 @@
 //! pinned bank, read in place), on a persistent pool of pinned threads, while the calling thread drives the GPU.
 //! f32 activations and accumulation through the CPU backend's GEMV kernels ([`matmul_serial`]) and the same
 //! activation and bias arithmetic as `cpu/moe.rs`, so each (row, expert) product equals the CPU backend's to the
-//! bit. What it returns is each pair's unweighted product; the caller weights and sums them in router order (on
+//! bit, for bf16 experts and for FP8 ones (E4M3 with block scales, read in place like the bf16 ones). What it returns is each pair's unweighted product; the caller weights and sums them in router order (on
 //! the GPU, moe_combine does). Not for the CPU backend's own MoE layers, which rayon runs.
 //!
 //! A job runs in three phases over all its experts, every worker taking items from a shared counter and waiting
 //! at the end of each phase for the others: gather each expert's rows of `x`; gate and up in chunks of output rows
-//! (each chunk a multiple of 16 rows, so the kernels meet the same 4-row blocks as over the whole matrix), with
-//! the activation; down in chunks of output features. An expert used by one row is read once, spread over every
+//! (each chunk a multiple of 16 rows, so the kernels meet the same 4-row blocks as over the whole matrix, and of
+//! an FP8 matrix's scale block rows, so each chunk reads whole rows of the scale grid), with the activation; down in chunks of output features. An expert used by one row is read once, spread over every
 //! thread; one used by many rows is read once too, each chunk serving all its rows.
 
 mod pool;
@@ -18,7 +18,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use super::gemv::{matmul_serial, WeightDType};
+use super::gemv::{matmul_serial, BlockScales, WeightDType, WeightEncoding};
 use super::{sigmoid, silu};
 use crate::backend::ExpertActivation;
 use crate::{Error, Result};
@@ -33,13 +33,14 @@ const ITEM_ROWS_MULTIPLE: usize = 16;
 const MAX_JOB_PAIRS: usize = 4096;
 
 /// One expert's weights as the lane reads them, in place: `gate` and `up` `[inter, hidden]`, `down` `[hidden,
-/// inter]`, all in `dtype`, and optional f32 biases.
+/// inter]`, all in `dtype` (FP8 with each matrix's scales, gate's, up's and down's), and optional f32 biases.
 #[derive(Clone, Copy)]
 pub struct LaneExpert<'a> {
     pub gate: &'a [u8],
     pub up: &'a [u8],
     pub down: &'a [u8],
     pub dtype: WeightDType,
+    pub scales: Option<[BlockScales<'a>; 3]>,
     pub gate_bias: Option<&'a [f32]>,
     pub up_bias: Option<&'a [f32]>,
     pub down_bias: Option<&'a [f32]>,
@@ -198,9 +199,17 @@ impl Layout {
             self.filled[e as usize] += 1;
         }
         self.groups.retain(|g| g.rows > 0);
-        let row_bytes = |k: usize| k * work.experts.first().map_or(2, |e| e.dtype.size_bytes());
-        let chunk = |rows_of_k: usize| (ITEM_BYTES / rows_of_k).next_multiple_of(ITEM_ROWS_MULTIPLE);
-        let (gate_up_chunk, down_chunk) = (chunk(2 * row_bytes(hidden)), chunk(row_bytes(inter)));
+        let first = work.experts.first();
+        let row_bytes = |k: usize| k * first.map_or(2, |e| e.dtype.size_bytes());
+        // Chunks start on whole rows of the scale grid (every expert of a layer is stored alike).
+        let scale_rows = |m: usize| first.and_then(|e| e.scales).map_or(1, |s| s[m].block_rows);
+        let chunk = |rows_of_k: usize, scale_rows: usize| {
+            (ITEM_BYTES / rows_of_k).next_multiple_of(lcm(ITEM_ROWS_MULTIPLE, scale_rows))
+        };
+        let (gate_up_chunk, down_chunk) = (
+            chunk(2 * row_bytes(hidden), lcm(scale_rows(0), scale_rows(1))),
+            chunk(row_bytes(inter), scale_rows(2)),
+        );
         for (items, chunk, len) in [
             (&mut self.gate_up_items, gate_up_chunk, inter),
             (&mut self.down_items, down_chunk, hidden),
@@ -276,8 +285,10 @@ impl Layout {
         // SAFETY: items of one group cover disjoint row ranges, so their scratch parts are disjoint.
         let scratch = unsafe { buffers[1].slice(scratch_at..scratch_at + 2 * rows * n) };
         let (gate, up) = scratch.split_at_mut(rows * n);
-        matmul_serial(x, rows, hidden, &e.gate[a * row_bytes..b * row_bytes], e.dtype, n, gate);
-        matmul_serial(x, rows, hidden, &e.up[a * row_bytes..b * row_bytes], e.dtype, n, up);
+        let gate_w = &e.gate[a * row_bytes..b * row_bytes];
+        matmul_serial(x, rows, hidden, gate_w, encoding(e, 0, a..b, hidden), n, gate);
+        let up_w = &e.up[a * row_bytes..b * row_bytes];
+        matmul_serial(x, rows, hidden, up_w, encoding(e, 1, a..b, hidden), n, up);
         for (values, bias) in [(&mut *gate, e.gate_bias), (&mut *up, e.up_bias)] {
             add_bias(values, bias.map(|bias| &bias[a..b]));
         }
@@ -309,7 +320,7 @@ impl Layout {
             rows,
             inter,
             &e.down[a * row_bytes..b * row_bytes],
-            e.dtype,
+            encoding(e, 2, a..b, inter),
             n,
             scratch,
         );
@@ -321,6 +332,31 @@ impl Layout {
             dst.copy_from_slice(&scratch[t * n..(t + 1) * n]);
         }
     }
+}
+
+/// How rows `rows` of matrix `m` (gate, up, down) of `e`, each of `k` columns, are stored: for FP8 the scale grid's
+/// rows that cover them (`rows.start` is a multiple of the scale blocks' rows, as the chunks are).
+fn encoding<'a>(e: &LaneExpert<'a>, m: usize, rows: Range<usize>, k: usize) -> WeightEncoding<'a> {
+    let scales = e.scales.map(|all| {
+        let s = all[m];
+        let per_row = 4 * k.div_ceil(s.block_cols);
+        let grid_rows = rows.start / s.block_rows..rows.end.div_ceil(s.block_rows);
+        BlockScales {
+            bytes: &s.bytes[grid_rows.start * per_row..grid_rows.end * per_row],
+            ..s
+        }
+    });
+    WeightEncoding { dtype: e.dtype, scales }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
 }
 
 /// `values` (rows of `bias.len()` features) plus `bias` in every row, as `cpu/moe.rs`'s `with_bias` adds it.
@@ -368,6 +404,7 @@ fn check(work: &LaneWork<'_>, out: &[f32]) -> Result<()> {
             work.experts.len()
         ));
     }
+    let first = work.experts.first();
     for e in work.experts {
         let size = e.dtype.size_bytes();
         let matrices = [e.gate.len(), e.up.len(), e.down.len()] == [inter * hidden * size; 3];
@@ -377,6 +414,27 @@ fn check(work: &LaneWork<'_>, out: &[f32]) -> Result<()> {
         if !matrices || !biases {
             return fail(format!(
                 "an expert that is not [{inter}, {hidden}] x 2 + [{hidden}, {inter}] with biases to match"
+            ));
+        }
+        let blocks = |e: &LaneExpert| e.scales.map(|s| s.map(|s| (s.block_rows, s.block_cols)));
+        let scales = match e.scales {
+            None => e.dtype != WeightDType::F8E4M3,
+            Some(s) => {
+                e.dtype == WeightDType::F8E4M3
+                    && blocks(e) == first.and_then(blocks)
+                    && s.iter()
+                        .zip([(inter, hidden), (inter, hidden), (hidden, inter)])
+                        .all(|(s, (n, k))| {
+                            s.block_rows > 0
+                                && s.block_cols > 0
+                                && s.bytes.len() == 4 * n.div_ceil(s.block_rows) * k.div_ceil(s.block_cols)
+                        })
+            }
+        };
+        if !scales || e.dtype != first.map_or(e.dtype, |f| f.dtype) {
+            return fail(format!(
+                "an expert stored unlike the first, or FP8 without its [{inter}, {hidden}] and [{hidden}, {inter}] \
+                 scale grids"
             ));
         }
     }

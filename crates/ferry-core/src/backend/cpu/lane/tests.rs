@@ -1,11 +1,12 @@
 //! The CPU lane against the CPU backend's `moe_experts`: the same kernels over the same rows in the same order, so
-//! each pair's product, weighted and summed in router order, must equal the backend's output to the bit.
+//! each pair's product, weighted and summed in router order, must equal the backend's output to the bit, for bf16
+//! and for FP8 experts.
 
 use super::*;
 use crate::backend::cpu::moe::{CpuExperts, Routing};
 use crate::backend::cpu::CpuTensor;
 use crate::backend::ExpertTensors;
-use crate::loader::{DType, TensorRef};
+use crate::loader::{quantize_fp8, DType, Fp8Scheme, TensorRef};
 
 struct Random(u64);
 
@@ -75,7 +76,20 @@ fn lane_forward(
             gate: e.gate.bytes(),
             up: e.up.bytes(),
             down: e.down.bytes(),
-            dtype: WeightDType::BF16,
+            dtype: match e.gate.dtype {
+                DType::F8E4M3 => WeightDType::F8E4M3,
+                _ => WeightDType::BF16,
+            },
+            scales: e.gate.scales().map(|_| {
+                [&e.gate, &e.up, &e.down].map(|t| {
+                    let s = t.scales().unwrap();
+                    BlockScales {
+                        bytes: s.values.bytes(),
+                        block_rows: s.block[0],
+                        block_cols: s.block[1],
+                    }
+                })
+            }),
             gate_bias: g.as_deref(),
             up_bias: u.as_deref(),
             down_bias: d.as_deref(),
@@ -190,6 +204,7 @@ fn lane_spreads_large_experts_over_items_and_refuses_bad_shapes() {
         up: e.up.bytes(),
         down: &e.down.bytes()[2..],
         dtype: WeightDType::BF16,
+        scales: None,
         gate_bias: None,
         up_bias: None,
         down_bias: None,
@@ -216,4 +231,105 @@ fn lane_spreads_large_experts_over_items_and_refuses_bad_shapes() {
         matches!(lane.compute(&work, &mut out, || ()), Err(Error::Shape(_))),
         "a row past x"
     );
+}
+
+#[test]
+fn lane_over_fp8_experts_matches_the_cpu_backend_to_the_bit_in_blocks_and_per_channel() {
+    let mut random = Random(11);
+    // Gate/up and down each split into several items, whose rows must start on the scale grid's rows: 256 KiB
+    // over 2 x 512 one-byte rows is 256 rows of gate/up, 288 with 96-row scale blocks (4 items); 227 rows of down,
+    // 288 again (2 items, the last scale block of down partial); per channel 256 and 240.
+    let (hidden, inter, n_experts, top_k) = (512, 1152, 4, 2);
+    let bf16 = experts(&mut random, n_experts, hidden, inter, false);
+    let mut lane = HostLane::new(3).unwrap();
+    for scheme in [Fp8Scheme::Blocks { rows: 96, cols: 64 }, Fp8Scheme::PerChannel] {
+        let fp8: Vec<ExpertTensors> = bf16
+            .iter()
+            .map(|e| {
+                ExpertTensors::unbiased(
+                    quantize_fp8(&e.gate, scheme).unwrap(),
+                    quantize_fp8(&e.up, scheme).unwrap(),
+                    quantize_fp8(&e.down, scheme).unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(fp8[0].gate.dtype, DType::F8E4M3);
+        let cpu = CpuExperts::new(fp8.clone(), ExpertActivation::SiluGlu).unwrap();
+        for rows in [1, 3, 8] {
+            let x = CpuTensor {
+                data: random.values(rows * hidden),
+                rows,
+                cols: hidden,
+            };
+            let ids: Vec<u32> = (0..rows * top_k)
+                .map(|p| ((p / top_k + p % top_k) % n_experts) as u32)
+                .collect();
+            let routing = Routing {
+                top_k,
+                weights: random.values(ids.len()),
+                ids,
+            };
+            let want = cpu.forward(&x, &routing).unwrap();
+            let got = lane_forward(&mut lane, &fp8, ExpertActivation::SiluGlu, &x, &routing);
+            assert!(
+                got.iter().zip(&want.data).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{scheme:?}, {rows} rows: the lane differs from the CPU backend"
+            );
+        }
+    }
+    // FP8 weights without their scales, or with a grid of the wrong size, are refused.
+    let e = {
+        let e = &bf16[0];
+        [&e.gate, &e.up, &e.down].map(|t| quantize_fp8(t, Fp8Scheme::BLOCK_128).unwrap())
+    };
+    let scales = e.each_ref().map(|t| {
+        let s = t.scales().unwrap();
+        BlockScales {
+            bytes: s.values.bytes(),
+            block_rows: s.block[0],
+            block_cols: s.block[1],
+        }
+    });
+    let expert = LaneExpert {
+        gate: e[0].bytes(),
+        up: e[1].bytes(),
+        down: e[2].bytes(),
+        dtype: WeightDType::F8E4M3,
+        scales: None,
+        gate_bias: None,
+        up_bias: None,
+        down_bias: None,
+    };
+    let x = random.values(hidden);
+    let mut out = vec![0.0; hidden];
+    let mut run = |expert: LaneExpert| {
+        let work = LaneWork {
+            x: &x,
+            hidden,
+            inter,
+            activation: ExpertActivation::SiluGlu,
+            experts: &[expert],
+            pairs: &[(0, 0)],
+        };
+        lane.compute(&work, &mut out, || ()).map(drop)
+    };
+    assert!(matches!(run(expert), Err(Error::Shape(_))), "FP8 without scales");
+    let short = [
+        scales[0],
+        BlockScales {
+            bytes: &scales[1].bytes[4..],
+            ..scales[1]
+        },
+        scales[2],
+    ];
+    let short = LaneExpert {
+        scales: Some(short),
+        ..expert
+    };
+    assert!(matches!(run(short), Err(Error::Shape(_))), "a scale grid too small");
+    run(LaneExpert {
+        scales: Some(scales),
+        ..expert
+    })
+    .unwrap();
 }

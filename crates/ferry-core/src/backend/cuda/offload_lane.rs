@@ -1,0 +1,374 @@
+//! The CPU lane under expert offload: a layer's host experts computed from the bank in place while the GPU runs
+//! everything else, waited for only where their products are summed. The lane ([`HostLane`]) lives on a thread of
+//! its own that takes one job at a time, so the thread driving the GPU never blocks inside a layer: it starts the
+//! job, queues the GPU's share, then queues on the compute stream a host function that returns once the job is
+//! done, the products' upload behind it and moe_combine behind that, and goes on to queue the rest of the layer and
+//! the next one's attention. The stream, not the host, waits for the lane, and only at the combine.
+//!
+//! The buffers the lane reads and writes (the layer's input rows, read with its routed ids, and the products) are
+//! pinned and stay where they are; a job's rows are next overwritten by the next MoE layer's download and its
+//! products by the next job, both queued or started after the stream has passed this job's host function. The
+//! bank's blocks are read in place, bf16 or FP8 (matrices, then the f32 scales; expert_format.rs), as the CPU
+//! backend reads the same experts.
+
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, PinnedHostSlice};
+
+use super::expert_format::{grid, ExpertFormat};
+use super::{cuda_err, CudaTensor};
+use crate::backend::cpu::gemv::{BlockScales, WeightDType};
+use crate::backend::cpu::lane::{HostLane, LaneExpert, LaneWork};
+use crate::backend::ExpertActivation;
+use crate::{Error, Result};
+
+/// What one job computed, for the offload's counters.
+pub(super) struct LaneDone {
+    pub experts: usize,
+    pub pairs: usize,
+    pub bytes: usize,
+    /// The lane's own time.
+    pub busy: Duration,
+}
+
+/// A borrowed slice sent to the lane's thread as its address: see [`OffloadLane::start`] for why it stays valid.
+struct Raw<T>(*const T, usize);
+
+// SAFETY: only the address crosses threads; who reads or writes through it, and when, is what
+// `OffloadLane::start` documents.
+unsafe impl<T> Send for Raw<T> {}
+
+impl<T> Raw<T> {
+    fn of(slice: &[T]) -> Self {
+        Raw(slice.as_ptr(), slice.len())
+    }
+}
+
+/// One layer's host experts, as the lane's thread receives them.
+struct LaneJob {
+    seq: u64,
+    rows: Raw<f32>,
+    products: Raw<f32>,
+    blocks: Vec<Raw<u8>>,
+    format: ExpertFormat,
+    hidden: usize,
+    inter: usize,
+    pairs: Vec<(u32, u32)>,
+}
+
+/// The last finished job's number and outcome; `u64::MAX` once the lane's thread has ended, so no one waits on it.
+struct Finished {
+    seq: u64,
+    result: Result<Duration>,
+}
+
+struct LaneSignal {
+    finished: Mutex<Finished>,
+    changed: Condvar,
+}
+
+impl LaneSignal {
+    fn finish(&self, seq: u64, result: Result<Duration>) {
+        let mut finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+        *finished = Finished { seq, result };
+        self.changed.notify_all();
+    }
+
+    /// Waits until job `seq` (or a later one) has finished; returns its outcome when it was the last.
+    fn wait_for(&self, seq: u64) -> Result<Duration> {
+        let mut finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+        while finished.seq < seq {
+            finished = self.changed.wait(finished).unwrap_or_else(|e| e.into_inner());
+        }
+        match &finished.result {
+            Ok(busy) => Ok(*busy),
+            Err(e) => Err(Error::Shape(format!("the CPU lane failed: {e}"))),
+        }
+    }
+}
+
+/// Ends the lane's thread's waiters however the thread ends.
+struct EndOnDrop(Arc<LaneSignal>);
+
+impl Drop for EndOnDrop {
+    fn drop(&mut self) {
+        self.0
+            .finish(u64::MAX, Err(Error::Shape("the CPU lane's thread has ended".into())));
+    }
+}
+
+/// A job that was started and not yet collected.
+struct Pending {
+    seq: u64,
+    experts: usize,
+    pairs: usize,
+    bytes: usize,
+}
+
+pub(super) struct OffloadLane {
+    jobs: Option<Sender<LaneJob>>,
+    thread: Option<JoinHandle<()>>,
+    signal: Arc<LaneSignal>,
+    pending: Option<Pending>,
+    next_seq: u64,
+    /// The layer's input rows, read with its routed ids, and the lane's products.
+    rows_host: Option<PinnedHostSlice<f32>>,
+    products_host: Option<PinnedHostSlice<f32>>,
+}
+
+impl OffloadLane {
+    /// Starts the lane's thread and its workers ([`HostLane::default_threads`]).
+    pub fn new() -> Result<Self> {
+        let lane = HostLane::new(HostLane::default_threads())?;
+        let signal = Arc::new(LaneSignal {
+            finished: Mutex::new(Finished {
+                seq: 0,
+                result: Ok(Duration::ZERO),
+            }),
+            changed: Condvar::new(),
+        });
+        let (jobs, received) = channel();
+        let ends = EndOnDrop(signal.clone());
+        let thread = std::thread::Builder::new()
+            .name("ferry-lane".into())
+            .spawn(move || run_jobs(lane, received, ends))
+            .map_err(|e| Error::Config(format!("starting the CPU lane's thread: {e}")))?;
+        Ok(OffloadLane {
+            jobs: Some(jobs),
+            thread: Some(thread),
+            signal,
+            pending: None,
+            next_seq: 1,
+            rows_host: None,
+            products_host: None,
+        })
+    }
+
+    /// Queues the download of the layer's input `x` on `compute`, ahead of the routed ids, into the rows buffer:
+    /// behind the last job's host function in stream order, so it lands after that job has read the rows.
+    pub fn read_rows(&mut self, ctx: &Arc<CudaContext>, compute: &Arc<CudaStream>, x: &CudaTensor) -> Result<()> {
+        let values = x.rows * x.cols;
+        if self.rows_host.as_ref().is_none_or(|h| h.len() < values) {
+            // The old buffer may still be read by a job: wait for it before letting it go.
+            self.finish_pending()?;
+            self.rows_host = Some(
+                unsafe { ctx.alloc_pinned_with_flags::<f32>(values.next_power_of_two(), 0) }
+                    .map_err(cuda_err("pinning the lane's rows"))?,
+            );
+        }
+        let Some(host) = self.rows_host.as_mut() else {
+            return Err(Error::Cuda("no buffer for the lane's rows".into()));
+        };
+        let dst = &mut host.as_mut_slice().map_err(cuda_err("lane rows"))?[..values];
+        let src = x.data.device_ptr(compute).0;
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, compute.cu_stream()) }
+            .map_err(cuda_err("the lane's rows to the host"))
+    }
+
+    /// The last job's outcome, once it is done (at once after the host has waited for a later router: the stream
+    /// passed its host function before), or `None` when no job is pending.
+    pub fn collect(&mut self) -> Result<Option<LaneDone>> {
+        let Some(pending) = self.pending.take() else {
+            return Ok(None);
+        };
+        let busy = self.signal.wait_for(pending.seq)?;
+        Ok(Some(LaneDone {
+            experts: pending.experts,
+            pairs: pending.pairs,
+            bytes: pending.bytes,
+            busy,
+        }))
+    }
+
+    fn finish_pending(&mut self) -> Result<()> {
+        self.collect().map(drop)
+    }
+
+    /// Starts computing `pairs` (row of the rows read last, index into `blocks`) of the bank `blocks` (each an
+    /// expert stored as `format`, `[inter, hidden]`) and returns at once.
+    ///
+    /// The lane's thread reads the rows buffer, the products buffer and the blocks through their addresses until
+    /// the job is done. That holds because: the blocks are the bank's, which is filled at load and dropped after
+    /// this lane (`Offload` declares its lane first); the rows are next written by a download queued on the
+    /// stream behind this job's host function ([`OffloadLane::queue_products`]), or after waiting for the job when
+    /// the buffer must grow; the products buffer is written only by the next job, started after this one is
+    /// collected, and read by the upload behind the host function; and dropping the lane waits for its thread.
+    pub fn start(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        (rows, hidden): (usize, usize),
+        inter: usize,
+        blocks: &[&[u8]],
+        format: ExpertFormat,
+        pairs: Vec<(u32, u32)>,
+    ) -> Result<()> {
+        self.finish_pending()?;
+        let values = pairs.len() * hidden;
+        if self.products_host.as_ref().is_none_or(|h| h.len() < values) {
+            self.products_host = Some(
+                unsafe { ctx.alloc_pinned_with_flags::<f32>(values.next_power_of_two(), 0) }
+                    .map_err(cuda_err("pinning the lane's products"))?,
+            );
+        }
+        let (Some(rows_host), Some(products_host), Some(jobs)) =
+            (self.rows_host.as_ref(), self.products_host.as_mut(), self.jobs.as_ref())
+        else {
+            return Err(Error::Cuda("the CPU lane has no rows read for this layer".into()));
+        };
+        let row_values = rows * hidden;
+        if rows_host.len() < row_values {
+            return Err(Error::Shape(format!(
+                "the CPU lane's {} row values are fewer than {rows} x {hidden}",
+                rows_host.len()
+            )));
+        }
+        let seq = self.next_seq;
+        let job = LaneJob {
+            seq,
+            rows: Raw::of(&rows_host.as_slice().map_err(cuda_err("lane rows"))?[..row_values]),
+            products: Raw::of(&products_host.as_mut_slice().map_err(cuda_err("lane products"))?[..values]),
+            blocks: blocks.iter().map(|b| Raw::of(b)).collect(),
+            format,
+            hidden,
+            inter,
+            pairs,
+        };
+        let (experts, pairs, bytes) = (blocks.len(), job.pairs.len(), blocks.iter().map(|b| b.len()).sum());
+        jobs.send(job)
+            .map_err(|_| Error::Cuda("the CPU lane's thread has ended".into()))?;
+        self.next_seq += 1;
+        self.pending = Some(Pending {
+            seq,
+            experts,
+            pairs,
+            bytes,
+        });
+        Ok(())
+    }
+
+    /// Queues on `compute` the wait for the started job (a host function that returns once it is done) and the
+    /// upload of its products into `products` (`[pairs, hidden]`) behind it. Everything queued on `compute`
+    /// before this runs while the lane computes.
+    pub fn queue_products(&mut self, compute: &Arc<CudaStream>, products: &CudaTensor) -> Result<()> {
+        let (Some(pending), Some(products_host)) = (self.pending.as_ref(), self.products_host.as_ref()) else {
+            return Err(Error::Cuda("no CPU lane job to wait for".into()));
+        };
+        let wait = Box::into_raw(Box::new((self.signal.clone(), pending.seq)));
+        // SAFETY: the callback makes no CUDA call and owns `wait` once queued; a failed launch leaves it ours.
+        let queued = unsafe {
+            cudarc::driver::result::stream::launch_host_function(compute.cu_stream(), wait_for_job, wait.cast())
+        };
+        if let Err(error) = queued {
+            // SAFETY: not handed to the driver.
+            drop(unsafe { Box::from_raw(wait) });
+            return Err(cuda_err("waiting for the CPU lane")(error));
+        }
+        let values = products.rows * products.cols;
+        let src = &products_host.as_slice().map_err(cuda_err("lane products"))?[..values];
+        let dst = products.data.device_ptr(compute).0;
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, compute.cu_stream()) }
+            .map_err(cuda_err("the lane's products to the GPU"))
+    }
+}
+
+impl Drop for OffloadLane {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread once it has run what it was sent.
+        self.jobs = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The stream's wait for a job: `data` is the `(signal, seq)` [`OffloadLane::queue_products`] boxed.
+unsafe extern "C" fn wait_for_job(data: *mut c_void) {
+    // SAFETY: the box was handed to this call alone.
+    let wait = unsafe { Box::from_raw(data.cast::<(Arc<LaneSignal>, u64)>()) };
+    // A failed job is reported by `collect`; the stream goes on either way.
+    let _ = wait.0.wait_for(wait.1);
+}
+
+/// The lane's thread: runs each job and reports it, until the channel closes.
+fn run_jobs(mut lane: HostLane, jobs: Receiver<LaneJob>, ends: EndOnDrop) {
+    for job in jobs {
+        let result = catch_unwind(AssertUnwindSafe(|| run_job(&mut lane, &job)))
+            .unwrap_or_else(|_| Err(Error::Shape("the CPU lane panicked".into())));
+        ends.0.finish(job.seq, result);
+    }
+}
+
+fn run_job(lane: &mut HostLane, job: &LaneJob) -> Result<Duration> {
+    // SAFETY: see `OffloadLane::start`: each address stays valid, and no one else writes what the job reads or
+    // touches the products, until the job is reported finished.
+    let rows = unsafe { std::slice::from_raw_parts(job.rows.0, job.rows.1) };
+    let products = unsafe { std::slice::from_raw_parts_mut(job.products.0.cast_mut(), job.products.1) };
+    let experts = job
+        .blocks
+        .iter()
+        .map(|b| {
+            lane_expert(
+                unsafe { std::slice::from_raw_parts(b.0, b.1) },
+                job.format,
+                job.inter,
+                job.hidden,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let work = LaneWork {
+        x: rows,
+        hidden: job.hidden,
+        inter: job.inter,
+        activation: ExpertActivation::SiluGlu,
+        experts: &experts,
+        pairs: &job.pairs,
+    };
+    Ok(lane.compute(&work, products, || ())?.1)
+}
+
+/// A bank block as the lane reads it: gate, up and down back to back, bf16, or FP8 followed by their scales.
+fn lane_expert(block: &[u8], format: ExpertFormat, inter: usize, hidden: usize) -> Result<LaneExpert<'_>> {
+    if block.len() < format.block_bytes(inter, hidden) {
+        return Err(Error::Shape(format!(
+            "a bank block of {} bytes for a {format:?} expert",
+            block.len()
+        )));
+    }
+    let (dtype, scales) = match format {
+        ExpertFormat::Bf16 => (WeightDType::BF16, None),
+        ExpertFormat::Fp8(blocks) => {
+            let grids = [
+                (inter, hidden, blocks.gate_up),
+                (inter, hidden, blocks.gate_up),
+                (hidden, inter, blocks.down),
+            ];
+            let mut at = ExpertFormat::scales_at(inter, hidden);
+            let scales = grids.map(|(n, k, [block_rows, block_cols])| {
+                let start = at;
+                at += 4 * grid(n, k, [block_rows, block_cols]);
+                BlockScales {
+                    bytes: &block[start..at],
+                    block_rows,
+                    block_cols,
+                }
+            });
+            (WeightDType::F8E4M3, Some(scales))
+        }
+    };
+    let matrix = inter * hidden * dtype.size_bytes();
+    Ok(LaneExpert {
+        gate: &block[..matrix],
+        up: &block[matrix..2 * matrix],
+        down: &block[2 * matrix..3 * matrix],
+        dtype,
+        scales,
+        gate_bias: None,
+        up_bias: None,
+        down_bias: None,
+    })
+}
