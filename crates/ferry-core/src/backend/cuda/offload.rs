@@ -225,15 +225,23 @@ impl Offload {
 
     /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
     /// returns the layer's index.
-    pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors]) -> Result<usize> {
+    pub fn add_layer(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        experts: &[ExpertTensors],
+        glu: super::expert_format::ExpertGlu,
+    ) -> Result<usize> {
         let format = super::expert_format::ExpertFormat::of(experts)?;
-        // The lane reads a bank block as three bf16 matrices (compute_on_host); an FP8 block has another layout.
-        if self.lane.is_some() && format != super::expert_format::ExpertFormat::Bf16 {
+        // The lane reads a bank block as three bf16 matrices (compute_on_host) and computes silu(gate) * up without
+        // biases; FP8 and MXFP4 blocks have other layouts, gpt-oss's experts other arithmetic.
+        if self.lane.is_some() && (format != super::expert_format::ExpertFormat::Bf16 || !glu.is_plain()) {
             return Err(Error::Config(
-                "the CPU lane computes bf16 experts only so far: use --moe-strategy offload with FP8 experts".into(),
+                "the CPU lane computes unbiased SiLU bf16 experts only so far: use --moe-strategy offload with FP8, \
+                 MXFP4 or gpt-oss experts"
+                    .into(),
             ));
         }
-        let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1]);
+        let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1], glu.biased());
         if self.slab.is_none() {
             if self.slots < experts.len() {
                 return Err(Error::Cuda(format!(
