@@ -24,11 +24,16 @@ impl Rng {
         Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
     }
 
-    fn unit(&mut self) -> f32 {
+    /// 32 random bits.
+    fn next(&mut self) -> u32 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
-        ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as u32
+    }
+
+    fn unit(&mut self) -> f32 {
+        ((self.next() >> 8) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
     fn values(&mut self, n: usize, scale: f32) -> Vec<f32> {
@@ -43,6 +48,18 @@ impl Rng {
             .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
             .collect();
         TensorRef::from_bytes(name, DType::BF16, shape.to_vec(), bytes).unwrap()
+    }
+
+    /// A random `[rows, cols]` MXFP4 matrix packed as gpt-oss's loader packs it: every nibble value, scales from
+    /// 2^-7 to 2^-4 (weights up to 0.375, mostly about 0.03).
+    fn mxfp4(&mut self, name: &str, rows: usize, cols: usize) -> TensorRef {
+        let groups = cols / 32;
+        let values: Vec<u8> = (0..rows * groups * 16).map(|_| (self.next() >> 24) as u8).collect();
+        let scales: Vec<u8> = (0..rows * groups).map(|_| 120 + (self.next() >> 30) as u8).collect();
+        let blocks =
+            TensorRef::from_bytes(&format!("{name}_blocks"), DType::U8, vec![rows, groups, 16], values).unwrap();
+        let scales = TensorRef::from_bytes(&format!("{name}_scales"), DType::U8, vec![rows, groups], scales).unwrap();
+        TensorRef::mxfp4(name, &blocks, &scales, 0..rows).unwrap()
     }
 
     /// `count` unbiased experts of `hidden` inputs and `inter` features.
@@ -390,6 +407,19 @@ fn attention_over_paged_cache_prefill_then_decode() {
 /// The routed experts of one bank, routed by random logits for 1, 3 and 8 rows (the decode kernels), 40 rows (the
 /// grouped GEMM path) and, when `many`, more rows than one group of it, on both backends.
 fn check_routed_experts(p: &Pair, rng: &mut Rng, bank: &[ExpertTensors], top_k: usize, many: bool, what: &str) {
+    check_routed_experts_of(p, rng, bank, ExpertActivation::SiluGlu, top_k, many, what)
+}
+
+/// [`check_routed_experts`] with experts computing `activation`.
+fn check_routed_experts_of(
+    p: &Pair,
+    rng: &mut Rng,
+    bank: &[ExpertTensors],
+    activation: ExpertActivation,
+    top_k: usize,
+    many: bool,
+    what: &str,
+) {
     let (experts, inter, hidden) = (bank.len(), bank[0].gate.shape[0], bank[0].gate.shape[1]);
     for rows in [1, 3, 8, 40].into_iter().chain(many.then_some(MOE_GROUP_ROWS + 40)) {
         let x = rng.values(rows * hidden, 1.0);
@@ -404,7 +434,7 @@ fn check_routed_experts(p: &Pair, rng: &mut Rng, bank: &[ExpertTensors], top_k: 
                 ),
                 F32_LIMIT,
                 |be| {
-                    let set = be.experts(bank.to_vec(), ExpertActivation::SiluGlu).unwrap();
+                    let set = be.experts(bank.to_vec(), activation).unwrap();
                     let routing = be
                         .route(
                             &be.upload(&logits, rows, experts).unwrap(),
@@ -487,6 +517,55 @@ fn routed_fp8_experts() {
                 &format!("{scheme:?}"),
             );
         }
+    }
+}
+
+/// gpt-oss's experts (biases on gate, up and down; the clamped SwiGLU), in bf16 and in MXFP4, on the decode
+/// kernels and the grouped path (MXFP4 widened to bf16), against the CPU: gpt-oss's expert shape (2880 x 2880, top
+/// 4), the fixtures', and one whose rows hold a number of 32-value groups that is no multiple of 32 lanes (544 = 17
+/// groups, 96 = 3). Gate values reach past the clamp's limit: with weights of 0.1
+/// and 2880 inputs their spread is about 3, and the limit is set at 2.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn routed_gpt_oss_experts() {
+    let p = pair();
+    let mut rng = Rng::new(9);
+    let clamped = ExpertActivation::ClampedSwiGlu {
+        alpha: 1.702,
+        limit: 2.0,
+    };
+    for (experts, top_k, hidden, inter) in [(16, 4, 2880, 2880), (8, 2, 64, 32), (12, 4, 544, 96)] {
+        let biased = |rng: &mut Rng, e: usize, gate: TensorRef, up: TensorRef, down: TensorRef| ExpertTensors {
+            gate_bias: Some(rng.bf16(&format!("e{e}.gate_bias"), &[inter], 0.5)),
+            up_bias: Some(TensorRef::from_f32(&format!("e{e}.up_bias"), vec![inter], &rng.values(inter, 0.5)).unwrap()),
+            down_bias: Some(rng.bf16(&format!("e{e}.down_bias"), &[hidden], 0.5)),
+            ..ExpertTensors::unbiased(gate, up, down)
+        };
+        let bf16: Vec<ExpertTensors> = (0..experts)
+            .map(|e| {
+                let gate = rng.bf16(&format!("e{e}.gate"), &[inter, hidden], 0.1);
+                let up = rng.bf16(&format!("e{e}.up"), &[inter, hidden], 0.1);
+                let down = rng.bf16(&format!("e{e}.down"), &[hidden, inter], 0.1);
+                biased(&mut rng, e, gate, up, down)
+            })
+            .collect();
+        let many = hidden * inter <= 544 * 96;
+        check_routed_experts_of(&p, &mut rng, &bf16, clamped, top_k, many, "gpt-oss bf16");
+        let mxfp4: Vec<ExpertTensors> = (0..experts)
+            .map(|e| {
+                let gate = rng.mxfp4(&format!("e{e}.gate"), inter, hidden);
+                let up = rng.mxfp4(&format!("e{e}.up"), inter, hidden);
+                let down = rng.mxfp4(&format!("e{e}.down"), hidden, inter);
+                biased(&mut rng, e, gate, up, down)
+            })
+            .collect();
+        check_routed_experts_of(&p, &mut rng, &mxfp4, clamped, top_k, many, "gpt-oss MXFP4");
+        // Unbiased MXFP4 experts computing silu(gate) * up: the kernels' other arithmetic.
+        let plain: Vec<ExpertTensors> = mxfp4
+            .iter()
+            .map(|e| ExpertTensors::unbiased(e.gate.clone(), e.up.clone(), e.down.clone()))
+            .collect();
+        check_routed_experts(&p, &mut rng, &plain, top_k, many, "MXFP4 unbiased");
     }
 }
 
@@ -573,8 +652,9 @@ fn grouped_sigmoid_router() {
     }
 }
 
-/// The expert kinds the CUDA backend has no kernels for yet are refused when a model loads, with a configuration
-/// error naming them, rather than run wrongly; every router kind has a kernel.
+/// The expert kinds the CUDA backend has no kernels for yet (FP8 experts with biases or the clamped SwiGLU) are
+/// refused when a model loads, with a configuration error naming them, rather than run wrongly; every router kind
+/// has a kernel.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn expert_kinds_without_kernels_are_refused_at_load() {
@@ -591,10 +671,11 @@ fn expert_kinds_without_kernels_are_refused_at_load() {
         p.gpu.check_router(kind).unwrap();
     }
     let mut rng = Rng::new(6);
+    let fp8 = |t: TensorRef| quantize_fp8(&t, Fp8Scheme::BLOCK_128).unwrap();
     let expert = ExpertTensors::unbiased(
-        rng.bf16("gate", &[32, 64], 0.1),
-        rng.bf16("up", &[32, 64], 0.1),
-        rng.bf16("down", &[64, 32], 0.1),
+        fp8(rng.bf16("gate", &[32, 64], 0.1)),
+        fp8(rng.bf16("up", &[32, 64], 0.1)),
+        fp8(rng.bf16("down", &[64, 32], 0.1)),
     );
     let clamped = ExpertActivation::ClampedSwiGlu {
         alpha: 1.702,

@@ -259,16 +259,15 @@ parity_tests!(
     qwen3_5_moe_text,
     qwen3_next,
     deepseek_v3,
-    glm4_moe;
-    // The CUDA backend refuses gpt-oss's experts at load (it has no expert kernels for biases, the clamped SwiGLU
-    // or MXFP4 yet), so these two run on the CPU only until it reads them. The FP8 fixtures failed on the H200
-    // (2026-12-01: first-step logits off by 0.072 and 0.061): the CUDA backend dequantizes dense FP8 weights to
-    // bf16 at upload, and an E4M3 value times its scale needs more than bf16's 8 significant bits; their routed
-    // experts, read as FP8 by the expert kernels, pass `cuda_ops::routed_fp8_experts`. They return to the GPU
-    // table when dense FP8 weights are read as FP8 (or as exact bf16 halves) on the device.
-    cpu_only:
+    glm4_moe,
     gpt_oss,
-    gpt_oss_mxfp4,
+    gpt_oss_mxfp4;
+    // The FP8 fixtures failed on the H200 (2026-12-01: first-step logits off by 0.072 and 0.061): the CUDA
+    // backend dequantizes dense FP8 weights to bf16 at upload, and an E4M3 value times its scale needs more than
+    // bf16's 8 significant bits; their routed experts, read as FP8 by the expert kernels, pass
+    // `cuda_ops::routed_fp8_experts`. They return to the GPU table when dense FP8 weights are read as FP8 (or as
+    // exact bf16 halves) on the device.
+    cpu_only:
     qwen3_moe_fp8,
     qwen3_5_moe_fp8_dynamic
 );

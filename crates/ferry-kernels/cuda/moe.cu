@@ -1,8 +1,35 @@
 // The MoE block on the device: the routers (softmax top-k; DeepSeek-V3's grouped sigmoid top-k), and the routed
 // experts of a few tokens (decode) read through a per-layer table of expert pointers, so where an expert lives
 // (resident, or a cache slot) is the table's business alone. An expert's block holds gate [inter, hidden], then up
-// [inter, hidden], then down [hidden, inter] (bf16; FP8 experts, at the end of this file, add their scales).
+// [inter, hidden], then down [hidden, inter] (bf16; FP8 and MXFP4 experts, at the end of this file, add their
+// scales). Experts with biases (gpt-oss) end their block with them in f32, gate's, up's, then down's, from byte
+// `bias_at` (a multiple of 16; -1: no biases).
 #include "common.cuh"
+
+// The f32 biases of an expert block: gate's [inter], up's [inter], down's [hidden] (null: none).
+__device__ __forceinline__ const float* expert_biases(const void* block, long long bias_at) {
+    return bias_at < 0 ? nullptr : reinterpret_cast<const float*>(static_cast<const uint8_t*>(block) + bias_at);
+}
+
+// Feature i of an expert's activation from its gate and up products g and u, as the CPU backend computes it: the
+// biases added (when there are), then silu(g) * u, or gpt-oss's clamped SwiGLU when `clamped`: g = min(g, limit),
+// u clamped to +-limit, (u + 1) * g * sigmoid(alpha * g).
+__device__ __forceinline__ float expert_glu(const float* biases, int inter, int i, float g, float u, int clamped,
+                                            float alpha, float limit) {
+    if (biases != nullptr) {
+        g += biases[i];
+        u += biases[inter + i];
+    }
+    if (!clamped) return g / (1.0f + expf(-g)) * u;
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+}
+
+// Down's product for feature h plus its bias, when the block has biases.
+__device__ __forceinline__ float with_down_bias(const float* biases, int inter, int h, float s) {
+    return biases == nullptr ? s : s + biases[2 * inter + h];
+}
 
 constexpr int MAX_EXPERTS_PER_LANE = ROUTER_MAX_EXPERTS / 32;
 
@@ -155,13 +182,14 @@ extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ 
         for (int k = 0; k < top_k; ++k) weights[r * top_k + k] = scores[ids[r * top_k + k]] / denominator * scaling;
 }
 
-// act[(r * top_k + k), i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), e = ids[r * top_k + k].
+// act[(r * top_k + k), i] = expert_glu(gate_e[i] . x_r, up_e[i] . x_r), e = ids[r * top_k + k].
 // Grid: (ceil(inter / MOE_WARPS), pairs); one warp per output feature, its gate and up rows read together. Block y
 // takes pair order[y], or pair y when order is null: under offload a step runs the pairs of resident experts
 // first and each copied expert's pairs once its copy has landed, each pair computed exactly as in one launch.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_gate_up(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                const int* __restrict__ order, const uint16_t* const* __restrict__ experts, float* __restrict__ act) {
+                const int* __restrict__ order, const uint16_t* const* __restrict__ experts, long long bias_at,
+                int clamped, float alpha, float limit, float* __restrict__ act) {
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
     const int i = blockIdx.x * MOE_WARPS + warp;
@@ -173,10 +201,12 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     float acc[2][1] = {};
     warp_rows_dot<2, 1>(rows, x + static_cast<size_t>(pair / top_k) * hidden, hidden, hidden, 0, 1, staging[warp], acc);
     const float gs = warp_sum(acc[0][0]), us = warp_sum(acc[1][0]);
-    if ((threadIdx.x & 31) == 0) act[static_cast<size_t>(pair) * inter + i] = gs / (1.0f + expf(-gs)) * us;
+    if ((threadIdx.x & 31) == 0)
+        act[static_cast<size_t>(pair) * inter + i] =
+            expert_glu(expert_biases(block, bias_at), inter, i, gs, us, clamped, alpha, limit);
 }
 
-// out[r, h] = sum_k w[r, k] * (down_e[h] . act[r * top_k + k]), summed in router order.
+// out[r, h] = sum_k w[r, k] * (down_e[h] . act[r * top_k + k] + down bias_e[h]), summed in router order.
 // Grid: (ceil(hidden / (feature_groups * MOE_DOWN_ROWS)), rows); dynamic shared memory: top_k * feature_groups *
 // MOE_DOWN_ROWS floats. A block's features form feature_groups groups of MOE_DOWN_ROWS rows; its warps take the
 // (expert, group) items in turn, so the experts of a row are read in parallel rather than one after another, and
@@ -184,8 +214,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // keeps every warp busy when top_k is small.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
-             const float* __restrict__ weights, const uint16_t* const* __restrict__ experts, int feature_groups,
-             float* __restrict__ out) {
+             const float* __restrict__ weights, const uint16_t* const* __restrict__ experts, long long bias_at,
+             int feature_groups, float* __restrict__ out) {
     __shared__ WarpStaging staging[MOE_WARPS];
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -194,18 +224,23 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
         const int k = item / feature_groups, group = item % feature_groups;
         const int pair = r * top_k + k;
-        const uint16_t* down = experts[ids[pair]] + 2 * static_cast<size_t>(inter) * hidden;
+        const uint16_t* block = experts[ids[pair]];
+        const uint16_t* down = block + 2 * static_cast<size_t>(inter) * hidden;
+        const float* biases = expert_biases(block, bias_at);
         // Features past hidden (the last block) repeat feature hidden - 1 and are not stored.
+        int features[MOE_DOWN_ROWS];
         const uint16_t* rows[MOE_DOWN_ROWS];
 #pragma unroll
-        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
-            rows[j] = down + static_cast<size_t>(min(first + group * MOE_DOWN_ROWS + j, hidden - 1)) * inter;
+        for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
+            features[j] = min(first + group * MOE_DOWN_ROWS + j, hidden - 1);
+            rows[j] = down + static_cast<size_t>(features[j]) * inter;
+        }
         float acc[MOE_DOWN_ROWS][1] = {};
         warp_rows_dot<MOE_DOWN_ROWS, 1>(rows, act + static_cast<size_t>(pair) * inter, inter, inter, 0, 1,
                                         staging[warp], acc);
 #pragma unroll
         for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
-            const float s = warp_sum(acc[j][0]);
+            const float s = with_down_bias(biases, inter, features[j], warp_sum(acc[j][0]));
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = s;
         }
     }
@@ -219,20 +254,23 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     }
 }
 
-// y[pair, h] = down_e[h] . act[pair], e = ids[pair], for the pairs order[blockIdx.y]: moe_down's products, one
-// (row, k) pair at a time, for the offload's decode path, which runs each copied expert's pairs once its copy has
-// landed; moe_combine then sums a row's products in router order exactly as moe_down does, so the result is the
-// same to the bit. Grid: (ceil(hidden / (MOE_WARPS * MOE_DOWN_ROWS)), pairs of this launch); each warp takes a group
-// of MOE_DOWN_ROWS features, the same groups (multiples of MOE_DOWN_ROWS) as moe_down's.
+// y[pair, h] = down_e[h] . act[pair] + down bias_e[h], e = ids[pair], for the pairs order[blockIdx.y]: moe_down's
+// products, one (row, k) pair at a time, for the offload's decode path, which runs each copied expert's pairs once
+// its copy has landed; moe_combine then sums a row's products in router order exactly as moe_down does, so the
+// result is the same to the bit. Grid: (ceil(hidden / (MOE_WARPS * MOE_DOWN_ROWS)), pairs of this launch); each
+// warp takes a group of MOE_DOWN_ROWS features, the same groups (multiples of MOE_DOWN_ROWS) as moe_down's.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
-                   const int* __restrict__ order, const uint16_t* const* __restrict__ experts, float* __restrict__ y) {
+                   const int* __restrict__ order, const uint16_t* const* __restrict__ experts, long long bias_at,
+                   float* __restrict__ y) {
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
     const int pair = order[blockIdx.y];
     const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
     if (first >= hidden) return;
-    const uint16_t* down = experts[ids[pair]] + 2 * static_cast<size_t>(inter) * hidden;
+    const uint16_t* block = experts[ids[pair]];
+    const uint16_t* down = block + 2 * static_cast<size_t>(inter) * hidden;
+    const float* biases = expert_biases(block, bias_at);
     // Features past hidden (the last group) repeat feature hidden - 1 and are not stored, as in moe_down.
     const uint16_t* rows[MOE_DOWN_ROWS];
 #pragma unroll
@@ -242,8 +280,37 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
                                     acc);
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
-        const float s = warp_sum(acc[j][0]);
+        const float s = with_down_bias(biases, inter, min(first + j, hidden - 1), warp_sum(acc[j][0]));
         if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = s;
+    }
+}
+
+// The grouped path's activation: act[p, i] = expert_glu(gate_up[p, i], gate_up[p, inter + i]) for the n values of
+// act ([pairs, inter]) from the fused product gate_up ([pairs, 2 * inter]), pair p's biases read from the block at
+// pair_blocks[p] (null: no biases).
+extern "C" __global__ void moe_glu_grouped(const float* __restrict__ gate_up, int inter,
+                                           const uint8_t* const* __restrict__ pair_blocks, long long bias_at,
+                                           int clamped, float alpha, float limit, float* __restrict__ act,
+                                           size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const size_t p = i / inter;
+        const int c = static_cast<int>(i % inter);
+        const float* biases = pair_blocks != nullptr ? expert_biases(pair_blocks[p], bias_at) : nullptr;
+        const float* row = gate_up + p * 2 * inter;
+        act[i] = expert_glu(biases, inter, c, row[c], row[inter + c], clamped, alpha, limit);
+    }
+}
+
+// The grouped path's down bias: y[p, h] += down bias of the block at pair_blocks[p], over the n values of y
+// ([pairs, hidden]), as the decode kernels add it to each pair's product before the router-weighted sum.
+extern "C" __global__ void moe_add_down_bias(float* __restrict__ y, int hidden, int inter,
+                                             const uint8_t* const* __restrict__ pair_blocks, long long bias_at,
+                                             size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const size_t p = i / hidden;
+        y[i] = with_down_bias(expert_biases(pair_blocks[p], bias_at), inter, static_cast<int>(i % hidden), y[i]);
     }
 }
 
@@ -463,5 +530,182 @@ extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ blo
         const uint16_t high = float_to_bf16(value);
         hi[i] = high;
         lo[i] = float_to_bf16(value - bf16_to_float(high));
+    }
+}
+
+// ---- MXFP4 experts ---------------------------------------------------------------------------------------------
+// An MXFP4 expert's block (gpt-oss): gate [inter, hidden], up [inter, hidden], down [hidden, inter], each packed as
+// loader/mxfp4.rs packs a matrix (every row's e2m1 values, two per byte, the low nibble first, then every row's
+// e8m0 scales, one per 32 values along the row) and padded to a multiple of 16 bytes; then the f32 biases (from
+// bias_at). hidden and inter are multiples of 32, so every row's values start 16-byte aligned. A weight is its
+// e2m1 value times its group's power of two: the decode kernels sum each group of 32 products of e2m1 values and
+// activations, then scale the sum (exact, a power of two); the grouped path widens experts to bf16, exactly.
+struct Mxfp4Layout {
+    int inter, hidden;
+
+    // Rows and columns of matrix m (0 gate, 1 up, 2 down).
+    __device__ __forceinline__ int rows(int m) const { return m < 2 ? inter : hidden; }
+    __device__ __forceinline__ int cols(int m) const { return m < 2 ? hidden : inter; }
+    __device__ __forceinline__ size_t matrix_bytes() const {
+        return (static_cast<size_t>(inter) * hidden / 32 * 17 + 15) / 16 * 16;
+    }
+
+    // Row r of matrix m: its packed values, and its scales.
+    __device__ __forceinline__ const uint8_t* values(const uint8_t* block, int m, int r) const {
+        return block + m * matrix_bytes() + static_cast<size_t>(r) * cols(m) / 2;
+    }
+    __device__ __forceinline__ const uint8_t* scales(const uint8_t* block, int m, int r) const {
+        return block + m * matrix_bytes() + static_cast<size_t>(rows(m)) * cols(m) / 2 +
+               static_cast<size_t>(r) * (cols(m) / 32);
+    }
+};
+
+// An e2m1 nibble (sign, two exponent bits, one mantissa bit) as f32, exactly: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
+// their negatives.
+__device__ __forceinline__ float e2m1_to_float(uint32_t nibble) {
+    const uint32_t exponent = (nibble >> 1) & 3u, mantissa = nibble & 1u;
+    const float magnitude =
+        exponent != 0 ? __uint_as_float(((exponent + 126u) << 23) | (mantissa << 22)) : 0.5f * mantissa;
+    return (nibble & 8u) != 0 ? -magnitude : magnitude;
+}
+
+// An e8m0 scale, 2^(byte - 127), as f32 (byte 0 is the subnormal 2^-127; 255 infinity, as the CPU reads it).
+__device__ __forceinline__ float e8m0_to_float(uint32_t byte) {
+    return byte == 0 ? __uint_as_float(1u << 22) : __uint_as_float(byte << 23);
+}
+
+// Dot products of ROWS rows of matrix m of an MXFP4 expert block with the f32 activations x (cols(m) values,
+// 16-byte aligned), by one warp, a group of 32 weights per lane and step (16 bytes of values, one scale); acc[r]
+// ends as the lane's partial sum (the caller reduces across the warp).
+template <int ROWS>
+__device__ __forceinline__ void warp_rows_dot_mxfp4(const Mxfp4Layout& layout, const uint8_t* block, int m,
+                                                    const int (&rows)[ROWS], const float* __restrict__ x,
+                                                    float (&acc)[ROWS]) {
+    const int lane = threadIdx.x & 31, groups = layout.cols(m) / 32;
+    for (int g = lane; g < groups; g += 32) {
+        float xv[32];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(x + g * 32) + j);
+            xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const uint4 packed = __ldg(reinterpret_cast<const uint4*>(layout.values(block, m, rows[r])) + g);
+            const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const uint32_t byte = words[j / 4] >> (8 * (j % 4));
+                sum = fmaf(e2m1_to_float(byte & 15u), xv[2 * j], sum);
+                sum = fmaf(e2m1_to_float((byte >> 4) & 15u), xv[2 * j + 1], sum);
+            }
+            acc[r] = fmaf(sum, e8m0_to_float(layout.scales(block, m, rows[r])[g]), acc[r]);
+        }
+    }
+}
+
+// moe_gate_up for MXFP4 expert blocks: the same grid, pairs and output.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_gate_up_mxfp4(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
+                      const int* __restrict__ order, const uint8_t* const* __restrict__ experts, long long bias_at,
+                      int clamped, float alpha, float limit, float* __restrict__ act) {
+    const Mxfp4Layout layout{inter, hidden};
+    const int warp = threadIdx.x >> 5;
+    const int i = blockIdx.x * MOE_WARPS + warp;
+    const int pair = order != nullptr ? order[blockIdx.y] : blockIdx.y;
+    if (i >= inter) return;
+    const uint8_t* block = experts[ids[pair]];
+    const float* xr = x + static_cast<size_t>(pair / top_k) * hidden;
+    const int row[1] = {i};
+    float gate[1] = {}, up[1] = {};
+    warp_rows_dot_mxfp4<1>(layout, block, 0, row, xr, gate);
+    warp_rows_dot_mxfp4<1>(layout, block, 1, row, xr, up);
+    const float gs = warp_sum(gate[0]), us = warp_sum(up[0]);
+    if ((threadIdx.x & 31) == 0)
+        act[static_cast<size_t>(pair) * inter + i] =
+            expert_glu(expert_biases(block, bias_at), inter, i, gs, us, clamped, alpha, limit);
+}
+
+// The MOE_DOWN_ROWS features from `first` of down_e . act plus the down bias for one (row, k) pair, by one warp:
+// features past hidden repeat feature hidden - 1 (moe_down_mxfp4 and moe_down_pairs_mxfp4 share it, so both sum
+// the same products).
+__device__ __forceinline__ void down_rows_mxfp4(const Mxfp4Layout& layout, const uint8_t* block, long long bias_at,
+                                                int first, const float* act_pair, float (&sums)[MOE_DOWN_ROWS]) {
+    int rows[MOE_DOWN_ROWS];
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = min(first + j, layout.hidden - 1);
+    float acc[MOE_DOWN_ROWS] = {};
+    warp_rows_dot_mxfp4<MOE_DOWN_ROWS>(layout, block, 2, rows, act_pair, acc);
+    const float* biases = expert_biases(block, bias_at);
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) sums[j] = with_down_bias(biases, layout.inter, rows[j], warp_sum(acc[j]));
+}
+
+// moe_down for MXFP4 expert blocks: the same grid, shared memory and router-order sum.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down_mxfp4(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
+                   const float* __restrict__ weights, const uint8_t* const* __restrict__ experts, long long bias_at,
+                   int feature_groups, float* __restrict__ out) {
+    const Mxfp4Layout layout{inter, hidden};
+    extern __shared__ float products[];  // [top_k][block_features]
+    const int warp = threadIdx.x >> 5, r = blockIdx.y;
+    const int block_features = feature_groups * MOE_DOWN_ROWS;
+    const int first = blockIdx.x * block_features;
+    for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
+        const int k = item / feature_groups, group = item % feature_groups;
+        const int pair = r * top_k + k;
+        float sums[MOE_DOWN_ROWS];
+        down_rows_mxfp4(layout, experts[ids[pair]], bias_at, first + group * MOE_DOWN_ROWS,
+                        act + static_cast<size_t>(pair) * inter, sums);
+#pragma unroll
+        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+            if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
+        const int h = first + j;
+        if (h >= hidden) continue;
+        float sum = 0.0f;
+        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
+        out[static_cast<size_t>(r) * hidden + h] = sum;
+    }
+}
+
+// moe_down_pairs for MXFP4 expert blocks: the same grid and products as moe_down_mxfp4's, one pair at a time.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down_pairs_mxfp4(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
+                         const int* __restrict__ order, const uint8_t* const* __restrict__ experts,
+                         long long bias_at, float* __restrict__ y) {
+    const Mxfp4Layout layout{inter, hidden};
+    const int warp = threadIdx.x >> 5;
+    const int pair = order[blockIdx.y];
+    const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
+    if (first >= hidden) return;
+    float sums[MOE_DOWN_ROWS];
+    down_rows_mxfp4(layout, experts[ids[pair]], bias_at, first, act + static_cast<size_t>(pair) * inter, sums);
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+        if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = sums[j];
+}
+
+// Matrices first..first + count - 1 of an MXFP4 expert block widened to bf16, back to back (gate and up as one
+// [2 * inter, hidden] matrix, or down), for the grouped path's cuBLAS products: exact, since an e2m1 value times a
+// power of two is a bf16 number (2 significant bits, f32's exponent range). A grid-stride loop over their
+// inter * hidden * count values.
+extern "C" __global__ void dequantize_mxfp4_expert(const uint8_t* __restrict__ block, int hidden, int inter,
+                                                   int first, int count, uint16_t* __restrict__ out) {
+    const Mxfp4Layout layout{inter, hidden};
+    const size_t per_matrix = static_cast<size_t>(inter) * hidden;
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < per_matrix * count;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const int m = first + static_cast<int>(i / per_matrix);
+        const size_t within = i % per_matrix;
+        const int cols = layout.cols(m);
+        const int r = static_cast<int>(within / cols), c = static_cast<int>(within % cols);
+        const uint32_t byte = layout.values(block, m, r)[c / 2];
+        const float scale = e8m0_to_float(layout.scales(block, m, r)[c / 32]);
+        const float value = e2m1_to_float(c % 2 == 0 ? byte & 15u : byte >> 4) * scale;
+        out[i] = float_to_bf16(value);
     }
 }

@@ -114,6 +114,7 @@ pub enum CudaExperts {
         hidden: usize,
         inter: usize,
         format: expert_format::ExpertFormat,
+        glu: expert_format::ExpertGlu,
     },
     Offloaded {
         layer: usize,
@@ -121,6 +122,7 @@ pub enum CudaExperts {
         hidden: usize,
         inter: usize,
         format: expert_format::ExpertFormat,
+        glu: expert_format::ExpertGlu,
     },
 }
 
@@ -136,6 +138,12 @@ impl CudaExperts {
     fn format(&self) -> expert_format::ExpertFormat {
         match self {
             CudaExperts::Resident { format, .. } | CudaExperts::Offloaded { format, .. } => *format,
+        }
+    }
+
+    fn glu(&self) -> expert_format::ExpertGlu {
+        match self {
+            CudaExperts::Resident { glu, .. } | CudaExperts::Offloaded { glu, .. } => *glu,
         }
     }
 }

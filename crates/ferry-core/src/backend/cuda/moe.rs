@@ -1,16 +1,17 @@
 //! The MoE block on the GPU (moe.cu): loading a layer's routed experts (a resident slab, or the offload's bank),
 //! routing on the device, the decode kernels that read the experts through the layer's table of block addresses
 //! (under offload, resident experts first and each copied expert once its copy lands), and the grouped prefill
-//! path, which gathers each expert's rows and runs them through cuBLAS. Experts are bf16 or FP8 (see
-//! expert_format.rs): the decode kernels read FP8 blocks directly, the grouped path dequantizes each expert to
-//! bf16 first. With the offload's CPU lane, both paths leave the host's experts out and moe_combine reads their
-//! products from the lane's upload.
+//! path, which gathers each expert's rows and runs them through cuBLAS. Experts are bf16, FP8 or MXFP4 (see
+//! expert_format.rs), with or without biases, computing silu(gate) * up or gpt-oss's clamped SwiGLU: the decode
+//! kernels read FP8 and MXFP4 blocks directly, the grouped path widens each expert to bf16 first. With the
+//! offload's CPU lane, both paths leave the host's experts out and moe_combine reads their products from the
+//! lane's upload.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{GEMV_MAX_ROWS, MOE_DOWN_ROWS, MOE_WARPS, ROUTER_MAX_EXPERTS};
 
 use super::elementwise::copy_rows;
-use super::expert_format::{dequantized, ExpertFormat};
+use super::expert_format::{dequantized, widened_mxfp4, with_f32_biases, ExpertFormat, ExpertGlu};
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::linear::Bf16Halves;
 use super::offload::{LayerCopies, Offload};
@@ -54,8 +55,9 @@ kernel! {
 }
 
 kernel! {
-    /// moe.cu's `moe_gate_up`: `act[pair] = silu(gate_e x_r) * (up_e x_r)` for each (row, k) pair of the launch
-    /// (`order[y]`, or every pair when `order` is null), the expert blocks read through the table `experts`.
+    /// moe.cu's `moe_gate_up`: `act[pair] = expert_glu(gate_e x_r, up_e x_r)` (biases added, then silu(gate) * up
+    /// or the clamped SwiGLU, by [`ExpertGlu`]) for each (row, k) pair of the launch (`order[y]`, or every pair when
+    /// `order` is null), the expert blocks read through the table `experts`.
     struct MoeGateUp = "moe_gate_up" {
         x: Ptr<f32>,
         hidden: i32,
@@ -64,13 +66,17 @@ kernel! {
         ids: Ptr<i32>,
         order: Ptr<i32>,
         experts: Ptr<Ptr<u16>>,
+        bias_at: i64,
+        clamped: i32,
+        alpha: f32,
+        limit: f32,
         act: Ptr<f32>,
     }
 }
 
 kernel! {
-    /// moe.cu's `moe_down_pairs`: `y[pair] = down_e act[pair]` for the pairs `order[y]` of the launch, unweighted
-    /// (moe_combine sums them).
+    /// moe.cu's `moe_down_pairs`: `y[pair] = down_e act[pair]` (+ its down bias) for the pairs `order[y]` of the
+    /// launch, unweighted (moe_combine sums them).
     struct MoeDownPairs = "moe_down_pairs" {
         act: Ptr<f32>,
         hidden: i32,
@@ -78,12 +84,14 @@ kernel! {
         ids: Ptr<i32>,
         order: Ptr<i32>,
         experts: Ptr<Ptr<u16>>,
+        bias_at: i64,
         y: Ptr<f32>,
     }
 }
 
 kernel! {
-    /// moe.cu's `moe_down`: `out[r] = sum_k weights[r, k] * down_e act[r * top_k + k]`, in router order.
+    /// moe.cu's `moe_down`: `out[r] = sum_k weights[r, k] * (down_e act[r * top_k + k] + down bias_e)`, in router
+    /// order.
     struct MoeDown = "moe_down" {
         act: Ptr<f32>,
         hidden: i32,
@@ -92,6 +100,7 @@ kernel! {
         ids: Ptr<i32>,
         weights: Ptr<f32>,
         experts: Ptr<Ptr<u16>>,
+        bias_at: i64,
         feature_groups: i32,
         out: Ptr<f32>,
     }
@@ -152,6 +161,83 @@ kernel! {
 }
 
 kernel! {
+    /// moe.cu's `moe_gate_up_mxfp4`: [`MoeGateUp`] over MXFP4 expert blocks.
+    struct MoeGateUpMxfp4 = "moe_gate_up_mxfp4" {
+        x: Ptr<f32>,
+        hidden: i32,
+        inter: i32,
+        top_k: i32,
+        ids: Ptr<i32>,
+        order: Ptr<i32>,
+        experts: Ptr<Ptr<u8>>,
+        bias_at: i64,
+        clamped: i32,
+        alpha: f32,
+        limit: f32,
+        act: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// moe.cu's `moe_down_pairs_mxfp4`: [`MoeDownPairs`] over MXFP4 expert blocks.
+    struct MoeDownPairsMxfp4 = "moe_down_pairs_mxfp4" {
+        act: Ptr<f32>,
+        hidden: i32,
+        inter: i32,
+        ids: Ptr<i32>,
+        order: Ptr<i32>,
+        experts: Ptr<Ptr<u8>>,
+        bias_at: i64,
+        y: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// moe.cu's `moe_down_mxfp4`: [`MoeDown`] over MXFP4 expert blocks.
+    struct MoeDownMxfp4 = "moe_down_mxfp4" {
+        act: Ptr<f32>,
+        hidden: i32,
+        inter: i32,
+        top_k: i32,
+        ids: Ptr<i32>,
+        weights: Ptr<f32>,
+        experts: Ptr<Ptr<u8>>,
+        bias_at: i64,
+        feature_groups: i32,
+        out: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// moe.cu's `moe_glu_grouped`: the grouped path's activation of `[pairs, 2 * inter]` gate/up products, pair p's
+    /// biases read from the block at `pair_blocks[p]` (null: none).
+    struct MoeGluGrouped = "moe_glu_grouped" {
+        gate_up: Ptr<f32>,
+        inter: i32,
+        pair_blocks: Ptr<Ptr<u8>>,
+        bias_at: i64,
+        clamped: i32,
+        alpha: f32,
+        limit: f32,
+        act: Ptr<f32>,
+        n: usize,
+    }
+}
+
+kernel! {
+    /// moe.cu's `moe_add_down_bias`: each pair's down bias (of the block at `pair_blocks[p]`) added to its row of
+    /// `y` (`[pairs, hidden]`, n values).
+    struct MoeAddDownBias = "moe_add_down_bias" {
+        y: Ptr<f32>,
+        hidden: i32,
+        inter: i32,
+        pair_blocks: Ptr<Ptr<u8>>,
+        bias_at: i64,
+        n: usize,
+    }
+}
+
+kernel! {
     /// elementwise.cu's `silu_mul_halves`: `out[r, i] = silu(x[r, i]) * x[r, half + i]` over the n values of out.
     struct SiluMulHalves = "silu_mul_halves" {
         x: Ptr<f32>,
@@ -189,6 +275,7 @@ struct ExpertGroup {
     hidden: usize,
     inter: usize,
     format: ExpertFormat,
+    glu: ExpertGlu,
 }
 
 /// [`crate::backend::Backend::experts`]: into the offload's bank when offload is on, else into one slab of the
@@ -198,20 +285,25 @@ pub(super) fn upload_experts(
     experts: Vec<ExpertTensors>,
     activation: ExpertActivation,
 ) -> Result<CudaExperts> {
+    let format = ExpertFormat::of(&experts)?;
     let biased = experts.iter().any(ExpertTensors::has_bias);
-    if activation != ExpertActivation::SiluGlu || biased {
-        let biases = if biased { " with biases" } else { "" };
+    let (inter, hidden) = (experts[0].gate.shape[0], experts[0].gate.shape[1]);
+    let glu = ExpertGlu::new(activation, format, inter, hidden, biased);
+    if matches!(format, ExpertFormat::Fp8(_)) && !glu.is_plain() {
         return Err(Error::Config(format!(
-            "the CUDA backend has no expert kernels for {activation:?}{biases} yet (the CPU backend has)"
+            "the CUDA backend has no FP8 expert kernels for {activation:?}{} yet (bf16 and MXFP4 have)",
+            if biased { " with biases" } else { "" }
         )));
     }
-    let format = ExpertFormat::of(&experts)?;
-    let (inter, hidden) = (experts[0].gate.shape[0], experts[0].gate.shape[1]);
+    let experts: Vec<ExpertTensors> = experts
+        .into_iter()
+        .map(|e| with_f32_biases(e, biased))
+        .collect::<Result<_>>()?;
     if let Some(offload) = &cuda.offload {
         let layer = offload
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .add_layer(&cuda.stream, &experts)?;
+            .add_layer(&cuda.stream, &experts, glu)?;
         let table = cuda
             .stream
             .alloc_zeros::<u64>(experts.len())
@@ -222,9 +314,10 @@ pub(super) fn upload_experts(
             hidden,
             inter,
             format,
+            glu,
         });
     }
-    let block = format.block_bytes(inter, hidden);
+    let block = format.block_bytes(inter, hidden, biased);
     let mut slab: CudaSlice<u8> = cuda.alloc(block * experts.len())?;
     for (e, expert) in experts.iter().enumerate() {
         let mut start = e * block;
@@ -245,6 +338,7 @@ pub(super) fn upload_experts(
         hidden,
         inter,
         format,
+        glu,
     })
 }
 
@@ -357,7 +451,7 @@ pub(super) fn moe_experts(
     experts: &CudaExperts,
 ) -> Result<CudaTensor> {
     let (hidden, inter) = experts.shape();
-    let format = experts.format();
+    let (format, glu) = (experts.format(), experts.glu());
     let (table, layer) = match experts {
         CudaExperts::Resident { table, addresses, .. } => {
             if x.rows > MOE_DECODE_MAX_ROWS {
@@ -365,9 +459,9 @@ pub(super) fn moe_experts(
                     .stream
                     .clone_dtoh(&routing.ids)
                     .map_err(cuda_err("routing to host"))?;
-                return moe_experts_grouped(cuda, x, routing, &ids, addresses, hidden, inter, format);
+                return moe_experts_grouped(cuda, x, routing, &ids, addresses, hidden, inter, format, glu);
             }
-            return moe_decode(cuda, x, routing, table, hidden, inter, format);
+            return moe_decode(cuda, x, routing, table, hidden, inter, format, glu);
         }
         CudaExperts::Offloaded { layer, table, .. } => (table, *layer),
     };
@@ -378,7 +472,18 @@ pub(super) fn moe_experts(
     let mut offload = offload.lock().unwrap_or_else(|e| e.into_inner());
     let copies = offload.prepare_layer(&cuda.stream, layer, routing, table, x)?;
     if !copies.host.is_empty() {
-        return moe_with_host_lane(cuda, &mut offload, layer, x, routing, table, &copies, inter, format);
+        return moe_with_host_lane(
+            cuda,
+            &mut offload,
+            layer,
+            x,
+            routing,
+            table,
+            &copies,
+            inter,
+            format,
+            glu,
+        );
     }
     drop(offload);
     if x.rows > MOE_DECODE_MAX_ROWS || copies.fetched.is_empty() {
@@ -386,15 +491,26 @@ pub(super) fn moe_experts(
             .wait(copies.all_ready())
             .map_err(cuda_err("waiting for expert copies"))?;
         if x.rows > MOE_DECODE_MAX_ROWS {
-            return moe_experts_grouped(cuda, x, routing, &copies.ids, &copies.addresses, hidden, inter, format);
+            return moe_experts_grouped(
+                cuda,
+                x,
+                routing,
+                &copies.ids,
+                &copies.addresses,
+                hidden,
+                inter,
+                format,
+                glu,
+            );
         }
-        return moe_decode(cuda, x, routing, table, hidden, inter, format);
+        return moe_decode(cuda, x, routing, table, hidden, inter, format, glu);
     }
-    moe_decode_under_copies(cuda, x, routing, table, &copies, hidden, inter, format)
+    moe_decode_under_copies(cuda, x, routing, table, &copies, hidden, inter, format, glu)
 }
 
 /// The decode kernels over every (row, k) pair: moe_gate_up, then moe_down, which sums a row's experts in router
 /// order.
+#[allow(clippy::too_many_arguments)]
 fn moe_decode(
     cuda: &CudaBackend,
     x: &CudaTensor,
@@ -403,10 +519,11 @@ fn moe_decode(
     hidden: usize,
     inter: usize,
     format: ExpertFormat,
+    glu: ExpertGlu,
 ) -> Result<CudaTensor> {
     let pairs = routing.rows * routing.top_k;
     let act = cuda.tensor(pairs, inter)?;
-    launch_gate_up(cuda, x, routing, table, Ptr::null(), pairs, &act, format)?;
+    launch_gate_up(cuda, x, routing, table, Ptr::null(), pairs, &act, format, glu)?;
     let out = cuda.tensor(routing.rows, hidden)?;
     // Each warp takes (expert, feature group) items: with few experts per row, more feature groups per block
     // keep every warp busy.
@@ -426,6 +543,20 @@ fn moe_decode(
             ids: ptr(&routing.ids),
             weights: ptr(&routing.weights),
             experts: ptr(table).cast(),
+            bias_at: glu.bias_at,
+            feature_groups: feature_groups as i32,
+            out: ptr(&out.data),
+        }
+        .launch(cuda, config)?,
+        ExpertFormat::Mxfp4 => MoeDownMxfp4 {
+            act: ptr(&act.data),
+            hidden: hidden as i32,
+            inter: inter as i32,
+            top_k: routing.top_k as i32,
+            ids: ptr(&routing.ids),
+            weights: ptr(&routing.weights),
+            experts: ptr(table).cast(),
+            bias_at: glu.bias_at,
             feature_groups: feature_groups as i32,
             out: ptr(&out.data),
         }
@@ -454,8 +585,8 @@ fn moe_decode(
     Ok(out)
 }
 
-/// moe_gate_up (or its FP8 twin) over `pairs` pairs: those listed from `order`, or the first `pairs` when `order`
-/// is null.
+/// moe_gate_up (or its FP8 or MXFP4 twin) over `pairs` pairs: those listed from `order`, or the first `pairs` when
+/// `order` is null.
 #[allow(clippy::too_many_arguments)]
 fn launch_gate_up(
     cuda: &CudaBackend,
@@ -466,6 +597,7 @@ fn launch_gate_up(
     pairs: usize,
     act: &CudaTensor,
     format: ExpertFormat,
+    glu: ExpertGlu,
 ) -> Result<()> {
     let inter = act.cols;
     let config = LaunchConfig {
@@ -482,6 +614,25 @@ fn launch_gate_up(
             ids: ptr(&routing.ids),
             order,
             experts: ptr(table).cast(),
+            bias_at: glu.bias_at,
+            clamped: glu.clamped,
+            alpha: glu.alpha,
+            limit: glu.limit,
+            act: ptr(&act.data),
+        }
+        .launch(cuda, config),
+        ExpertFormat::Mxfp4 => MoeGateUpMxfp4 {
+            x: ptr(&x.data),
+            hidden: x.cols as i32,
+            inter: inter as i32,
+            top_k: routing.top_k as i32,
+            ids: ptr(&routing.ids),
+            order,
+            experts: ptr(table).cast(),
+            bias_at: glu.bias_at,
+            clamped: glu.clamped,
+            alpha: glu.alpha,
+            limit: glu.limit,
             act: ptr(&act.data),
         }
         .launch(cuda, config),
@@ -522,8 +673,9 @@ fn moe_decode_under_copies(
     hidden: usize,
     inter: usize,
     format: ExpertFormat,
+    glu: ExpertGlu,
 ) -> Result<CudaTensor> {
-    let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format)?;
+    let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format, glu)?;
     let out = cuda.tensor(routing.rows, hidden)?;
     launch_combine(cuda, &y, routing, 0..routing.rows, None, &out)?;
     Ok(out)
@@ -541,6 +693,7 @@ fn decode_products(
     hidden: usize,
     inter: usize,
     format: ExpertFormat,
+    glu: ExpertGlu,
 ) -> Result<CudaTensor> {
     let pairs = routing.rows * routing.top_k;
     let ids = &copies.ids[..pairs];
@@ -570,7 +723,7 @@ fn decode_products(
             continue;
         }
         let run = ptr(&order).offset(first);
-        launch_gate_up(cuda, x, routing, table, run, len, &act, format)?;
+        launch_gate_up(cuda, x, routing, table, run, len, &act, format, glu)?;
         let config = LaunchConfig {
             grid_dim: (down_blocks, len as u32, 1),
             block_dim: (MOE_WARPS as u32 * 32, 1, 1),
@@ -584,6 +737,18 @@ fn decode_products(
                 ids: ptr(&routing.ids),
                 order: run,
                 experts: ptr(table).cast(),
+                bias_at: glu.bias_at,
+                y: ptr(&y.data),
+            }
+            .launch(cuda, config)?,
+            ExpertFormat::Mxfp4 => MoeDownPairsMxfp4 {
+                act: ptr(&act.data),
+                hidden: hidden as i32,
+                inter: inter as i32,
+                ids: ptr(&routing.ids),
+                order: run,
+                experts: ptr(table).cast(),
+                bias_at: glu.bias_at,
                 y: ptr(&y.data),
             }
             .launch(cuda, config)?,
@@ -656,6 +821,7 @@ fn moe_with_host_lane(
     copies: &LayerCopies,
     inter: usize,
     format: ExpertFormat,
+    glu: ExpertGlu,
 ) -> Result<CudaTensor> {
     let hidden = x.cols;
     let pairs = routing.rows * routing.top_k;
@@ -686,7 +852,7 @@ fn moe_with_host_lane(
     let out = cuda.tensor(routing.rows, hidden)?;
     offload.start_on_host(layer, (x.rows, hidden), inter, &copies.host, host_pairs)?;
     if x.rows <= MOE_DECODE_MAX_ROWS {
-        let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format)?;
+        let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format, glu)?;
         offload.queue_host_products(&cuda.stream, &host.products)?;
         launch_combine(cuda, &y, routing, 0..routing.rows, Some(&host), &out)?;
         return Ok(out);
@@ -702,6 +868,7 @@ fn moe_with_host_lane(
             hidden,
             inter,
             format,
+            glu,
         })
         .collect();
     let products =
@@ -737,6 +904,7 @@ fn moe_experts_grouped(
     hidden: usize,
     inter: usize,
     format: ExpertFormat,
+    glu: ExpertGlu,
 ) -> Result<CudaTensor> {
     let out = cuda.tensor(routing.rows, hidden)?;
     for first_row in (0..routing.rows).step_by(MOE_GROUP_ROWS) {
@@ -746,6 +914,7 @@ fn moe_experts_grouped(
             hidden,
             inter,
             format,
+            glu,
         };
         let y = group_products(cuda, x, routing, ids, addresses, &group, &|_| false)?;
         launch_combine(cuda, &y, routing, first_row..first_row + group.rows, None, &out)?;
@@ -770,6 +939,7 @@ fn group_products(
         hidden,
         inter,
         format,
+        glu,
     } = group;
     let top_k = routing.top_k;
     let first_pair = first_row * top_k;
@@ -804,10 +974,11 @@ fn group_products(
     // pair are alive at once (budget.rs's workspace estimate counts on it).
     // Gate and up are adjacent in an expert's block: one [2 * inter, hidden] product; down follows them. FP8
     // experts are dequantized to bf16 first, each into the one scratch buffer (the stream orders its reuse).
-    // (as bf16 halves hi + lo, one product each: see expert_format.rs).
+    // (as bf16 halves hi + lo, one product each: see expert_format.rs). MXFP4 experts are widened to bf16, exactly.
     let scratch: Option<CudaSlice<u16>> = match format {
         ExpertFormat::Bf16 => None,
         ExpertFormat::Fp8(_) => Some(cuda.alloc(4 * inter * hidden)?),
+        ExpertFormat::Mxfp4 => Some(cuda.alloc(2 * inter * hidden)?),
     };
     let product =
         |halves: &Bf16Halves, first: usize, len: usize, e: usize, down: bool, out: &CudaTensor| -> Result<()> {
@@ -816,6 +987,10 @@ fn group_products(
                     let [hi, lo] = dequantized(cuda, addresses[e], blocks, inter, hidden, down, ptr(scratch))?;
                     cuda.gemm_split_into(halves, first, len, hi, out, false)?;
                     cuda.gemm_split_into(halves, first, len, lo, out, true)
+                }
+                (ExpertFormat::Mxfp4, Some(scratch)) => {
+                    let widened = widened_mxfp4(cuda, addresses[e], inter, hidden, down, ptr(scratch))?;
+                    cuda.gemm_split(halves, first, len, widened, out)
                 }
                 _ if down => cuda.gemm_split(
                     halves,
@@ -849,13 +1024,41 @@ fn group_products(
     }
     drop(halves);
     let act = cuda.tensor(pairs, inter)?;
-    let silu_mul = SiluMulHalves {
-        x: ptr(&gate_up.data),
-        half: inter as i32,
-        out: ptr(&act.data),
-        n: pairs * inter,
+    // With biases, each pair's block address, for its biases.
+    let pair_blocks: Option<CudaSlice<u64>> = match glu.biased() {
+        true => {
+            let blocks: Vec<u64> = order
+                .iter()
+                .map(|&pair| addresses[ids[pair as usize] as usize])
+                .collect();
+            Some(cuda.copy_to_device(&blocks)?)
+        }
+        false => None,
     };
-    silu_mul.launch(cuda, grid_1d(pairs * inter, BLOCK_THREADS))?;
+    let pair_blocks_ptr = pair_blocks.as_ref().map_or(Ptr::null(), |b| ptr(b).cast());
+    let values = grid_1d(pairs * inter, BLOCK_THREADS);
+    if glu.is_plain() {
+        let silu_mul = SiluMulHalves {
+            x: ptr(&gate_up.data),
+            half: inter as i32,
+            out: ptr(&act.data),
+            n: pairs * inter,
+        };
+        silu_mul.launch(cuda, values)?;
+    } else {
+        let launch = MoeGluGrouped {
+            gate_up: ptr(&gate_up.data),
+            inter: inter as i32,
+            pair_blocks: pair_blocks_ptr,
+            bias_at: glu.bias_at,
+            clamped: glu.clamped,
+            alpha: glu.alpha,
+            limit: glu.limit,
+            act: ptr(&act.data),
+            n: pairs * inter,
+        };
+        launch.launch(cuda, values)?;
+    }
     drop(gate_up);
     let halves = cuda.split_bf16(&act)?;
     drop(act);
@@ -864,6 +1067,17 @@ fn group_products(
         product(&halves, first, len, e, true, &by_expert)?;
     }
     drop(halves);
+    if glu.biased() {
+        let launch = MoeAddDownBias {
+            y: ptr(&by_expert.data),
+            hidden: hidden as i32,
+            inter: inter as i32,
+            pair_blocks: pair_blocks_ptr,
+            bias_at: glu.bias_at,
+            n: pairs * hidden,
+        };
+        launch.launch(cuda, grid_1d(pairs * hidden, BLOCK_THREADS))?;
+    }
     let y = cuda.tensor(group_pairs, hidden)?;
     copy_rows(cuda, "scatter_rows", &by_expert, &order_dev, pairs, &y)?;
     Ok(y)

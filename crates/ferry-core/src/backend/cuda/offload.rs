@@ -29,7 +29,7 @@ use std::time::Instant;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use super::bank::HostBank;
-use super::expert_format::ExpertFormat;
+use super::expert_format::{ExpertFormat, ExpertGlu};
 use super::offload_lane::OffloadLane;
 use super::{cuda_err, CudaBackend, CudaRouting, CudaTensor};
 use crate::backend::{ExpertTensors, SeqSlice};
@@ -223,9 +223,18 @@ impl Offload {
 
     /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
     /// returns the layer's index.
-    pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors]) -> Result<usize> {
+    pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors], glu: ExpertGlu) -> Result<usize> {
         let format = ExpertFormat::of(experts)?;
-        let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1]);
+        // The lane reads bf16 and FP8 blocks in place and computes silu(gate) * up without biases; MXFP4 blocks have
+        // another layout, gpt-oss's experts other arithmetic.
+        if self.lane.is_some() && (format == ExpertFormat::Mxfp4 || !glu.is_plain()) {
+            return Err(Error::Config(
+                "the CPU lane computes unbiased SiLU experts in bf16 or FP8 only so far: use --moe-strategy offload \
+                 with MXFP4 or gpt-oss experts"
+                    .into(),
+            ));
+        }
+        let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1], glu.biased());
         if self.slab.is_none() {
             if self.slots < experts.len() {
                 return Err(Error::Cuda(format!(

@@ -332,8 +332,9 @@ fn run_job(lane: &mut HostLane, job: &LaneJob) -> Result<Duration> {
 }
 
 /// A bank block as the lane reads it: gate, up and down back to back, bf16, or FP8 followed by their scales.
+/// Never biased: add_layer gives the lane only experts without biases.
 fn lane_expert(block: &[u8], format: ExpertFormat, inter: usize, hidden: usize) -> Result<LaneExpert<'_>> {
-    if block.len() < format.block_bytes(inter, hidden) {
+    if block.len() < format.block_bytes(inter, hidden, false) {
         return Err(Error::Shape(format!(
             "a bank block of {} bytes for a {format:?} expert",
             block.len()
@@ -358,6 +359,11 @@ fn lane_expert(block: &[u8], format: ExpertFormat, inter: usize, hidden: usize) 
                 }
             });
             (WeightDType::F8E4M3, Some(scales))
+        }
+        ExpertFormat::Mxfp4 => {
+            return Err(Error::Shape(
+                "an MXFP4 bank block reached the CPU lane (add_layer refuses them)".into(),
+            ))
         }
     };
     let matrix = inter * hidden * dtype.size_bytes();
