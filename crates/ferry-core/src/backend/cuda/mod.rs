@@ -18,6 +18,7 @@ mod ceilings;
 mod context;
 mod elementwise;
 mod expert_format;
+mod flash_attention;
 mod gdn;
 mod kv;
 mod launch;
