@@ -16,6 +16,12 @@ use ferry_core::Error;
 /// Relative error limit for ops computed in f32 on both sides (products with bf16 weights are exact in f32;
 /// what differs is the order of summation and the libm of each side).
 const F32_LIMIT: f32 = 2e-5;
+/// Relative error limit for the prefill attention kernel, whose tensor-core products take each f32 operand as two
+/// bf16 halves (hi + lo, three products for one): about 16 significant bits per product instead of 24, a relative
+/// error near 2^-17 per product. A float64 simulation of the kernel's arithmetic on these inputs (queries of up to
+/// 3, keys and values of up to 1, head dims 16 to 256) puts the worst row at 1.3e-5; a key masked wrongly or
+/// missed moves a row by more than 1e-2.
+const FLASH_LIMIT: f32 = 1e-4;
 
 struct Rng(u64);
 
@@ -223,11 +229,13 @@ type NormScales = (Vec<f32>, Vec<f32>, bool);
 
 /// Runs `calls` on `be` over one fresh cache of `sequences` sequences, each call's input its rows' fused q/k/v
 /// projection; returns each call's output.
+#[allow(clippy::too_many_arguments)]
 fn attention_calls<B: Backend>(
     be: &B,
     params: &AttentionParams,
     rope: &Rope,
     norm: Option<&NormScales>,
+    sinks: Option<&[f32]>,
     calls: &[AttentionCall],
     inputs: &[Vec<f32>],
     sequences: usize,
@@ -248,6 +256,10 @@ fn attention_calls<B: Backend>(
                 .unwrap()
         };
         (weight(q), weight(k), *per_head)
+    });
+    let sinks = sinks.map(|v| {
+        be.weight(TensorRef::from_f32("sinks", vec![v.len()], v).unwrap())
+            .unwrap()
     });
     let seqs: Vec<_> = (0..sequences).map(|_| kv.alloc_seq()).collect();
     let fill = AttentionParams {
@@ -279,7 +291,7 @@ fn attention_calls<B: Backend>(
                 .attention(
                     &be.upload(qkv, rows, qkv_cols).unwrap(),
                     qk_norm,
-                    None,
+                    sinks.as_ref(),
                     &rope_table,
                     &mut kv,
                     0,
@@ -297,7 +309,8 @@ fn attention_calls<B: Backend>(
 /// warp, and a warp with repeated heads: 6), head_dim 16 to 256 (one and two value chunks per lane), sliding
 /// windows, the three- and two-stage copy pipelines (32 heads of 256 per kv head take two). Calls: prefill then
 /// decode of short sequences; and a 4K-token context with a batch of decode rows of different lengths (one at
-/// position 0), whose keys are split over many blocks, then a prefill chunk batched with decode rows.
+/// position 0), whose keys are split over many blocks, then a prefill chunk batched with decode rows. Calls with a
+/// prefill slice run the prefill kernel (flash_attention.cu), batches of single rows the split one.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn attention_over_paged_cache_prefill_then_decode() {
@@ -371,34 +384,114 @@ fn attention_over_paged_cache_prefill_then_decode() {
             .map(|&(s, _, _)| s + 1)
             .max()
             .unwrap();
-        // Queries scaled up so that the softmax has clear peaks, not a near-uniform average.
-        let inputs: Vec<Vec<f32>> = calls
-            .iter()
-            .map(|c| {
-                let rows: usize = c.slices.iter().map(|&(_, _, len)| len).sum();
-                (0..rows)
-                    .flat_map(|_| [rng.values(q_cols, 3.0), rng.values(2 * kv_cols, 1.0)].concat())
-                    .collect()
-            })
-            .collect();
+        let inputs = attention_inputs(&mut rng, calls, q_cols, kv_cols);
         let norm = norm_scales.as_ref();
-        let want = attention_calls(&p.cpu, &params, &rope, norm, calls, &inputs, sequences);
-        let got = attention_calls(&p.gpu, &params, &rope, norm, calls, &inputs, sequences);
+        let want = attention_calls(&p.cpu, &params, &rope, norm, None, calls, &inputs, sequences);
+        let got = attention_calls(&p.gpu, &params, &rope, norm, None, calls, &inputs, sequences);
         for (call, (got, want)) in got.iter().zip(&want).enumerate() {
-            let rows: Vec<(&[f32], &[f32])> = got.chunks(q_cols).zip(want.chunks(q_cols)).collect();
-            let (row, &(g, w)) = rows
-                .iter()
-                .enumerate()
-                .max_by(|a, b| rel_err(a.1 .0, a.1 .1).total_cmp(&rel_err(b.1 .0, b.1 .1)))
-                .unwrap();
-            check(
+            check_attention_rows(
+                &format!("attention {name} h{heads}/{kv_heads} d{head_dim} w{window:?} norm {norm:?} rot {rotary_dim} call {call}"),
+                got,
+                want,
+                q_cols,
+                attention_limit(&calls[call]),
+            );
+        }
+    }
+}
+
+/// Each call's fused q/k/v rows: queries scaled up so that the softmax has clear peaks, not a near-uniform average.
+fn attention_inputs(rng: &mut Rng, calls: &[AttentionCall], q_cols: usize, kv_cols: usize) -> Vec<Vec<f32>> {
+    calls
+        .iter()
+        .map(|c| {
+            let rows: usize = c.slices.iter().map(|&(_, _, len)| len).sum();
+            (0..rows)
+                .flat_map(|_| [rng.values(q_cols, 3.0), rng.values(2 * kv_cols, 1.0)].concat())
+                .collect()
+        })
+        .collect()
+}
+
+/// Calls with a prefill slice run the prefill (tensor-core) kernel, batches of single rows the split one.
+fn attention_limit(call: &AttentionCall) -> f32 {
+    match call.slices.iter().any(|&(_, _, len)| len > 1) {
+        true => FLASH_LIMIT,
+        false => F32_LIMIT,
+    }
+}
+
+/// Compares one attention call's output row by row (a long context's output is small next to a short one's, so a
+/// whole call's error would hide it), reporting the worst row.
+fn check_attention_rows(what: &str, got: &[f32], want: &[f32], q_cols: usize, limit: f32) {
+    let rows: Vec<(&[f32], &[f32])> = got.chunks(q_cols).zip(want.chunks(q_cols)).collect();
+    let (row, &(g, w)) = rows
+        .iter()
+        .enumerate()
+        .max_by(|a, b| rel_err(a.1 .0, a.1 .1).total_cmp(&rel_err(b.1 .0, b.1 .1)))
+        .unwrap();
+    check(&format!("{what} row {row}"), g.to_vec(), w.to_vec(), limit);
+}
+
+/// The prefill attention kernel against the CPU backend: slices of 1, 15, 16, 17, 64 and 300 rows in one batch (a
+/// single row among prefill slices, tiles of (row, head) pairs full, partial and split across rows), then chunks
+/// continuing over a prefix already in the cache (the chunked prefill and prefix-cache hits), then a decode batch
+/// (the split kernel) over the same cache. Shapes: groups of 1, 4, 5, 6 and 8 query heads per kv head (a tile
+/// holding parts of rows when the group does not divide it), head dims 16 to 256 (80 padded to 128), sliding
+/// windows shorter and longer than a tile, and gpt-oss's per-head sinks.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn prefill_attention_lengths_groups_windows_sinks() {
+    let p = pair();
+    let mut rng = Rng::new(11);
+    let calls: &[AttentionCall] = &[
+        AttentionCall {
+            slices: &[(0, 0, 1), (1, 0, 15), (2, 0, 16), (3, 0, 17), (4, 0, 300), (5, 0, 64)],
+            fill: false,
+        },
+        AttentionCall {
+            slices: &[(4, 300, 33), (0, 1, 1), (2, 16, 100), (5, 64, 65), (1, 15, 2)],
+            fill: false,
+        },
+        AttentionCall {
+            slices: &[(4, 333, 1), (3, 17, 1), (2, 116, 1)],
+            fill: false,
+        },
+    ];
+    // (heads, kv heads, head_dim, sliding window, sinks)
+    let shapes: [(usize, usize, usize, Option<usize>, bool); 7] = [
+        (4, 2, 16, None, false),
+        (32, 4, 128, None, false),
+        (16, 2, 256, None, false),
+        (64, 8, 64, Some(128), true),
+        (12, 2, 80, Some(20), true),
+        (8, 8, 32, None, true),
+        (20, 4, 256, Some(7), false),
+    ];
+    for (heads, kv_heads, head_dim, window, with_sinks) in shapes {
+        let params = AttentionParams {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            sliding_window: window,
+        };
+        let rope = Rope::new(1e4, head_dim, head_dim);
+        let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
+        let sinks = with_sinks.then(|| rng.values(heads, 2.0));
+        let inputs = attention_inputs(&mut rng, calls, q_cols, kv_cols);
+        let sinks = sinks.as_deref();
+        let want = attention_calls(&p.cpu, &params, &rope, None, sinks, calls, &inputs, 6);
+        let got = attention_calls(&p.gpu, &params, &rope, None, sinks, calls, &inputs, 6);
+        for (call, (got, want)) in got.iter().zip(&want).enumerate() {
+            check_attention_rows(
                 &format!(
-                    "attention {name} h{heads}/{kv_heads} d{head_dim} w{window:?} norm {norm:?} rot {rotary_dim} \
-                     call {call} row {row}"
+                    "prefill attention h{heads}/{kv_heads} d{head_dim} w{window:?} sinks {with_sinks} call {call}"
                 ),
-                g.to_vec(),
-                w.to_vec(),
-                F32_LIMIT,
+                got,
+                want,
+                q_cols,
+                attention_limit(&calls[call]),
             );
         }
     }
@@ -888,15 +981,24 @@ fn chunked_delta_rule_for_long_slices_among_short_ones() {
     let mut rng = Rng::new(7);
     // Three sequences over three calls, each batch mixing chunked slices (full chunks, partial last chunks, one of
     // exactly 64 tokens) with token-by-token ones (1 token, and 15: one short of the chunked form), and every
-    // sequence passing its state from one form to the other: A 300, 150, 1; B 130, 1, 64; C 1, 70, 15.
+    // sequence passing its state from one form to the other: A 300, 150, 1; B 130, 1, 64; C 1, 70, 15. The chunked
+    // slices run in the WY form (gdn.cu's gated_delta_rule_wy, then gated_delta_rule_states).
     let calls: &[&[(usize, usize)]] = &[
         &[(0, 300), (0, 130), (0, 1)],
         &[(300, 150), (130, 1), (1, 70)],
         &[(450, 1), (131, 64), (71, 15)],
     ];
+    // The shortest chunked slices (16, 17) beside a chunk and one token short of two (63 + 64 = 127, from a state
+    // the token-by-token form left), then a chunk's worth more each.
+    let short_calls: &[&[(usize, usize)]] = &[&[(0, 16), (0, 17), (0, 1)], &[(16, 64), (17, 63), (1, 127)]];
     // The real models' heads (128 x 128), then heads that fill the kernel's blocks partly (dk 64, dv 48: one and a
-    // half blocks of 32 columns) with three value heads per key head.
-    for (k_heads, v_heads, dk, dv) in [(2, 4, 128, 128), (1, 3, 64, 48)] {
+    // half blocks of 32 columns) with three value heads per key head, then the fixtures' (16 x 16).
+    for (k_heads, v_heads, dk, dv, calls) in [
+        (2, 4, 128, 128, calls),
+        (1, 3, 64, 48, calls),
+        (2, 4, 16, 16, short_calls),
+        (2, 4, 128, 128, short_calls),
+    ] {
         let case = GatedDeltaNetCase {
             k_heads,
             v_heads,
@@ -908,7 +1010,7 @@ fn chunked_delta_rule_for_long_slices_among_short_ones() {
         check_gated_deltanet(
             &p,
             &mut rng,
-            &format!("{k_heads}/{v_heads} heads of {dk} x {dv}"),
+            &format!("{k_heads}/{v_heads} heads of {dk} x {dv}, {} calls", calls.len()),
             &case,
         );
     }

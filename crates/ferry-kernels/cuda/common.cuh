@@ -46,6 +46,45 @@ __device__ __forceinline__ float block_sum(float v) {
     return total;
 }
 
+// For kernels whose blocks take tiles of a batch's slices: slice s has tiles_of(slice_len[s]) tiles (none for a
+// slice the kernel leaves to another), counted slice after slice. Finds the slice holding tile `tile` and the
+// tile's index within it: warp 0 scans the slices 32 at a time and tells the block through `found` (two ints of
+// shared memory). Every thread of the block calls it; false past the last tile.
+template <typename TilesOf>
+__device__ __forceinline__ bool find_slice_tile(const uint32_t* __restrict__ slice_len, int slices, int tile,
+                                                TilesOf tiles_of, int* found, int& slice, int& local) {
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int before = 0;  // tiles of the slices already scanned
+        int result_slice = -1, result_local = 0;
+        for (int base = 0; base < slices && result_slice < 0; base += 32) {
+            const int s = base + lane;
+            const int tiles = s < slices ? tiles_of(static_cast<int>(slice_len[s])) : 0;
+            int inclusive = tiles;
+#pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+                if (lane >= offset) inclusive += up;
+            }
+            const unsigned holds = __ballot_sync(0xffffffffu, s < slices && before + inclusive > tile);
+            if (holds != 0) {
+                const int owner = __ffs(holds) - 1;
+                result_slice = base + owner;
+                result_local = tile - before - __shfl_sync(0xffffffffu, inclusive - tiles, owner);
+            }
+            before += __shfl_sync(0xffffffffu, inclusive, 31);
+        }
+        if (lane == 0) {
+            found[0] = result_slice;
+            found[1] = result_local;
+        }
+    }
+    __syncthreads();
+    slice = found[0];
+    local = found[1];
+    return slice >= 0;
+}
+
 // A warp's weights travel through shared memory in two stages of STAGE_COPIES 16-byte copies per lane (whole
 // k-steps of every row the warp sums), so one stage is in flight while the other is summed. Asynchronous copies
 // are issued ahead of their use whatever the instruction scheduler does, where register loads get scheduled next to

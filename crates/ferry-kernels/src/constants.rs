@@ -39,6 +39,13 @@ kernel_constants! {
     /// Threads per block of attention_combine.
     ATTENTION_COMBINE_THREADS: usize = 128;
 
+    /// M-rows ((query row, head) pairs) per warp of the flash prefill attention: one m16 tensor-core tile.
+    FLASH_WARP_ROWS: usize = 16;
+    /// Key features per key tile of the flash prefill attention (keys per tile times the padded head dim).
+    FLASH_TILE_FEATURES: usize = 4096;
+    /// Keys per tile of the flash prefill attention at most (the tile of heads of 64 and smaller).
+    FLASH_MAX_KEYS_PER_TILE: usize = 64;
+
     /// The largest compressed kv of multi-head latent attention (DeepSeek-V3's 512): an mla_attend lane keeps
     /// `MLA_MAX_RANK / 32` accumulators.
     MLA_MAX_RANK: usize = 512;

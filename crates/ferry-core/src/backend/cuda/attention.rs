@@ -1,6 +1,7 @@
 //! Attention on the GPU: qkv.cu's fused q/k norm, RoPE and KV append, then attention over the paged KV cache
 //! (attention.cu): how a call is laid out (warps per block, depth of the copy pipeline, how many splits of the
-//! keys) and the launches of `attention` and, when the keys are split, `attention_combine`.
+//! keys) and the launches of `attention` and, when the keys are split, `attention_combine`. Batches with a prefill
+//! slice go to flash_attention.rs instead.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{
@@ -8,6 +9,7 @@ use ferry_kernels::constants::{
     MAX_HEAD_DIM,
 };
 
+use super::flash_attention;
 use super::kv::{DeviceBatch, DeviceKv};
 use super::launch::{kernel, ptr, Ptr};
 use super::{cuda_err, CudaBackend, CudaRope, CudaTensor, CudaWeight};
@@ -253,6 +255,11 @@ pub(super) fn attend(
         }
         None => Ptr::null(),
     };
+    // Batches with a prefill go to the tensor-core kernel (flash_attention.rs); without this `if`, to the split one.
+    if let Some(slices) = &batch.prefill {
+        let pools = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
+        return flash_attention::attend(cuda, q, sinks, pools, batch, slices, p);
+    }
     let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, cuda.max_shared_per_block)?;
     let threads = (shape.warps * 32) as u32;
     let per_multiprocessor = blocks_per_multiprocessor(cuda, threads, shape.shared_bytes)?;

@@ -9,7 +9,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
 
 use super::memory::keep_freed_memory_pooled;
-use super::{gdn, libs, linear, CudaBackend};
+use super::{flash_attention, gdn, libs, linear, CudaBackend};
 use crate::{Error, Result};
 
 pub(super) fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -45,10 +45,13 @@ const KERNELS: &[(&str, &[&str])] = &[
             "conv_state_update",
             "gated_delta_rule",
             "gated_delta_rule_chunked",
+            "gated_delta_rule_wy",
+            "gated_delta_rule_states",
             "sigmoid_gate_elementwise",
         ],
     ),
     ("attention", &["attention", "attention_combine"]),
+    ("flash_attention", &flash_attention::FLASH_KERNELS),
     ("qkv", &["qkv_rope_kv_append"]),
     ("mla", &["mla_latent_append", "mla_attend"]),
     (
@@ -145,7 +148,12 @@ impl CudaBackend {
             "shared memory per block",
         )?;
         allow_shared_bytes(&functions, "attention", max_shared_per_block)?;
+        for name in flash_attention::FLASH_KERNELS {
+            allow_shared_bytes(&functions, name, max_shared_per_block)?;
+        }
         allow_shared_bytes(&functions, "gated_delta_rule_chunked", gdn::CHUNKED_MAX_SHARED_BYTES)?;
+        allow_shared_bytes(&functions, "gated_delta_rule_states", gdn::CHUNKED_MAX_SHARED_BYTES)?;
+        allow_shared_bytes(&functions, "gated_delta_rule_wy", gdn::WY_MAX_SHARED_BYTES)?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
         let device = format!(
             "{} (sm_{major}{minor}, {:.1} GiB)",

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::cuda_err;
+use super::flash_attention::PrefillSlices;
 use crate::backend::SeqSlice;
 use crate::kv::{BlockAllocator, KvCache, KvLayerSpec, KvSpec, RecurrentSpec, SeqId, BLOCK_SIZE};
 use crate::{Error, Result};
@@ -55,6 +56,8 @@ pub struct DeviceBatch {
     /// The longest sequence of the batch, in tokens, after it.
     pub(super) max_len: usize,
     pub(super) recurrent: Option<RecurrentBatch>,
+    /// The slices of a batch with a prefill, for the prefill attention kernel.
+    pub(super) prefill: Option<PrefillSlices>,
 }
 
 impl DeviceKv {
@@ -217,6 +220,7 @@ impl DeviceKv {
             block_tables: upload(&block_tables)?,
             max_len: batch.iter().map(|s| s.start_pos + s.len).max().unwrap_or(0),
             recurrent: self.recurrent_batch(stream, batch)?,
+            prefill: PrefillSlices::for_batch(stream, batch)?,
         })
     }
 }

@@ -19,6 +19,7 @@ mod ceilings;
 mod context;
 mod elementwise;
 mod expert_format;
+mod flash_attention;
 mod gdn;
 mod kv;
 mod lane_ceilings;
