@@ -451,31 +451,6 @@ FIXTURES = [
         expert_names="per_expert",
     ),
     Fixture(
-        name="qwen3_moe_fused",
-        config_class="Qwen3MoeConfig",
-        architecture="Qwen3MoeForCausalLM",
-        config=dict(
-            COMMON,
-            head_dim=16,
-            num_hidden_layers=3,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            decoder_sparse_step=2,
-            mlp_only_layers=[],
-            norm_topk_prob=False,
-            tie_word_embeddings=False,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        ),
-        tokenizer=QWEN_TOKENIZER,
-        seed=2000,
-        num_shards=2,
-        expert_names="fused",
-        hub_config=False,
-    ),
-    Fixture(
         name="mixtral",
         config_class="MixtralConfig",
         architecture="MixtralForCausalLM",
@@ -686,17 +661,6 @@ FIXTURES = [
         expert_names="gpt_oss",
         hub_config=False,
     ),
-    Fixture(
-        name="gpt_oss_mxfp4",
-        config_class="GptOssConfig",
-        architecture="GptOssForCausalLM",
-        config=GPT_OSS,
-        tokenizer=QWEN_TOKENIZER,
-        seed=9100,
-        num_shards=2,
-        expert_names="mxfp4",
-        hub_config=False,
-    ),
 ]
 
 def _fixture(name: str) -> Fixture:
@@ -704,6 +668,22 @@ def _fixture(name: str) -> Fixture:
 
 
 FIXTURES += [
+    dataclasses.replace(
+        _fixture("qwen3_moe"),
+        name="qwen3_moe_fused",
+        config=dict(
+            _fixture("qwen3_moe").config,
+            decoder_sparse_step=2,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+        seed=2000,
+        num_shards=2,
+        expert_names="fused",
+        hub_config=False,
+    ),
+    dataclasses.replace(_fixture("gpt_oss"), name="gpt_oss_mxfp4", seed=9100, expert_names="mxfp4"),
     dataclasses.replace(_fixture("qwen3_moe"), name="qwen3_moe_fp8", fp8="block"),
     dataclasses.replace(_fixture("qwen3_5_moe_text"), name="qwen3_5_moe_fp8_dynamic", fp8="channel"),
 ]

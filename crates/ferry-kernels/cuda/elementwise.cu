@@ -93,9 +93,3 @@ extern "C" __global__ void split_bf16(const float* __restrict__ x, uint16_t* __r
         lo[i] = float_to_bf16(x[i] - bf16_to_float(h));
     }
 }
-
-extern "C" __global__ void bf16_to_f32(const uint16_t* __restrict__ in, float* __restrict__ out, size_t n) {
-    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-         i += static_cast<size_t>(gridDim.x) * blockDim.x)
-        out[i] = bf16_to_float(in[i]);
-}

@@ -390,6 +390,117 @@ pub fn check_top_k(num_experts: usize, top_k: usize) -> Result<()> {
     Ok(())
 }
 
+/// DeepSeek-V3's MoE, as its config.json names it and GLM-4.5's does alike: the first `first_k_dense_replace` layers
+/// a dense MLP of `intermediate_size`, the others routed by sigmoid scores with a correction bias among `n_group`
+/// groups of experts, plus `n_shared_experts` shared experts (one MLP that many times as wide) added as is. A family
+/// whose configs may leave some of these out fills in its own defaults first ([`with_defaults`]).
+#[derive(Deserialize)]
+pub struct GroupedSigmoidMoe {
+    /// transformers 5 reads GLM's as `num_local_experts` too.
+    #[serde(alias = "num_local_experts")]
+    n_routed_experts: usize,
+    num_experts_per_tok: usize,
+    moe_intermediate_size: usize,
+    /// The dense layers' MLP width.
+    intermediate_size: usize,
+    n_shared_experts: Option<usize>,
+    n_group: usize,
+    topk_group: usize,
+    first_k_dense_replace: usize,
+    #[serde(default = "default_true")]
+    norm_topk_prob: bool,
+    routed_scaling_factor: f32,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// `config` with each of `defaults` set where the config leaves it out.
+pub fn with_defaults(config: &serde_json::Value, defaults: &[(&str, serde_json::Value)]) -> serde_json::Value {
+    let mut config = config.clone();
+    if let Some(fields) = config.as_object_mut() {
+        for (name, value) in defaults {
+            fields.entry(*name).or_insert_with(|| value.clone());
+        }
+    }
+    config
+}
+
+impl GroupedSigmoidMoe {
+    /// Makes `spec`'s first layers dense and the others this MoE.
+    pub fn apply(&self, spec: &mut ModelSpec) -> Result<()> {
+        check_top_k(self.n_routed_experts, self.num_experts_per_tok)?;
+        let (layers, first_k_dense) = (spec.layers.len(), self.first_k_dense_replace);
+        if first_k_dense > layers {
+            return Err(Error::Config(format!(
+                "first_k_dense_replace ({first_k_dense}) is over num_hidden_layers ({layers})"
+            )));
+        }
+        for layer in &mut spec.layers[..first_k_dense] {
+            layer.ffn = FfnKind::Dense {
+                intermediate: self.intermediate_size,
+            };
+        }
+        let n_shared = self.n_shared_experts.unwrap_or(0);
+        spec.moe = Some(MoeSpec {
+            num_experts: self.n_routed_experts,
+            top_k: self.num_experts_per_tok,
+            intermediate: self.moe_intermediate_size,
+            router: RouterKind::SigmoidGroupedTopK {
+                n_group: self.n_group,
+                topk_group: self.topk_group,
+                renormalize: self.norm_topk_prob,
+                scaling: self.routed_scaling_factor,
+            },
+            activation: ExpertActivation::SiluGlu,
+            shared_expert: (n_shared > 0).then_some(SharedExpert {
+                intermediate: n_shared * self.moe_intermediate_size,
+                sigmoid_gated: false,
+            }),
+            naming: STANDARD_EXPERTS,
+        });
+        Ok(())
+    }
+}
+
+/// Sets each layer's mixer from config.json's `layer_types` (one name per layer, each one of `kinds`), or from
+/// `default(layer)` when the config lists none.
+pub fn set_layer_mixers(
+    spec: &mut ModelSpec,
+    layer_types: Option<&[String]>,
+    kinds: &[(&str, Mixer)],
+    default: impl Fn(usize) -> Mixer,
+) -> Result<()> {
+    let layers = spec.layers.len();
+    let mixers: Vec<Mixer> = match layer_types {
+        Some(types) if types.len() != layers => {
+            return Err(Error::Config(format!(
+                "layer_types has {} entries for {layers} layers",
+                types.len()
+            )))
+        }
+        Some(types) => types
+            .iter()
+            .map(|t| {
+                kinds
+                    .iter()
+                    .find(|(name, _)| name == t)
+                    .map(|&(_, mixer)| mixer)
+                    .ok_or_else(|| {
+                        let names: Vec<&str> = kinds.iter().map(|&(name, _)| name).collect();
+                        Error::Config(format!("layer type \"{t}\" is not supported ({})", names.join(", ")))
+                    })
+            })
+            .collect::<Result<_>>()?,
+        None => (0..layers).map(default).collect(),
+    };
+    for (layer, mixer) in spec.layers.iter_mut().zip(mixers) {
+        layer.mixer = mixer;
+    }
+    Ok(())
+}
+
 /// The hybrid families' (Qwen3-Next, Qwen3.5) Gated DeltaNet settings and layer pattern.
 #[derive(Clone, Debug, Deserialize)]
 pub struct HybridConfig {
@@ -411,44 +522,28 @@ fn default_full_attention_interval() -> usize {
 impl HybridConfig {
     /// Makes `spec` hybrid: the layer pattern, the Gated DeltaNet shape, gated attention and (1 + w) norms.
     pub fn apply(&self, spec: &mut ModelSpec, projections: GdnProjections) -> Result<()> {
-        let layers = spec.layers.len();
-        let mixers: Vec<Mixer> = match &self.layer_types {
-            Some(types) if types.len() != layers => {
-                return Err(Error::Config(format!(
-                    "layer_types has {} entries for {layers} layers",
-                    types.len()
-                )))
-            }
-            Some(types) => types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "full_attention" => Ok(Mixer::FULL_ATTENTION),
-                    "linear_attention" => Ok(Mixer::GatedDeltaNet),
-                    other => Err(Error::Config(format!(
-                        "layer type \"{other}\" is not supported (full_attention, linear_attention)"
-                    ))),
-                })
-                .collect::<Result<_>>()?,
-            None if self.full_attention_interval == 0 => {
-                return Err(Error::Config("full_attention_interval must be positive".into()))
-            }
-            None => (0..layers)
-                .map(|i| match (i + 1) % self.full_attention_interval {
-                    0 => Mixer::FULL_ATTENTION,
-                    _ => Mixer::GatedDeltaNet,
-                })
-                .collect(),
-        };
-        if !mixers.iter().any(Mixer::is_attention) {
+        if self.layer_types.is_none() && self.full_attention_interval == 0 {
+            return Err(Error::Config("full_attention_interval must be positive".into()));
+        }
+        let interval = self.full_attention_interval;
+        set_layer_mixers(
+            spec,
+            self.layer_types.as_deref(),
+            &[
+                ("full_attention", Mixer::FULL_ATTENTION),
+                ("linear_attention", Mixer::GatedDeltaNet),
+            ],
+            |i| match (i + 1) % interval {
+                0 => Mixer::FULL_ATTENTION,
+                _ => Mixer::GatedDeltaNet,
+            },
+        )?;
+        if !spec.layers.iter().any(|l| l.mixer.is_attention()) {
             // Sequences are tracked through their attention layers' KV; a model of Gated DeltaNet layers alone has none.
             return Err(Error::Config(
                 "no full_attention layer: models of Gated DeltaNet layers alone are not supported".into(),
             ));
         }
-        spec.layers
-            .iter_mut()
-            .zip(mixers)
-            .for_each(|(layer, mixer)| layer.mixer = mixer);
         let (k_heads, v_heads) = (self.linear_num_key_heads, self.linear_num_value_heads);
         if k_heads == 0 || !v_heads.is_multiple_of(k_heads) || v_heads == 0 {
             return Err(Error::Config(format!(

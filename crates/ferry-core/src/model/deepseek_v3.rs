@@ -5,25 +5,15 @@
 
 use serde::Deserialize;
 
-use super::config::{parse, BaseConfig, FfnKind, MlaSpec, ModelSpec, MoeSpec, SharedExpert, STANDARD_EXPERTS};
-use crate::backend::{ExpertActivation, RouterKind};
+use super::config::{parse, BaseConfig, GroupedSigmoidMoe, MlaSpec, ModelSpec};
 use crate::{Error, Result};
 
 #[derive(Deserialize)]
 struct DeepseekV3Config {
     #[serde(flatten)]
     base: BaseConfig,
-    intermediate_size: usize,
-    moe_intermediate_size: usize,
-    n_routed_experts: usize,
-    n_shared_experts: Option<usize>,
-    num_experts_per_tok: usize,
-    n_group: usize,
-    topk_group: usize,
-    #[serde(default = "default_true")]
-    norm_topk_prob: bool,
-    routed_scaling_factor: f32,
-    first_k_dense_replace: usize,
+    #[serde(flatten)]
+    moe: GroupedSigmoidMoe,
     /// Every `moe_layer_freq`-th layer past the dense ones is MoE; DeepSeek-V3 and Kimi-K2 use 1.
     moe_layer_freq: Option<usize>,
     /// Hub configs say how experts are scored and chosen; transformers' DeepSeek-V3 knows only these.
@@ -70,13 +60,6 @@ pub fn spec(config: &serde_json::Value, model_type: &'static str) -> Result<Mode
     spec.num_kv_heads = spec.num_heads;
     spec.head_dim = qk_head_dim;
     spec.rotary_dim = rope;
-    for (i, layer) in spec.layers.iter_mut().enumerate() {
-        if i < c.first_k_dense_replace {
-            layer.ffn = FfnKind::Dense {
-                intermediate: c.intermediate_size,
-            };
-        }
-    }
     // transformers' yarn_apply_mscale (YaRN's `mscale_all_dim` corrects the softmax scale), in f64 and rounded once
     // as transformers computes it in Python floats.
     let mscale_all_dim = ["rope_parameters", "rope_scaling"]
@@ -97,23 +80,7 @@ pub fn spec(config: &serde_json::Value, model_type: &'static str) -> Result<Mode
         rope_interleaved: c.rope_interleave,
         softmax_scale,
     });
-    spec.moe = Some(MoeSpec {
-        num_experts: c.n_routed_experts,
-        top_k: c.num_experts_per_tok,
-        intermediate: c.moe_intermediate_size,
-        router: RouterKind::SigmoidGroupedTopK {
-            n_group: c.n_group,
-            topk_group: c.topk_group,
-            renormalize: c.norm_topk_prob,
-            scaling: c.routed_scaling_factor,
-        },
-        activation: ExpertActivation::SiluGlu,
-        shared_expert: c.n_shared_experts.filter(|&n| n > 0).map(|n| SharedExpert {
-            intermediate: n * c.moe_intermediate_size,
-            sigmoid_gated: false,
-        }),
-        naming: STANDARD_EXPERTS,
-    });
+    c.moe.apply(&mut spec)?;
     Ok(spec)
 }
 
@@ -121,6 +88,7 @@ pub fn spec(config: &serde_json::Value, model_type: &'static str) -> Result<Mode
 mod tests {
     use super::*;
     use crate::model::info::ModelInfo;
+    use crate::model::FfnKind;
 
     /// DeepSeek-V3's published config.json (4.x conventions, YaRN in rope_scaling), as bench/dsv3.json holds it.
     fn deepseek_v3() -> serde_json::Value {

@@ -6,100 +6,54 @@
 
 use serde::Deserialize;
 
-use super::config::{
-    check_top_k, parse, BaseConfig, FfnKind, ModelSpec, MoeSpec, QkNorm, SharedExpert, STANDARD_EXPERTS,
-};
-use crate::backend::{ExpertActivation, RouterKind};
-use crate::{Error, Result};
+use super::config::{parse, with_defaults, BaseConfig, GroupedSigmoidMoe, ModelSpec, QkNorm};
+use crate::Result;
 
 #[derive(Deserialize)]
 struct Glm4MoeConfig {
     #[serde(flatten)]
     base: BaseConfig,
-    /// transformers 5 reads it as `num_local_experts` too.
-    #[serde(alias = "num_local_experts")]
-    n_routed_experts: usize,
-    num_experts_per_tok: usize,
-    moe_intermediate_size: usize,
-    /// The dense layers' MLP width.
-    intermediate_size: usize,
-    #[serde(default = "one")]
-    n_shared_experts: usize,
-    #[serde(default = "one")]
-    n_group: usize,
-    #[serde(default = "one")]
-    topk_group: usize,
-    #[serde(default = "one")]
-    first_k_dense_replace: usize,
-    #[serde(default = "yes")]
-    norm_topk_prob: bool,
-    #[serde(default = "unit_scale")]
-    routed_scaling_factor: f32,
+    #[serde(flatten)]
+    moe: GroupedSigmoidMoe,
     #[serde(default)]
     use_qk_norm: bool,
 }
 
-fn one() -> usize {
-    1
-}
-
-fn yes() -> bool {
-    true
-}
-
-fn unit_scale() -> f32 {
-    1.0
+/// transformers' `Glm4MoeConfig` defaults for the MoE fields a config may leave out.
+fn moe_defaults() -> [(&'static str, serde_json::Value); 5] {
+    [
+        ("n_shared_experts", 1.into()),
+        ("n_group", 1.into()),
+        ("topk_group", 1.into()),
+        ("first_k_dense_replace", 1.into()),
+        ("routed_scaling_factor", 1.0.into()),
+    ]
 }
 
 /// transformers' `Glm4MoeConfig` rotates half of each head when the config names no factor.
 const DEFAULT_PARTIAL_ROTARY_FACTOR: f64 = 0.5;
 
 pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
-    let mut c: Glm4MoeConfig = parse(config)?;
-    check_top_k(c.n_routed_experts, c.num_experts_per_tok)?;
+    let mut c: Glm4MoeConfig = parse(&with_defaults(config, &moe_defaults()))?;
     let named = c.base.rope_parameters.as_ref().and_then(|r| r.partial_rotary_factor);
     if named.is_none() && c.base.partial_rotary_factor.is_none() {
         c.base.partial_rotary_factor = Some(DEFAULT_PARTIAL_ROTARY_FACTOR);
-    }
-    if c.first_k_dense_replace > c.base.num_hidden_layers {
-        return Err(Error::Config(format!(
-            "first_k_dense_replace ({}) is over num_hidden_layers ({})",
-            c.first_k_dense_replace, c.base.num_hidden_layers
-        )));
     }
     let mut spec = c.base.spec("glm4_moe")?;
     if c.use_qk_norm {
         spec.qk_norm = QkNorm::PerHead;
     }
-    for layer in &mut spec.layers[..c.first_k_dense_replace] {
-        layer.ffn = FfnKind::Dense {
-            intermediate: c.intermediate_size,
-        };
-    }
-    spec.moe = Some(MoeSpec {
-        num_experts: c.n_routed_experts,
-        top_k: c.num_experts_per_tok,
-        intermediate: c.moe_intermediate_size,
-        router: RouterKind::SigmoidGroupedTopK {
-            n_group: c.n_group,
-            topk_group: c.topk_group,
-            renormalize: c.norm_topk_prob,
-            scaling: c.routed_scaling_factor,
-        },
-        activation: ExpertActivation::SiluGlu,
-        shared_expert: (c.n_shared_experts > 0).then_some(SharedExpert {
-            intermediate: c.n_shared_experts * c.moe_intermediate_size,
-            sigmoid_gated: false,
-        }),
-        naming: STANDARD_EXPERTS,
-    });
+    c.moe.apply(&mut spec)?;
     Ok(spec)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{LayerSpec, Mixer, ModelInfo};
+    use crate::backend::RouterKind;
+    use crate::model::config::SharedExpert;
+    use crate::model::{FfnKind, LayerSpec, Mixer, ModelInfo};
+    use crate::Error;
 
     fn bench_config() -> serde_json::Value {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/glm45air.json");

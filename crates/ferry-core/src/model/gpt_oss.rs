@@ -10,7 +10,9 @@
 
 use serde::Deserialize;
 
-use super::config::{check_top_k, parse, BaseConfig, ExpertLayout, ExpertNaming, Mixer, ModelSpec, MoeSpec};
+use super::config::{
+    check_top_k, parse, set_layer_mixers, BaseConfig, ExpertLayout, ExpertNaming, Mixer, ModelSpec, MoeSpec,
+};
 use super::layers::WeightLoader;
 use crate::backend::{Backend, ExpertActivation, ExpertTensors, RouterKind};
 use crate::loader::TensorRef;
@@ -60,35 +62,22 @@ pub fn spec(config: &serde_json::Value) -> Result<ModelSpec> {
     check_top_k(c.num_local_experts, c.num_experts_per_tok)?;
     let mut spec = c.base.spec("gpt_oss")?;
     let layers = spec.layers.len();
-    let window = Some(c.sliding_window);
-    let mixers: Vec<Mixer> = match &c.layer_types {
-        Some(types) if types.len() != layers => {
-            return Err(Error::Config(format!(
-                "layer_types has {} entries for {layers} layers",
-                types.len()
-            )))
-        }
-        Some(types) => types
-            .iter()
-            .map(|t| match t.as_str() {
-                "sliding_attention" => Ok(Mixer::Attention { window }),
-                "full_attention" => Ok(Mixer::FULL_ATTENTION),
-                other => Err(Error::Config(format!(
-                    "layer type \"{other}\" is not supported (sliding_attention, full_attention)"
-                ))),
-            })
-            .collect::<Result<_>>()?,
-        // transformers' default: even layers banded, odd layers full.
-        None => (0..layers)
-            .map(|i| match i % 2 {
-                0 => Mixer::Attention { window },
-                _ => Mixer::FULL_ATTENTION,
-            })
-            .collect(),
+    let sliding = Mixer::Attention {
+        window: Some(c.sliding_window),
     };
-    for (layer, mixer) in spec.layers.iter_mut().zip(mixers) {
-        layer.mixer = mixer;
-    }
+    // transformers' default: even layers banded, odd layers full.
+    set_layer_mixers(
+        &mut spec,
+        c.layer_types.as_deref(),
+        &[
+            ("sliding_attention", sliding),
+            ("full_attention", Mixer::FULL_ATTENTION),
+        ],
+        |i| match i % 2 {
+            0 => sliding,
+            _ => Mixer::FULL_ATTENTION,
+        },
+    )?;
     let mxfp4 = match &c.quantization_config {
         None => false,
         Some(q) if q.quant_method == "mxfp4" => {

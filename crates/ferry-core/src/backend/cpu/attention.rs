@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::{check_shape, check_vector, dot, CpuBackend, CpuBatch, CpuTensor};
 use crate::backend::{AttentionParams, Backend, QkNormWeights, Rope};
-use crate::kv::HostKv;
+use crate::kv::{HostKv, LayerView};
 use crate::loader::TensorRef;
 use crate::Result;
 
@@ -95,45 +95,75 @@ impl AttentionInputs<'_> {
         rope(&mut q, &batch.positions, rope_table);
         rope(&mut k, &batch.positions, rope_table);
         let group = p.num_heads / p.num_kv_heads;
-        let mut out = CpuTensor::zeros(q.rows, q.cols);
-        let mut row0 = 0;
-        for s in &batch.slices {
-            let rows = row0..row0 + s.len;
-            kv.append(
-                s.seq,
-                layer,
-                s.start_pos,
-                &k.data[rows.start * kv_width..rows.end * kv_width],
-                &v.data[rows.start * kv_width..rows.end * kv_width],
-            )?;
-            let cached = kv.layer(s.seq, layer)?;
-            let out_rows = &mut out.data[rows.start * q.cols..rows.end * q.cols];
-            out_rows.par_chunks_mut(p.head_dim).enumerate().for_each(|(i, o)| {
-                let (t, h) = (i / p.num_heads, i % p.num_heads);
-                let pos = s.start_pos + t;
+        attend_heads(
+            kv,
+            layer,
+            batch,
+            (&k.data, &v.data),
+            p.num_heads,
+            p.head_dim,
+            |cached, row, h, pos, o| {
                 let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
                 let kh = h / group;
-                let qh = &q.row(row0 + t)[h * p.head_dim..(h + 1) * p.head_dim];
-                let scores: Vec<f32> = (first..=pos)
+                let qh = &q.row(row)[h * p.head_dim..(h + 1) * p.head_dim];
+                let mut weights: Vec<f32> = (first..=pos)
                     .map(|j| {
                         let kj = &cached.key(j)[kh * p.head_dim..][..p.head_dim];
                         dot(qh, kj) * p.scale
                     })
                     .collect();
-                let sink = sinks.as_ref().map(|s| s[h]);
-                let max = scores.iter().copied().chain(sink).fold(f32::NEG_INFINITY, f32::max);
-                let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-                let total = exps.iter().sum::<f32>() + sink.map_or(0.0, |s| (s - max).exp());
-                for (j, e) in (first..=pos).zip(&exps) {
+                softmax_with_sink(&mut weights, sinks.as_ref().map(|s| s[h]));
+                for (j, w) in (first..=pos).zip(&weights) {
                     let vj = &cached.value(j)[kh * p.head_dim..][..p.head_dim];
-                    let w = e / total;
                     o.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
                 }
-            });
-            row0 = rows.end;
-        }
-        Ok(out)
+            },
+        )
     }
+}
+
+/// Appends each slice's new `keys` and `values` rows to KV layer `layer` (MLA's latent rows come without values),
+/// then fills the `heads` heads of `head_width` of every output row in parallel: `head(cached, row, h, pos, out)`
+/// computes head `h` of batch row `row`, at position `pos`, from the sequence's cached positions.
+pub(super) fn attend_heads(
+    kv: &mut HostKv,
+    layer: usize,
+    batch: &CpuBatch,
+    (keys, values): (&[f32], &[f32]),
+    heads: usize,
+    head_width: usize,
+    head: impl Fn(&LayerView, usize, usize, usize, &mut [f32]) + Sync,
+) -> Result<CpuTensor> {
+    let rows = batch.positions.len();
+    let (key_width, value_width) = (keys.len() / rows.max(1), values.len() / rows.max(1));
+    let mut out = CpuTensor::zeros(rows, heads * head_width);
+    let mut row0 = 0;
+    for s in &batch.slices {
+        let slice_rows = row0..row0 + s.len;
+        kv.append(
+            s.seq,
+            layer,
+            s.start_pos,
+            &keys[slice_rows.start * key_width..slice_rows.end * key_width],
+            &values[slice_rows.start * value_width..slice_rows.end * value_width],
+        )?;
+        let cached = kv.layer(s.seq, layer)?;
+        let out_rows = &mut out.data[slice_rows.start * out.cols..slice_rows.end * out.cols];
+        out_rows.par_chunks_mut(head_width).enumerate().for_each(|(i, o)| {
+            let (t, h) = (i / heads, i % heads);
+            head(&cached, row0 + t, h, s.start_pos + t, o)
+        });
+        row0 = slice_rows.end;
+    }
+    Ok(out)
+}
+
+/// `scores` made softmax weights in place; a `sink` logit takes its share of the weight and has no value.
+pub(super) fn softmax_with_sink(scores: &mut [f32], sink: Option<f32>) {
+    let max = scores.iter().copied().chain(sink).fold(f32::NEG_INFINITY, f32::max);
+    scores.iter_mut().for_each(|s| *s = (*s - max).exp());
+    let total = scores.iter().sum::<f32>() + sink.map_or(0.0, |s| (s - max).exp());
+    scores.iter_mut().for_each(|s| *s /= total);
 }
 
 #[cfg(test)]

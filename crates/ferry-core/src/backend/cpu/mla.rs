@@ -6,8 +6,7 @@
 //! One form for every row keeps the reference short and is the form the GPU kernel computes; in exact arithmetic
 //! it equals transformers' expanded keys and values, which the unit test below holds it to.
 
-use rayon::prelude::*;
-
+use super::attention::{attend_heads, softmax_with_sink};
 use super::{check_shape, dot, CpuBackend, CpuBatch, CpuTensor};
 use crate::backend::{Backend, MlaParams, Rope};
 use crate::kv::HostKv;
@@ -51,7 +50,7 @@ impl MlaInputs<'_> {
             params: p,
         } = self;
         let (rank, nope, rope_dim, v_dim) = (p.kv_lora_rank, p.qk_nope_head_dim, p.qk_rope_head_dim, p.v_head_dim);
-        let (latent_width, out_width) = (p.latent_width(), p.out_width());
+        let latent_width = p.latent_width();
         batch.expect_rows(q, "mla_attention")?;
         batch.expect_rows(compressed, "mla_attention")?;
         let cache = kv.layer_spec(layer)?;
@@ -85,18 +84,16 @@ impl MlaInputs<'_> {
         }
         let kv_b = kv_b.to_f32_vec();
         let head_rows = (nope + v_dim) * rank;
-        let mut out = CpuTensor::zeros(q.rows, out_width);
-        let mut row0 = 0;
-        for s in &batch.slices {
-            let rows = row0..row0 + s.len;
-            let new = &latent.data[rows.start * latent_width..rows.end * latent_width];
-            kv.append(s.seq, layer, s.start_pos, new, &[])?;
-            let cached = kv.layer(s.seq, layer)?;
-            let out_rows = &mut out.data[rows.start * out_width..rows.end * out_width];
-            out_rows.par_chunks_mut(v_dim).enumerate().for_each(|(i, o)| {
-                let (t, h) = (i / p.num_heads, i % p.num_heads);
-                let pos = s.start_pos + t;
-                let query = &q.row(row0 + t)[h * (nope + rope_dim)..(h + 1) * (nope + rope_dim)];
+        let new_rows = (&latent.data[..], &[][..]);
+        attend_heads(
+            kv,
+            layer,
+            batch,
+            new_rows,
+            p.num_heads,
+            v_dim,
+            |cached, row, h, pos, o| {
+                let query = &q.row(row)[h * (nope + rope_dim)..(h + 1) * (nope + rope_dim)];
                 let mut q_rope = query[nope..].to_vec();
                 rotate(&mut q_rope, pos as u32, rope, p.rope_interleaved);
                 let (w_k, w_v) = kv_b[h * head_rows..(h + 1) * head_rows].split_at(nope * rank);
@@ -104,18 +101,15 @@ impl MlaInputs<'_> {
                 for (&qi, w_row) in query[..nope].iter().zip(w_k.chunks(rank)) {
                     q_c.iter_mut().zip(w_row).for_each(|(a, w)| *a += qi * w);
                 }
-                let scores: Vec<f32> = (0..=pos)
+                let mut weights: Vec<f32> = (0..=pos)
                     .map(|j| {
                         let (c_j, k_j) = cached.key(j).split_at(rank);
                         (dot(&q_c, c_j) + dot(&q_rope, k_j)) * p.scale
                     })
                     .collect();
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-                let total: f32 = exps.iter().sum();
+                softmax_with_sink(&mut weights, None);
                 let mut o_c = vec![0.0; rank];
-                for (j, e) in exps.iter().enumerate() {
-                    let weight = e / total;
+                for (j, weight) in weights.iter().enumerate() {
                     o_c.iter_mut()
                         .zip(&cached.key(j)[..rank])
                         .for_each(|(o, c)| *o += weight * c);
@@ -123,10 +117,8 @@ impl MlaInputs<'_> {
                 o.iter_mut()
                     .zip(w_v.chunks(rank))
                     .for_each(|(o, w_row)| *o = dot(w_row, &o_c));
-            });
-            row0 = rows.end;
-        }
-        Ok(out)
+            },
+        )
     }
 }
 

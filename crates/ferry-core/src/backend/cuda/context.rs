@@ -199,3 +199,6 @@ impl CudaBackend {
         kernel(&self.functions, name)
     }
 }
+
+#[cfg(test)]
+mod tests;
