@@ -1,7 +1,10 @@
 //! How a routed expert's block is laid out in device memory and in the host bank, which moe.cu reads: bf16 gate,
 //! up and down back to back, or FP8 (E4M3) gate, up and down followed, from the next 16-byte boundary, by their
 //! f32 scales. One contiguous block per expert in either format, so an offloaded miss stays one copy and the cache
-//! counts the block's real bytes. Also the launches of the FP8 expert kernels (moe.rs picks them by format).
+//! counts the block's real bytes. Every block is padded to a multiple of [`BLOCK_ALIGN`] bytes: the expert kernels
+//! take their vectorised path only on 16-byte aligned rows, and that path sums in another order than the scalar
+//! one, so an expert must sit at the same alignment in every slot of the offload's cache and of the resident slab
+//! for the two to agree bit for bit. Also the launches of the FP8 expert kernels (moe.rs picks them by format).
 
 use super::launch::{grid_1d, kernel, Ptr, BLOCK_THREADS};
 use super::memory::bf16_bytes;
@@ -10,8 +13,11 @@ use crate::backend::ExpertTensors;
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
 
-/// Zero bytes that pad an FP8 block's weights to the 16-byte boundary where its scales start.
-const PAD: [u8; 16] = [0; 16];
+/// What every expert block's start and length are a multiple of (see the file's comment).
+const BLOCK_ALIGN: usize = 16;
+
+/// Zero bytes that pad an FP8 block's weights to where its scales start, and every block to its end.
+const PAD: [u8; BLOCK_ALIGN] = [0; BLOCK_ALIGN];
 
 /// The blocks an FP8 expert's scales cover, `[rows, cols]` per scale: gate's and up's (equal), and down's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,11 +89,11 @@ impl ExpertFormat {
 
     /// Where an FP8 block's scales start: after the three matrices' bytes, at a multiple of 16.
     fn scales_at(inter: usize, hidden: usize) -> usize {
-        (3 * inter * hidden).next_multiple_of(16)
+        (3 * inter * hidden).next_multiple_of(BLOCK_ALIGN)
     }
 
-    /// Bytes of one expert's block.
-    pub(super) fn block_bytes(self, inter: usize, hidden: usize) -> usize {
+    /// Bytes of one expert's block without its end padding.
+    fn content_bytes(self, inter: usize, hidden: usize) -> usize {
         match self {
             ExpertFormat::Bf16 => 3 * inter * hidden * 2,
             ExpertFormat::Fp8(b) => {
@@ -96,14 +102,20 @@ impl ExpertFormat {
         }
     }
 
-    /// An expert's block as the byte runs that make it, in order (matrices, then padding and scales for FP8):
-    /// copied back to back they are [`ExpertFormat::block_bytes`] bytes.
+    /// Bytes of one expert's block, padded to a multiple of [`BLOCK_ALIGN`]: blocks placed back to back (the
+    /// resident slab, the cache's slots) all start 16-byte aligned.
+    pub(super) fn block_bytes(self, inter: usize, hidden: usize) -> usize {
+        self.content_bytes(inter, hidden).next_multiple_of(BLOCK_ALIGN)
+    }
+
+    /// An expert's block as the byte runs that make it, in order (matrices, then padding and scales for FP8, then
+    /// the end padding): copied back to back they are [`ExpertFormat::block_bytes`] bytes.
     pub(super) fn block_parts(self, e: &ExpertTensors) -> Result<Vec<&[u8]>> {
         let matrices = [&e.gate, &e.up, &e.down];
-        match self {
-            ExpertFormat::Bf16 => matrices.into_iter().map(bf16_bytes).collect(),
+        let (inter, hidden) = (e.gate.shape[0], e.gate.shape[1]);
+        let mut parts: Vec<&[u8]> = match self {
+            ExpertFormat::Bf16 => matrices.into_iter().map(bf16_bytes).collect::<Result<_>>()?,
             ExpertFormat::Fp8(_) => {
-                let (inter, hidden) = (e.gate.shape[0], e.gate.shape[1]);
                 let mut parts: Vec<&[u8]> = matrices.iter().map(|t| t.bytes()).collect();
                 parts.push(&PAD[..Self::scales_at(inter, hidden) - 3 * inter * hidden]);
                 for t in matrices {
@@ -112,9 +124,11 @@ impl ExpertFormat {
                         .ok_or_else(|| Error::tensor(&t.name, "an FP8 expert matrix without scales"))?;
                     parts.push(scales.values.bytes());
                 }
-                Ok(parts)
+                parts
             }
-        }
+        };
+        parts.push(&PAD[..self.block_bytes(inter, hidden) - self.content_bytes(inter, hidden)]);
+        Ok(parts)
     }
 
     /// The FP8 kernels' block arguments: gate/up rows and columns per scale, then down's.
@@ -173,4 +187,59 @@ pub(super) fn dequantized(
     launch.launch(cuda, grid_1d(count as usize * inter * hidden, BLOCK_THREADS))?;
     let (rows, cols) = if down { (hidden, inter) } else { (2 * inter, hidden) };
     Ok([scratch, scratch.offset(2 * inter * hidden)].map(|data| Bf16Matrix { data, rows, cols }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loader::{quantize_fp8, Fp8Scheme};
+
+    fn expert(inter: usize, hidden: usize, fp8: Option<Fp8Scheme>) -> ExpertTensors {
+        let matrix = |name: &str, rows: usize, cols: usize| {
+            let values: Vec<f32> = (0..rows * cols).map(|i| (i % 7) as f32 - 3.0).collect();
+            let bf16 = values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect();
+            let t = TensorRef::from_bytes(name, DType::BF16, vec![rows, cols], bf16).unwrap();
+            match fp8 {
+                Some(scheme) => quantize_fp8(&t, scheme).unwrap(),
+                None => t,
+            }
+        };
+        ExpertTensors::unbiased(
+            matrix("gate", inter, hidden),
+            matrix("up", inter, hidden),
+            matrix("down", hidden, inter),
+        )
+    }
+
+    /// The expert kernels sum aligned rows in another order than unaligned ones, so a block must sit at the same
+    /// alignment wherever it is placed. qwen3_moe_fp8's experts (32 features of 64 inputs, one 128 x 128 block per
+    /// matrix) made 6156-byte blocks: an expert's alignment then depended on its slot, and offload differed from
+    /// all-resident (H200, 2026-12-01).
+    #[test]
+    fn every_expert_block_is_a_multiple_of_16_bytes_and_made_of_its_parts() {
+        for (inter, hidden) in [(32, 64), (100, 520), (3, 5), (768, 2048)] {
+            for fp8 in [None, Some(Fp8Scheme::BLOCK_128), Some(Fp8Scheme::PerChannel)] {
+                let e = expert(inter, hidden, fp8);
+                let format = ExpertFormat::of(std::slice::from_ref(&e)).unwrap();
+                let bytes = format.block_bytes(inter, hidden);
+                assert_eq!(bytes % BLOCK_ALIGN, 0, "{inter} x {hidden}, {fp8:?}: {bytes} bytes");
+                let parts: usize = format.block_parts(&e).unwrap().iter().map(|p| p.len()).sum();
+                assert_eq!(parts, bytes, "{inter} x {hidden}, {fp8:?}");
+            }
+        }
+    }
+
+    /// The budget planner sizes a cache slot by `ModelInfo::bytes_per_expert` (from `Fp8Scheme::matrix_bytes`):
+    /// for the published shapes (bench/q30-fp8.json's) that is the block the GPU allocates per slot.
+    #[test]
+    fn an_fp8_slot_is_the_size_the_planner_counts() {
+        let scheme = Fp8Scheme::BLOCK_128;
+        let (inter, hidden) = (768, 2048);
+        let format = ExpertFormat::of(&[expert(inter, hidden, Some(scheme))]).unwrap();
+        let planned = 2 * scheme.matrix_bytes(inter, hidden) + scheme.matrix_bytes(hidden, inter);
+        assert_eq!(format.block_bytes(inter, hidden) as u64, planned);
+    }
 }
