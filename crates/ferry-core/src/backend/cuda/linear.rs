@@ -153,6 +153,15 @@ fn gemv_k_slices(rows: usize, n: usize, k: usize) -> usize {
     slices
 }
 
+/// `blocks` GEMV blocks of `GEMV_WARPS` warps.
+fn gemv_grid(blocks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (GEMV_WARPS as u32 * 32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 impl CudaBackend {
     /// `out = x W^T (+ bias)`.
     pub(super) fn matmul(&self, x: &CudaTensor, w: Bf16Matrix, bias: Option<Ptr<f32>>) -> Result<CudaTensor> {
@@ -164,11 +173,7 @@ impl CudaBackend {
         if x.rows <= GEMV_MAX_ROWS {
             let slices = gemv_k_slices(x.rows, n, k);
             let block_rows = GEMV_WARPS / slices * GEMV_ROWS_PER_WARP[x.rows - 1];
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(block_rows) as u32, 1, 1),
-                block_dim: (GEMV_WARPS as u32 * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = gemv_grid(n.div_ceil(block_rows));
             let gemv = Gemv {
                 x: ptr(&x.data),
                 k: k as i32,
@@ -196,11 +201,7 @@ impl CudaBackend {
         let (n, k) = (w.rows, w.cols);
         let [block_rows, block_cols] = w.block.map(|b| b as i32);
         if x.rows <= GEMV_MAX_ROWS {
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
-                block_dim: (GEMV_WARPS as u32 * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = gemv_grid(n.div_ceil(GEMV_WARPS));
             let gemv = GemvFp8 {
                 x: ptr(&x.data),
                 k: k as i32,
