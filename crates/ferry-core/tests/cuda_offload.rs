@@ -181,8 +181,8 @@ fn offload_equals_resident_for_every_fixture_family() {
         "glm4_moe",
         "gpt_oss",
         "gpt_oss_mxfp4",
-        // Not yet the FP8 fixtures: on the H200 (2026-12-01) qwen3_moe_fp8's offloaded logits differed from its
-        // resident ones at step 1 (cause not yet found; the bf16 paths stay bit-identical).
+        "qwen3_moe_fp8",
+        "qwen3_5_moe_fp8_dynamic",
     ] {
         let checkpoint = Checkpoint::open(&fixtures().join(family)).unwrap();
         let spec = spec_for(&checkpoint.model_type, &checkpoint.config).unwrap();

@@ -165,6 +165,44 @@ fn linear_gemv_and_gemm_paths() {
     }
 }
 
+/// Dense FP8 weights (128 x 128 blocks with f32 scales, per channel, and blocks that do not divide the matrix) read
+/// as FP8: the GEMV kernels (every row count; aligned rows 16 weights per lane, k = 520 one at a time) and the
+/// cuBLAS path (weights as bf16 halves) against the CPU's dequantizing GEMV, at the f32 limit. Weights rounded to
+/// bf16 (what the upload did before) differ by ~1e-3 here.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn linear_fp8_weights_gemv_and_gemm_paths() {
+    let p = pair();
+    let mut rng = Rng::new(12);
+    let row_counts: Vec<usize> = (1..=GEMV_MAX_ROWS).chain([9, 300]).collect();
+    for (k, n) in [(2048, 384), (520, 200), (64, 33)] {
+        let w = rng.bf16("w", &[n, k], 0.05);
+        let b = rng.bf16("b", &[n], 0.5);
+        for scheme in [
+            Fp8Scheme::BLOCK_128,
+            Fp8Scheme::PerChannel,
+            Fp8Scheme::Blocks { rows: 48, cols: 80 },
+        ] {
+            let fp8 = quantize_fp8(&w, scheme).unwrap();
+            for &rows in &row_counts {
+                let x = rng.values(rows * k, 1.0);
+                let what = format!("FP8 ({scheme:?}) linear {rows}x{k} -> {n}");
+                same_on_both!(p, &what, F32_LIMIT, |be| {
+                    let bias = be.weight(b.clone()).unwrap();
+                    let out = be
+                        .linear(
+                            &be.upload(&x, rows, k).unwrap(),
+                            &be.weight(fp8.clone()).unwrap(),
+                            Some(&bias),
+                        )
+                        .unwrap();
+                    be.to_host(&out).unwrap()
+                });
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn elementwise_ops() {
@@ -1071,7 +1109,7 @@ fn mla_calls<B: Backend>(
 
 /// Multi-head latent attention against the CPU backend: DeepSeek-V3's head shape (rank 512, the kernels' largest;
 /// nope 128, rope 64 interleaved, values of 128) with 16 heads, and a small rotate-half shape; a prefill of two
-/// sequences, a decode step of both, then a prefill chunk batched with a decode row.
+/// sequences, a decode step of both, then a prefill chunk batched with a decode row; kv_b in bf16 and in FP8.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn latent_attention_prefill_then_decode() {
@@ -1090,6 +1128,8 @@ fn latent_attention_prefill_then_decode() {
             eps: 1e-6,
         };
         let kv_b = rng.bf16("kv_b", &[params.kv_b_rows(), rank], 0.1);
+        // DeepSeek-V3's checkpoints store kv_b_proj in 128 x 128 block FP8.
+        let kv_b_fp8 = quantize_fp8(&kv_b, Fp8Scheme::BLOCK_128).unwrap();
         let norm: Vec<f32> = rng.values(rank, 0.2).iter().map(|v| 1.0 + v).collect();
         let rope = Rope {
             attention_factor: 1.1,
@@ -1105,15 +1145,17 @@ fn latent_attention_prefill_then_decode() {
                 )
             })
             .collect();
-        let cpu = mla_calls(&p.cpu, &params, &kv_b, &norm, &rope, &inputs);
-        let gpu = mla_calls(&p.gpu, &params, &kv_b, &norm, &rope, &inputs);
-        for (i, (gpu, cpu)) in gpu.into_iter().zip(cpu).enumerate() {
-            check(
-                &format!("mla {heads} heads of rank {rank}, call {i}"),
-                gpu,
-                cpu,
-                F32_LIMIT,
-            );
+        for (kv_b, format) in [(&kv_b, "bf16"), (&kv_b_fp8, "FP8")] {
+            let cpu = mla_calls(&p.cpu, &params, kv_b, &norm, &rope, &inputs);
+            let gpu = mla_calls(&p.gpu, &params, kv_b, &norm, &rope, &inputs);
+            for (i, (gpu, cpu)) in gpu.into_iter().zip(cpu).enumerate() {
+                check(
+                    &format!("mla {heads} heads of rank {rank}, {format} kv_b, call {i}"),
+                    gpu,
+                    cpu,
+                    F32_LIMIT,
+                );
+            }
         }
     }
 }

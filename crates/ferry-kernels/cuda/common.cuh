@@ -203,3 +203,68 @@ __device__ __forceinline__ float fp8_e4m3_to_float(uint32_t byte) {
     if (magnitude == 0x7fu) value = __uint_as_float(0x7fc00000u);
     return (byte & 0x80u) != 0 ? -value : value;
 }
+
+// Dot products of ROWS E4M3 weight rows of length k (row r's f32 scales at scales[r], one per block_cols columns)
+// with TOKENS f32 activation rows (x + t * k), by one warp: dequantized in registers, accumulated in f32; acc[r][t]
+// ends as the lane's partial sum (the caller reduces across the warp). Aligned rows (16 bytes; k and block_cols
+// multiples of 16) take 16 weights per lane and step and scale each run's sum once (a run never crosses a block);
+// others take one weight at a time. The FP8 expert kernels (moe.cu) and the dense FP8 GEMV (gemv.cu) share it.
+template <int ROWS, int TOKENS>
+__device__ __forceinline__ void warp_rows_dot_fp8(const uint8_t* const (&w)[ROWS], const float* const (&scales)[ROWS],
+                                                  int block_cols, const float* __restrict__ x, int k,
+                                                  float (&acc)[ROWS][TOKENS]) {
+    const int lane = threadIdx.x & 31;
+    uintptr_t addresses = reinterpret_cast<uintptr_t>(x);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(w[r]);
+    if ((addresses & 15) == 0 && (k & 15) == 0 && (block_cols & 15) == 0) {
+        for (int col = lane * 16; col < k; col += 32 * 16) {
+            uint32_t words[ROWS][4];
+            float scale[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const uint4 packed = __ldg(reinterpret_cast<const uint4*>(w[r] + col));
+                words[r][0] = packed.x, words[r][1] = packed.y, words[r][2] = packed.z, words[r][3] = packed.w;
+                scale[r] = scales[r][col / block_cols];
+            }
+#pragma unroll
+            for (int t = 0; t < TOKENS; ++t) {
+                const float* xt = x + static_cast<size_t>(t) * k + col;
+                float xv[16];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float4 v = __ldg(reinterpret_cast<const float4*>(xt) + j);
+                    xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
+                }
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < 16; ++j)
+                        sum = fmaf(fp8_e4m3_to_float(words[r][j / 4] >> (8 * (j % 4))), xv[j], sum);
+                    acc[r][t] = fmaf(sum, scale[r], acc[r][t]);
+                }
+            }
+        }
+    } else {
+        for (int col = lane; col < k; col += 32) {
+#pragma unroll
+            for (int t = 0; t < TOKENS; ++t) {
+                const float xv = x[static_cast<size_t>(t) * k + col];
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r)
+                    acc[r][t] = fmaf(fp8_e4m3_to_float(w[r][col]) * scales[r][col / block_cols], xv, acc[r][t]);
+            }
+        }
+    }
+}
+
+// A weight as two bf16 halves at index i, hi = bf16(value) and lo = bf16(value - hi): cuBLAS's bf16 products of
+// both, summed in f32, keep the weight to 2^-16 where bf16 alone would round it to 2^-8 (how the grouped expert
+// path and the dense FP8 products of more than GEMV_MAX_ROWS rows read FP8 weights).
+__device__ __forceinline__ void store_bf16_halves(float value, size_t i, uint16_t* __restrict__ hi,
+                                                  uint16_t* __restrict__ lo) {
+    const uint16_t high = float_to_bf16(value);
+    hi[i] = high;
+    lo[i] = float_to_bf16(value - bf16_to_float(high));
+}

@@ -61,3 +61,60 @@ GEMV_KERNEL(5)
 GEMV_KERNEL(6)
 GEMV_KERNEL(7)
 GEMV_KERNEL(8)
+
+// ---- FP8 weights ------------------------------------------------------------------------------------------------
+// W [n, k] in E4M3 with f32 scales, [ceil(n / block_rows), ceil(k / block_cols)] row-major (per channel: one row per
+// block, block_cols = k), read exactly: an E4M3 value times its f32 scale needs more than bf16's 8 significant bits,
+// so these weights are never rounded to bf16.
+
+// gemv_fp8_R: the same product as gemv_bf16_R for an FP8 W, a warp per weight row, dequantized in registers and
+// accumulated in f32 (common.cuh's warp_rows_dot_fp8). No shared-memory staging: the row is half the bytes of a
+// bf16 one, and decode's dense FP8 products are a small part of a step's bytes beside the experts.
+template <int TOKENS>
+__device__ __forceinline__ void gemv_fp8(const float* __restrict__ x, int k, const uint8_t* __restrict__ w,
+                                         const float* __restrict__ scales, int block_rows, int block_cols, int n,
+                                         const float* __restrict__ bias, float* __restrict__ out) {
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const uint8_t* rows[1] = {w + static_cast<size_t>(row) * k};
+    const float* row_scales[1] = {scales + static_cast<size_t>(row / block_rows) * ((k + block_cols - 1) / block_cols)};
+    float acc[1][TOKENS] = {};
+    warp_rows_dot_fp8<1, TOKENS>(rows, row_scales, block_cols, x, k, acc);
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) {
+        const float s = warp_sum(acc[0][t]);
+        if ((threadIdx.x & 31) == 0) out[static_cast<size_t>(t) * n + row] = s + (bias ? bias[row] : 0.0f);
+    }
+}
+
+#define GEMV_FP8_KERNEL(TOKENS)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                  \
+        gemv_fp8_##TOKENS(const float* __restrict__ x, int k, const uint8_t* __restrict__ w,                      \
+                          const float* __restrict__ scales, int block_rows, int block_cols, int n,                 \
+                          const float* __restrict__ bias, float* __restrict__ out) {                               \
+        gemv_fp8<TOKENS>(x, k, w, scales, block_rows, block_cols, n, bias, out);                                    \
+    }
+
+GEMV_FP8_KERNEL(1)
+GEMV_FP8_KERNEL(2)
+GEMV_FP8_KERNEL(3)
+GEMV_FP8_KERNEL(4)
+GEMV_FP8_KERNEL(5)
+GEMV_FP8_KERNEL(6)
+GEMV_FP8_KERNEL(7)
+GEMV_FP8_KERNEL(8)
+
+// W dequantized to two bf16 halves (common.cuh's store_bf16_halves), for products of more than GEMV_MAX_ROWS rows:
+// cuBLAS multiplies the split activations by each half and sums in f32. A grid-stride loop over the n * k weights.
+extern "C" __global__ void dequantize_fp8(const uint8_t* __restrict__ w, const float* __restrict__ scales,
+                                          int block_rows, int block_cols, int n, int k, uint16_t* __restrict__ hi,
+                                          uint16_t* __restrict__ lo) {
+    const int scales_per_row = (k + block_cols - 1) / block_cols;
+    const size_t total = static_cast<size_t>(n) * k;
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const int r = static_cast<int>(i / k), c = static_cast<int>(i % k);
+        const float scale = scales[static_cast<size_t>(r / block_rows) * scales_per_row + c / block_cols];
+        store_bf16_halves(fp8_e4m3_to_float(w[i]) * scale, i, hi, lo);
+    }
+}

@@ -381,48 +381,23 @@ struct Fp8Layout {
 };
 
 // Dot products of ROWS rows of matrix m of an FP8 expert block with the f32 activations x (cols(m) values), by
-// one warp; acc[r] ends as the lane's partial sum (the caller reduces across the warp). Aligned rows take 16
-// weights per lane and step (a whole block of scale per 16 when block_cols is a multiple of 16); others one.
+// one warp (common.cuh's warp_rows_dot_fp8 over the rows and their scales); acc[r] ends as the lane's partial sum
+// (the caller reduces across the warp).
 template <int ROWS>
-__device__ __forceinline__ void warp_rows_dot_fp8(const Fp8Layout& layout, const uint8_t* block, int m,
-                                                  const int (&rows)[ROWS], const float* __restrict__ x,
-                                                  float (&acc)[ROWS]) {
-    const int lane = threadIdx.x & 31, k = layout.cols(m), bc = layout.block_cols(m);
+__device__ __forceinline__ void expert_rows_dot_fp8(const Fp8Layout& layout, const uint8_t* block, int m,
+                                                    const int (&rows)[ROWS], const float* __restrict__ x,
+                                                    float (&acc)[ROWS]) {
     const uint8_t* w[ROWS];
     const float* scales[ROWS];
-    uintptr_t addresses = reinterpret_cast<uintptr_t>(x);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         w[r] = layout.row(block, m, rows[r]);
         scales[r] = layout.scale_row(block, m, rows[r]);
-        addresses |= reinterpret_cast<uintptr_t>(w[r]);
     }
-    if ((addresses & 15) == 0 && (k & 15) == 0 && (bc & 15) == 0) {
-        for (int col = lane * 16; col < k; col += 32 * 16) {
-            float xv[16];
+    float sums[ROWS][1] = {};
+    warp_rows_dot_fp8<ROWS, 1>(w, scales, layout.block_cols(m), x, layout.cols(m), sums);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float4 v = __ldg(reinterpret_cast<const float4*>(x + col) + j);
-                xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
-            }
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                const uint4 packed = __ldg(reinterpret_cast<const uint4*>(w[r] + col));
-                const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-                float sum = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 16; ++j) sum = fmaf(fp8_e4m3_to_float(words[j / 4] >> (8 * (j % 4))), xv[j], sum);
-                acc[r] = fmaf(sum, scales[r][col / bc], acc[r]);
-            }
-        }
-    } else {
-        for (int col = lane; col < k; col += 32) {
-            const float xv = x[col];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r)
-                acc[r] = fmaf(fp8_e4m3_to_float(w[r][col]) * scales[r][col / bc], xv, acc[r]);
-        }
-    }
+    for (int r = 0; r < ROWS; ++r) acc[r] = sums[r][0];
 }
 
 // moe_gate_up for FP8 expert blocks: the same grid, pairs and output.
@@ -439,8 +414,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     const float* xr = x + static_cast<size_t>(pair / top_k) * hidden;
     const int row[1] = {i};
     float gate[1] = {}, up[1] = {};
-    warp_rows_dot_fp8<1>(layout, block, 0, row, xr, gate);
-    warp_rows_dot_fp8<1>(layout, block, 1, row, xr, up);
+    expert_rows_dot_fp8<1>(layout, block, 0, row, xr, gate);
+    expert_rows_dot_fp8<1>(layout, block, 1, row, xr, up);
     const float gs = warp_sum(gate[0]), us = warp_sum(up[0]);
     if ((threadIdx.x & 31) == 0) act[static_cast<size_t>(pair) * inter + i] = gs / (1.0f + expf(-gs)) * us;
 }
@@ -453,7 +428,7 @@ __device__ __forceinline__ void down_rows_fp8(const Fp8Layout& layout, const uin
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = min(first + j, layout.hidden - 1);
     float acc[MOE_DOWN_ROWS] = {};
-    warp_rows_dot_fp8<MOE_DOWN_ROWS>(layout, block, 2, rows, act_pair, acc);
+    expert_rows_dot_fp8<MOE_DOWN_ROWS>(layout, block, 2, rows, act_pair, acc);
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_ROWS; ++j) sums[j] = warp_sum(acc[j]);
 }
@@ -507,10 +482,9 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
         if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = sums[j];
 }
 
-// Matrices first..first + count - 1 of an FP8 expert block dequantized to two bf16 halves, hi = bf16(w) and lo =
-// bf16(w - hi), back to back in each (gate and up as one [2 * inter, hidden] matrix, or down): the grouped prefill
-// path runs both through the same cuBLAS products as bf16 experts and adds them, which keeps the weights to 2^-16
-// (an E4M3 value times a bf16 scale exactly) where bf16 alone would round each to 2^-8. A grid-stride loop over
+// Matrices first..first + count - 1 of an FP8 expert block dequantized to two bf16 halves (common.cuh's
+// store_bf16_halves), back to back in each (gate and up as one [2 * inter, hidden] matrix, or down): the grouped
+// prefill path runs both through the same cuBLAS products as bf16 experts and adds them. A grid-stride loop over
 // their inter * hidden * count values.
 extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ block, int hidden, int inter,
                                                  int gate_up_block_rows, int gate_up_block_cols,
@@ -526,10 +500,7 @@ extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ blo
         const int cols = layout.cols(m);
         const int r = static_cast<int>(within / cols), c = static_cast<int>(within % cols);
         const float scale = layout.scale_row(block, m, r)[c / layout.block_cols(m)];
-        const float value = fp8_e4m3_to_float(layout.row(block, m, r)[c]) * scale;
-        const uint16_t high = float_to_bf16(value);
-        hi[i] = high;
-        lo[i] = float_to_bf16(value - bf16_to_float(high));
+        store_bf16_halves(fp8_e4m3_to_float(layout.row(block, m, r)[c]) * scale, i, hi, lo);
     }
 }
 

@@ -3,7 +3,10 @@
 //! f32 scales, or MXFP4 gate, up and down, each packed as loader/mxfp4.rs packs a matrix (values, then scales) and
 //! padded to 16 bytes. Experts with biases (gpt-oss) end the block with them, in f32, from the next 16-byte
 //! boundary. One contiguous block per expert in every format, so an offloaded miss stays one copy and the cache
-//! counts the block's real bytes. Also what the kernels compute around the products ([`ExpertGlu`]) and the
+//! counts the block's real bytes. Every block is padded to a multiple of [`BLOCK_ALIGN`] bytes: the expert kernels
+//! take their vectorised path only on 16-byte aligned rows, and that path sums in another order than the scalar
+//! one, so an expert must sit at the same alignment in every slot of the offload's cache and of the resident slab
+//! for the two to agree bit for bit. Also what the kernels compute around the products ([`ExpertGlu`]) and the
 //! launches that widen FP8 and MXFP4 experts for the grouped path (moe.rs picks the kernels by format).
 
 use super::launch::{grid_1d, kernel, Ptr, BLOCK_THREADS};
@@ -14,8 +17,11 @@ use crate::loader::mxfp4::MXFP4_BLOCK;
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
 
-/// Zero bytes that pad an FP8 block's weights to the 16-byte boundary where its scales start.
-const PAD: [u8; 16] = [0; 16];
+/// What every expert block's start and length are a multiple of (see the file's comment).
+const BLOCK_ALIGN: usize = 16;
+
+/// Zero bytes that pad an FP8 block's weights to where its scales start, and every block to its end.
+const PAD: [u8; BLOCK_ALIGN] = [0; BLOCK_ALIGN];
 
 /// The blocks an FP8 expert's scales cover, `[rows, cols]` per scale: gate's and up's (equal), and down's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -178,7 +184,7 @@ impl ExpertFormat {
 
     /// Where an FP8 block's scales start: after the three matrices' bytes, at a multiple of 16.
     pub(super) fn scales_at(inter: usize, hidden: usize) -> usize {
-        (3 * inter * hidden).next_multiple_of(16)
+        (3 * inter * hidden).next_multiple_of(BLOCK_ALIGN)
     }
 
     /// Bytes of one expert's weights (and scales) in its block.
@@ -194,20 +200,27 @@ impl ExpertFormat {
 
     /// Where a block's f32 biases start: after the weights, at a multiple of 16.
     pub(super) fn bias_at(self, inter: usize, hidden: usize) -> usize {
-        self.weight_bytes(inter, hidden).next_multiple_of(16)
+        self.weight_bytes(inter, hidden).next_multiple_of(BLOCK_ALIGN)
     }
 
-    /// Bytes of one expert's block, with its f32 biases (gate's, up's, down's) when `biased`.
-    pub(super) fn block_bytes(self, inter: usize, hidden: usize, biased: bool) -> usize {
+    /// Bytes of one expert's weights and, when `biased`, its f32 biases (gate's, up's, down's), before the end
+    /// padding.
+    fn content_bytes(self, inter: usize, hidden: usize, biased: bool) -> usize {
         match biased {
             true => self.bias_at(inter, hidden) + 4 * (2 * inter + hidden),
             false => self.weight_bytes(inter, hidden),
         }
     }
 
+    /// Bytes of one expert's block, padded to a multiple of [`BLOCK_ALIGN`]: blocks placed back to back (the
+    /// resident slab, the cache's slots) all start 16-byte aligned.
+    pub(super) fn block_bytes(self, inter: usize, hidden: usize, biased: bool) -> usize {
+        self.content_bytes(inter, hidden, biased).next_multiple_of(BLOCK_ALIGN)
+    }
+
     /// An expert's block as the byte runs that make it, in order (matrices, then padding and scales for FP8;
     /// each MXFP4 matrix padded; then padding and the f32 biases, when it has them, as [`with_f32_biases`] makes
-    /// them): copied back to back they are [`ExpertFormat::block_bytes`] bytes.
+    /// them; then the end padding): copied back to back they are [`ExpertFormat::block_bytes`] bytes.
     pub(super) fn block_parts(self, e: &ExpertTensors) -> Result<Vec<&[u8]>> {
         let mut parts = self.weight_parts(e)?;
         let biases = [&e.gate_bias, &e.up_bias, &e.down_bias];
@@ -221,12 +234,16 @@ impl ExpertFormat {
                 }
             }
         }
+        let (inter, hidden) = (e.gate.shape[0], e.gate.shape[1]);
+        let biased = biases.iter().any(|b| b.is_some());
+        parts.push(&PAD[..self.block_bytes(inter, hidden, biased) - self.content_bytes(inter, hidden, biased)]);
         Ok(parts)
     }
 
     /// The weight runs of [`ExpertFormat::block_parts`].
     fn weight_parts(self, e: &ExpertTensors) -> Result<Vec<&[u8]>> {
         let matrices = [&e.gate, &e.up, &e.down];
+        let (inter, hidden) = (e.gate.shape[0], e.gate.shape[1]);
         match self {
             ExpertFormat::Bf16 => matrices.into_iter().map(bf16_bytes).collect(),
             ExpertFormat::Mxfp4 => {
@@ -243,7 +260,6 @@ impl ExpertFormat {
                 Ok(parts)
             }
             ExpertFormat::Fp8(_) => {
-                let (inter, hidden) = (e.gate.shape[0], e.gate.shape[1]);
                 let mut parts: Vec<&[u8]> = matrices.iter().map(|t| t.bytes()).collect();
                 parts.push(&PAD[..Self::scales_at(inter, hidden) - 3 * inter * hidden]);
                 for t in matrices {
@@ -360,6 +376,7 @@ pub(super) fn widened_mxfp4(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::loader::{quantize_fp8, Fp8Scheme};
 
     /// The planner sizes expert slots by `ModelInfo::bytes_per_expert`, which for gpt-oss-120b's experts is 17
     /// bytes per 32 weights (MXFP4) or 2 per weight (bf16), plus f32 biases (engine/plan.rs's test holds it to
@@ -385,6 +402,56 @@ mod tests {
         assert_eq!(ExpertFormat::Mxfp4.block_bytes(32, 96, true), 4896 + 4 * (64 + 96));
         assert_eq!(ExpertFormat::Bf16.bias_at(32, 33), 6336);
         assert_eq!(ExpertFormat::Bf16.bias_at(3, 5), 96);
-        assert_eq!(ExpertFormat::Bf16.block_bytes(3, 5, false), 90);
+        // 90 bytes of weights, padded to 96 (BLOCK_ALIGN).
+        assert_eq!(ExpertFormat::Bf16.block_bytes(3, 5, false), 96);
+    }
+
+    fn expert(inter: usize, hidden: usize, fp8: Option<Fp8Scheme>) -> ExpertTensors {
+        let matrix = |name: &str, rows: usize, cols: usize| {
+            let values: Vec<f32> = (0..rows * cols).map(|i| (i % 7) as f32 - 3.0).collect();
+            let bf16 = values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect();
+            let t = TensorRef::from_bytes(name, DType::BF16, vec![rows, cols], bf16).unwrap();
+            match fp8 {
+                Some(scheme) => quantize_fp8(&t, scheme).unwrap(),
+                None => t,
+            }
+        };
+        ExpertTensors::unbiased(
+            matrix("gate", inter, hidden),
+            matrix("up", inter, hidden),
+            matrix("down", hidden, inter),
+        )
+    }
+
+    /// The expert kernels sum aligned rows in another order than unaligned ones, so a block must sit at the same
+    /// alignment wherever it is placed. qwen3_moe_fp8's experts (32 features of 64 inputs, one 128 x 128 block per
+    /// matrix) made 6156-byte blocks: an expert's alignment then depended on its slot, and offload differed from
+    /// all-resident (H200, 2026-12-01).
+    #[test]
+    fn every_expert_block_is_a_multiple_of_16_bytes_and_made_of_its_parts() {
+        for (inter, hidden) in [(32, 64), (100, 520), (3, 5), (768, 2048)] {
+            for fp8 in [None, Some(Fp8Scheme::BLOCK_128), Some(Fp8Scheme::PerChannel)] {
+                let e = expert(inter, hidden, fp8);
+                let format = ExpertFormat::of(std::slice::from_ref(&e)).unwrap();
+                let bytes = format.block_bytes(inter, hidden, false);
+                assert_eq!(bytes % BLOCK_ALIGN, 0, "{inter} x {hidden}, {fp8:?}: {bytes} bytes");
+                let parts: usize = format.block_parts(&e).unwrap().iter().map(|p| p.len()).sum();
+                assert_eq!(parts, bytes, "{inter} x {hidden}, {fp8:?}");
+            }
+        }
+    }
+
+    /// The budget planner sizes a cache slot by `ModelInfo::bytes_per_expert` (from `Fp8Scheme::matrix_bytes`):
+    /// for the published shapes (bench/q30-fp8.json's) that is the block the GPU allocates per slot.
+    #[test]
+    fn an_fp8_slot_is_the_size_the_planner_counts() {
+        let scheme = Fp8Scheme::BLOCK_128;
+        let (inter, hidden) = (768, 2048);
+        let format = ExpertFormat::of(&[expert(inter, hidden, Some(scheme))]).unwrap();
+        let planned = 2 * scheme.matrix_bytes(inter, hidden) + scheme.matrix_bytes(hidden, inter);
+        assert_eq!(format.block_bytes(inter, hidden, false) as u64, planned);
     }
 }

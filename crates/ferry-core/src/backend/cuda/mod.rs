@@ -70,6 +70,15 @@ pub enum CudaWeight {
         rows: usize,
         cols: usize,
     },
+    /// A dense FP8 matrix, kept as stored (linear.rs reads it exactly): E4M3 `[rows, cols]` and its f32 scales,
+    /// one per `block` of rows and columns.
+    Fp8Matrix {
+        data: CudaSlice<u8>,
+        scales: CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        block: [usize; 2],
+    },
     Vector(CudaSlice<f32>),
 }
 
@@ -82,7 +91,28 @@ impl CudaWeight {
                 rows: *rows,
                 cols: *cols,
             }),
+            CudaWeight::Fp8Matrix { .. } => Err(Error::Shape("an FP8 weight where bf16 is read".into())),
             CudaWeight::Vector(_) => Err(Error::Shape("a vector weight used as a matrix".into())),
+        }
+    }
+
+    /// The weight as an FP8 matrix, if it is one.
+    fn fp8_matrix(&self) -> Option<Fp8Matrix> {
+        match self {
+            CudaWeight::Fp8Matrix {
+                data,
+                scales,
+                rows,
+                cols,
+                block,
+            } => Some(Fp8Matrix {
+                data: ptr(data),
+                scales: ptr(scales),
+                rows: *rows,
+                cols: *cols,
+                block: *block,
+            }),
+            _ => None,
         }
     }
 
@@ -90,7 +120,9 @@ impl CudaWeight {
     fn vector(&self) -> Result<Ptr<f32>> {
         match self {
             CudaWeight::Vector(v) => Ok(ptr(v)),
-            CudaWeight::Matrix { .. } => Err(Error::Shape("a matrix weight used as a vector".into())),
+            CudaWeight::Matrix { .. } | CudaWeight::Fp8Matrix { .. } => {
+                Err(Error::Shape("a matrix weight used as a vector".into()))
+            }
         }
     }
 }
@@ -101,6 +133,17 @@ struct Bf16Matrix {
     data: Ptr<u16>,
     rows: usize,
     cols: usize,
+}
+
+/// A dense FP8 matrix `[rows, cols]` on the device, by address: E4M3 weights and their f32 scales, one per `block`
+/// of rows and columns, row-major.
+#[derive(Clone, Copy)]
+struct Fp8Matrix {
+    data: Ptr<u8>,
+    scales: Ptr<f32>,
+    rows: usize,
+    cols: usize,
+    block: [usize; 2],
 }
 
 /// One layer's routed experts, read by the expert kernels through a device table of block addresses indexed by
@@ -265,7 +308,10 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> Result<CudaTensor> {
         let bias = bias.map(|b| b.vector()).transpose()?;
-        self.matmul(x, w.matrix()?, bias)
+        match w.fp8_matrix() {
+            Some(fp8) => self.matmul_fp8(x, fp8, bias),
+            None => self.matmul(x, w.matrix()?, bias),
+        }
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
