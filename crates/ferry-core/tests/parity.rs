@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::cuda::CudaBackend;
 use ferry_core::backend::Backend;
-use ferry_core::backend::SeqSlice;
+use ferry_core::backend::{ForwardStep, SeqSlice};
 use ferry_core::engine::{Sampler, SamplingParams, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{ChatMessage, Checkpoint, Fp8Scheme};
@@ -134,6 +134,7 @@ fn greedy_chunked<B: Backend>(
     }
     let first_logits = logits.clone();
     let mut tokens = Vec::with_capacity(steps);
+    let owner = ForwardStep::new_owner();
     for pos in prompt.len()..prompt.len() + steps {
         let token = sampler.sample(&logits);
         tokens.push(token);
@@ -145,8 +146,16 @@ fn greedy_chunked<B: Backend>(
             start_pos: pos,
             len: 1,
         };
+        // Decode steps as the engine runs them: on the GPU, replayed CUDA graphs.
+        let step = ForwardStep {
+            ids: &[token],
+            batch: &[slice],
+            owner,
+            logits_width: model.spec.vocab_size,
+        };
+        let forward = &mut |kv: &mut B::Kv| model.forward(backend, &[token], &[slice], kv);
         logits = backend
-            .to_host(&model.forward(backend, &[token], &[slice], &mut kv).unwrap())
+            .to_host(&backend.run_forward(&mut kv, &step, forward).unwrap())
             .unwrap();
     }
     (first_logits, tokens)

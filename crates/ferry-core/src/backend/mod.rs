@@ -11,6 +11,8 @@ pub mod cpu;
 pub mod cuda;
 pub mod profiled;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::kv::{KvCache, KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::moe::OffloadStats;
@@ -22,6 +24,24 @@ pub struct SeqSlice {
     pub seq: SeqId,
     pub start_pos: usize,
     pub len: usize,
+}
+
+/// What [`Backend::run_forward`] knows of a forward pass besides its closure: the rows' token ids and slices, who
+/// runs it (`owner`: one id per model and KV cache, so that a step captured for one is never replayed for another)
+/// and the width of the logits it returns.
+pub struct ForwardStep<'a> {
+    pub ids: &'a [u32],
+    pub batch: &'a [SeqSlice],
+    pub owner: u64,
+    pub logits_width: usize,
+}
+
+impl ForwardStep<'_> {
+    /// An owner id no other model and cache of this process has.
+    pub fn new_owner() -> u64 {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    }
 }
 
 /// The positions of every row of a batch, in order.
@@ -301,6 +321,18 @@ pub trait Backend: Send + Sync + Sized {
     /// Reserves KV room for the batch's new tokens and prepares its per-row positions and slots; fails (before
     /// any work) when a sequence is unknown, out of step with the batch, or the cache is full.
     fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Result<Self::Batch>;
+    /// Runs one forward pass of `step` over `kv`: `forward` itself (the default), or, on a backend that captures
+    /// decode steps (the CUDA backend's graphs, backend/cuda/graph.rs), a replay of what `forward` issued for an
+    /// earlier step of the same shape, the step's inputs uploaded first. `forward` must be the model's whole forward
+    /// pass over `kv` for `step.ids` and `step.batch`, with nothing read back to the host in between.
+    fn run_forward(
+        &self,
+        kv: &mut Self::Kv,
+        _step: &ForwardStep<'_>,
+        forward: &mut dyn FnMut(&mut Self::Kv) -> Result<Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        forward(kv)
+    }
     /// Copies `seq`'s recurrent state (every Gated DeltaNet layer's conv and delta-rule state) into the cache's
     /// snapshot slot `slot`, replacing what the slot held: prefix caching's anchor for a hybrid model. Ordered
     /// after every op issued before it.

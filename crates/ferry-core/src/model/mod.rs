@@ -216,15 +216,8 @@ impl<B: Backend> Model<B> {
         self.forward_routed(be, ids, batch, kv, None)
     }
 
-    /// [`forward`](Self::forward), with `tap` seeing every MoE layer's routing (to record or replay traces).
-    pub fn forward_routed(
-        &self,
-        be: &B,
-        ids: &[u32],
-        batch: &[SeqSlice],
-        kv: &mut B::Kv,
-        mut tap: Option<&mut (dyn RoutingTap + '_)>,
-    ) -> Result<B::Tensor> {
+    /// Fails unless `ids` are the rows of `batch`'s slices, none empty, and every id is in the vocabulary.
+    pub fn check_batch(&self, ids: &[u32], batch: &[SeqSlice]) -> Result<()> {
         let rows: usize = batch.iter().map(|s| s.len).sum();
         if rows != ids.len() || batch.iter().any(|s| s.len == 0) {
             return Err(Error::Shape(format!(
@@ -239,6 +232,19 @@ impl<B: Backend> Model<B> {
                 self.spec.vocab_size
             )));
         }
+        Ok(())
+    }
+
+    /// [`forward`](Self::forward), with `tap` seeing every MoE layer's routing (to record or replay traces).
+    pub fn forward_routed(
+        &self,
+        be: &B,
+        ids: &[u32],
+        batch: &[SeqSlice],
+        kv: &mut B::Kv,
+        mut tap: Option<&mut (dyn RoutingTap + '_)>,
+    ) -> Result<B::Tensor> {
+        self.check_batch(ids, batch)?;
         let prepared = be.prepare_batch(kv, batch)?;
         let eps = self.spec.rms_norm_eps;
         let h = self.spec.hidden_size;
@@ -279,14 +285,22 @@ impl<B: Backend> Model<B> {
                 None => be.add_assign(&mut x, &out)?,
             }
         }
-        let last_rows: Vec<usize> = batch
-            .iter()
-            .scan(0, |end, s| {
-                *end += s.len;
-                Some(*end - 1)
-            })
-            .collect();
-        let last = be.rms_norm(&be.select_rows(&x, &last_rows)?, &self.norm, h, eps)?;
+        // A batch of one row per slice (decode) needs no selection (nor its upload, which a captured step cannot
+        // hold).
+        let last_rows = match batch.iter().all(|s| s.len == 1) {
+            true => x,
+            false => {
+                let rows: Vec<usize> = batch
+                    .iter()
+                    .scan(0, |end, s| {
+                        *end += s.len;
+                        Some(*end - 1)
+                    })
+                    .collect();
+                be.select_rows(&x, &rows)?
+            }
+        };
+        let last = be.rms_norm(&last_rows, &self.norm, h, eps)?;
         be.linear(&last, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
     }
 }

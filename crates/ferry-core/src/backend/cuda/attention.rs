@@ -209,11 +209,11 @@ pub(super) fn qkv_rope_kv_append(
         k_norm,
         norm_per_head: per_head,
         eps,
-        positions: ptr(&batch.positions),
+        positions: batch.positions,
         inv_freq: ptr(&rope.inv_freq),
         rotary_dim: rope.rotary_dim as i32,
         attention_factor: rope.attention_factor,
-        row_slot: ptr(&batch.row_slot),
+        row_slot: batch.row_slot,
         q_out: ptr(&q.data),
         k_pool: ptr(pools.0),
         v_pool: ptr(pools.1),
@@ -264,8 +264,8 @@ pub(super) fn attend(
     let threads = (shape.warps * 32) as u32;
     let per_multiprocessor = blocks_per_multiprocessor(cuda, threads, shape.shared_bytes)?;
     let max_keys = match p.sliding_window {
-        Some(window) if window > 0 => window.min(batch.max_len),
-        _ => batch.max_len,
+        Some(window) if window > 0 => window.min(batch.key_span),
+        _ => batch.key_span,
     };
     let splits = split_keys(
         q.rows * p.num_kv_heads,
@@ -288,9 +288,9 @@ pub(super) fn attend(
         out: ptr(&out.data),
         partial_out: ptr(&partial_out),
         partial_stats: ptr(&partial_stats),
-        row_pos: ptr(&batch.positions),
-        row_table: ptr(&batch.row_table),
-        block_tables: ptr(&batch.block_tables),
+        row_pos: batch.positions,
+        row_table: batch.row_table,
+        block_tables: batch.block_tables,
         sinks,
         num_heads: p.num_heads as i32,
         num_kv_heads: p.num_kv_heads as i32,

@@ -116,7 +116,8 @@ fn allow_shared_bytes(functions: &HashMap<&str, CudaFunction>, name: &str, bytes
 }
 
 impl CudaBackend {
-    /// Opens GPU `ordinal`: loads the driver and cuBLAS, creates a context and a stream, loads the kernels.
+    /// Opens GPU `ordinal`: loads the driver and cuBLAS, creates a context and a stream, loads the kernels. Decode
+    /// steps run as CUDA graphs (graph.rs) unless [`super::CudaBackendBuilder::cuda_graphs`] turns them off.
     pub fn new(ordinal: usize) -> Result<Self> {
         if !ferry_kernels::available() {
             return Err(Error::Cuda(
@@ -172,12 +173,21 @@ impl CudaBackend {
             blas,
             functions,
             offload: None,
+            graphs: Some(Mutex::new(Default::default())),
+            step_inputs: Mutex::new(None),
             device,
             multiprocessors,
             max_shared_per_block,
             attention_blocks_per_multiprocessor: Mutex::new(HashMap::new()),
             libraries,
         })
+    }
+
+    /// Decode steps captured as CUDA graphs so far (graph.rs).
+    pub fn captured_steps(&self) -> usize {
+        self.graphs
+            .as_ref()
+            .map_or(0, |g| g.lock().unwrap_or_else(|e| e.into_inner()).captures())
     }
 
     /// The GPU's name, architecture and memory, as the log shows it.

@@ -106,16 +106,21 @@ fn same_shape(op: &str, x: &CudaTensor, y: &CudaTensor) -> Result<()> {
 }
 
 pub(super) fn embed(cuda: &CudaBackend, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
-    let table = table.matrix()?;
     let ids_dev = cuda.copy_to_device(ids)?;
-    let out = cuda.tensor(ids.len(), table.cols)?;
+    embed_from(cuda, table, ptr(&ids_dev), ids.len())
+}
+
+/// [`embed`] of `rows` ids already on the device.
+pub(super) fn embed_from(cuda: &CudaBackend, table: &CudaWeight, ids: Ptr<u32>, rows: usize) -> Result<CudaTensor> {
+    let table = table.matrix()?;
+    let out = cuda.tensor(rows, table.cols)?;
     let embed = EmbedBf16 {
         table: table.data,
-        ids: ptr(&ids_dev),
+        ids,
         out: ptr(&out.data),
         hidden: table.cols as i32,
     };
-    embed.launch(cuda, per_row(ids.len(), BLOCK_THREADS))?;
+    embed.launch(cuda, per_row(rows, BLOCK_THREADS))?;
     Ok(out)
 }
 

@@ -21,6 +21,7 @@ mod elementwise;
 mod expert_format;
 mod flash_attention;
 mod gdn;
+mod graph;
 mod kv;
 mod lane_ceilings;
 mod launch;
@@ -40,8 +41,8 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 
 use super::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, MlaParams, QkNormWeights, Rope, Router,
-    RouterKind, SeqSlice,
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, ForwardStep, MlaParams, QkNormWeights,
+    Rope, Router, RouterKind, SeqSlice,
 };
 use crate::kv::{KvSpec, SeqId};
 use crate::loader::TensorRef;
@@ -217,6 +218,10 @@ pub struct CudaBackend {
     functions: HashMap<&'static str, CudaFunction>,
     /// Built with the backend ([`CudaBackend::builder`]) when the routed experts are offloaded.
     offload: Option<Mutex<offload::Offload>>,
+    /// Captured decode steps (graph.rs); None when graphs are off (`--no-cuda-graphs`, or experts offloaded).
+    graphs: Option<Mutex<graph::StepGraphs>>,
+    /// While a step is captured: where its ops read the step's inputs (graph.rs).
+    step_inputs: Mutex<Option<graph::StepInputs>>,
     device: String,
     /// Streaming multiprocessors: decode attention splits its keys so as to fill them.
     multiprocessors: usize,
@@ -272,6 +277,10 @@ impl Backend for CudaBackend {
     }
 
     fn prepare_batch(&self, kv: &mut DeviceKv, batch: &[SeqSlice]) -> Result<DeviceBatch> {
+        // A captured step's blocks were taken and its batch uploaded before the capture began.
+        if let Some(inputs) = *self.step_inputs.lock().unwrap_or_else(|e| e.into_inner()) {
+            return Ok(inputs.batch());
+        }
         if let Some(offload) = &self.offload {
             offload.lock().unwrap_or_else(|e| e.into_inner()).start_batch(batch);
         }
@@ -284,6 +293,15 @@ impl Backend for CudaBackend {
 
     fn restore_state(&self, kv: &mut DeviceKv, seq: SeqId, slot: usize) -> Result<()> {
         kv.restore_state(&self.stream, seq, slot)
+    }
+
+    fn run_forward(
+        &self,
+        kv: &mut DeviceKv,
+        step: &ForwardStep<'_>,
+        forward: &mut dyn FnMut(&mut DeviceKv) -> Result<CudaTensor>,
+    ) -> Result<CudaTensor> {
+        graph::run_forward(self, kv, step, forward)
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
@@ -299,7 +317,12 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
-        elementwise::embed(self, table, ids)
+        let captured = *self.step_inputs.lock().unwrap_or_else(|e| e.into_inner());
+        match captured {
+            // The captured step's ids, uploaded with its batch (the same ids).
+            Some(inputs) => elementwise::embed_from(self, table, inputs.ids(ids)?, ids.len()),
+            None => elementwise::embed(self, table, ids),
+        }
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaWeight, group: usize, eps: f32) -> Result<CudaTensor> {

@@ -51,6 +51,7 @@ pub struct CudaBackendBuilder {
     backend: CudaBackend,
     offload: Option<OffloadConfig>,
     split: SplitRule,
+    cuda_graphs: bool,
 }
 
 impl CudaBackend {
@@ -60,6 +61,7 @@ impl CudaBackend {
             backend: CudaBackend::new(ordinal)?,
             offload: None,
             split: SplitRule::Link,
+            cuda_graphs: true,
         })
     }
 }
@@ -93,8 +95,19 @@ impl CudaBackendBuilder {
         CudaBackendBuilder { split, ..self }
     }
 
+    /// Whether all-resident decode steps run as CUDA graphs (the default; offloaded experts run eagerly).
+    pub fn cuda_graphs(self, on: bool) -> Self {
+        CudaBackendBuilder {
+            cuda_graphs: on,
+            ..self
+        }
+    }
+
     pub fn build(self) -> Result<CudaBackend> {
         let mut backend = self.backend;
+        if !self.cuda_graphs || self.offload.is_some() {
+            backend.graphs = None;
+        }
         if let Some(config) = self.offload {
             backend.offload = Some(Mutex::new(Offload::new(backend.ctx.clone(), config, self.split)?));
         }

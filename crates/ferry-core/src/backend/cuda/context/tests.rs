@@ -90,7 +90,9 @@ fn compiled_kernels(source: &str) -> Result<BTreeSet<String>, String> {
                 }
                 let mut name = template.clone();
                 for (param, arg) in params.iter().zip(&args) {
-                    name = name.replace(&format!("##{param}"), arg).replace(&format!("{param}##"), arg);
+                    name = name
+                        .replace(&format!("##{param}"), arg)
+                        .replace(&format!("{param}##"), arg);
                 }
                 kernels.insert(name.replace("##", ""));
             }
