@@ -7,7 +7,8 @@ Tool conversations (tool definitions passed as `tools=`, assistant tool calls wi
 ferry passes them after parsing OpenAI's JSON strings, and `tool` results) are rendered for the families whose
 templates render tools: Qwen3's in the Hermes JSON format, Qwen3.5's in the XML one, GLM-4.5's keys and values,
 gpt-oss's Harmony; DeepSeek-V3.1's template renders calls in the history only (it concatenates the arguments as a
-string, so with objects transformers refuses those conversations, and ferry must too).
+string, so with objects transformers refuses those conversations, and ferry must too; its own conversations pass
+the arguments as JSON text, which ferry's request layer gives it).
 
 Templates: Qwen3, Mixtral-Instruct and OLMoE are the fixtures' tokenizer_config.json ones; the others are files in
 tests/fixtures/chat_templates: Qwen3.5's (as shipped with Qwen3.6), gpt-oss's (openai/gpt-oss-120b, as llama.cpp's
@@ -116,6 +117,17 @@ HARMONY_CONVERSATIONS = {
     "thought_in_earlier_answer": ([USER1, ASSISTANT_THOUGHT_ANSWER, USER2], None),
 }
 
+# DeepSeek-V3.1's template concatenates a call's arguments as a string: the JSON text, as OpenAI clients send it.
+TEXT_CALL_PARIS = tool_call("call_1", "get_weather", json.dumps(CALL_PARIS["function"]["arguments"]))
+TEXT_CALL_OSLO = tool_call("call_2", "get_weather", json.dumps(CALL_OSLO["function"]["arguments"]))
+DEEPSEEK_CONVERSATIONS = {
+    "text_arguments_parallel_calls_and_answer": (
+        [SYSTEM, USER_WEATHER, {**ASSISTANT_TEXT_AND_CALLS, "tool_calls": [TEXT_CALL_PARIS, TEXT_CALL_OSLO]},
+         RESULT_PARIS, RESULT_OSLO, ASSISTANT_AFTER_TOOLS, USER2], TOOLS),
+    "text_arguments_call_then_result": (
+        [USER_WEATHER, {**ASSISTANT_CALL, "tool_calls": [TEXT_CALL_PARIS]}, RESULT_PARIS], TOOLS),
+}
+
 # (name, fixture whose tokenizer renders it, template file or None for the fixture's own, kwargs variants,
 #  whether the template renders tools, conversations of its own: {name: (messages, tools)})
 FAMILIES = [
@@ -129,7 +141,7 @@ FAMILIES = [
     ("glm4_5", "qwen3_moe", "tests/fixtures/chat_templates/glm4_5.jinja", [{}, {"enable_thinking": False}], True,
      {}),
     ("deepseek_v3_1", "qwen3_moe", "tests/fixtures/chat_templates/deepseek_v3_1.jinja", [{}, {"thinking": True}],
-     True, {}),
+     True, DEEPSEEK_CONVERSATIONS),
 ]
 
 

@@ -2,7 +2,8 @@
 """Builds the scripted checkpoints: tiny models whose weights make them write a tool call, so that tool calling can
 be tested end to end (a random tiny model never calls a tool by itself).
 
-How: every token mixer's and every expert's (and dense MLP's, and shared expert's) output projection is zero, so
+How: every token mixer's and every expert's (and dense MLP's, and shared expert's) output projection is zero (with
+its bias, where it has one), so
 the residual stream leaves the embedding untouched and the logits depend on the last token alone. Each scripted
 token's embedding is its own one-hot direction, and the LM head maps that direction to the next scripted token
 (the last one to `<|im_end|>`, the end of the turn); every other token shares one direction that predicts the first
@@ -20,9 +21,10 @@ out.
   (tests/fixtures/chat_templates/qwen3_5.jinja, whose generation prompt opens <think>): reasoning, then two XML
   calls of `get_weather`, {"city": "Paris", "days": "3"} (an integer once converted by a schema that says so) and
   {"city": "Oslo"}.
-- tests/fixtures/tool_calls_harmony: from tests/fixtures/qwen3_moe with gpt-oss's template
-  (tests/fixtures/chat_templates/gpt_oss.jinja) and Harmony's markup tokens added as special tokens, as gpt-oss's
-  tokenizer has them: an `analysis` message, then a `commentary` message to `functions.get_weather` with
+- tests/fixtures/tool_calls_harmony: a gpt_oss model (from tests/fixtures/gpt_oss: attention sinks, sliding and
+  full layers, biased experts) with gpt-oss's template (tests/fixtures/chat_templates/gpt_oss.jinja) and Harmony's
+  markup tokens added as special tokens, as gpt-oss's o200k_harmony tokenizer has them (the rest of its tokenizer is
+  the fixture's small BPE, which keeps the embedding small): an `analysis` message, then a `commentary` message to `functions.get_weather` with
   {"city": "Paris", "days": 3}, ended by `<|call|>` (an end-of-sequence token, as in gpt-oss's
   generation_config.json, with `<|return|>`). Each scripted token predicts one next token, so the second header,
   whose markup tokens the first message already used, is one plain added token spelling the same text.
@@ -30,7 +32,8 @@ out.
   (tests/fixtures/chat_templates/glm4_5.jinja): `<think>` reasoning, then one call of `get_weather` in GLM's keys
   and values, {"city": "Paris", "days": "3"} (an integer once converted by the schema).
 
-The models' source is the qwen3_moe family: the format lives in the tokenizer and the template, not the weights.
+The format lives in the tokenizer and the template, not the weights: the Qwen formats' models are of the qwen3_moe
+family; Harmony's is of gpt-oss's own, so that `ferry serve` of the gpt_oss family is what the test drives.
 
 Pure Python (no numpy, torch or safetensors needed). Usage: python3 scripts/make_tool_call_fixtures.py [REPO_ROOT]
 [--only NAME]
@@ -89,7 +92,7 @@ SCRIPTS = {
         ],
     },
     "tool_calls_harmony": {
-        "source": "qwen3_moe",
+        "source": "gpt_oss",
         "template": "tests/fixtures/chat_templates/gpt_oss.jinja",
         "special": HARMONY_MARKUP,
         "end_of_sequence": ["<|return|>", "<|call|>"],
@@ -145,7 +148,8 @@ def write_safetensors(path, tensors):
 
 
 def is_output_projection(name):
-    return name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj"))
+    return name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj", "o_proj.bias",
+                          "experts.down_proj_bias"))
 
 
 def build(name, source, template, pieces, special=(), end_of_sequence=()):

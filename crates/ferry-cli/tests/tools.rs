@@ -1,6 +1,7 @@
 //! Forced tool calls over OpenAI's chat completions (`tool_choice` "required" or a named function), plain and
-//! streamed: on the scripted checkpoint they are the calls the model makes unforced; on a random model, in either
-//! tool call format, every answer is calls of declared tools with arguments valid under their schemas.
+//! streamed: on the scripted checkpoint they are the calls the model makes unforced; on a random model, in each
+//! format that tags its calls (Hermes, Qwen XML, GLM-4.5, DeepSeek-V3.1), every answer is calls of declared tools
+//! with arguments valid under their schemas. (Harmony's forced calls: scripts/openai_client_test.py.)
 
 mod common;
 
@@ -27,8 +28,10 @@ fn weather(city: Value) -> Value {
         "maximum": 9}}, "required": ["city"], "additionalProperties": false}}})
 }
 
+/// A tool without arguments; closed, or a random model may write keys of its own until `max_tokens`.
 fn clock() -> Value {
-    json!({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}})
+    json!({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+        "additionalProperties": false}}})
 }
 
 /// (name, arguments) of each call in an answer's `tool_calls`, the arguments parsed from their JSON text.
@@ -149,12 +152,20 @@ fn assert_valid(calls: &[(String, Value)], cities: &[&str], parallel: bool) {
 }
 
 #[test]
-fn a_random_model_forced_to_call_calls_declared_tools_with_valid_arguments_in_either_format() {
+fn a_random_model_forced_to_call_calls_declared_tools_with_valid_arguments_in_every_tagged_format() {
     let cities = ["Paris", "Oslo", "Lima"];
     let tools = json!([clock(), weather(json!({"type": "string", "enum": cities}))]);
-    let xml_template = Path::new(&fixture("tool_calls_qwen3_xml")).join("chat_template.jinja");
-    let xml_template = xml_template.to_str().unwrap();
-    for extra in [vec![], vec!["--chat-template", xml_template]] {
+    let template = |file: &str| fixture(&format!("chat_templates/{file}"));
+    let (xml, glm) = (template("qwen3_5.jinja"), template("glm4_5.jinja"));
+    // Hermes (Qwen3's own template), the XML and GLM-4.5 formats by their templates, and DeepSeek-V3.1's by the
+    // parser's name (its template renders no tool definitions, so Qwen3's offers the tools).
+    let extras = [
+        vec![],
+        vec!["--chat-template", xml.as_str()],
+        vec!["--chat-template", glm.as_str()],
+        vec!["--tool-call-parser", "deepseek_v31"],
+    ];
+    for extra in extras {
         let server = serve("qwen3_moe", &extra);
         for seed in 0..6 {
             let parallel = seed % 2 == 0;
@@ -162,7 +173,7 @@ fn a_random_model_forced_to_call_calls_declared_tools_with_valid_arguments_in_ei
                 "Weather?",
                 json!({"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel,
                     "chat_template_kwargs": {"enable_thinking": false},
-                    "max_tokens": 400, "temperature": 1, "seed": seed}),
+                    "max_tokens": 800, "temperature": 1, "seed": seed}),
             );
             let (content, calls, finish) = answer(&server, &body);
             assert_eq!((&content, finish.as_str()), (&Value::Null, "tool_calls"), "{calls:?}");

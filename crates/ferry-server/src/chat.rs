@@ -18,6 +18,7 @@ use crate::generation::PieceParser;
 use crate::reasoning::ReasoningParser;
 use crate::tools::forced::{self, Thinking};
 use crate::tools::harmony::HarmonyParser;
+use crate::tools::history::HistoryFormat;
 use crate::tools::{ToolCallFormat, ToolRequest};
 use crate::{sampling, AppState, LoadedModel};
 
@@ -137,9 +138,10 @@ impl ChatRequest {
             }
             kwargs.insert(REASONING_EFFORT.into(), effort.clone().into());
         }
+        let messages = HistoryFormat::of(model).adapt(&self.messages)?;
         tokenizer
             .encode_chat(
-                &self.messages,
+                &messages,
                 &tools,
                 add_generation_prompt,
                 &kwargs,
@@ -166,7 +168,7 @@ impl ChatRequest {
         };
         let tool_grammar = match (self.tools.choice.forces_calls(), model.tool_call_format) {
             (false, _) => None,
-            (true, Some(format)) => Some(forced::grammar(&self.tools, format, thinking)?),
+            (true, Some(format)) => Some(forced::grammar(&self.tools, format, thinking)),
             (true, None) => {
                 return Err(ApiError::invalid_param(
                     "tool_choice",

@@ -194,13 +194,22 @@ fn chat_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError> 
             "only tool messages carry `tool_call_id`",
         ));
     }
+    // An earlier turn's reasoning, as vLLM takes it back (tools/history.rs gives it to the template).
+    let thinking = m.string("reasoning_content")?;
+    if thinking.is_some() && role != "assistant" {
+        let param = m.param("reasoning_content");
+        return Err(ApiError::invalid_param(
+            &param,
+            "only assistant messages carry `reasoning_content`",
+        ));
+    }
     m.refuse_unread(&[])?;
     Ok(ChatMessage {
         role,
         content,
         tool_calls,
         tool_call_id,
-        thinking: None,
+        thinking,
     })
 }
 

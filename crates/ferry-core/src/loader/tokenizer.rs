@@ -39,8 +39,9 @@ impl ChatMessage {
 }
 
 /// A call of a tool in an assistant message, shaped as OpenAI sends it (`{"id", "type": "function", "function":
-/// {"name", "arguments"}}`) except that `arguments` is an object: templates iterate or `tojson` it, and
-/// transformers' templates expect a mapping where OpenAI sends a JSON string.
+/// {"name", "arguments"}}`). `arguments` is what the template reads: an object for most templates (they iterate or
+/// `tojson` it, and transformers' templates expect a mapping where OpenAI sends a JSON string), the JSON text for
+/// those that concatenate it as a string (DeepSeek-V3.1's).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename = "function")]
 pub struct ToolCall {
@@ -51,7 +52,7 @@ pub struct ToolCall {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FunctionCall {
     pub name: String,
-    pub arguments: serde_json::Map<String, serde_json::Value>,
+    pub arguments: serde_json::Value,
 }
 
 pub struct Tokenizer {
@@ -473,6 +474,13 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     } as u32;
     let year = year_of_era + era * 400 + i64::from(month <= 2);
     (year, month, day)
+}
+
+/// `value` as the templates' `tojson` (and Python's `json.dumps`) writes it: `", "` and `": "` between items.
+pub fn python_json(value: &serde_json::Value) -> String {
+    let mut out = String::new();
+    write_python_json(value, None, 0, &mut out);
+    out
 }
 
 fn write_python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {

@@ -23,6 +23,7 @@ use crate::chat::check_model_name;
 use crate::error::ApiError;
 use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output, Piece};
 use crate::openai::response_id;
+use crate::tools::history::{HistoryFormat, HistoryReasoning};
 use crate::{AppState, LoadedModel};
 use request::{MessagesBody, Purpose};
 
@@ -85,11 +86,13 @@ fn stop_reason(reason: &FinishReason) -> (&'static str, Option<&str>) {
     }
 }
 
-/// The request, read against the loaded model (whether it reasons decides what thinking blocks become).
+/// The request, read against the loaded model (whether its template renders earlier reasoning decides what thinking
+/// blocks become).
 fn read(state: &AppState, body: &[u8], purpose: Purpose) -> Result<(Arc<LoadedModel>, MessagesBody), ApiError> {
     let body = Body::parse(body)?;
     let model = state.model()?;
-    let messages = MessagesBody::parse(&body, purpose, model.splits_reasoning())?;
+    let keeps_reasoning = HistoryFormat::of(&model).reasoning != HistoryReasoning::Unrendered;
+    let messages = MessagesBody::parse(&body, purpose, keeps_reasoning)?;
     check_model_name(state, Some(&messages.model))?;
     Ok((model, messages))
 }

@@ -3,9 +3,10 @@
 //! As Anthropic's newer SDKs send fields this server has never heard of, unknown fields are tolerated here (unlike
 //! on the OpenAI routes); fields it knows and cannot honour (image blocks, MCP servers) are a 400 naming them.
 //! `thinking` maps to the chat template's thinking switch, and `budget_tokens` to the engine's thinking budget (see
-//! chat.rs for a model that does not think); thinking blocks in the history go back into the
-//! template as the `<think>` text the model wrote (templates strip them from earlier turns as they do for their
-//! own output), and for a model that does not reason they are dropped, as Anthropic drops earlier turns' thinking.
+//! chat.rs for a model that does not think); thinking blocks in the history go back to the template as the
+//! message's reasoning, in the form it reads (tools/history.rs: gpt-oss's `thinking` field, or the `<think>` text the
+//! model wrote, which templates strip from earlier turns as they do for their own output), and for a model whose
+//! template renders no reasoning they are dropped, as Anthropic drops earlier turns' thinking.
 
 use ferry_core::engine::validate_stop_strings;
 use ferry_core::loader::ChatMessage;
@@ -35,8 +36,9 @@ pub enum Purpose {
 }
 
 impl MessagesBody {
-    /// `splits_reasoning`: the served model reasons in `<think>` tags, so thinking blocks go back into its history.
-    pub fn parse(body: &Body, purpose: Purpose, splits_reasoning: bool) -> Result<Self, ApiError> {
+    /// `keeps_reasoning`: the served model's template renders earlier reasoning, so thinking blocks go back into its
+    /// history.
+    pub fn parse(body: &Body, purpose: Purpose, keeps_reasoning: bool) -> Result<Self, ApiError> {
         for name in REFUSED_FIELDS {
             if body.get(name).is_some() {
                 return Err(ApiError::invalid_param(
@@ -63,7 +65,7 @@ impl MessagesBody {
         let mut messages = system_message(body)?.into_iter().collect::<Vec<_>>();
         let sent = body.nonempty_array("messages", "an array of messages")?;
         for (index, message) in sent.iter().enumerate() {
-            messages.extend(messages_of(index, message, splits_reasoning)?);
+            messages.extend(messages_of(index, message, keeps_reasoning)?);
         }
         let stop = body.strings("stop_sequences", false)?;
         validate_stop_strings(&stop).map_err(|message| ApiError::invalid_param("stop_sequences", message))?;
@@ -177,7 +179,7 @@ fn block_of(param: &str, block: &Value) -> Result<Block, ApiError> {
 
 /// A message as the chat messages the templates read: an assistant's text (after its thinking, for a model that
 /// reasons) with its tool calls; a user's tool results as `tool` messages, then its text.
-fn messages_of(index: usize, message: &Value, splits_reasoning: bool) -> Result<Vec<ChatMessage>, ApiError> {
+fn messages_of(index: usize, message: &Value, keeps_reasoning: bool) -> Result<Vec<ChatMessage>, ApiError> {
     let param = format!("messages[{index}]");
     let message = tools::nested(&param, message)?;
     let role = match message.string("role")?.as_deref() {
@@ -246,17 +248,15 @@ fn messages_of(index: usize, message: &Value, splits_reasoning: bool) -> Result<
             (Block::ToolResult(..), _) => return misplaced("tool_result blocks"),
         }
     }
-    let text = texts.join("\n");
-    let content = match splits_reasoning && !thinking.is_empty() {
-        true => format!("<think>\n{thinking}\n</think>\n\n{text}"),
-        false => text,
-    };
+    let content = texts.join("\n");
+    let thinking = (keeps_reasoning && !thinking.is_empty()).then_some(thinking);
     // A user message of tool results alone adds no user turn of its own.
-    if out.is_empty() || !content.is_empty() || !tool_calls.is_empty() {
+    if out.is_empty() || !content.is_empty() || !tool_calls.is_empty() || thinking.is_some() {
         out.push(ChatMessage {
             role,
             content,
             tool_calls,
+            thinking,
             ..Default::default()
         });
     }
@@ -339,7 +339,8 @@ mod tests {
         let roles: Vec<_> = body.chat.messages.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["system", "user", "assistant", "user"]);
         assert_eq!(body.chat.messages[0].content, "be brief");
-        assert_eq!(body.chat.messages[2].content, "<think>\ngreet\n</think>\n\nhello");
+        assert_eq!(body.chat.messages[2].content, "hello");
+        assert_eq!(body.chat.messages[2].thinking.as_deref(), Some("greet"));
         assert_eq!(body.chat.messages[3].content, "a\nb");
         assert_eq!(body.chat.thinking, Some(true));
         let p = &body.chat.params;
@@ -360,7 +361,8 @@ mod tests {
                 {"type": "text", "text": "yo"}
             ]}
         ]});
-        assert_eq!(parse(thought, false).unwrap().chat.messages[1].content, "yo");
+        let dropped = &parse(thought, false).unwrap().chat.messages[1];
+        assert_eq!((dropped.content.as_str(), dropped.thinking.as_deref()), ("yo", None));
         let disabled = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
             "thinking": {"type": "disabled"}});
         assert_eq!(parse(disabled, true).unwrap().chat.thinking, Some(false));

@@ -97,7 +97,7 @@ pub fn tool_request(body: &Body) -> Result<ToolRequest, ApiError> {
 pub fn tool_use(block: &Body) -> Result<ToolCall, ApiError> {
     let id = block.string("id")?.ok_or_else(|| required(block, "id"))?;
     let name = block.string("name")?.ok_or_else(|| required(block, "name"))?;
-    let arguments = block.object("input")?.cloned().unwrap_or_default();
+    let arguments = Value::Object(block.object("input")?.cloned().unwrap_or_default());
     Ok(ToolCall {
         id,
         function: FunctionCall { name, arguments },

@@ -6,18 +6,21 @@
 //! Thinking comes first, as the template's switch says. A model that reasons is let reason before it calls (vLLM
 //! likewise constrains only the text after the reasoning): forcing the call at once would take away the thinking
 //! its calls depend on, and the switch is the caller's way to turn it off. So where the generation prompt opened
-//! `<think>` (Qwen3.5), the grammar starts inside the thinking; where the model may open it (Qwen3), a thinking
-//! block may come first; where thinking is switched off, or the model does not reason, the first token is the call.
-//! The thinking is free text up to the first `</think>`, bounded by `max_tokens` and Anthropic's `budget_tokens`.
+//! `<think>` (Qwen3.5, DeepSeek-V3.1 thinking), the grammar starts inside the thinking; where the model may open it
+//! (Qwen3, GLM-4.5), a thinking block may come first; where thinking is switched off, or the model does not reason,
+//! the first token is the call. The thinking is free text up to the first `</think>`, bounded by `max_tokens` and
+//! Anthropic's `budget_tokens`. gpt-oss's Harmony carries its reasoning in an `analysis` message, which may come
+//! before its call.
 //!
-//! What is enforced: the Hermes format's arguments wholly, by their JSON schema; in the XML format, each parameter
+//! What is enforced: the arguments of the formats that write them as JSON (Hermes, DeepSeek-V3.1, Harmony) wholly,
+//! by their JSON schema; in the formats that write each argument between tags (Qwen XML, GLM-4.5), each parameter
 //! the schema lists (the required ones always, in the schema's order), non-string values by their schema, string
 //! values as free text (an `enum` or `const` of strings enforced, `pattern` and `format` not).
 
 use serde_json::{json, Value};
 
+use super::named_json::{CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEPARATOR};
 use super::{ToolCallFormat, ToolRequest, ToolSpec, CLOSE, OPEN};
-use crate::error::ApiError;
 
 /// Where the output starts with respect to the model's thinking.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,9 +61,8 @@ fn arguments_schema(tool: &ToolSpec) -> Value {
     Value::Object(schema)
 }
 
-/// The grammar for `request`'s forced calls in `format`; an error (naming `tool_choice`) for a format no grammar
-/// is written for.
-pub fn grammar(request: &ToolRequest, format: ToolCallFormat, thinking: Thinking) -> Result<String, ApiError> {
+/// The grammar for `request`'s forced calls in `format`.
+pub fn grammar(request: &ToolRequest, format: ToolCallFormat, thinking: Thinking) -> String {
     let allowed: Vec<&ToolSpec> = match &request.choice {
         super::request::ToolChoice::Function(name) => request.tools.iter().filter(|t| &t.name == name).collect(),
         _ => request.tools.iter().collect(),
@@ -68,45 +70,83 @@ pub fn grammar(request: &ToolRequest, format: ToolCallFormat, thinking: Thinking
     let mut rules = vec![];
     let mut bodies = vec![];
     for (i, tool) in allowed.iter().enumerate() {
-        let body = if format == ToolCallFormat::Hermes {
-            hermes_body(tool)
-        } else if format == ToolCallFormat::Qwen3Xml {
-            xml_body(tool, i, &mut rules)
-        } else {
-            return Err(ApiError::invalid_param(
-                "tool_choice",
-                "this model's tool call format cannot be forced; use `tool_choice` \"auto\"",
-            ));
+        let body = match format {
+            ToolCallFormat::Hermes => hermes_body(tool),
+            ToolCallFormat::Qwen3Xml => keyed_body(tool, i, &XML, &mut rules),
+            ToolCallFormat::Glm45 => keyed_body(tool, i, &GLM, &mut rules),
+            ToolCallFormat::DeepSeekV31 => format!(
+                "{} {}",
+                literal(&format!("{}{SEPARATOR}", tool.name)),
+                arguments_rule(tool)
+            ),
+            ToolCallFormat::Harmony => format!(
+                "{} <|constrain|> \"json\" <|message|> {}",
+                literal(&format!("{} ", tool.name)),
+                arguments_rule(tool)
+            ),
         };
         rules.push(format!("call_{i}: {body}"));
         bodies.push(format!("call_{i}"));
     }
-    let calls = match request.parallel_calls {
-        true => "call (\"\\n\" call)*",
-        false => "call",
+    let bodies = bodies.join(" | ");
+    let mut grammar = match format {
+        ToolCallFormat::Harmony => harmony_calls(&bodies),
+        _ => tagged_calls(format, &bodies, request.parallel_calls, thinking),
+    };
+    grammar.extend(rules);
+    grammar.join("\n")
+}
+
+/// The calls of the formats that tag them, after the thinking the switch allows.
+fn tagged_calls(format: ToolCallFormat, bodies: &str, parallel: bool, thinking: Thinking) -> Vec<String> {
+    // GLM-4.5 writes a line break before its thinking and its calls.
+    let lead = match format {
+        ToolCallFormat::Glm45 => "\"\\n\"? ",
+        _ => "",
     };
     let start = match thinking {
-        Thinking::Inside => "start: think_text gap calls",
-        Thinking::Optional => "start: (\"<think>\" think_text gap)? calls",
-        Thinking::Off => "start: calls",
+        Thinking::Inside => "start: think_text gap calls".to_string(),
+        Thinking::Optional => format!("start: ({lead}\"<think>\" think_text gap)? calls"),
+        Thinking::Off => "start: calls".to_string(),
     };
-    let mut grammar = vec![start.to_string()];
+    let mut grammar = vec![start];
     if thinking != Thinking::Off {
         // The thinking ends at its first `</think>`; the template puts a blank line before the answer.
         grammar.push("think_text[suffix=\"</think>\"]: /(?s:.*)/".into());
         grammar.push("gap: (\"\\n\" | \"\\n\\n\")?".into());
     }
+    let (open, close) = match format {
+        ToolCallFormat::DeepSeekV31 => (CALL_BEGIN.to_string(), CALL_END.to_string()),
+        ToolCallFormat::Glm45 => (OPEN.to_string(), format!("\n{CLOSE}")),
+        _ => (format!("{OPEN}\n"), format!("\n{CLOSE}")),
+    };
+    let calls = match (format, parallel) {
+        (ToolCallFormat::DeepSeekV31, _) => format!(
+            "{} call{} {}",
+            literal(CALLS_BEGIN),
+            if parallel { "+" } else { "" },
+            literal(CALLS_END)
+        ),
+        (_, true) => format!("{lead}call (\"\\n\" call)*"),
+        (_, false) => format!("{lead}call"),
+    };
     grammar.extend([
         format!("calls: {calls}"),
-        format!(
-            "call: {} ({}) {}",
-            literal(&format!("{OPEN}\n")),
-            bodies.join(" | "),
-            literal(&format!("\n{CLOSE}"))
-        ),
+        format!("call: {} ({bodies}) {}", literal(&open), literal(&close)),
     ]);
-    grammar.extend(rules);
-    Ok(grammar.join("\n"))
+    grammar
+}
+
+/// Harmony's: an `analysis` message may come first, then one call (the end of a call ends gpt-oss's turn, so a
+/// turn holds one). Its markup is special tokens, named as such (`<|channel|>`): a model whose tokenizer lacks them
+/// cannot be forced in this format (the grammar does not compile).
+fn harmony_calls(bodies: &str) -> Vec<String> {
+    vec![
+        "start: analysis? call".into(),
+        "analysis: <|channel|> \"analysis\" <|message|> analysis_text <|end|> <|start|> \"assistant\"".into(),
+        "analysis_text: /(?s:.*)/".into(),
+        format!("call: <|channel|> \"commentary to=functions.\" ({bodies})"),
+    ]
 }
 
 /// `{"name": "NAME", "arguments": {...}}`, as Qwen's templates write a call.
@@ -115,12 +155,45 @@ fn hermes_body(tool: &ToolSpec) -> String {
         "{{\"name\": {}, \"arguments\": ",
         Value::from(tool.name.as_str())
     ));
-    format!("{head} {} \"}}\"", json_rule(&arguments_schema(tool)))
+    format!("{head} {} \"}}\"", arguments_rule(tool))
 }
 
-/// `<function=NAME>\n` then a `<parameter=P>\nvalue\n</parameter>\n` per parameter, then `</function>`; the
-/// parameters' value rules go into `rules`.
-fn xml_body(tool: &ToolSpec, index: usize, rules: &mut Vec<String>) -> String {
+/// A tool's arguments as JSON text valid under its schema.
+fn arguments_rule(tool: &ToolSpec) -> String {
+    json_rule(&arguments_schema(tool))
+}
+
+/// A format that writes each argument between tags of its own, its value bare if a string, else as JSON.
+struct KeyedFormat {
+    /// What comes before the arguments: `NAME` stands for the tool's name.
+    head: &'static str,
+    /// The tags before a value: `KEY` stands for the argument's name.
+    key: &'static str,
+    /// The tag after a value.
+    value_end: &'static str,
+    /// What comes after the arguments.
+    tail: &'static str,
+}
+
+/// Qwen3-Coder's and Qwen3.5's: `<function=NAME>\n<parameter=P>\nvalue\n</parameter>\n</function>`.
+const XML: KeyedFormat = KeyedFormat {
+    head: "<function=NAME>\n",
+    key: "<parameter=KEY>\n",
+    value_end: "\n</parameter>\n",
+    tail: "</function>",
+};
+
+/// GLM-4.5's: `NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>`.
+const GLM: KeyedFormat = KeyedFormat {
+    head: "NAME",
+    key: "\n<arg_key>KEY</arg_key>\n<arg_value>",
+    value_end: "</arg_value>",
+    tail: "",
+};
+
+/// The head, then each parameter the schema lists (the required ones always, in the schema's order), then the
+/// tail; the parameters' value rules go into `rules`.
+fn keyed_body(tool: &ToolSpec, index: usize, format: &KeyedFormat, rules: &mut Vec<String>) -> String {
     let schema = arguments_schema(tool);
     let properties = schema
         .get("properties")
@@ -131,26 +204,26 @@ fn xml_body(tool: &ToolSpec, index: usize, rules: &mut Vec<String>) -> String {
         .get("required")
         .and_then(Value::as_array)
         .map_or_else(Vec::new, |names| names.iter().filter_map(Value::as_str).collect());
-    let mut parts = vec![literal(&format!("<function={}>\n", tool.name))];
+    let mut parts = vec![literal(&format.head.replace("NAME", &tool.name))];
     for (j, (name, property)) in properties.iter().enumerate() {
         let rule = format!("param_{index}_{j}");
-        let parameter = xml_parameter(name, property, &rule, rules);
+        let parameter = keyed_parameter(format, name, property, &rule, rules);
         rules.push(format!("{rule}: {parameter}"));
         parts.push(match required.contains(&name.as_str()) {
             true => rule,
             false => format!("{rule}?"),
         });
     }
-    parts.push(literal("</function>"));
+    if !format.tail.is_empty() {
+        parts.push(literal(format.tail));
+    }
     parts.join(" ")
 }
 
-const PARAMETER_END: &str = "\n</parameter>\n";
-
-/// One parameter: its tag, its value as the XML format writes it (strings bare, anything else as JSON), the end.
-fn xml_parameter(name: &str, property: &Value, rule: &str, rules: &mut Vec<String>) -> String {
-    let open = literal(&format!("<parameter={name}>\n"));
-    let end = literal(PARAMETER_END);
+/// One parameter: its tags, its value as the format writes it (strings bare, anything else as JSON), the end.
+fn keyed_parameter(format: &KeyedFormat, name: &str, property: &Value, rule: &str, rules: &mut Vec<String>) -> String {
+    let open = literal(&format.key.replace("KEY", name));
+    let end = literal(format.value_end);
     if let Some(values) = string_choices(property) {
         let values: Vec<String> = values.iter().map(|v| literal(v)).collect();
         return format!("{open} ({}) {end}", values.join(" | "));
@@ -182,7 +255,8 @@ fn string_choices(property: &Value) -> Option<Vec<String>> {
     values.iter().map(|v| v.as_str().map(str::to_string)).collect()
 }
 
-/// Whether the XML parser reads this property's value as a string (mod.rs converts by the schema's `type`).
+/// Whether the XML and GLM parsers read this property's value as a string (arg_value.rs converts by the schema's
+/// `type`).
 fn takes_string(property: &Value) -> bool {
     match property.get("type") {
         Some(Value::String(kind)) => kind == "string",

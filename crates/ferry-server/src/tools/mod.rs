@@ -6,7 +6,8 @@
 //! what is inside differs: Hermes JSON (hermes.rs, Qwen3/Qwen2.5), the XML of Qwen3-Coder, Qwen3.5 and Qwen3.6
 //! (qwen_xml.rs), GLM-4.5's keys and values (glm.rs), DeepSeek-V3.1's name and JSON (named_json.rs). gpt-oss's
 //! Harmony format writes calls as messages of their own: harmony.rs reads its channels and hands each call to this
-//! parser. The request side (tool definitions, `tool_choice`, tool calls in the history) is request.rs.
+//! parser. The request side (tool definitions, `tool_choice`, tool calls in the history) is request.rs; history.rs
+//! gives the history's calls and reasoning to the template in the forms it reads.
 //!
 //! Not here: reasoning (`<think>`), which reasoning.rs splits off before this parser sees the text, so a call
 //! written inside the reasoning stays reasoning.
@@ -16,6 +17,7 @@ pub mod forced;
 mod glm;
 pub mod harmony;
 mod hermes;
+pub mod history;
 mod named_json;
 mod qwen_xml;
 pub mod request;

@@ -253,7 +253,7 @@ impl ToolRequest {
 }
 
 /// A message's `tool_calls` (OpenAI's shape): each call's `arguments`, a JSON string in OpenAI's API (an object is
-/// taken too), becomes the object templates expect.
+/// taken too), checked to hold an object and kept as sent (history.rs gives the template the form it reads).
 pub fn parse_tool_calls(message: &Body) -> Result<Vec<ToolCall>, ApiError> {
     let param = message.param("tool_calls");
     let calls = match message.get("tool_calls") {
@@ -273,10 +273,10 @@ pub fn parse_tool_calls(message: &Body) -> Result<Vec<ToolCall>, ApiError> {
             let name = required(&function, "name", function.string("name")?)?;
             let arguments_param = function.param("arguments");
             let arguments = match function.get("arguments") {
-                None => Map::new(),
-                Some(Value::Object(arguments)) => arguments.clone(),
+                None => Value::Object(Map::new()),
+                Some(arguments @ Value::Object(_)) => arguments.clone(),
                 Some(Value::String(text)) => match serde_json::from_str(text) {
-                    Ok(Value::Object(arguments)) => arguments,
+                    Ok(Value::Object(_)) => text.as_str().into(),
                     _ => {
                         return Err(ApiError::invalid_param(
                             &arguments_param,
@@ -400,19 +400,16 @@ mod tests {
     }
 
     #[test]
-    fn history_tool_calls_get_object_arguments() {
+    fn history_tool_calls_keep_their_arguments_as_sent_and_bad_ones_are_named() {
         let calls = json!([
             {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": [1, {\"b\": null}]}"}},
             {"id": "call_2", "function": {"name": "g", "arguments": {"x": "y"}}},
             {"id": "call_3", "function": {"name": "h"}}
         ]);
         let calls = read_calls(calls).unwrap();
-        assert_eq!(
-            Value::Object(calls[0].function.arguments.clone()),
-            json!({"a": [1, {"b": null}]})
-        );
+        assert_eq!(calls[0].function.arguments, json!("{\"a\": [1, {\"b\": null}]}"));
         assert_eq!(calls[1].function.arguments["x"], "y");
-        assert!(calls[2].function.arguments.is_empty());
+        assert_eq!(calls[2].function.arguments, json!({}));
         assert_eq!(
             serde_json::to_value(&calls[1]).unwrap(),
             json!({"type": "function", "id": "call_2", "function": {"name": "g", "arguments": {"x": "y"}}})
