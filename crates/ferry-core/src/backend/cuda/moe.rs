@@ -57,15 +57,16 @@ kernel! {
 kernel! {
     /// moe.cu's `moe_gate_up`: `act[pair] = expert_glu(gate_e x_r, up_e x_r)` (biases added, then silu(gate) * up
     /// or the clamped SwiGLU, by [`ExpertGlu`]) for each (row, k) pair of the launch (`order[y]`, or every pair when
-    /// `order` is null), the expert blocks read through the table `experts`.
-    struct MoeGateUp = "moe_gate_up" {
+    /// `order` is null), the expert blocks read through the table `experts`. Also `moe_gate_up_mxfp4`, the same over
+    /// MXFP4 blocks (launched by format).
+    struct MoeGateUp {
         x: Ptr<f32>,
         hidden: i32,
         inter: i32,
         top_k: i32,
         ids: Ptr<i32>,
         order: Ptr<i32>,
-        experts: Ptr<Ptr<u16>>,
+        experts: Ptr<Ptr<u8>>,
         bias_at: i64,
         clamped: i32,
         alpha: f32,
@@ -76,14 +77,14 @@ kernel! {
 
 kernel! {
     /// moe.cu's `moe_down_pairs`: `y[pair] = down_e act[pair]` (+ its down bias) for the pairs `order[y]` of the
-    /// launch, unweighted (moe_combine sums them).
-    struct MoeDownPairs = "moe_down_pairs" {
+    /// launch, unweighted (moe_combine sums them). Also `moe_down_pairs_mxfp4`.
+    struct MoeDownPairs {
         act: Ptr<f32>,
         hidden: i32,
         inter: i32,
         ids: Ptr<i32>,
         order: Ptr<i32>,
-        experts: Ptr<Ptr<u16>>,
+        experts: Ptr<Ptr<u8>>,
         bias_at: i64,
         y: Ptr<f32>,
     }
@@ -91,15 +92,15 @@ kernel! {
 
 kernel! {
     /// moe.cu's `moe_down`: `out[r] = sum_k weights[r, k] * (down_e act[r * top_k + k] + down bias_e)`, in router
-    /// order.
-    struct MoeDown = "moe_down" {
+    /// order. Also `moe_down_mxfp4`.
+    struct MoeDown {
         act: Ptr<f32>,
         hidden: i32,
         inter: i32,
         top_k: i32,
         ids: Ptr<i32>,
         weights: Ptr<f32>,
-        experts: Ptr<Ptr<u16>>,
+        experts: Ptr<Ptr<u8>>,
         bias_at: i64,
         feature_groups: i32,
         out: Ptr<f32>,
@@ -155,54 +156,6 @@ kernel! {
         gate_up_block_cols: i32,
         down_block_rows: i32,
         down_block_cols: i32,
-        feature_groups: i32,
-        out: Ptr<f32>,
-    }
-}
-
-kernel! {
-    /// moe.cu's `moe_gate_up_mxfp4`: [`MoeGateUp`] over MXFP4 expert blocks.
-    struct MoeGateUpMxfp4 = "moe_gate_up_mxfp4" {
-        x: Ptr<f32>,
-        hidden: i32,
-        inter: i32,
-        top_k: i32,
-        ids: Ptr<i32>,
-        order: Ptr<i32>,
-        experts: Ptr<Ptr<u8>>,
-        bias_at: i64,
-        clamped: i32,
-        alpha: f32,
-        limit: f32,
-        act: Ptr<f32>,
-    }
-}
-
-kernel! {
-    /// moe.cu's `moe_down_pairs_mxfp4`: [`MoeDownPairs`] over MXFP4 expert blocks.
-    struct MoeDownPairsMxfp4 = "moe_down_pairs_mxfp4" {
-        act: Ptr<f32>,
-        hidden: i32,
-        inter: i32,
-        ids: Ptr<i32>,
-        order: Ptr<i32>,
-        experts: Ptr<Ptr<u8>>,
-        bias_at: i64,
-        y: Ptr<f32>,
-    }
-}
-
-kernel! {
-    /// moe.cu's `moe_down_mxfp4`: [`MoeDown`] over MXFP4 expert blocks.
-    struct MoeDownMxfp4 = "moe_down_mxfp4" {
-        act: Ptr<f32>,
-        hidden: i32,
-        inter: i32,
-        top_k: i32,
-        ids: Ptr<i32>,
-        weights: Ptr<f32>,
-        experts: Ptr<Ptr<u8>>,
-        bias_at: i64,
         feature_groups: i32,
         out: Ptr<f32>,
     }
@@ -535,7 +488,7 @@ fn moe_decode(
         shared_mem_bytes: (routing.top_k * block_features * std::mem::size_of::<f32>()) as u32,
     };
     match format {
-        ExpertFormat::Bf16 => MoeDown {
+        ExpertFormat::Bf16 | ExpertFormat::Mxfp4 => MoeDown {
             act: ptr(&act.data),
             hidden: hidden as i32,
             inter: inter as i32,
@@ -547,20 +500,15 @@ fn moe_decode(
             feature_groups: feature_groups as i32,
             out: ptr(&out.data),
         }
-        .launch(cuda, config)?,
-        ExpertFormat::Mxfp4 => MoeDownMxfp4 {
-            act: ptr(&act.data),
-            hidden: hidden as i32,
-            inter: inter as i32,
-            top_k: routing.top_k as i32,
-            ids: ptr(&routing.ids),
-            weights: ptr(&routing.weights),
-            experts: ptr(table).cast(),
-            bias_at: glu.bias_at,
-            feature_groups: feature_groups as i32,
-            out: ptr(&out.data),
-        }
-        .launch(cuda, config)?,
+        .launch_kernel(
+            cuda,
+            if format == ExpertFormat::Mxfp4 {
+                "moe_down_mxfp4"
+            } else {
+                "moe_down"
+            },
+            config,
+        )?,
         ExpertFormat::Fp8(blocks) => {
             let [gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols] =
                 ExpertFormat::fp8_block_args(blocks);
@@ -606,7 +554,7 @@ fn launch_gate_up(
         shared_mem_bytes: 0,
     };
     match format {
-        ExpertFormat::Bf16 => MoeGateUp {
+        ExpertFormat::Bf16 | ExpertFormat::Mxfp4 => MoeGateUp {
             x: ptr(&x.data),
             hidden: x.cols as i32,
             inter: inter as i32,
@@ -620,22 +568,15 @@ fn launch_gate_up(
             limit: glu.limit,
             act: ptr(&act.data),
         }
-        .launch(cuda, config),
-        ExpertFormat::Mxfp4 => MoeGateUpMxfp4 {
-            x: ptr(&x.data),
-            hidden: x.cols as i32,
-            inter: inter as i32,
-            top_k: routing.top_k as i32,
-            ids: ptr(&routing.ids),
-            order,
-            experts: ptr(table).cast(),
-            bias_at: glu.bias_at,
-            clamped: glu.clamped,
-            alpha: glu.alpha,
-            limit: glu.limit,
-            act: ptr(&act.data),
-        }
-        .launch(cuda, config),
+        .launch_kernel(
+            cuda,
+            if format == ExpertFormat::Mxfp4 {
+                "moe_gate_up_mxfp4"
+            } else {
+                "moe_gate_up"
+            },
+            config,
+        ),
         ExpertFormat::Fp8(blocks) => {
             let [gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols] =
                 ExpertFormat::fp8_block_args(blocks);
@@ -730,7 +671,7 @@ fn decode_products(
             shared_mem_bytes: 0,
         };
         match format {
-            ExpertFormat::Bf16 => MoeDownPairs {
+            ExpertFormat::Bf16 | ExpertFormat::Mxfp4 => MoeDownPairs {
                 act: ptr(&act.data),
                 hidden: hidden as i32,
                 inter: inter as i32,
@@ -740,18 +681,15 @@ fn decode_products(
                 bias_at: glu.bias_at,
                 y: ptr(&y.data),
             }
-            .launch(cuda, config)?,
-            ExpertFormat::Mxfp4 => MoeDownPairsMxfp4 {
-                act: ptr(&act.data),
-                hidden: hidden as i32,
-                inter: inter as i32,
-                ids: ptr(&routing.ids),
-                order: run,
-                experts: ptr(table).cast(),
-                bias_at: glu.bias_at,
-                y: ptr(&y.data),
-            }
-            .launch(cuda, config)?,
+            .launch_kernel(
+                cuda,
+                if format == ExpertFormat::Mxfp4 {
+                    "moe_down_pairs_mxfp4"
+                } else {
+                    "moe_down_pairs"
+                },
+                config,
+            )?,
             ExpertFormat::Fp8(blocks) => {
                 let [gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols] =
                     ExpertFormat::fp8_block_args(blocks);
