@@ -107,17 +107,26 @@ fn literal_arguments(text: &str) -> Vec<String> {
     args.split('"').skip(1).step_by(2).map(str::to_string).collect()
 }
 
+/// The `.rs` files under `dir`, in its subdirectories too, test modules (`tests.rs`, this file) left out.
+fn rust_sources(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(rust_sources(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") && !path.ends_with("tests.rs") {
+            files.push(path);
+        }
+    }
+    files
+}
+
 /// The kernel names the backend's sources give a launch, comments skipped.
 fn launched_kernels() -> BTreeSet<String> {
     // Kernels picked by a name the launch site formats: each module lists them.
     let listed = linear::GEMV_KERNELS.iter().chain(&flash_attention::FLASH_KERNELS);
     let mut names: BTreeSet<String> = listed.map(|s| s.to_string()).collect();
-    let dir = crate_dir().join("src/backend/cuda");
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "rs") {
-            continue;
-        }
+    for path in rust_sources(&crate_dir().join("src/backend/cuda")) {
         let source = std::fs::read_to_string(&path).unwrap();
         let code: String = source
             .lines()
