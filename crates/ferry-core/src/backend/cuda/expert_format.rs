@@ -83,7 +83,7 @@ impl ExpertGlu {
         self.bias_at >= 0
     }
 
-    /// silu(gate) * up without biases: what every family but gpt-oss computes (and all the CPU lane does).
+    /// silu(gate) * up without biases: what every family but gpt-oss computes.
     pub(super) fn is_plain(self) -> bool {
         !self.biased() && self.clamped == 0
     }
@@ -111,7 +111,7 @@ pub(super) fn with_f32_biases(e: ExpertTensors, biased: bool) -> Result<ExpertTe
 }
 
 /// Bytes of one packed `[rows, cols]` MXFP4 matrix in a block: 17 per 32 weights, padded to 16.
-fn mxfp4_matrix_bytes(rows: usize, cols: usize) -> usize {
+pub(super) fn mxfp4_matrix_bytes(rows: usize, cols: usize) -> usize {
     DType::Mxfp4.bytes_for(rows * cols).next_multiple_of(16)
 }
 

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::memory::keep_freed_memory_pooled;
 use super::{cuda_err, CudaBackend};
 use crate::backend::cpu::gemv::WeightDType;
-use crate::backend::cpu::lane::{HostLane, LaneExpert, LaneWork};
+use crate::backend::cpu::lane::{HostLane, LaneDType, LaneExpert, LaneWork};
 use crate::backend::ExpertActivation;
 use crate::moe::{fit_cpu_lane, CpuLaneCost, LanePoint};
 use crate::{Error, Result};
@@ -87,7 +87,7 @@ impl CudaBackend {
                 gate: &block[..matrix],
                 up: &block[matrix..2 * matrix],
                 down: &block[2 * matrix..],
-                dtype: WeightDType::BF16,
+                dtype: LaneDType::Gemv(WeightDType::BF16),
                 scales: None,
                 gate_bias: None,
                 up_bias: None,

@@ -124,6 +124,8 @@ const PREFETCH_SHARE: (usize, usize) = (7, 8);
 struct OffloadLayer {
     bank_blocks: Vec<usize>,
     format: ExpertFormat,
+    /// What the layer's experts compute around their products, for the CPU lane.
+    glu: ExpertGlu,
     table_host: PinnedHostSlice<u64>,
 }
 
@@ -238,15 +240,6 @@ impl Offload {
     /// returns the layer's index.
     pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors], glu: ExpertGlu) -> Result<usize> {
         let format = ExpertFormat::of(experts)?;
-        // The lane reads bf16 and FP8 blocks in place and computes silu(gate) * up without biases; MXFP4 blocks have
-        // another layout, gpt-oss's experts other arithmetic.
-        if self.lane.is_some() && (format == ExpertFormat::Mxfp4 || !glu.is_plain()) {
-            return Err(Error::Config(
-                "the CPU lane computes unbiased SiLU experts in bf16 or FP8 only so far: use --moe-strategy offload \
-                 with MXFP4 or gpt-oss experts"
-                    .into(),
-            ));
-        }
         let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1], glu.biased());
         if self.slab.is_none() {
             if self.slots < experts.len() {
@@ -277,6 +270,7 @@ impl Offload {
         self.layers.push(OffloadLayer {
             bank_blocks,
             format,
+            glu,
             table_host,
         });
         Ok(self.layers.len() - 1)
@@ -603,7 +597,14 @@ impl Offload {
                 bank.block(*block)
             })
             .collect::<Result<Vec<_>>>()?;
-        lane.start(&self.ctx, x_shape, inter, &blocks, layer_state.format, pairs)
+        lane.start(
+            &self.ctx,
+            x_shape,
+            inter,
+            &blocks,
+            (layer_state.format, layer_state.glu),
+            pairs,
+        )
     }
 
     /// Queues on `compute` the wait for the lane's job and the upload of its products into `products`.

@@ -8,8 +8,8 @@
 //! The buffers the lane reads and writes (the layer's input rows, read with its routed ids, and the products) are
 //! pinned and stay where they are; a job's rows are next overwritten by the next MoE layer's download and its
 //! products by the next job, both queued or started after the stream has passed this job's host function. The
-//! bank's blocks are read in place, bf16 or FP8 (matrices, then the f32 scales; expert_format.rs), as the CPU
-//! backend reads the same experts.
+//! bank's blocks are read in place, bf16, FP8 (matrices, then the f32 scales) or MXFP4 (each matrix packed and
+//! padded), with their f32 biases when they have them (expert_format.rs), as the CPU backend reads the same experts.
 
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -20,11 +20,12 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, PinnedHostSlice};
 
-use super::expert_format::{grid, ExpertFormat};
+use super::expert_format::{grid, mxfp4_matrix_bytes, ExpertFormat, ExpertGlu};
 use super::{cuda_err, CudaTensor};
 use crate::backend::cpu::gemv::{BlockScales, WeightDType};
-use crate::backend::cpu::lane::{HostLane, LaneExpert, LaneWork};
+use crate::backend::cpu::lane::{HostLane, LaneDType, LaneExpert, LaneWork};
 use crate::backend::ExpertActivation;
+use crate::loader::DType;
 use crate::{Error, Result};
 
 /// What one job computed, for the offload's counters.
@@ -56,6 +57,7 @@ struct LaneJob {
     products: Raw<f32>,
     blocks: Vec<Raw<u8>>,
     format: ExpertFormat,
+    glu: ExpertGlu,
     hidden: usize,
     inter: usize,
     pairs: Vec<(u32, u32)>,
@@ -190,7 +192,7 @@ impl OffloadLane {
     }
 
     /// Starts computing `pairs` (row of the rows read last, index into `blocks`) of the bank `blocks` (each an
-    /// expert stored as `format`, `[inter, hidden]`) and returns at once.
+    /// expert stored as `format`, `[inter, hidden]`, computing what `glu` says) and returns at once.
     ///
     /// The lane's thread reads the rows buffer, the products buffer and the blocks through their addresses until
     /// the job is done. That holds because: the blocks are the bank's, which is filled at load and dropped after
@@ -204,7 +206,7 @@ impl OffloadLane {
         (rows, hidden): (usize, usize),
         inter: usize,
         blocks: &[&[u8]],
-        format: ExpertFormat,
+        (format, glu): (ExpertFormat, ExpertGlu),
         pairs: Vec<(u32, u32)>,
     ) -> Result<()> {
         self.finish_pending()?;
@@ -234,6 +236,7 @@ impl OffloadLane {
             products: Raw::of(&products_host.as_mut_slice().map_err(cuda_err("lane products"))?[..values]),
             blocks: blocks.iter().map(|b| Raw::of(b)).collect(),
             format,
+            glu,
             hidden,
             inter,
             pairs,
@@ -314,7 +317,7 @@ fn run_job(lane: &mut HostLane, job: &LaneJob) -> Result<Duration> {
         .map(|b| {
             lane_expert(
                 unsafe { std::slice::from_raw_parts(b.0, b.1) },
-                job.format,
+                (job.format, job.glu),
                 job.inter,
                 job.hidden,
             )
@@ -324,24 +327,40 @@ fn run_job(lane: &mut HostLane, job: &LaneJob) -> Result<Duration> {
         x: rows,
         hidden: job.hidden,
         inter: job.inter,
-        activation: ExpertActivation::SiluGlu,
+        activation: activation(job.glu),
         experts: &experts,
         pairs: &job.pairs,
     };
     Ok(lane.compute(&work, products, || ())?.1)
 }
 
-/// A bank block as the lane reads it: gate, up and down back to back, bf16, or FP8 followed by their scales.
-/// Never biased: add_layer gives the lane only experts without biases.
-fn lane_expert(block: &[u8], format: ExpertFormat, inter: usize, hidden: usize) -> Result<LaneExpert<'_>> {
-    if block.len() < format.block_bytes(inter, hidden, false) {
+/// The activation the expert kernels' `glu` arguments stand for.
+fn activation(glu: ExpertGlu) -> ExpertActivation {
+    match glu.clamped {
+        0 => ExpertActivation::SiluGlu,
+        _ => ExpertActivation::ClampedSwiGlu {
+            alpha: glu.alpha,
+            limit: glu.limit,
+        },
+    }
+}
+
+/// A bank block as the lane reads it (expert_format.rs's layout): gate, up and down, bf16 back to back, FP8 back
+/// to back followed by their scales, or MXFP4 each padded to 16 bytes; then, where `glu` says, the f32 biases.
+fn lane_expert(
+    block: &[u8],
+    (format, glu): (ExpertFormat, ExpertGlu),
+    inter: usize,
+    hidden: usize,
+) -> Result<LaneExpert<'_>> {
+    if block.len() < format.block_bytes(inter, hidden, glu.biased()) {
         return Err(Error::Shape(format!(
             "a bank block of {} bytes for a {format:?} expert",
             block.len()
         )));
     }
     let (dtype, scales) = match format {
-        ExpertFormat::Bf16 => (WeightDType::BF16, None),
+        ExpertFormat::Bf16 => (LaneDType::Gemv(WeightDType::BF16), None),
         ExpertFormat::Fp8(blocks) => {
             let grids = [
                 (inter, hidden, blocks.gate_up),
@@ -358,23 +377,111 @@ fn lane_expert(block: &[u8], format: ExpertFormat, inter: usize, hidden: usize) 
                     block_cols,
                 }
             });
-            (WeightDType::F8E4M3, Some(scales))
+            (LaneDType::Gemv(WeightDType::F8E4M3), Some(scales))
         }
-        ExpertFormat::Mxfp4 => {
-            return Err(Error::Shape(
-                "an MXFP4 bank block reached the CPU lane (add_layer refuses them)".into(),
-            ))
-        }
+        ExpertFormat::Mxfp4 => (LaneDType::Mxfp4, None),
     };
-    let matrix = inter * hidden * dtype.size_bytes();
+    let (matrix, stride) = match dtype {
+        LaneDType::Gemv(dtype) => (inter * hidden * dtype.size_bytes(), inter * hidden * dtype.size_bytes()),
+        LaneDType::Mxfp4 => (
+            DType::Mxfp4.bytes_for(inter * hidden),
+            mxfp4_matrix_bytes(inter, hidden),
+        ),
+    };
+    let [gate_bias, up_bias, down_bias] = match glu.biased() {
+        true => {
+            let at = glu.bias_at as usize;
+            let biases = f32_values(&block[at..at + 4 * (2 * inter + hidden)])?;
+            let (gate, rest) = biases.split_at(inter);
+            let (up, down) = rest.split_at(inter);
+            [Some(gate), Some(up), Some(down)]
+        }
+        false => [None; 3],
+    };
     Ok(LaneExpert {
         gate: &block[..matrix],
-        up: &block[matrix..2 * matrix],
-        down: &block[2 * matrix..3 * matrix],
+        up: &block[stride..stride + matrix],
+        down: &block[2 * stride..2 * stride + matrix],
         dtype,
         scales,
-        gate_bias: None,
-        up_bias: None,
-        down_bias: None,
+        gate_bias,
+        up_bias,
+        down_bias,
     })
+}
+
+/// `bytes` as the f32 values they hold in place: the bank's blocks start 16-byte aligned, and so do their biases.
+fn f32_values(bytes: &[u8]) -> Result<&[f32]> {
+    // SAFETY: every bit pattern is an f32; `align_to` puts only whole, aligned values in the middle.
+    let (before, values, after) = unsafe { bytes.align_to::<f32>() };
+    match before.is_empty() && after.is_empty() {
+        true => Ok(values),
+        false => Err(Error::Shape("a bank block's biases not 4-byte aligned".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::expert_format::with_f32_biases;
+    use crate::backend::ExpertTensors;
+    use crate::loader::TensorRef;
+
+    /// gpt-oss's bank block (MXFP4 gate, up and down, then the f32 biases, a missing one as zeros) read back by the
+    /// lane as the tensors it was made of, with the clamped SwiGLU its kernel arguments stand for; a short block is
+    /// refused.
+    #[test]
+    fn the_lane_reads_every_part_of_a_biased_mxfp4_block_where_it_lies() {
+        let (inter, hidden) = (64, 96);
+        let matrix = |name: &str, n: usize, k: usize, seed: u8| {
+            let bytes = (0..DType::Mxfp4.bytes_for(n * k))
+                .map(|i| (i as u8).wrapping_mul(seed))
+                .collect();
+            TensorRef::from_bytes(name, DType::Mxfp4, vec![n, k], bytes).unwrap()
+        };
+        let bias = |name: &str, len: usize, step: f32| {
+            let values: Vec<f32> = (0..len).map(|i| i as f32 * step).collect();
+            TensorRef::from_f32(name, vec![len], &values).unwrap()
+        };
+        let e = ExpertTensors {
+            gate_bias: Some(bias("gate.bias", inter, 0.5)),
+            down_bias: Some(bias("down.bias", hidden, -0.25)),
+            ..ExpertTensors::unbiased(
+                matrix("gate", inter, hidden, 3),
+                matrix("up", inter, hidden, 5),
+                matrix("down", hidden, inter, 7),
+            )
+        };
+        let e = with_f32_biases(e, true).unwrap();
+        let format = ExpertFormat::of(std::slice::from_ref(&e)).unwrap();
+        let clamped = ExpertActivation::ClampedSwiGlu {
+            alpha: 1.702,
+            limit: 7.0,
+        };
+        let glu = ExpertGlu::new(clamped, format, inter, hidden, true);
+        let bytes: Vec<u8> = format.block_parts(&e).unwrap().concat();
+        // The bank's blocks start 16-byte aligned: so does this copy.
+        let mut words = vec![0u128; bytes.len().div_ceil(16)];
+        // SAFETY: any u128 is 16 initialised bytes.
+        let block = &mut unsafe { words.align_to_mut::<u8>() }.1[..bytes.len()];
+        block.copy_from_slice(&bytes);
+        let expert = lane_expert(block, (format, glu), inter, hidden).unwrap();
+        assert_eq!(expert.dtype, LaneDType::Mxfp4);
+        assert!(expert.scales.is_none());
+        assert_eq!(
+            [expert.gate, expert.up, expert.down],
+            [e.gate.bytes(), e.up.bytes(), e.down.bytes()]
+        );
+        let biases = [&e.gate_bias, &e.up_bias, &e.down_bias].map(|b| b.as_ref().unwrap().to_f32_vec());
+        assert_eq!(expert.up_bias, Some(&vec![0.0; inter][..]));
+        assert_eq!(
+            [expert.gate_bias, expert.up_bias, expert.down_bias],
+            [0, 1, 2].map(|i| Some(&biases[i][..]))
+        );
+        assert_eq!(activation(glu), clamped);
+        assert!(matches!(
+            lane_expert(&block[..block.len() - 16], (format, glu), inter, hidden),
+            Err(Error::Shape(_))
+        ));
+    }
 }

@@ -1,6 +1,6 @@
 //! The CPU lane against the CPU backend's `moe_experts`: the same kernels over the same rows in the same order, so
-//! each pair's product, weighted and summed in router order, must equal the backend's output to the bit, for bf16
-//! and for FP8 experts.
+//! each pair's product, weighted and summed in router order, must equal the backend's output to the bit, for bf16,
+//! FP8 and MXFP4 experts.
 
 use super::*;
 use crate::backend::cpu::moe::{CpuExperts, Routing};
@@ -77,8 +77,9 @@ fn lane_forward(
             up: e.up.bytes(),
             down: e.down.bytes(),
             dtype: match e.gate.dtype {
-                DType::F8E4M3 => WeightDType::F8E4M3,
-                _ => WeightDType::BF16,
+                DType::F8E4M3 => LaneDType::Gemv(WeightDType::F8E4M3),
+                DType::Mxfp4 => LaneDType::Mxfp4,
+                _ => LaneDType::Gemv(WeightDType::BF16),
             },
             scales: e.gate.scales().map(|_| {
                 [&e.gate, &e.up, &e.down].map(|t| {
@@ -203,7 +204,7 @@ fn lane_spreads_large_experts_over_items_and_refuses_bad_shapes() {
         gate: e.gate.bytes(),
         up: e.up.bytes(),
         down: &e.down.bytes()[2..],
-        dtype: WeightDType::BF16,
+        dtype: LaneDType::Gemv(WeightDType::BF16),
         scales: None,
         gate_bias: None,
         up_bias: None,
@@ -294,7 +295,7 @@ fn lane_over_fp8_experts_matches_the_cpu_backend_to_the_bit_in_blocks_and_per_ch
         gate: e[0].bytes(),
         up: e[1].bytes(),
         down: e[2].bytes(),
-        dtype: WeightDType::F8E4M3,
+        dtype: LaneDType::Gemv(WeightDType::F8E4M3),
         scales: None,
         gate_bias: None,
         up_bias: None,
@@ -332,4 +333,91 @@ fn lane_over_fp8_experts_matches_the_cpu_backend_to_the_bit_in_blocks_and_per_ch
         ..expert
     })
     .unwrap();
+}
+
+/// A packed `[n, k]` MXFP4 matrix of random values, its scales 2^-6 ..= 2^1.
+fn mxfp4_tensor(random: &mut Random, name: &str, n: usize, k: usize) -> TensorRef {
+    let mut bytes: Vec<u8> = (0..n * k / 2).map(|_| random.below(256) as u8).collect();
+    bytes.extend((0..n * k / 32).map(|_| 121 + random.below(8) as u8));
+    TensorRef::from_bytes(name, DType::Mxfp4, vec![n, k], bytes).unwrap()
+}
+
+/// gpt-oss's experts: MXFP4 with f32 biases and the clamped SwiGLU, large enough that gate/up split into three
+/// items (128, 128 and 64 rows: 256 KiB over 2 x 1088-byte rows, rounded up to 16) and down into two (1552 and 496
+/// features), each item several 16-row tiles, and plain SiLU without biases over the same weights.
+#[test]
+fn lane_over_mxfp4_experts_matches_the_cpu_backend_to_the_bit_with_biases_and_the_clamped_swiglu() {
+    let mut random = Random(5);
+    let (hidden, inter, n_experts, top_k) = (2048, 320, 3, 2);
+    let mxfp4: Vec<ExpertTensors> = (0..n_experts)
+        .map(|e| ExpertTensors {
+            gate_bias: Some(TensorRef::from_f32("gate.bias", vec![inter], &random.values(inter)).unwrap()),
+            up_bias: Some(TensorRef::from_f32("up.bias", vec![inter], &random.values(inter)).unwrap()),
+            down_bias: Some(TensorRef::from_f32("down.bias", vec![hidden], &random.values(hidden)).unwrap()),
+            ..ExpertTensors::unbiased(
+                mxfp4_tensor(&mut random, &format!("gate{e}"), inter, hidden),
+                mxfp4_tensor(&mut random, &format!("up{e}"), inter, hidden),
+                mxfp4_tensor(&mut random, &format!("down{e}"), hidden, inter),
+            )
+        })
+        .collect();
+    let unbiased: Vec<ExpertTensors> = mxfp4
+        .iter()
+        .map(|e| ExpertTensors::unbiased(e.gate.clone(), e.up.clone(), e.down.clone()))
+        .collect();
+    let mut lane = HostLane::new(3).unwrap();
+    let clamped = ExpertActivation::ClampedSwiGlu {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+    for (tensors, activation) in [(&mxfp4, clamped), (&unbiased, ExpertActivation::SiluGlu)] {
+        let cpu = CpuExperts::new(tensors.clone(), activation).unwrap();
+        for rows in [1, 3, 8] {
+            let x = CpuTensor {
+                data: random.values(rows * hidden),
+                rows,
+                cols: hidden,
+            };
+            let ids: Vec<u32> = (0..rows * top_k)
+                .map(|p| ((p / top_k + 2 * (p % top_k)) % n_experts) as u32)
+                .collect();
+            let routing = Routing {
+                top_k,
+                weights: random.values(ids.len()),
+                ids,
+            };
+            let want = cpu.forward(&x, &routing).unwrap();
+            assert!(
+                want.data.iter().all(|v| v.is_finite() && *v != 0.0),
+                "{activation:?}: degenerate products"
+            );
+            let got = lane_forward(&mut lane, tensors, activation, &x, &routing);
+            assert!(
+                got.iter().zip(&want.data).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{activation:?}, {rows} rows: the lane differs from the CPU backend"
+            );
+        }
+    }
+    // MXFP4 matrices of the wrong length are refused.
+    let e = &mxfp4[0];
+    let expert = LaneExpert {
+        gate: e.gate.bytes(),
+        up: e.up.bytes(),
+        down: &e.down.bytes()[1..],
+        dtype: LaneDType::Mxfp4,
+        scales: None,
+        gate_bias: None,
+        up_bias: None,
+        down_bias: None,
+    };
+    let work = LaneWork {
+        x: &random.values(hidden),
+        hidden,
+        inter,
+        activation: ExpertActivation::SiluGlu,
+        experts: &[expert],
+        pairs: &[(0, 0)],
+    };
+    let mut out = vec![0.0; hidden];
+    assert!(matches!(lane.compute(&work, &mut out, || ()), Err(Error::Shape(_))));
 }
