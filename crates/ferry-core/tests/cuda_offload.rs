@@ -183,6 +183,8 @@ fn offload_equals_resident_for_every_fixture_family() {
         "gpt_oss_mxfp4",
         "qwen3_moe_fp8",
         "qwen3_5_moe_fp8_dynamic",
+        "deepseek_v3_fp8",
+        "glm4_moe_fp8",
     ] {
         let checkpoint = Checkpoint::open(&fixtures().join(family)).unwrap();
         let spec = spec_for(&checkpoint.model_type, &checkpoint.config).unwrap();

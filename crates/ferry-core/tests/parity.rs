@@ -30,6 +30,8 @@ const FAMILIES: &[&str] = &[
     "glm4_moe",
     "qwen3_moe_fp8",
     "qwen3_5_moe_fp8_dynamic",
+    "deepseek_v3_fp8",
+    "glm4_moe_fp8",
     "gpt_oss",
     "gpt_oss_mxfp4",
 ];
@@ -274,7 +276,9 @@ parity_tests!(
     // Dense FP8 weights rounded to bf16 moved these fixtures' logits by 0.072 and 0.061 (the H200 on 2026-12-01,
     // and transformers on the same rounded weights): the CUDA backend reads them as FP8 (linear.rs).
     qwen3_moe_fp8,
-    qwen3_5_moe_fp8_dynamic;
+    qwen3_5_moe_fp8_dynamic,
+    deepseek_v3_fp8,
+    glm4_moe_fp8;
     cpu_only:
 );
 
