@@ -387,11 +387,12 @@ fn check_state_across_calls<B: Backend>(backend: &B, name: &str, tolerance: f32)
     }
     let differ = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     let long_diff = differ(&long_logits, &alone(long));
+    let short_diff = differ(&short_logits, &alone(short));
+    eprintln!("{name}: split and batched vs one call: long prompt {long_diff:.3e}, short prompt {short_diff:.3e}");
     assert!(
         long_diff <= tolerance,
         "{name}: chunked, batched prefill differs from one call by {long_diff}"
     );
-    let short_diff = differ(&short_logits, &alone(short));
     assert!(
         short_diff <= tolerance,
         "{name}: a sequence batched with another differs from its own call by {short_diff}"
