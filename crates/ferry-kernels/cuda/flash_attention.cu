@@ -4,12 +4,9 @@
 // too few queries per key to feed the tensor cores, and attention.cu's split kernel reads its keys faster.
 //
 // Precision: queries, keys, values and probabilities are f32, and a bf16 product would lose 16 of their 24
-// significant bits. Every operand is therefore split into three bf16 planes, x = hi + mid + lo (mid the rounding
-// error of hi, lo that of hi + mid): together they hold all 24 bits. A product keeps the plane pairs down to 2^-16
-// of hi*hi (hi*hi, hi*mid, mid*hi, hi*lo, mid*mid, lo*hi), accumulated in f32 by mma.sync: the terms left out are
-// below 2^-24 of it, so the kernel is as exact as an f32 one (two planes, three products, gave 16 bits: a 1e-5
-// relative error that moved a hybrid model's logits by 1e-4 between two splittings of one prompt), at six
-// tensor-core products per f32 one.
+// significant bits. Every operand is therefore split into two bf16 halves, x = hi + lo (lo the rounding error of
+// hi), and each product is hi*hi + hi*lo + lo*hi, accumulated in f32 by mma.sync: about 16 significant bits per
+// product (relative error near 2^-17), at three tensor-core products per f32 one.
 //
 // Layout of a block's work: the "m-rows" of a slice are its (row, query head of the group) pairs, m = row * group +
 // head; a block takes FLASH_WARP_ROWS m-rows per warp of one slice, all sharing kv head blockIdx.y, so the heads
@@ -28,18 +25,10 @@ __device__ __forceinline__ uint32_t pack_bf16(float first, float second) {
     return packed;
 }
 
-// The planes of an f32 operand, hi, mid, lo.
-constexpr int PLANES = 3;
-
-// (first, second) = planes[0] + planes[1] + planes[2], each a pair of bf16 in one register. Each subtraction is
-// exact: it leaves the bits the plane before did not hold.
-__device__ __forceinline__ void split_bf16(float first, float second, uint32_t (&planes)[PLANES]) {
-#pragma unroll
-    for (int p = 0; p < PLANES; ++p) {
-        planes[p] = pack_bf16(first, second);
-        first -= __uint_as_float(planes[p] << 16);
-        second -= __uint_as_float(planes[p] & 0xffff0000u);
-    }
+// (first, second) = hi + lo, each a pair of bf16 in one register.
+__device__ __forceinline__ void split_bf16(float first, float second, uint32_t& hi, uint32_t& lo) {
+    hi = pack_bf16(first, second);
+    lo = pack_bf16(first - __uint_as_float(hi << 16), second - __uint_as_float(hi & 0xffff0000u));
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -49,16 +38,12 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// c += a * b for split operands (a[plane] an A fragment, b[plane] a B fragment): the plane pairs (i, j) with
-// i + j <= 2, smallest first.
-__device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&a)[PLANES][4],
-                                          const uint32_t (&b)[PLANES][2]) {
-    mma_bf16(c, a[2], b[0][0], b[0][1]);
-    mma_bf16(c, a[1], b[1][0], b[1][1]);
-    mma_bf16(c, a[0], b[2][0], b[2][1]);
-    mma_bf16(c, a[1], b[0][0], b[0][1]);
-    mma_bf16(c, a[0], b[1][0], b[1][1]);
-    mma_bf16(c, a[0], b[0][0], b[0][1]);
+// c += a * b for split operands: hi*hi + hi*lo + lo*hi.
+__device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
+                                          uint32_t b0_hi, uint32_t b1_hi, uint32_t b0_lo, uint32_t b1_lo) {
+    mma_bf16(c, a_lo, b0_hi, b1_hi);
+    mma_bf16(c, a_hi, b0_lo, b1_lo);
+    mma_bf16(c, a_hi, b0_hi, b1_hi);
 }
 
 // Four 8 x 8 bf16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i.
@@ -74,13 +59,13 @@ __device__ __forceinline__ uint32_t shared_word(const uint16_t* base, int index)
     return *reinterpret_cast<const uint32_t*>(base + index);
 }
 
-// Four floats split and stored as bf16 planes at planes[p * plane + at..+ 4].
-__device__ __forceinline__ void store_split(const float4& v, uint16_t* planes, int plane, int at) {
-    uint32_t xy[PLANES], zw[PLANES];
-    split_bf16(v.x, v.y, xy);
-    split_bf16(v.z, v.w, zw);
-#pragma unroll
-    for (int p = 0; p < PLANES; ++p) *reinterpret_cast<uint2*>(planes + p * plane + at) = make_uint2(xy[p], zw[p]);
+// Four floats split and stored as bf16 halves at hi[at..at + 4] and lo[at..at + 4].
+__device__ __forceinline__ void store_split(const float4& v, uint16_t* hi, uint16_t* lo, int at) {
+    uint2 h, l;
+    split_bf16(v.x, v.y, h.x, l.x);
+    split_bf16(v.z, v.w, h.y, l.y);
+    *reinterpret_cast<uint2*>(hi + at) = h;
+    *reinterpret_cast<uint2*>(lo + at) = l;
 }
 
 struct FlashArgs {
@@ -108,11 +93,11 @@ __host__ __device__ constexpr int flash_stride() {
 }
 
 // Keys k0 .. k0 + KEYS - 1 of one pool (zeros at and past key_end, and past head_dim) into shared memory as bf16
-// planes of KEYS rows of flash_stride<D>() features. `offset`: the kv head's first feature in a pool row of
-// `kv_width`.
+// halves, rows of flash_stride<D>() features. `offset`: the kv head's first feature in a pool row of `kv_width`.
 template <int D, int KEYS, int WARPS>
 __device__ __forceinline__ void load_tile(const float* __restrict__ pool, const uint32_t* __restrict__ table, int k0,
-                                          int key_end, int kv_width, int offset, int head_chunks, uint16_t* planes) {
+                                          int key_end, int kv_width, int offset, int head_chunks, uint16_t* hi,
+                                          uint16_t* lo) {
     constexpr int CHUNKS = D / 4, THREADS = WARPS * 32, LOADS = KEYS * CHUNKS / THREADS;
     // At most 8 float4s of a thread in flight at once: more would spill the accumulators of the largest heads.
     constexpr int BATCH = LOADS < 8 ? LOADS : 8;
@@ -132,7 +117,7 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ pool, const 
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
             const int i = threadIdx.x + (first + u) * THREADS;
-            store_split(v[u], planes, KEYS * flash_stride<D>(), (i / CHUNKS) * flash_stride<D>() + 4 * (i % CHUNKS));
+            store_split(v[u], hi, lo, (i / CHUNKS) * flash_stride<D>() + 4 * (i % CHUNKS));
         }
     }
 }
@@ -146,12 +131,13 @@ __device__ __forceinline__ void flash_attend(const FlashArgs& a) {
     constexpr int CHUNKS = D / 4;  // float4s per padded row
     constexpr int block_rows = WARPS * FLASH_WARP_ROWS;
     extern __shared__ uint4 shared_words[];
-    // The planes of the queries, of a key tile and of a value tile.
-    constexpr int Q_PLANE = block_rows * STRIDE, KV_PLANE = KEYS * STRIDE;
-    uint16_t* q_planes = reinterpret_cast<uint16_t*>(shared_words);
-    uint16_t* k_planes = q_planes + PLANES * Q_PLANE;
-    uint16_t* v_planes = k_planes + PLANES * KV_PLANE;
-    int* found = reinterpret_cast<int*>(v_planes + PLANES * KV_PLANE);
+    uint16_t* q_hi = reinterpret_cast<uint16_t*>(shared_words);
+    uint16_t* q_lo = q_hi + block_rows * STRIDE;
+    uint16_t* k_hi = q_lo + block_rows * STRIDE;
+    uint16_t* k_lo = k_hi + KEYS * STRIDE;
+    uint16_t* v_hi = k_lo + KEYS * STRIDE;
+    uint16_t* v_lo = v_hi + KEYS * STRIDE;
+    int* found = reinterpret_cast<int*>(v_lo + KEYS * STRIDE);
 
     const int group = a.num_heads / a.num_kv_heads, kv_head = blockIdx.y;
     int slice, local;
@@ -165,7 +151,7 @@ __device__ __forceinline__ void flash_attend(const FlashArgs& a) {
     const int q_cols = a.num_heads * a.head_dim, kv_width = a.num_kv_heads * a.head_dim;
     const int head_chunks = a.head_dim >> 2;
 
-    // The block's queries, split into planes; m-rows past the slice and features past head_dim are zeros.
+    // The block's queries, split into halves; m-rows past the slice and features past head_dim are zeros.
     for (int i = threadIdx.x; i < block_rows * CHUNKS; i += WARPS * 32) {
         const int row = i / CHUNKS, chunk = i % CHUNKS, m = m0 + row;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -174,7 +160,7 @@ __device__ __forceinline__ void flash_attend(const FlashArgs& a) {
             v = *reinterpret_cast<const float4*>(a.q + static_cast<size_t>(start_row + m / group) * q_cols +
                                                  head * a.head_dim + 4 * chunk);
         }
-        store_split(v, q_planes, Q_PLANE, row * STRIDE + 4 * chunk);
+        store_split(v, q_hi, q_lo, row * STRIDE + 4 * chunk);
     }
 
     // The keys the block's rows see: from the first row's window start to the last row's position.
@@ -198,14 +184,15 @@ __device__ __forceinline__ void flash_attend(const FlashArgs& a) {
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // row_sum: this lane's share
 
-    const uint16_t* warp_q = q_planes + warp * FLASH_WARP_ROWS * STRIDE;
+    const uint16_t* warp_q_hi = q_hi + warp * FLASH_WARP_ROWS * STRIDE;
+    const uint16_t* warp_q_lo = q_lo + warp * FLASH_WARP_ROWS * STRIDE;
     for (int k0 = key_begin - key_begin % KEYS; k0 < key_end; k0 += KEYS) {
         __syncthreads();  // every warp is done with the previous tile (and, the first time, the queries are stored)
         // Keys, then values: all of a thread's loads of one pool in flight before the first store.
-        load_tile<D, KEYS, WARPS>(a.k_pool, table, k0, key_end, kv_width, kv_head * a.head_dim, head_chunks,
-                                  k_planes);
-        load_tile<D, KEYS, WARPS>(a.v_pool, table, k0, key_end, kv_width, kv_head * a.head_dim, head_chunks,
-                                  v_planes);
+        load_tile<D, KEYS, WARPS>(a.k_pool, table, k0, key_end, kv_width, kv_head * a.head_dim, head_chunks, k_hi,
+                                  k_lo);
+        load_tile<D, KEYS, WARPS>(a.v_pool, table, k0, key_end, kv_width, kv_head * a.head_dim, head_chunks, v_hi,
+                                  v_lo);
         __syncthreads();
 
         // Scores of the warp's 16 m-rows against the tile's keys.
@@ -215,25 +202,19 @@ __device__ __forceinline__ void flash_attend(const FlashArgs& a) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const int col = 16 * kk + 2 * t;
-            uint32_t q_frag[PLANES][4];
-#pragma unroll
-            for (int p = 0; p < PLANES; ++p) {
-                const uint16_t* q = warp_q + p * Q_PLANE;
-                q_frag[p][0] = shared_word(q, g * STRIDE + col);
-                q_frag[p][1] = shared_word(q, (g + 8) * STRIDE + col);
-                q_frag[p][2] = shared_word(q, g * STRIDE + col + 8);
-                q_frag[p][3] = shared_word(q, (g + 8) * STRIDE + col + 8);
-            }
+            const uint32_t a_hi[4] = {shared_word(warp_q_hi, g * STRIDE + col),
+                                      shared_word(warp_q_hi, (g + 8) * STRIDE + col),
+                                      shared_word(warp_q_hi, g * STRIDE + col + 8),
+                                      shared_word(warp_q_hi, (g + 8) * STRIDE + col + 8)};
+            const uint32_t a_lo[4] = {shared_word(warp_q_lo, g * STRIDE + col),
+                                      shared_word(warp_q_lo, (g + 8) * STRIDE + col),
+                                      shared_word(warp_q_lo, g * STRIDE + col + 8),
+                                      shared_word(warp_q_lo, (g + 8) * STRIDE + col + 8)};
 #pragma unroll
             for (int n = 0; n < KEYS / 8; ++n) {
                 const int key_at = (8 * n + g) * STRIDE + col;
-                uint32_t k_frag[PLANES][2];
-#pragma unroll
-                for (int p = 0; p < PLANES; ++p) {
-                    k_frag[p][0] = shared_word(k_planes + p * KV_PLANE, key_at);
-                    k_frag[p][1] = shared_word(k_planes + p * KV_PLANE, key_at + 8);
-                }
-                mma_split(s[n], q_frag, k_frag);
+                mma_split(s[n], a_hi, a_lo, shared_word(k_hi, key_at), shared_word(k_hi, key_at + 8),
+                          shared_word(k_lo, key_at), shared_word(k_lo, key_at + 8));
             }
         }
 
@@ -280,31 +261,21 @@ __device__ __forceinline__ void flash_attend(const FlashArgs& a) {
         // Values: the probabilities (C fragments of the scores) are A fragments of P * V as they lie.
 #pragma unroll
         for (int kk = 0; kk < KEYS / 16; ++kk) {
-            uint32_t p_frag[PLANES][4], pairs[4][PLANES];
-            split_bf16(s[2 * kk][0], s[2 * kk][1], pairs[0]);
-            split_bf16(s[2 * kk][2], s[2 * kk][3], pairs[1]);
-            split_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1], pairs[2]);
-            split_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3], pairs[3]);
-#pragma unroll
-            for (int p = 0; p < PLANES; ++p)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) p_frag[p][r] = pairs[r][p];
+            uint32_t p_hi[4], p_lo[4];
+            split_bf16(s[2 * kk][0], s[2 * kk][1], p_hi[0], p_lo[0]);
+            split_bf16(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
+            split_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1], p_hi[2], p_lo[2]);
+            split_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
             // Lane l addresses row 16 kk + (l & 15) of the tile, features from 8 * (l >> 4): matrices (keys 0-7,
             // features n), (keys 8-15, n), (keys 0-7, n + 8), (keys 8-15, n + 8), so r[0..1] is B of n, r[2..3] of n + 8.
             const int row_at = (16 * kk + (lane & 15)) * STRIDE + 8 * (lane >> 4);
 #pragma unroll
             for (int n = 0; n < D / 8; n += 2) {
-                uint32_t v_frag[PLANES][4], v_n[PLANES][2], v_next[PLANES][2];
-#pragma unroll
-                for (int p = 0; p < PLANES; ++p) {
-                    ldmatrix_x4_trans(v_planes + p * KV_PLANE + row_at + 8 * n, v_frag[p]);
-                    v_n[p][0] = v_frag[p][0];
-                    v_n[p][1] = v_frag[p][1];
-                    v_next[p][0] = v_frag[p][2];
-                    v_next[p][1] = v_frag[p][3];
-                }
-                mma_split(o[n], p_frag, v_n);
-                mma_split(o[n + 1], p_frag, v_next);
+                uint32_t b_hi[4], b_lo[4];
+                ldmatrix_x4_trans(v_hi + row_at + 8 * n, b_hi);
+                ldmatrix_x4_trans(v_lo + row_at + 8 * n, b_lo);
+                mma_split(o[n], p_hi, p_lo, b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+                mma_split(o[n + 1], p_hi, p_lo, b_hi[2], b_hi[3], b_lo[2], b_lo[3]);
             }
         }
     }
@@ -337,8 +308,7 @@ __host__ __device__ constexpr int flash_keys_per_tile(int d) {
 }
 
 // flash_attention_d{D}_w{WARPS}: D the padded head dim (head_dim rounded up to the next kernel's), WARPS warps per
-// block (fewer than 4 only where 4 would need more shared memory than the GPU has: head dims 128 and 256 below
-// sm_90's 227 KiB, in the 99 KiB of sm_86/89/120).
+// block (2 only where 4 would need more shared memory than the GPU has: head dim 256 below sm_90's 227 KiB).
 #define FLASH_ATTENTION_KERNEL(D, WARPS)                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention_d##D##_w##WARPS(                    \
         const float* __restrict__ q, const float* __restrict__ k_pool, const float* __restrict__ v_pool,         \
@@ -356,6 +326,5 @@ FLASH_ATTENTION_KERNEL(16, 4)
 FLASH_ATTENTION_KERNEL(32, 4)
 FLASH_ATTENTION_KERNEL(64, 4)
 FLASH_ATTENTION_KERNEL(128, 4)
-FLASH_ATTENTION_KERNEL(128, 2)
 FLASH_ATTENTION_KERNEL(256, 4)
-FLASH_ATTENTION_KERNEL(256, 1)
+FLASH_ATTENTION_KERNEL(256, 2)

@@ -88,13 +88,10 @@ fn activation_shapes(spec: &ModelSpec) -> ActivationShapes {
     let (top_k, expert_intermediate, shared) = spec.moe.as_ref().map_or((0, 0, 0), |m| {
         (m.top_k, m.intermediate, m.shared_expert.map_or(0, |s| s.intermediate))
     });
-    let (gdn_conv, gdn_value, gdn_wy) = spec.gated_delta_net.as_ref().map_or((0, 0, 0), |g| {
-        (
-            g.conv_dim(),
-            g.value_dim(),
-            g.num_v_heads * g.k_head_dim + g.value_dim(),
-        )
-    });
+    let (gdn_conv, gdn_value) = spec
+        .gated_delta_net
+        .as_ref()
+        .map_or((0, 0), |g| (g.conv_dim(), g.value_dim()));
     ActivationShapes {
         hidden: spec.hidden_size,
         q_width: spec.num_heads * spec.head_dim,
@@ -102,7 +99,6 @@ fn activation_shapes(spec: &ModelSpec) -> ActivationShapes {
         widest_mlp: widest_dense.max(shared),
         gdn_conv,
         gdn_value,
-        gdn_wy,
         top_k,
         expert_intermediate,
         vocab: spec.vocab_size,
@@ -496,11 +492,11 @@ mod tests {
             ),
             (
                 ("bench/q36.json", "15.8GiB", OffloadMode::Auto, None, 33000, None),
-                (true, 1192, 33120, 3212394496, 4096),
+                (true, 1235, 33068, 2943959040, 4096),
             ),
             (
                 ("bench/q36.json", "80GiB", OffloadMode::Auto, None, 8192, None),
-                (false, 0, 353959, 2079932416, 2048),
+                (false, 0, 357236, 1945714688, 2048),
             ),
             (
                 (
@@ -533,7 +529,7 @@ mod tests {
                     8192,
                     None,
                 ),
-                (true, 24, 2909613, 328220672, 4096),
+                (true, 24, 2925997, 324026368, 4096),
             ),
         ];
         for ((config, budget, mode, slots, kv_reserve_tokens, max_batch_tokens), expected) in cases {
@@ -557,7 +553,7 @@ mod tests {
             assert_eq!(got, expected, "{config}, {budget}, {mode:?}");
         }
         let (_, q36) = model("bench/q36.json");
-        assert_eq!(workspace_bytes(&q36, 1), 277262336);
-        assert_eq!(workspace_bytes(&q36, 2049), 2080485376);
+        assert_eq!(workspace_bytes(&q36, 1), 277196800);
+        assert_eq!(workspace_bytes(&q36, 2049), 1946202112);
     }
 }

@@ -45,8 +45,6 @@ const KERNELS: &[(&str, &[&str])] = &[
             "conv_state_update",
             "gated_delta_rule",
             "gated_delta_rule_chunked",
-            "gated_delta_rule_wy",
-            "gated_delta_rule_states",
             "sigmoid_gate_elementwise",
         ],
     ),
@@ -153,8 +151,6 @@ impl CudaBackend {
             allow_shared_bytes(&functions, name, max_shared_per_block)?;
         }
         allow_shared_bytes(&functions, "gated_delta_rule_chunked", gdn::CHUNKED_MAX_SHARED_BYTES)?;
-        allow_shared_bytes(&functions, "gated_delta_rule_states", gdn::CHUNKED_MAX_SHARED_BYTES)?;
-        allow_shared_bytes(&functions, "gated_delta_rule_wy", gdn::WY_MAX_SHARED_BYTES)?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
         let device = format!(
             "{} (sm_{major}{minor}, {:.1} GiB)",

@@ -14,14 +14,13 @@ use crate::backend::{AttentionParams, SeqSlice};
 use crate::{Error, Result};
 
 /// Every flash kernel, by padded head dim and warps per block (see [`FlashShape`]).
-pub(super) const FLASH_KERNELS: [&str; 7] = [
+pub(super) const FLASH_KERNELS: [&str; 6] = [
     "flash_attention_d16_w4",
     "flash_attention_d32_w4",
     "flash_attention_d64_w4",
     "flash_attention_d128_w4",
-    "flash_attention_d128_w2",
     "flash_attention_d256_w4",
-    "flash_attention_d256_w1",
+    "flash_attention_d256_w2",
 ];
 
 /// The head dims the kernels are built for: a head is padded (with zeros) up to the first that holds it.
@@ -88,7 +87,7 @@ struct FlashShape {
 
 impl FlashShape {
     /// The kernel for heads of `head_dim`, with four warps where their shared memory fits in `max_shared_bytes`,
-    /// else two, else one.
+    /// else two.
     fn new(head_dim: usize, max_shared_bytes: usize) -> Result<Self> {
         let padded = PADDED_HEAD_DIMS.into_iter().find(|&d| d >= head_dim);
         let Some(padded) = padded.filter(|_| head_dim > 0 && head_dim.is_multiple_of(4) && head_dim <= MAX_HEAD_DIM)
@@ -99,16 +98,16 @@ impl FlashShape {
             )));
         };
         let keys = (FLASH_TILE_FEATURES / padded).min(FLASH_MAX_KEYS_PER_TILE);
-        // Three bf16 planes of the queries and of a key and a value tile, rows of padded + 8; then the tile's slice.
-        let shared_bytes = |warps: usize| 2 * (padded + 8) * (3 * warps * FLASH_WARP_ROWS + 6 * keys) + 8;
-        let warps = [4, 2, 1]
+        // bf16 halves of the queries and of a key and a value tile, rows of padded + 8; then the tile's slice.
+        let shared_bytes = |warps: usize| 2 * (padded + 8) * (2 * warps * FLASH_WARP_ROWS + 4 * keys) + 8;
+        let warps = [4, 2]
             .into_iter()
             .find(|&w| shared_bytes(w) <= max_shared_bytes)
             .ok_or_else(|| {
                 Error::Cuda(format!(
                     "prefill attention with heads of {head_dim} needs {} bytes of shared memory per block; this GPU \
                      has {max_shared_bytes}",
-                    shared_bytes(1)
+                    shared_bytes(2)
                 ))
             })?;
         let name = format!("flash_attention_d{padded}_w{warps}");
@@ -205,22 +204,22 @@ mod tests {
     #[test]
     fn heads_are_padded_to_the_next_kernel_and_four_warps_where_they_fit() {
         let shape = |head_dim, shared| FlashShape::new(head_dim, shared).unwrap();
-        // Qwen3-30B-A3B's heads: 32 keys of 136 bf16 per row; planes of 64 query rows, 32 keys and 32 values.
+        // Qwen3-30B-A3B's heads: 32 keys of 136 bf16 per row; halves of 64 query rows, 32 keys and 32 values.
         assert_eq!(
             shape(128, HOPPER_SHARED),
             FlashShape {
                 kernel: "flash_attention_d128_w4",
                 warps: 4,
-                shared_bytes: 2 * 136 * (3 * 64 + 6 * 32) + 8,
+                shared_bytes: 2 * 136 * (2 * 64 + 4 * 32) + 8,
             }
         );
-        assert_eq!(shape(128, SMALL_SHARED).kernel, "flash_attention_d128_w2");
+        assert_eq!(shape(128, SMALL_SHARED).warps, 4);
         assert_eq!(shape(16, SMALL_SHARED).kernel, "flash_attention_d16_w4");
         assert_eq!(shape(20, SMALL_SHARED).kernel, "flash_attention_d32_w4");
         assert_eq!(shape(80, HOPPER_SHARED).kernel, "flash_attention_d128_w4");
-        // Qwen3.5's gated attention (256): four warps on an H200, one where shared memory is 99 KiB.
+        // Qwen3.5's gated attention (256): four warps on an H200, two where shared memory is 99 KiB.
         assert_eq!(shape(256, HOPPER_SHARED).kernel, "flash_attention_d256_w4");
-        assert_eq!(shape(256, SMALL_SHARED).kernel, "flash_attention_d256_w1");
+        assert_eq!(shape(256, SMALL_SHARED).kernel, "flash_attention_d256_w2");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Gated DeltaNet on the GPU (gdn.cu): the causal conv1d with its rolling state and the gated delta rule over
 //! each sequence's recurrent state, token by token for short slices (decode) and in chunks for long ones
-//! (prefill: the WY form, a pass over every chunk at once, then a pass over each slice's chunks in order).
+//! (prefill).
 
 use cudarc::driver::LaunchConfig;
 use ferry_kernels::constants::{DELTA_CHUNK, DELTA_CHUNK_COLUMNS, DELTA_CHUNK_THREADS, MAX_K_HEAD_DIM};
@@ -64,65 +64,6 @@ kernel! {
     }
 }
 
-kernel! {
-    /// gdn.cu's `gated_delta_rule_wy`: block (chunk, value head) over the chunks of the chunked slices writes the
-    /// chunk's W (`[rows, Hv * dk]`) and U (`[rows, Hv * dv]`).
-    struct GatedDeltaRuleWy = "gated_delta_rule_wy" {
-        qkv: Ptr<f32>,
-        a: Ptr<f32>,
-        b: Ptr<f32>,
-        a_log: Ptr<f32>,
-        dt_bias: Ptr<f32>,
-        w: Ptr<f32>,
-        u: Ptr<f32>,
-        slice_start_row: Ptr<u32>,
-        slice_len: Ptr<u32>,
-        slices: i32,
-        num_k_heads: i32,
-        num_v_heads: i32,
-        dk: i32,
-        dv: i32,
-        chunked_from: i32,
-    }
-}
-
-kernel! {
-    /// gdn.cu's `gated_delta_rule_states`: block (slice, value head, state columns) walks a chunked slice's chunks
-    /// with `gated_delta_rule_wy`'s W and U, writing `out` and the state.
-    struct GatedDeltaRuleStates = "gated_delta_rule_states" {
-        qkv: Ptr<f32>,
-        a: Ptr<f32>,
-        b: Ptr<f32>,
-        a_log: Ptr<f32>,
-        dt_bias: Ptr<f32>,
-        w: Ptr<f32>,
-        u: Ptr<f32>,
-        out: Ptr<f32>,
-        slice_start_row: Ptr<u32>,
-        slice_len: Ptr<u32>,
-        slice_state: Ptr<u64>,
-        delta_offset: usize,
-        num_k_heads: i32,
-        num_v_heads: i32,
-        dk: i32,
-        dv: i32,
-        chunked_from: i32,
-    }
-}
-
-/// How slices of at least [`DELTA_RULE_CHUNKED_MIN_LEN`] tokens run.
-#[derive(Clone, Copy)]
-enum ChunkedForm {
-    /// `gated_delta_rule_wy` then `gated_delta_rule_states`.
-    Wy,
-    /// `gated_delta_rule_chunked`, which solves each chunk inside the pass over the slice's chunks: kept until the
-    /// H200 has confirmed the WY form (then it goes), so that one line here switches back.
-    #[allow(dead_code)]
-    OnePass,
-}
-
-const CHUNKED_FORM: ChunkedForm = ChunkedForm::Wy;
-
 /// The chunked kernel's dynamic shared memory for keys of `dk` (its layout in gdn.cu): k and q rows of dk + 1,
 /// q's space shared with A and u, P, the block's state columns, G and beta.
 const fn chunked_shared_bytes(dk: usize) -> usize {
@@ -133,24 +74,9 @@ const fn chunked_shared_bytes(dk: usize) -> usize {
     4 * (rows + q_space + c * (c + 1) + dk * DELTA_CHUNK_COLUMNS + 2 * c)
 }
 
-/// What the chunked kernels (`gated_delta_rule_chunked`, `gated_delta_rule_states`) may ask for (97.25 KiB at dk =
-/// 128: within the 99 KiB a block may have on every GPU the fatbin targets).
+/// What the chunked kernel may ask for (97.25 KiB at dk = 128: within the 99 KiB a block may have on every GPU
+/// the fatbin targets).
 pub(super) const CHUNKED_MAX_SHARED_BYTES: usize = chunked_shared_bytes(MAX_K_HEAD_DIM);
-
-/// `gated_delta_rule_wy`'s dynamic shared memory (its layout in gdn.cu): k rows of dk + 1, sharing their space
-/// with X (a column per thread), A, G and beta, and the block's slice and chunk.
-const fn wy_shared_bytes(dk: usize) -> usize {
-    let c = DELTA_CHUNK;
-    let rows = c * (dk + 1);
-    let x = c * DELTA_CHUNK_THREADS;
-    4 * ((if rows > x { rows } else { x }) + c * (c + 1) + 2 * c) + 8
-}
-
-/// What `gated_delta_rule_wy` may ask for (80.8 KiB, whatever dk: X takes more room than the k rows).
-pub(super) const WY_MAX_SHARED_BYTES: usize = wy_shared_bytes(MAX_K_HEAD_DIM);
-
-// Both chunked forms fit the 99 KiB a block may have on sm_86, sm_89 and sm_120.
-const _: () = assert!(CHUNKED_MAX_SHARED_BYTES <= 99 * 1024 && WY_MAX_SHARED_BYTES <= 99 * 1024);
 
 /// The inputs of the delta rule's gates (see [`crate::backend::Backend::gated_delta_rule`]): `a` and `b` per row
 /// and value head, `a_log` and `dt_bias` per value head.
@@ -263,7 +189,7 @@ pub(super) fn gated_delta_rule(
         delta_rule.launch_kernel(cuda, "gated_delta_rule", cfg)?;
     }
     if r.lens.iter().any(|&len| len >= DELTA_RULE_CHUNKED_MIN_LEN) {
-        let slice_blocks = LaunchConfig {
+        let cfg = LaunchConfig {
             grid_dim: (
                 r.slices as u32,
                 p.num_v_heads as u32,
@@ -272,74 +198,7 @@ pub(super) fn gated_delta_rule(
             block_dim: (DELTA_CHUNK_THREADS as u32, 1, 1),
             shared_mem_bytes: chunked_shared_bytes(p.k_head_dim) as u32,
         };
-        match CHUNKED_FORM {
-            ChunkedForm::Wy => chunked_wy(cuda, &delta_rule, r, qkv.rows, p, slice_blocks)?,
-            ChunkedForm::OnePass => delta_rule.launch_kernel(cuda, "gated_delta_rule_chunked", slice_blocks)?,
-        }
+        delta_rule.launch_kernel(cuda, "gated_delta_rule_chunked", cfg)?;
     }
     Ok(out)
-}
-
-/// The chunked slices of `delta_rule`'s batch in the WY form: W and U for every chunk at once, then the pass over
-/// each slice's chunks (`slice_blocks`, as the one-pass kernel's).
-fn chunked_wy(
-    cuda: &CudaBackend,
-    delta_rule: &GatedDeltaRule,
-    r: &RecurrentBatch,
-    rows: usize,
-    p: &DeltaRuleParams,
-    slice_blocks: LaunchConfig,
-) -> Result<()> {
-    let w = cuda.tensor(rows, p.num_v_heads * p.k_head_dim)?;
-    let u = cuda.tensor(rows, p.num_v_heads * p.v_head_dim)?;
-    let d = delta_rule;
-    let chunks: usize = r
-        .lens
-        .iter()
-        .filter(|&&len| len >= DELTA_RULE_CHUNKED_MIN_LEN)
-        .map(|len| len.div_ceil(DELTA_CHUNK))
-        .sum();
-    let wy = GatedDeltaRuleWy {
-        qkv: d.qkv,
-        a: d.a,
-        b: d.b,
-        a_log: d.a_log,
-        dt_bias: d.dt_bias,
-        w: ptr(&w.data),
-        u: ptr(&u.data),
-        slice_start_row: d.slice_start_row,
-        slice_len: d.slice_len,
-        slices: r.slices as i32,
-        num_k_heads: d.num_k_heads,
-        num_v_heads: d.num_v_heads,
-        dk: d.dk,
-        dv: d.dv,
-        chunked_from: d.chunked_from,
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (chunks as u32, p.num_v_heads as u32, 1),
-        block_dim: (DELTA_CHUNK_THREADS as u32, 1, 1),
-        shared_mem_bytes: wy_shared_bytes(p.k_head_dim) as u32,
-    };
-    wy.launch(cuda, cfg)?;
-    let states = GatedDeltaRuleStates {
-        qkv: d.qkv,
-        a: d.a,
-        b: d.b,
-        a_log: d.a_log,
-        dt_bias: d.dt_bias,
-        w: ptr(&w.data),
-        u: ptr(&u.data),
-        out: d.out,
-        slice_start_row: d.slice_start_row,
-        slice_len: d.slice_len,
-        slice_state: d.slice_state,
-        delta_offset: d.delta_offset,
-        num_k_heads: d.num_k_heads,
-        num_v_heads: d.num_v_heads,
-        dk: d.dk,
-        dv: d.dv,
-        chunked_from: d.chunked_from,
-    };
-    states.launch(cuda, slice_blocks)
 }

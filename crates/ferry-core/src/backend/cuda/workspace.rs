@@ -23,8 +23,6 @@ pub struct ActivationShapes {
     /// Gated DeltaNet layers' convolution and value widths (0 without such layers).
     pub gdn_conv: usize,
     pub gdn_value: usize,
-    /// The chunked (WY) prefill's W and U per row, `Hv * dk + Hv * dv` (gdn.rs allocates both per call).
-    pub gdn_wy: usize,
     /// Routed experts per token and their intermediate width (0 without MoE layers).
     pub top_k: usize,
     pub expert_intermediate: usize,
@@ -40,7 +38,6 @@ pub fn workspace_bytes(shapes: &ActivationShapes, rows: usize) -> u64 {
         + 3 * shapes.widest_mlp
         + 2 * shapes.gdn_conv
         + 3 * shapes.gdn_value
-        + shapes.gdn_wy
         // split-bf16 halves of the widest GEMM input
         + shapes.q_width.max(shapes.hidden);
     // The grouped MoE path, per (row, expert) pair of a group of at most MOE_GROUP_ROWS rows.
@@ -64,7 +61,6 @@ mod tests {
             widest_mlp: 0,
             gdn_conv: 0,
             gdn_value: 0,
-            gdn_wy: 0,
             top_k: 4,
             expert_intermediate: 96,
             vocab: 1000,
@@ -75,31 +71,5 @@ mod tests {
             per_row(MOE_GROUP_ROWS) - per_row(MOE_GROUP_ROWS + 1),
             expert_pairs_per_row
         );
-    }
-
-    /// The chunked Gated DeltaNet prefill's W and U, `[rows, Hv * dk]` and `[rows, Hv * dv]` f32, are counted on
-    /// every row, like the other activations (twice, for the pool's rounding).
-    #[test]
-    fn the_gated_delta_net_prefill_scratch_is_counted_per_row() {
-        let without = ActivationShapes {
-            hidden: 64,
-            q_width: 128,
-            kv_width: 32,
-            widest_mlp: 0,
-            gdn_conv: 384,
-            gdn_value: 128,
-            gdn_wy: 0,
-            top_k: 0,
-            expert_intermediate: 0,
-            vocab: 1000,
-        };
-        let with = ActivationShapes {
-            gdn_wy: 4 * (32 + 32),
-            ..without.clone()
-        };
-        for rows in [1, 700] {
-            let wy_bytes = (rows * 4 * (32 + 32) * 4 * 2) as u64;
-            assert_eq!(workspace_bytes(&with, rows) - workspace_bytes(&without, rows), wy_bytes);
-        }
     }
 }
