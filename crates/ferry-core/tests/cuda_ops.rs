@@ -1182,7 +1182,7 @@ fn steered_logits(
 /// one row, experts 2..=30 a share each, 31..=53 rows by a quadratic residue (some none), 54..=60 a skewed share
 /// and 61..=71 none; 40 rows (the smallest tiles), 700, and past one row group. Bf16, FP8 (both schemes) and MXFP4
 /// experts, and bf16 experts whose down matrices sit 8 bytes off a 16-byte boundary in their blocks (hidden 130,
-/// inter 99), which cuBLAS cannot read through a pointer array: their tiles run one call each.
+/// inter 99): the batched call takes only aligned pointers, so their down tiles run one cuBLAS call each.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn grouped_experts_of_uneven_row_counts() {
