@@ -314,7 +314,8 @@ extern "C" __global__ void moe_add_down_bias(float* __restrict__ y, int hidden, 
     }
 }
 
-// Gathers rows of x: out[i] = x[rows[i]] (the tokens routed to one expert, for its GEMMs in prefill).
+// Gathers rows of x: out[i] = x[rows[i]] (the grouped prefill path's rows into tiles by expert, and its products
+// back into router order).
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const uint32_t* __restrict__ rows,
                                        float* __restrict__ out, int cols) {
     const float* src = x + static_cast<size_t>(rows[blockIdx.x]) * cols;
@@ -341,14 +342,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
         }
         out[static_cast<size_t>(r) * hidden + h] = sum;
     }
-}
-
-// Scatters rows of x: out[rows[i]] = x[i] (an expert's results back to their (row, k) slots).
-extern "C" __global__ void scatter_rows(const float* __restrict__ x, const uint32_t* __restrict__ rows,
-                                        float* __restrict__ out, int cols) {
-    const float* src = x + static_cast<size_t>(blockIdx.x) * cols;
-    float* dst = out + static_cast<size_t>(rows[blockIdx.x]) * cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
 }
 
 // ---- FP8 experts ----------------------------------------------------------------------------------------------

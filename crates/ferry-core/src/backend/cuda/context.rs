@@ -71,7 +71,6 @@ const KERNELS: &[(&str, &[&str])] = &[
             "moe_glu_grouped",
             "moe_add_down_bias",
             "gather_rows",
-            "scatter_rows",
             "moe_combine",
         ],
     ),

@@ -80,7 +80,7 @@ kernel! {
 
 kernel! {
     /// The row copies, one block per row i, `cols` values each: elementwise.cu's `select_rows` and moe.cu's
-    /// `gather_rows` (`out[i] = x[rows[i]]`), and moe.cu's `scatter_rows` (`out[rows[i]] = x[i]`).
+    /// `gather_rows` (`out[i] = x[rows[i]]`).
     struct RowCopy {
         x: Ptr<f32>,
         rows: Ptr<u32>,

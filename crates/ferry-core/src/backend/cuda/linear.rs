@@ -120,6 +120,30 @@ pub(super) struct Bf16Halves {
     lo: CudaSlice<u16>,
 }
 
+impl Bf16Halves {
+    /// The high half: x rounded to bf16.
+    pub(super) fn hi(&self) -> Ptr<u16> {
+        ptr(&self.hi)
+    }
+
+    /// The low half: what rounding to bf16 left.
+    pub(super) fn lo(&self) -> Ptr<u16> {
+        ptr(&self.lo)
+    }
+}
+
+/// `count` products of one shape, `out_i[rows, n] = x_i[rows, k] W_i^T`, their bf16 `W_i` (`[n, k]`), bf16 `x_i`
+/// and f32 `out_i` (rows n apart) read from device arrays of pointers, each pointer 16-byte aligned.
+pub(super) struct BatchedProduct {
+    pub(super) w: Ptr<Ptr<u16>>,
+    pub(super) x: Ptr<Ptr<u16>>,
+    pub(super) out: Ptr<Ptr<f32>>,
+    pub(super) rows: usize,
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) count: usize,
+}
+
 /// A dense FP8 matrix dequantized to bf16 halves (`W = hi + lo`) and the buffer that holds them.
 pub(super) struct Fp8Halves {
     _buffer: CudaSlice<u16>,
@@ -366,6 +390,39 @@ impl CudaBackend {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
+        .map_err(blas_err)
+    }
+
+    /// [`CudaBackend::gemm_bf16`] for each of `p.count` products of one shape, added to what `out_i` holds when
+    /// `accumulate`: one cuBLAS batched bf16 tensor-core GEMM, accumulated in f32 (the grouped MoE path's tiles).
+    pub(super) fn gemm_bf16_batched(&self, p: &BatchedProduct, accumulate: bool) -> Result<()> {
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W^T(k x n)^T x^T, as in gemm_bf16.
+        unsafe {
+            blas_sys::cublasGemmBatchedEx(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                p.n as i32,
+                p.rows as i32,
+                p.k as i32,
+                &alpha as *const f32 as *const _,
+                p.w.address() as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                p.k as i32,
+                p.x.address() as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                p.k as i32,
+                &beta as *const f32 as *const _,
+                p.out.address() as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                p.n as i32,
+                p.count as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .result()
         .map_err(blas_err)
     }
 }

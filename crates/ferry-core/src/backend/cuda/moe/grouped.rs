@@ -1,17 +1,19 @@
-//! The grouped path for batches past the decode kernels: each expert's rows of a row group gathered and run
-//! through cuBLAS (FP8 experts as bf16 halves, MXFP4 widened to bf16), the activation and biases applied, the
-//! products combined in router order.
+//! The grouped path for batches past the decode kernels: a row group's (row, k) pairs gathered by expert into
+//! whole tiles of rows and run through a few batched cuBLAS GEMMs (tiles.rs; FP8 experts as bf16 halves, MXFP4
+//! widened to bf16), the activation and biases applied, the products combined in router order.
 
 use cudarc::driver::CudaSlice;
 
 use super::launch_combine;
 use crate::backend::cuda::elementwise::copy_rows;
-use crate::backend::cuda::expert_format::{dequantized, widened_mxfp4, ExpertFormat, ExpertGlu};
+use crate::backend::cuda::expert_format::{ExpertFormat, ExpertGlu};
 use crate::backend::cuda::launch::{grid_1d, kernel, ptr, Ptr, BLOCK_THREADS};
-use crate::backend::cuda::linear::Bf16Halves;
 use crate::backend::cuda::workspace::MOE_GROUP_ROWS;
-use crate::backend::cuda::{Bf16Matrix, CudaBackend, CudaRouting, CudaTensor};
+use crate::backend::cuda::{CudaBackend, CudaRouting, CudaTensor};
 use crate::Result;
+use tiles::{project, TileLayout};
+
+mod tiles;
 
 kernel! {
     /// moe.cu's `moe_glu_grouped`: the grouped path's activation of `[pairs, 2 * inter]` gate/up products, pair p's
@@ -64,7 +66,7 @@ pub(super) struct ExpertGroup {
 
 /// The MoE block for a batch too large for the decode kernels, its routed `ids` on the host: the rows run in
 /// groups of at most [`MOE_GROUP_ROWS`] (bounding the workspace of long steps), each expert's rows of a group
-/// gathered and run through cuBLAS, and the results combined in router order.
+/// gathered and run through batched cuBLAS GEMMs, and the results combined in router order.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn moe_experts_grouped(
     cuda: &CudaBackend,
@@ -94,7 +96,8 @@ pub(super) fn moe_experts_grouped(
 }
 
 /// The unweighted products `[group pairs, hidden]` of rows `group.first_row..+group.rows`, except the pairs (of
-/// the whole batch) for which `on_host` holds, whose rows are left unwritten.
+/// the whole batch) for which `on_host` holds, whose rows hold another pair's product (moe_combine reads theirs
+/// from the CPU lane's).
 pub(super) fn group_products(
     cuda: &CudaBackend,
     x: &CudaTensor,
@@ -109,15 +112,15 @@ pub(super) fn group_products(
         rows,
         hidden,
         inter,
-        format,
         glu,
+        ..
     } = group;
     let top_k = routing.top_k;
     let first_pair = first_row * top_k;
     let group_pairs = rows * top_k;
     let ids = &ids[first_pair..first_pair + group_pairs];
     // The group's device pairs ordered by expert (stably, so rows keep their order): each expert's pairs are one
-    // contiguous run, which its GEMMs read and write in place.
+    // run, laid out in whole tiles (tiles.rs) in the padded buffers below.
     let mut order: Vec<u32> = (0..group_pairs as u32)
         .filter(|&pair| !on_host(first_pair + pair as usize))
         .collect();
@@ -125,131 +128,100 @@ pub(super) fn group_products(
         return cuda.tensor(group_pairs, hidden);
     }
     order.sort_by_key(|&pair| ids[pair as usize]);
-    let pairs = order.len();
-    let source_rows: Vec<u32> = order
-        .iter()
-        .map(|&pair| (first_row + pair as usize / top_k) as u32)
-        .collect();
-    let (order_dev, source_rows_dev) = (cuda.copy_to_device(&order)?, cuda.copy_to_device(&source_rows)?);
-    let gathered = cuda.tensor(pairs, hidden)?;
-    copy_rows(cuda, "gather_rows", x, &source_rows_dev, pairs, &gathered)?;
-    let mut runs: Vec<(usize, usize, usize)> = Vec::new(); // (expert, first pair, pairs)
-    for (i, &pair) in order.iter().enumerate() {
+    let mut runs: Vec<(usize, usize)> = Vec::new(); // (expert, pairs)
+    for &pair in &order {
         let e = ids[pair as usize] as usize;
         match runs.last_mut() {
-            Some((last, _, len)) if *last == e => *len += 1,
-            _ => runs.push((e, i, 1)),
+            Some((last, len)) if *last == e => *len += 1,
+            _ => runs.push((e, 1)),
         }
     }
+    let layout = TileLayout::new(&runs);
+    // Per padded row, the row of x it is gathered from (padding: the group's first, computed and never read) and,
+    // with biases, its expert's block address; per pair of the group, its padded row (the host's: any).
+    let mut source_rows = vec![first_row as u32; layout.padded_rows];
+    let mut row_blocks = vec![0u64; layout.padded_rows];
+    let mut padded_row_of_pair = vec![0u32; group_pairs];
+    let mut sorted = order.iter();
+    for run in &layout.runs {
+        for (row, &pair) in (run.first_row..).zip(sorted.by_ref().take(run.pairs)) {
+            source_rows[row] = (first_row + pair as usize / top_k) as u32;
+            padded_row_of_pair[pair as usize] = row as u32;
+        }
+        let padded_end = run.first_row + run.pairs.div_ceil(layout.tile_rows) * layout.tile_rows;
+        row_blocks[run.first_row..padded_end].fill(addresses[run.expert]);
+    }
+    let padded = layout.padded_rows;
     // Each buffer is dropped (freed in stream order) once read, so that at most 2 * (hidden + inter) floats per
-    // pair are alive at once (budget.rs's workspace estimate counts on it).
-    // Gate and up are adjacent in an expert's block: one [2 * inter, hidden] product; down follows them. FP8
-    // experts are dequantized to bf16 first, each into the one scratch buffer (the stream orders its reuse).
-    // (as bf16 halves hi + lo, one product each: see expert_format.rs). MXFP4 experts are widened to bf16, exactly.
-    let scratch: Option<CudaSlice<u16>> = match format {
-        ExpertFormat::Bf16 => None,
-        ExpertFormat::Fp8(_) => Some(cuda.alloc(4 * inter * hidden)?),
-        ExpertFormat::Mxfp4 => Some(cuda.alloc(2 * inter * hidden)?),
-    };
-    let product =
-        |halves: &Bf16Halves, first: usize, len: usize, e: usize, down: bool, out: &CudaTensor| -> Result<()> {
-            match (format, &scratch) {
-                (ExpertFormat::Fp8(blocks), Some(scratch)) => {
-                    let [hi, lo] = dequantized(cuda, addresses[e], blocks, inter, hidden, down, ptr(scratch))?;
-                    cuda.gemm_split_into(halves, first, len, hi, out, false)?;
-                    cuda.gemm_split_into(halves, first, len, lo, out, true)
-                }
-                (ExpertFormat::Mxfp4, Some(scratch)) => {
-                    let widened = widened_mxfp4(cuda, addresses[e], inter, hidden, down, ptr(scratch))?;
-                    cuda.gemm_split(halves, first, len, widened, out)
-                }
-                _ if down => cuda.gemm_split(
-                    halves,
-                    first,
-                    len,
-                    Bf16Matrix {
-                        data: Ptr::at(addresses[e]).offset(2 * inter * hidden),
-                        rows: hidden,
-                        cols: inter,
-                    },
-                    out,
-                ),
-                _ => cuda.gemm_split(
-                    halves,
-                    first,
-                    len,
-                    Bf16Matrix {
-                        data: Ptr::at(addresses[e]),
-                        rows: 2 * inter,
-                        cols: hidden,
-                    },
-                    out,
-                ),
-            }
-        };
-    let gate_up = cuda.tensor(pairs, 2 * inter)?;
+    // padded row are alive at once (budget.rs's workspace estimate counts them per pair; the padding adds under
+    // half the pairs, a quarter on average, or under 16 rows per expert when runs are short: within the margin
+    // of the estimate, which doubles the activations).
+    // Launches per group (bf16 experts): gather, split, 2 batched GEMMs for gate and up together (one per
+    // activation half), the activation, split, 2 batched GEMMs for down, (the down bias,) the gather back into
+    // router order: 9 (10), then moe_combine. FP8 adds a GEMM per activation half per projection and chunk of
+    // experts (WIDENED_BYTES), and FP8 and MXFP4 a widening launch per expert and projection.
+    let gathered = cuda.tensor(padded, hidden)?;
+    copy_rows(
+        cuda,
+        "gather_rows",
+        x,
+        &cuda.copy_to_device(&source_rows)?,
+        padded,
+        &gathered,
+    )?;
+    let gate_up = cuda.tensor(padded, 2 * inter)?;
     let halves = cuda.split_bf16(&gathered)?;
     drop(gathered);
-    for &(e, first, len) in &runs {
-        product(&halves, first, len, e, false, &gate_up)?;
-    }
+    project(cuda, &layout, &halves, addresses, group, false, &gate_up)?;
     drop(halves);
-    let act = cuda.tensor(pairs, inter)?;
-    // With biases, each pair's block address, for its biases.
-    let pair_blocks: Option<CudaSlice<u64>> = match glu.biased() {
-        true => {
-            let blocks: Vec<u64> = order
-                .iter()
-                .map(|&pair| addresses[ids[pair as usize] as usize])
-                .collect();
-            Some(cuda.copy_to_device(&blocks)?)
-        }
+    let act = cuda.tensor(padded, inter)?;
+    let row_blocks: Option<CudaSlice<u64>> = match glu.biased() {
+        true => Some(cuda.copy_to_device(&row_blocks)?),
         false => None,
     };
-    let pair_blocks_ptr = pair_blocks.as_ref().map_or(Ptr::null(), |b| ptr(b).cast());
-    let values = grid_1d(pairs * inter, BLOCK_THREADS);
+    let row_blocks_ptr = row_blocks.as_ref().map_or(Ptr::null(), |b| ptr(b).cast());
+    let values = grid_1d(padded * inter, BLOCK_THREADS);
     if glu.is_plain() {
         let silu_mul = SiluMulHalves {
             x: ptr(&gate_up.data),
             half: inter as i32,
             out: ptr(&act.data),
-            n: pairs * inter,
+            n: padded * inter,
         };
         silu_mul.launch(cuda, values)?;
     } else {
         let launch = MoeGluGrouped {
             gate_up: ptr(&gate_up.data),
             inter: inter as i32,
-            pair_blocks: pair_blocks_ptr,
+            pair_blocks: row_blocks_ptr,
             bias_at: glu.bias_at,
             clamped: glu.clamped,
             alpha: glu.alpha,
             limit: glu.limit,
             act: ptr(&act.data),
-            n: pairs * inter,
+            n: padded * inter,
         };
         launch.launch(cuda, values)?;
     }
     drop(gate_up);
     let halves = cuda.split_bf16(&act)?;
     drop(act);
-    let by_expert = cuda.tensor(pairs, hidden)?;
-    for &(e, first, len) in &runs {
-        product(&halves, first, len, e, true, &by_expert)?;
-    }
+    let by_expert = cuda.tensor(padded, hidden)?;
+    project(cuda, &layout, &halves, addresses, group, true, &by_expert)?;
     drop(halves);
     if glu.biased() {
         let launch = MoeAddDownBias {
             y: ptr(&by_expert.data),
             hidden: hidden as i32,
             inter: inter as i32,
-            pair_blocks: pair_blocks_ptr,
+            pair_blocks: row_blocks_ptr,
             bias_at: glu.bias_at,
-            n: pairs * hidden,
+            n: padded * hidden,
         };
-        launch.launch(cuda, grid_1d(pairs * hidden, BLOCK_THREADS))?;
+        launch.launch(cuda, grid_1d(padded * hidden, BLOCK_THREADS))?;
     }
     let y = cuda.tensor(group_pairs, hidden)?;
-    copy_rows(cuda, "scatter_rows", &by_expert, &order_dev, pairs, &y)?;
+    let padded_rows_dev = cuda.copy_to_device(&padded_row_of_pair)?;
+    copy_rows(cuda, "gather_rows", &by_expert, &padded_rows_dev, group_pairs, &y)?;
     Ok(y)
 }
