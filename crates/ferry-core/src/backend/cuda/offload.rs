@@ -19,6 +19,9 @@
 //! bank, bf16 or FP8, while the GPU runs the rest. The layer's input rows come to the host with the routed ids
 //! (the same wait); the compute stream waits for the lane only before the products' upload and moe_combine, which
 //! sums them in router order with the GPU's. A step whose split gives the lane nothing runs as offload's does.
+//! Under [`SplitRule::Calibrated`] the split's rates are refined as it runs ([`LaneCalibration`]): each lane job's
+//! cost to the pipeline (from its start to the stream's release past its wait, offload_lane.rs) and each layer's
+//! link time (the timed events around its copies, read one layer later) are fed back before the next split.
 //!
 //! The offload is part of the backend from its construction ([`CudaBackend::builder`]), with the eviction policy
 //! and the split rule its caller chose.
@@ -33,7 +36,9 @@ use super::expert_format::{ExpertFormat, ExpertGlu};
 use super::offload_lane::OffloadLane;
 use super::{cuda_err, CudaBackend, CudaRouting, CudaTensor};
 use crate::backend::{ExpertTensors, SeqSlice};
-use crate::moe::{plan_split, rows_per_expert, EvictionPolicy, ExpertCache, OffloadStats, Plan, SplitRule};
+use crate::moe::{
+    plan_split, rows_per_expert, EvictionPolicy, ExpertCache, LaneCalibration, OffloadStats, Plan, SplitRule,
+};
 use crate::{Error, Result};
 
 /// How experts are offloaded: the GPU cache's slots (each holds one expert of any MoE layer) and the policy that
@@ -191,8 +196,12 @@ pub struct Offload {
     prefill_rows: Vec<bool>,
     /// Who computes the misses.
     split: SplitRule,
-    /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time).
-    link_timing: Option<(CudaEvent, CudaEvent)>,
+    /// Under [`SplitRule::Calibrated`], the rates refined by what each lane costs in the pipeline (made with the
+    /// first layer, when the experts' size is known).
+    calibration: Option<LaneCalibration>,
+    /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time), and
+    /// the bytes they copied.
+    link_timing: Option<(CudaEvent, CudaEvent, usize)>,
 }
 
 impl Offload {
@@ -219,6 +228,7 @@ impl Offload {
             counters: OffloadStats::default(),
             prefill_rows: Vec::new(),
             split,
+            calibration: None,
             lane,
             link_timing: None,
         })
@@ -253,6 +263,9 @@ impl Offload {
                 .map_err(cuda_err(&format!("allocating {} expert cache slots", self.slots)))?;
             self.slab = Some(slab);
             self.bank = Some(HostBank::new(self.ctx.clone(), block_bytes));
+            if let SplitRule::Calibrated(prior) = self.split {
+                self.calibration = Some(LaneCalibration::new(prior, block_bytes));
+            }
         }
         let Some(bank) = self.bank.as_mut() else {
             return Err(Error::Cuda("no expert bank".into()));
@@ -452,6 +465,9 @@ impl Offload {
             self.counters.host_pairs += done.pairs as u64;
             self.counters.host_bytes += done.bytes as u64;
             self.counters.host_ns += done.busy.as_nanos() as u64;
+            if let Some(calibration) = self.calibration.as_mut() {
+                calibration.observe_cpu(&done.rows, done.pipeline.as_secs_f64());
+            }
         }
         let ids: Vec<u32> = all_ids[..routed].iter().map(|&e| e as u32).collect();
         // Rows of a batch that was not started here (an op called on its own) all count as decode rows.
@@ -495,7 +511,8 @@ impl Offload {
         )?;
         self.counters.copies += fetched.len() as u64;
         if let Some(start) = link_start {
-            self.link_timing = timed_event(&self.ctx, &self.copy_stream, true)?.map(|end| (start, end));
+            self.link_timing =
+                timed_event(&self.ctx, &self.copy_stream, true)?.map(|end| (start, end, fetched.len() * block_bytes));
         }
         let mirror = layer_state.table_host.as_mut_slice().map_err(cuda_err("slot table"))?;
         mirror.fill(0);
@@ -557,15 +574,23 @@ impl Offload {
             .into_iter()
             .partition(|m| self.cache.slot_of((layer as u32, m.expert)).is_none());
         let bytes = self.bank.as_ref().map_or(0, |b| b.block_bytes());
-        plan_split(self.split, &misses, hits.len(), bytes).cpu
+        let rule = match &self.calibration {
+            Some(calibration) => SplitRule::Balanced(calibration.rates()),
+            None => self.split,
+        };
+        plan_split(rule, &misses, hits.len(), bytes).cpu
     }
 
     /// Adds the link's busy time over the last layer's demand copies, which have landed by the time the next
-    /// router's ids are read (the kernels that waited for them ran before that router).
+    /// router's ids are read (the kernels that waited for them ran before that router), and under calibration
+    /// feeds it to the link's rate.
     fn read_link_timing(&mut self) -> Result<()> {
-        if let Some((start, end)) = self.link_timing.take() {
+        if let Some((start, end, bytes)) = self.link_timing.take() {
             let ms = start.elapsed_ms(&end).map_err(cuda_err("timing the expert copies"))?;
             self.counters.link_ns += (ms as f64 * 1e6) as u64;
+            if let Some(calibration) = self.calibration.as_mut() {
+                calibration.observe_link(bytes, ms as f64 * 1e-3);
+            }
         }
         Ok(())
     }

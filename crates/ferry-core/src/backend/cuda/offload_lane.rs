@@ -14,9 +14,9 @@
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, PinnedHostSlice};
 
@@ -28,13 +28,18 @@ use crate::backend::ExpertActivation;
 use crate::loader::DType;
 use crate::{Error, Result};
 
-/// What one job computed, for the offload's counters.
+/// What one job computed, for the offload's counters and the planner's calibration.
 pub(super) struct LaneDone {
     pub experts: usize,
     pub pairs: usize,
     pub bytes: usize,
     /// The lane's own time.
     pub busy: Duration,
+    /// The rows of each of the job's experts.
+    pub rows: Vec<usize>,
+    /// What the job cost the pipeline, from its start on the host: until the stream was let go past its wait when
+    /// the stream had to wait (the products being on their way then), else until the job was done.
+    pub pipeline: Duration,
 }
 
 /// A borrowed slice sent to the lane's thread as its address: see [`OffloadLane::start`] for why it stays valid.
@@ -63,10 +68,21 @@ struct LaneJob {
     pairs: Vec<(u32, u32)>,
 }
 
-/// The last finished job's number and outcome; `u64::MAX` once the lane's thread has ended, so no one waits on it.
+/// The last finished job's number, outcome and time (`u64::MAX` once the lane's thread has ended, so no one waits
+/// on it), and the last job the stream waited for.
 struct Finished {
     seq: u64,
     result: Result<Duration>,
+    at: Instant,
+    released: Option<Released>,
+}
+
+/// The stream let go past job `seq`'s wait at `at`; `waited` when the job was not done as the stream got there.
+#[derive(Clone, Copy)]
+struct Released {
+    seq: u64,
+    at: Instant,
+    waited: bool,
 }
 
 struct LaneSignal {
@@ -75,22 +91,34 @@ struct LaneSignal {
 }
 
 impl LaneSignal {
+    fn lock(&self) -> MutexGuard<'_, Finished> {
+        self.finished.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn finish(&self, seq: u64, result: Result<Duration>) {
-        let mut finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
-        *finished = Finished { seq, result };
+        let mut finished = self.lock();
+        (finished.seq, finished.result, finished.at) = (seq, result, Instant::now());
         self.changed.notify_all();
     }
 
-    /// Waits until job `seq` (or a later one) has finished; returns its outcome when it was the last.
-    fn wait_for(&self, seq: u64) -> Result<Duration> {
-        let mut finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+    /// Waits until job `seq` (or a later one) has finished.
+    fn wait_until(&self, seq: u64) -> MutexGuard<'_, Finished> {
+        let mut finished = self.lock();
         while finished.seq < seq {
             finished = self.changed.wait(finished).unwrap_or_else(|e| e.into_inner());
         }
-        match &finished.result {
-            Ok(busy) => Ok(*busy),
-            Err(e) => Err(Error::Shape(format!("the CPU lane failed: {e}"))),
-        }
+        finished
+    }
+
+    /// The stream's side: waits for job `seq`, then notes when the stream was let go and whether it waited.
+    fn release(&self, seq: u64) {
+        let waited = self.lock().seq < seq;
+        let mut finished = self.wait_until(seq);
+        finished.released = Some(Released {
+            seq,
+            at: Instant::now(),
+            waited,
+        });
     }
 }
 
@@ -107,7 +135,8 @@ impl Drop for EndOnDrop {
 /// A job that was started and not yet collected.
 struct Pending {
     seq: u64,
-    experts: usize,
+    started: Instant,
+    rows: Vec<usize>,
     pairs: usize,
     bytes: usize,
 }
@@ -131,6 +160,8 @@ impl OffloadLane {
             finished: Mutex::new(Finished {
                 seq: 0,
                 result: Ok(Duration::ZERO),
+                at: Instant::now(),
+                released: None,
             }),
             changed: Condvar::new(),
         });
@@ -178,12 +209,22 @@ impl OffloadLane {
         let Some(pending) = self.pending.take() else {
             return Ok(None);
         };
-        let busy = self.signal.wait_for(pending.seq)?;
+        let finished = self.signal.wait_until(pending.seq);
+        let busy = match &finished.result {
+            Ok(busy) => *busy,
+            Err(e) => return Err(Error::Shape(format!("the CPU lane failed: {e}"))),
+        };
+        let until = match finished.released {
+            Some(released) if released.seq == pending.seq && released.waited => released.at,
+            _ => finished.at,
+        };
         Ok(Some(LaneDone {
-            experts: pending.experts,
+            experts: pending.rows.len(),
             pairs: pending.pairs,
             bytes: pending.bytes,
             busy,
+            pipeline: until.saturating_duration_since(pending.started),
+            rows: pending.rows,
         }))
     }
 
@@ -230,6 +271,12 @@ impl OffloadLane {
             )));
         }
         let seq = self.next_seq;
+        let mut expert_rows = vec![0; blocks.len()];
+        for &(_, e) in &pairs {
+            if let Some(rows) = expert_rows.get_mut(e as usize) {
+                *rows += 1;
+            }
+        }
         let job = LaneJob {
             seq,
             rows: Raw::of(&rows_host.as_slice().map_err(cuda_err("lane rows"))?[..row_values]),
@@ -241,13 +288,15 @@ impl OffloadLane {
             inter,
             pairs,
         };
-        let (experts, pairs, bytes) = (blocks.len(), job.pairs.len(), blocks.iter().map(|b| b.len()).sum());
+        let (pairs, bytes) = (job.pairs.len(), blocks.iter().map(|b| b.len()).sum());
+        let started = Instant::now();
         jobs.send(job)
             .map_err(|_| Error::Cuda("the CPU lane's thread has ended".into()))?;
         self.next_seq += 1;
         self.pending = Some(Pending {
             seq,
-            experts,
+            started,
+            rows: expert_rows,
             pairs,
             bytes,
         });
@@ -294,7 +343,7 @@ unsafe extern "C" fn wait_for_job(data: *mut c_void) {
     // SAFETY: the box was handed to this call alone.
     let wait = unsafe { Box::from_raw(data.cast::<(Arc<LaneSignal>, u64)>()) };
     // A failed job is reported by `collect`; the stream goes on either way.
-    let _ = wait.0.wait_for(wait.1);
+    wait.0.release(wait.1);
 }
 
 /// The lane's thread: runs each job and reports it, until the channel closes.
