@@ -20,6 +20,8 @@
 //! Since [`plan_split`] never plans a split that its rates predict slower than the link alone, a lane whose
 //! calibrated cost exceeds the link's gets nothing, step by step.
 
+use serde::Serialize;
+
 use super::split::{CpuLaneCost, LaneRates};
 
 /// Observations (layers the lane ran) after which one weighs half as much: about five decode steps of a 48-layer
@@ -177,6 +179,33 @@ impl LaneCalibration {
     }
 }
 
+/// A calibration's state as the offload's counters report it (`ferry bench`'s JSON).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CalibratedRates {
+    /// The CPU lane's fixed cost of a job and its cost per one-row expert, nanoseconds.
+    pub cpu_fixed_ns: u64,
+    pub cpu_ns_per_expert: u64,
+    /// The link's time per expert, nanoseconds.
+    pub link_ns_per_expert: u64,
+    /// Layers observed: the CPU lane's jobs and the link's copies.
+    pub cpu_observations: u64,
+    pub link_observations: u64,
+}
+
+impl LaneCalibration {
+    pub fn summary(&self) -> CalibratedRates {
+        let cpu = self.cpu_cost();
+        let ns = |seconds: f64| (seconds * 1e9).round() as u64;
+        CalibratedRates {
+            cpu_fixed_ns: ns(cpu.fixed_s),
+            cpu_ns_per_expert: ns(self.expert_bytes / cpu.bytes_per_s),
+            link_ns_per_expert: ns(self.expert_bytes / self.link_bytes_per_s()),
+            cpu_observations: self.cpu_observations,
+            link_observations: self.link_observations,
+        }
+    }
+}
+
 /// What an observation's weight is multiplied by when the next one arrives.
 fn decay() -> f64 {
     (-std::f64::consts::LN_2 / OBSERVATION_HALF_LIFE).exp()
@@ -230,6 +259,9 @@ mod tests {
         );
         assert_eq!(rates.cpu.row_cost, PRIOR.cpu.row_cost);
         assert_eq!(calibration.observations(), (0, 0));
+        let summary = calibration.summary();
+        assert_eq!((summary.cpu_fixed_ns, summary.cpu_ns_per_expert), (30_000, 124_666));
+        assert_eq!(summary.link_ns_per_expert, 202_515);
     }
 
     /// Jobs of 1 to 16 one-row experts whose in-pipeline cost is 350 us + 9.4 MB at 60 GB/s each, 5 % noise: the

@@ -18,7 +18,7 @@ pub mod trace;
 pub use cache::{ExpertCache, LayerCounts, Plan};
 pub use choice::{BaseOrder, PolicyChoice};
 pub use floors::LayerFloors;
-pub use lane_calibration::LaneCalibration;
+pub use lane_calibration::{CalibratedRates, LaneCalibration};
 pub use lrfu::Lrfu;
 pub use policy::{Access, Belady, EvictionPolicy, ExpertKey, Lru};
 pub use prefill::PrefillAware;

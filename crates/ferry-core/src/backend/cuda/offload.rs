@@ -33,7 +33,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceP
 
 use super::bank::HostBank;
 use super::expert_format::{ExpertFormat, ExpertGlu};
-use super::offload_lane::OffloadLane;
+use super::offload_lane::{host_pairs, OffloadLane};
 use super::{cuda_err, CudaBackend, CudaRouting, CudaTensor};
 use crate::backend::{ExpertTensors, SeqSlice};
 use crate::moe::{
@@ -145,8 +145,11 @@ pub struct LayerCopies {
     pub resident_ready: CudaEvent,
     /// Each expert copied in for this layer, in plan order, with the event recorded after its copy.
     pub fetched: Vec<(u32, CudaEvent)>,
-    /// The misses the CPU lane computes ([`Offload::compute_on_host`]), in first-routed order: no slot holds them.
+    /// The misses the CPU lane computes, in first-routed order: no slot holds them. The lane has started on them.
     pub host: Vec<u32>,
+    /// Per (row, k) pair, its row among the lane's products, or -1 where the GPU computes it (empty when the lane
+    /// has nothing).
+    pub host_index: Vec<i32>,
 }
 
 impl LayerCopies {
@@ -441,16 +444,17 @@ impl Offload {
 
     /// Makes the routed experts of `layer` resident for this step, or leaves them to the CPU lane: reads the routed
     /// ids (and those of a guess handed over for the next layer, and with the lane on the rows of `x`), splits the
-    /// misses, plans, queues the copies of the link's misses, each with its event, and the slot table's upload on
-    /// `compute`. The caller makes `compute` wait for the returned events before the kernels that read the
-    /// experts, and has the lane compute [`LayerCopies::host`].
+    /// misses, plans, starts the CPU lane on its share ([`LayerCopies::host`], experts `inter` wide), queues the
+    /// copies of the link's misses, each with its event, and the slot table's upload on `compute`. The caller makes
+    /// `compute` wait for the returned events before the kernels that read the experts, and for the lane
+    /// ([`Offload::queue_host_products`]) before the products are summed.
     pub fn prepare_layer(
         &mut self,
         compute: &Arc<CudaStream>,
         layer: usize,
         routing: &CudaRouting,
         table: &CudaSlice<u64>,
-        x: &CudaTensor,
+        (x, inter): (&CudaTensor, usize),
     ) -> Result<LayerCopies> {
         let routed = routing.rows * routing.top_k;
         let guess = self.guess.take();
@@ -465,6 +469,7 @@ impl Offload {
             self.counters.host_pairs += done.pairs as u64;
             self.counters.host_bytes += done.bytes as u64;
             self.counters.host_ns += done.busy.as_nanos() as u64;
+            self.counters.host_pipeline_ns += done.pipeline.as_nanos() as u64;
             if let Some(calibration) = self.calibration.as_mut() {
                 calibration.observe_cpu(&done.rows, done.pipeline.as_secs_f64());
             }
@@ -480,6 +485,15 @@ impl Offload {
         let plan = self
             .cache
             .plan_batch_elsewhere(layer as u32, &ids, prefill_rows, |e| host.contains(&e))?;
+        // The lane first: nothing it reads waits for the copies or the slot table queued below.
+        let host_index = if plan.elsewhere.is_empty() {
+            Vec::new()
+        } else {
+            let experts = self.layers.get(layer).map_or(0, |l| l.bank_blocks.len());
+            let (index, pairs) = host_pairs(&all_ids[..routed], routing.top_k, &plan.elsewhere, experts)?;
+            self.start_on_host(layer, (x.rows, x.cols), inter, &plan.elsewhere, pairs)?;
+            index
+        };
         let routed_experts: Vec<u32> = plan.resident.iter().chain(&plan.fetch).map(|&(e, _)| e).collect();
         if let Some(scored) = self.next_guess.take().filter(|g| g.layer == layer) {
             let hits = scored.experts.iter().filter(|e| routed_experts.contains(e)).count();
@@ -562,6 +576,7 @@ impl Offload {
             resident_ready,
             fetched,
             host: plan.elsewhere,
+            host_index,
         })
     }
 
@@ -597,7 +612,7 @@ impl Offload {
 
     /// Starts the CPU lane on `pairs` (row of the layer's input, index into `experts`) of `layer`'s host
     /// `experts` and returns at once; [`Offload::queue_host_products`] queues the stream's wait for it.
-    pub fn start_on_host(
+    fn start_on_host(
         &mut self,
         layer: usize,
         x_shape: (usize, usize),
@@ -678,6 +693,7 @@ impl Offload {
             layer_misses: counts.iter().map(|c| c.misses).collect(),
             bytes_copied: self.counters.copies * bytes_per_expert as u64,
             prefetches_used: self.cache.prefetches_used(),
+            calibrated: self.calibration.as_ref().map(LaneCalibration::summary),
             ..self.counters.clone()
         }
     }

@@ -1,9 +1,10 @@
 //! The CPU lane under expert offload: a layer's host experts computed from the bank in place while the GPU runs
 //! everything else, waited for only where their products are summed. The lane ([`HostLane`]) lives on a thread of
-//! its own that takes one job at a time, so the thread driving the GPU never blocks inside a layer: it starts the
-//! job, queues the GPU's share, then queues on the compute stream a host function that returns once the job is
-//! done, the products' upload behind it and moe_combine behind that, and goes on to queue the rest of the layer and
-//! the next one's attention. The stream, not the host, waits for the lane, and only at the combine.
+//! its own that takes one job at a time (polling for it, and computing a worker's share of it), so the thread
+//! driving the GPU never blocks inside a layer: it starts the job, queues the GPU's share, then queues on the
+//! compute stream a host function that returns once the job is done, the products' upload behind it and
+//! moe_combine behind that, and goes on to queue the rest of the layer and the next one's attention. The stream,
+//! not the host, waits for the lane, and only at the combine.
 //!
 //! The buffers the lane reads and writes (the layer's input rows, read with its routed ids, and the products) are
 //! pinned and stay where they are; a job's rows are next overwritten by the next MoE layer's download and its
@@ -13,7 +14,7 @@
 
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -23,7 +24,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, PinnedHostSlice};
 use super::expert_format::{grid, mxfp4_matrix_bytes, ExpertFormat, ExpertGlu};
 use super::{cuda_err, CudaTensor};
 use crate::backend::cpu::gemv::{BlockScales, WeightDType};
-use crate::backend::cpu::lane::{HostLane, LaneDType, LaneExpert, LaneWork};
+use crate::backend::cpu::lane::{HostLane, LaneDType, LaneExpert, LaneWork, POLL_BEFORE_SLEEP};
 use crate::backend::ExpertActivation;
 use crate::loader::DType;
 use crate::{Error, Result};
@@ -346,13 +347,28 @@ unsafe extern "C" fn wait_for_job(data: *mut c_void) {
     wait.0.release(wait.1);
 }
 
-/// The lane's thread: runs each job and reports it, until the channel closes.
+/// The lane's thread: runs each job (taking a worker's share of it) and reports it, until the channel closes.
 fn run_jobs(mut lane: HostLane, jobs: Receiver<LaneJob>, ends: EndOnDrop) {
-    for job in jobs {
+    while let Some(job) = next_job(&jobs) {
         let result = catch_unwind(AssertUnwindSafe(|| run_job(&mut lane, &job)))
             .unwrap_or_else(|_| Err(Error::Shape("the CPU lane panicked".into())));
         ends.0.finish(job.seq, result);
     }
+}
+
+/// The next job, polled for as the lane's workers poll ([`POLL_BEFORE_SLEEP`]), then waited for: decode sends one
+/// per MoE layer, and a thread asleep on the channel costs the layer a wake-up through the kernel before the job
+/// can even be handed to the workers. `None` once the channel has closed.
+fn next_job(jobs: &Receiver<LaneJob>) -> Option<LaneJob> {
+    let polling = Instant::now();
+    while polling.elapsed() < POLL_BEFORE_SLEEP {
+        match jobs.try_recv() {
+            Ok(job) => return Some(job),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => std::hint::spin_loop(),
+        }
+    }
+    jobs.recv().ok()
 }
 
 fn run_job(lane: &mut HostLane, job: &LaneJob) -> Result<Duration> {
@@ -381,6 +397,37 @@ fn run_job(lane: &mut HostLane, job: &LaneJob) -> Result<Duration> {
         pairs: &job.pairs,
     };
     Ok(lane.compute(&work, products, || ())?.1)
+}
+
+/// The CPU lane's share of a step whose routed ids are `ids` (`[rows * top_k]`) in a layer of `experts` experts,
+/// the lane computing `host`: per (row, k) pair its row among the lane's products, or -1, and the lane's pairs
+/// (row, index into `host`) in pair order.
+pub(super) fn host_pairs(
+    ids: &[i32],
+    top_k: usize,
+    host: &[u32],
+    experts: usize,
+) -> Result<(Vec<i32>, Vec<(u32, u32)>)> {
+    let mut host_at = vec![-1i32; experts];
+    for (at, &e) in host.iter().enumerate() {
+        *host_at
+            .get_mut(e as usize)
+            .ok_or_else(|| Error::Cuda(format!("routed to expert {e} of a layer of {experts} experts")))? = at as i32;
+    }
+    let mut index = vec![-1i32; ids.len()];
+    let mut pairs: Vec<(u32, u32)> = Vec::new();
+    for (pair, &e) in ids.iter().enumerate() {
+        let at = usize::try_from(e)
+            .ok()
+            .and_then(|e| host_at.get(e))
+            .copied()
+            .unwrap_or(-1);
+        if at >= 0 {
+            index[pair] = pairs.len() as i32;
+            pairs.push(((pair / top_k) as u32, at as u32));
+        }
+    }
+    Ok((index, pairs))
 }
 
 /// The activation the expert kernels' `glu` arguments stand for.
@@ -475,6 +522,21 @@ mod tests {
     use crate::backend::cuda::expert_format::with_f32_biases;
     use crate::backend::ExpertTensors;
     use crate::loader::TensorRef;
+
+    /// Two rows of top 3, the lane computing experts 7 and 2: each of their pairs gets the next row of the lane's
+    /// products in pair order, with its row and place in `host`; the others stay on the GPU; a host expert outside
+    /// the layer is refused.
+    #[test]
+    fn the_lanes_pairs_follow_the_routed_pairs_in_order() {
+        let ids = [2, 5, 7, 7, 1, 2];
+        let (index, pairs) = host_pairs(&ids, 3, &[7, 2], 8).unwrap();
+        assert_eq!(index, [0, -1, 1, 2, -1, 3]);
+        assert_eq!(pairs, [(0, 1), (0, 0), (1, 0), (1, 1)]);
+        let (index, pairs) = host_pairs(&ids, 3, &[], 8).unwrap();
+        assert_eq!(index, [-1; 6]);
+        assert!(pairs.is_empty());
+        assert!(matches!(host_pairs(&ids, 3, &[8], 8), Err(Error::Cuda(_))));
+    }
 
     /// gpt-oss's bank block (MXFP4 gate, up and down, then the f32 biases, a missing one as zeros) read back by the
     /// lane as the tensors it was made of, with the clamped SwiGLU its kernel arguments stand for; a short block is
