@@ -490,9 +490,9 @@ impl Offload {
             Vec::new()
         } else {
             let experts = self.layers.get(layer).map_or(0, |l| l.bank_blocks.len());
-            let (index, pairs) = host_pairs(&all_ids[..routed], routing.top_k, &plan.elsewhere, experts)?;
-            self.start_on_host(layer, (x.rows, x.cols), inter, &plan.elsewhere, pairs)?;
-            index
+            let share = host_pairs(&all_ids[..routed], routing.top_k, &plan.elsewhere, experts)?;
+            self.start_on_host(layer, (x.rows, x.cols), inter, &plan.elsewhere, share.pairs)?;
+            share.index
         };
         let routed_experts: Vec<u32> = plan.resident.iter().chain(&plan.fetch).map(|&(e, _)| e).collect();
         if let Some(scored) = self.next_guess.take().filter(|g| g.layer == layer) {

@@ -399,15 +399,17 @@ fn run_job(lane: &mut HostLane, job: &LaneJob) -> Result<Duration> {
     Ok(lane.compute(&work, products, || ())?.1)
 }
 
+/// The CPU lane's share of a step.
+pub(super) struct HostPairs {
+    /// Per (row, k) pair of the step, its row among the lane's products, or -1.
+    pub index: Vec<i32>,
+    /// The lane's pairs, (row, index into its experts), in pair order.
+    pub pairs: Vec<(u32, u32)>,
+}
+
 /// The CPU lane's share of a step whose routed ids are `ids` (`[rows * top_k]`) in a layer of `experts` experts,
-/// the lane computing `host`: per (row, k) pair its row among the lane's products, or -1, and the lane's pairs
-/// (row, index into `host`) in pair order.
-pub(super) fn host_pairs(
-    ids: &[i32],
-    top_k: usize,
-    host: &[u32],
-    experts: usize,
-) -> Result<(Vec<i32>, Vec<(u32, u32)>)> {
+/// the lane computing `host`.
+pub(super) fn host_pairs(ids: &[i32], top_k: usize, host: &[u32], experts: usize) -> Result<HostPairs> {
     let mut host_at = vec![-1i32; experts];
     for (at, &e) in host.iter().enumerate() {
         *host_at
@@ -427,7 +429,7 @@ pub(super) fn host_pairs(
             pairs.push(((pair / top_k) as u32, at as u32));
         }
     }
-    Ok((index, pairs))
+    Ok(HostPairs { index, pairs })
 }
 
 /// The activation the expert kernels' `glu` arguments stand for.
@@ -529,12 +531,12 @@ mod tests {
     #[test]
     fn the_lanes_pairs_follow_the_routed_pairs_in_order() {
         let ids = [2, 5, 7, 7, 1, 2];
-        let (index, pairs) = host_pairs(&ids, 3, &[7, 2], 8).unwrap();
-        assert_eq!(index, [0, -1, 1, 2, -1, 3]);
-        assert_eq!(pairs, [(0, 1), (0, 0), (1, 0), (1, 1)]);
-        let (index, pairs) = host_pairs(&ids, 3, &[], 8).unwrap();
-        assert_eq!(index, [-1; 6]);
-        assert!(pairs.is_empty());
+        let share = host_pairs(&ids, 3, &[7, 2], 8).unwrap();
+        assert_eq!(share.index, [0, -1, 1, 2, -1, 3]);
+        assert_eq!(share.pairs, [(0, 1), (0, 0), (1, 0), (1, 1)]);
+        let none = host_pairs(&ids, 3, &[], 8).unwrap();
+        assert_eq!(none.index, [-1; 6]);
+        assert!(none.pairs.is_empty());
         assert!(matches!(host_pairs(&ids, 3, &[8], 8), Err(Error::Cuda(_))));
     }
 
