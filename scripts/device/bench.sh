@@ -2,8 +2,8 @@
 # Runs, on the GPU machine, the benchmarks docs/perf.md records, with the staged binary (scripts/device/stage.sh):
 #   scripts/device/bench.sh WORKLOAD...
 # WORKLOAD: q30-resident | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
-# q30-1536-lanes-uniform | q30-1536-lanes-locality (the same under each trace with --moe-strategy hybrid, offload and
-# cpu, or those LANE_STRATEGIES names, and a 75-token prompt) |
+# q30-1536-lanes-uniform | q30-1536-lanes-locality (the same under each trace with --moe-strategy auto, offload and
+# hybrid, or those LANE_STRATEGIES names (cpu too), and a 75-token prompt) |
 # q30-1536-uniform (the same under a uniformly random routing trace) | q30-1536-locality (the same under
 # bench/locality_trace.py's trace, calibrated to Qwen3-30B-A3B's published locality) | q30-15.8 | q36-22.3 |
 # q36-15.8 (4K and 32K prompts) | q36-22.3-uniform | q36-22.3-locality (q36-22.3 under each trace) | serve-q30 |
@@ -61,11 +61,12 @@ for workload in "$@"; do
         rm -f "$out/q30-$routing.jsonl"
         ;;
     q30-1536-lanes-uniform | q30-1536-lanes-locality)
-        # The CPU lane (issue 13) beside the link alone, under one trace: --moe-strategy offload, hybrid and cpu,
-        # with a 75-token prompt (its time to first token is the issue's third target).
+        # The CPU lane (issue 13) beside the link alone, under one trace: --moe-strategy auto (the split on rates
+        # calibrated as it runs), offload and hybrid (the startup rates alone), with a 75-token prompt (its time to
+        # first token is the issue's third target).
         routing=${workload#q30-1536-lanes-}
         python3 "bench/${routing}_trace.py" --config bench/q30.json --tokens 8192 --out "$out/q30-$routing.jsonl"
-        for strategy in ${LANE_STRATEGIES:-hybrid offload cpu}; do
+        for strategy in ${LANE_STRATEGIES:-auto offload hybrid}; do
             bench "q30-22.3GiB-1536-$routing-$strategy" $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 \
                 --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 75 --routing-trace "$out/q30-$routing.jsonl" \
                 --moe-strategy "$strategy"

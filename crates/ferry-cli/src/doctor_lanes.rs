@@ -4,7 +4,9 @@
 //! user's cache directory, one entry per host and GPU; `hybrid` and `auto` read it, and without an entry for this
 //! machine (or with one written before the lane's cost was fitted) measure briefly at startup. Either way the
 //! planner splits each step by the measured cost, so both degrade to `offload` on the steps the lane cannot
-//! speed up.
+//! speed up. `hybrid` plans from that measurement alone; `auto` takes it as the prior of the offload's online
+//! calibration (`moe::LaneCalibration`), which refines it by what each lane costs inside the pipeline as the
+//! engine runs.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -20,13 +22,14 @@ pub enum MoeStrategy {
     /// Every miss is copied to the GPU over the link (PCIe).
     #[default]
     Offload,
-    /// Each step's misses split between the link and the CPU lane by the measured rates, so both finish
-    /// together; a step the lane would not speed up runs as `offload`.
+    /// Each step's misses split between the link and the CPU lane by the rates measured at startup (or by
+    /// `ferry doctor`), so both finish together; a step the lane would not speed up runs as `offload`.
     Hybrid,
     /// Every miss is computed on the host: nothing crosses the link for experts.
     Cpu,
-    /// `hybrid`'s choice step by step where the planner gives the CPU lane a share of a batch-1 decode or of a
-    /// short prompt's prefill on this machine; else `offload`, without starting the lane's threads.
+    /// The split step by step, planned from rates calibrated as the engine runs (what each lane costs inside
+    /// the pipeline, the startup measurement the prior), where that prior gives the CPU lane a share of a batch-1
+    /// decode or of a short prompt's prefill on this machine; else `offload`, without starting the lane's threads.
     Auto,
 }
 
@@ -85,19 +88,19 @@ pub fn split_rule(
         rates.cpu.fixed_s * 1e6,
         rates.cpu.bytes_per_s / 1e9,
         rates.cpu.row_cost * 100.0,
-        if rule == SplitRule::Link {
-            "misses over the link"
-        } else {
-            "each step's misses split with the CPU lane by the planner"
+        match rule {
+            SplitRule::Link => "misses over the link",
+            SplitRule::Calibrated(_) => "each step's misses split with the CPU lane, the rates calibrated as it runs",
+            _ => "each step's misses split with the CPU lane by the planner",
         }
     );
     Ok(rule)
 }
 
-/// `auto`'s rule: the planner's split, step by step, when it gives the CPU lane any of a batch-1 decode step that
-/// misses all its `top_k` experts or of a short prompt's prefill (64 tokens, each expert used by a few), else the
-/// link alone, without starting the lane. The planner never plans a split slower than the link alone by its model,
-/// so by the model `auto` is never slower than `offload`, in every step.
+/// `auto`'s rule: the calibrated split, step by step, when the prior `rates` give the CPU lane any of a batch-1
+/// decode step that misses all its `top_k` experts or of a short prompt's prefill (64 tokens, each expert used by
+/// a few), else the link alone, without starting the lane. The planner never plans a split slower than the link
+/// alone by its (calibrated) model, so by the model `auto` is never slower than `offload`, in every step.
 fn auto_rule(rates: LaneRates, bytes_per_expert: usize, top_k: usize) -> SplitRule {
     let decode: Vec<Miss> = (0..top_k as u32).map(|expert| Miss { expert, rows: 1 }).collect();
     // 64 tokens over 128 experts: each routed expert is used by about top_k / 2 rows.
@@ -113,7 +116,7 @@ fn auto_rule(rates: LaneRates, bytes_per_expert: usize, top_k: usize) -> SplitRu
             .is_empty()
     });
     if lane_helps {
-        SplitRule::Balanced(rates)
+        SplitRule::Calibrated(rates)
     } else {
         SplitRule::Link
     }
@@ -189,7 +192,7 @@ mod tests {
         };
         let expert = 9_437_184;
         let rule = auto_rule(rates(&h200), expert, 8);
-        assert!(matches!(rule, SplitRule::Balanced(_)));
+        assert!(matches!(rule, SplitRule::Calibrated(_)));
         // Chosen step by step: a locality step (one miss beside 7 hits) runs as offload, an all-miss step splits.
         let one_miss = [Miss { expert: 0, rows: 1 }];
         assert!(plan_split(rule, &one_miss, 7, expert).cpu.is_empty());

@@ -20,7 +20,7 @@ use ferry_core::engine::plan::{plan_memory, BudgetRequest, OffloadMode, MAX_BATC
 use ferry_core::kv::KvCache;
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, Model, ModelInfo};
-use ferry_core::moe::{Lru, OffloadStats, SplitRule};
+use ferry_core::moe::{CpuLaneCost, LaneRates, Lru, OffloadStats, SplitRule};
 
 fn fixtures() -> PathBuf {
     match std::env::var_os("FERRY_FIXTURES") {
@@ -277,6 +277,54 @@ fn the_cpu_lane_keeps_greedy_parity_for_q30() {
         decoded.stats.host_experts > 0 && decoded.stats.copies > 0,
         "q30: a lane idled"
     );
+}
+
+/// `--moe-strategy auto`'s rule end to end: a prior that calls the CPU lane free sends it every miss at first; what
+/// the lane's jobs then cost inside the pipeline (tens of microseconds against the link's fraction of one for a
+/// fixture's tiny experts) is fed back, and the later steps' misses cross the link. Greedy parity holds across
+/// the change, and the calibration's counters show both lanes observed.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn the_calibrated_split_learns_the_lanes_pipeline_cost_and_keeps_parity() {
+    let checkpoint = Checkpoint::open(&fixtures().join("qwen3_moe")).unwrap();
+    let spec = spec_for(&checkpoint.model_type, &checkpoint.config).unwrap();
+    let experts = spec.moe.as_ref().unwrap().num_experts;
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % spec.vocab_size as u32).collect();
+    let free_lane = LaneRates {
+        link_bytes_per_s: 46.6e9,
+        cpu: CpuLaneCost {
+            fixed_s: 0.0,
+            bytes_per_s: 1e18,
+            row_cost: 0.0,
+        },
+        gpu_bytes_per_s: 700e9,
+    };
+    let label = "qwen3_moe, calibrated";
+    let decoded = check_offload(
+        &checkpoint,
+        &prompt,
+        12,
+        lru(experts, true),
+        SplitRule::Calibrated(free_lane),
+        label,
+    );
+    let stats = &decoded.stats;
+    let calibrated = stats.calibrated.expect("a calibrated split reports its rates");
+    assert!(stats.host_experts > 0, "{label}: the lane never ran: {stats:?}");
+    assert!(
+        stats.copies > 0,
+        "{label}: the calibration never moved misses to the link: {calibrated:?}"
+    );
+    assert!(
+        calibrated.cpu_observations > 0 && calibrated.link_observations > 0,
+        "{calibrated:?}"
+    );
+    assert!(
+        calibrated.cpu_fixed_ns + calibrated.cpu_ns_per_expert > 0,
+        "{calibrated:?}"
+    );
+    // A job's cost to the pipeline includes its own time.
+    assert!(stats.host_pipeline_ns >= stats.host_ns, "{stats:?}");
 }
 
 #[test]

@@ -6,6 +6,7 @@
 pub mod cache;
 pub mod choice;
 pub mod floors;
+pub mod lane_calibration;
 pub mod lrfu;
 pub mod policy;
 pub mod prefill;
@@ -17,6 +18,7 @@ pub mod trace;
 pub use cache::{ExpertCache, LayerCounts, Plan};
 pub use choice::{BaseOrder, PolicyChoice};
 pub use floors::LayerFloors;
+pub use lane_calibration::{CalibratedRates, LaneCalibration};
 pub use lrfu::Lrfu;
 pub use policy::{Access, Belady, EvictionPolicy, ExpertKey, Lru};
 pub use prefill::PrefillAware;

@@ -116,6 +116,10 @@ pub enum SplitRule {
     Cpu,
     /// The planner's split by the rates.
     Balanced(LaneRates),
+    /// The planner's split by rates that the offload refines as it runs ([`super::LaneCalibration`], these the
+    /// prior): what it costs each lane inside the pipeline, measured layer by layer. Planned from the rates given
+    /// here, as `Balanced`; the offload hands over its calibrated ones.
+    Calibrated(LaneRates),
     /// This share of the misses (rounded down), the fewest-row ones, goes to the CPU whatever the rates: for tests
     /// that must exercise both lanes.
     Share(f64),
@@ -146,7 +150,7 @@ pub fn plan_split(rule: SplitRule, misses: &[Miss], hits: usize, bytes: usize) -
             cpu: take(((order.len() as f64 * share.clamp(0.0, 1.0)) as usize).min(order.len())),
             ..Split::default()
         },
-        SplitRule::Balanced(rates) => {
+        SplitRule::Balanced(rates) | SplitRule::Calibrated(rates) => {
             let one_row_s = bytes as f64 / rates.cpu.bytes_per_s;
             let bytes = bytes as f64;
             let hits_s = hits as f64 * bytes / rates.gpu_bytes_per_s;
@@ -420,6 +424,10 @@ mod tests {
         assert_eq!(plan_split(SplitRule::Cpu, &m, 0, EXPERT).cpu, [1, 3, 2, 0]);
         assert_eq!(plan_split(SplitRule::Share(0.5), &m, 0, EXPERT).cpu, [1, 3]);
         assert_eq!(plan_split(SplitRule::Share(2.0), &m, 0, EXPERT).cpu.len(), 4);
+        assert_eq!(
+            plan_split(SplitRule::Calibrated(H200), &m, 0, EXPERT),
+            plan_split(SplitRule::Balanced(H200), &m, 0, EXPERT)
+        );
         assert_eq!(
             rows_per_expert(&[5, 2, 5, 7, 2, 5]),
             [

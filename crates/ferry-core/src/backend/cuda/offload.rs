@@ -19,6 +19,9 @@
 //! bank, bf16 or FP8, while the GPU runs the rest. The layer's input rows come to the host with the routed ids
 //! (the same wait); the compute stream waits for the lane only before the products' upload and moe_combine, which
 //! sums them in router order with the GPU's. A step whose split gives the lane nothing runs as offload's does.
+//! Under [`SplitRule::Calibrated`] the split's rates are refined as it runs ([`LaneCalibration`]): each lane job's
+//! cost to the pipeline (from its start to the stream's release past its wait, offload_lane.rs) and each layer's
+//! link time (the timed events around its copies, read one layer later) are fed back before the next split.
 //!
 //! The offload is part of the backend from its construction ([`CudaBackend::builder`]), with the eviction policy
 //! and the split rule its caller chose.
@@ -30,10 +33,12 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceP
 
 use super::bank::HostBank;
 use super::expert_format::{ExpertFormat, ExpertGlu};
-use super::offload_lane::OffloadLane;
+use super::offload_lane::{host_pairs, OffloadLane};
 use super::{cuda_err, CudaBackend, CudaRouting, CudaTensor};
 use crate::backend::{ExpertTensors, SeqSlice};
-use crate::moe::{plan_split, rows_per_expert, EvictionPolicy, ExpertCache, OffloadStats, Plan, SplitRule};
+use crate::moe::{
+    plan_split, rows_per_expert, EvictionPolicy, ExpertCache, LaneCalibration, OffloadStats, Plan, SplitRule,
+};
 use crate::{Error, Result};
 
 /// How experts are offloaded: the GPU cache's slots (each holds one expert of any MoE layer) and the policy that
@@ -140,8 +145,11 @@ pub struct LayerCopies {
     pub resident_ready: CudaEvent,
     /// Each expert copied in for this layer, in plan order, with the event recorded after its copy.
     pub fetched: Vec<(u32, CudaEvent)>,
-    /// The misses the CPU lane computes ([`Offload::compute_on_host`]), in first-routed order: no slot holds them.
+    /// The misses the CPU lane computes, in first-routed order: no slot holds them. The lane has started on them.
     pub host: Vec<u32>,
+    /// Per (row, k) pair, its row among the lane's products, or -1 where the GPU computes it (empty when the lane
+    /// has nothing).
+    pub host_index: Vec<i32>,
 }
 
 impl LayerCopies {
@@ -191,8 +199,12 @@ pub struct Offload {
     prefill_rows: Vec<bool>,
     /// Who computes the misses.
     split: SplitRule,
-    /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time).
-    link_timing: Option<(CudaEvent, CudaEvent)>,
+    /// Under [`SplitRule::Calibrated`], the rates refined by what each lane costs in the pipeline (made with the
+    /// first layer, when the experts' size is known).
+    calibration: Option<LaneCalibration>,
+    /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time), and
+    /// the bytes they copied.
+    link_timing: Option<(CudaEvent, CudaEvent, usize)>,
 }
 
 impl Offload {
@@ -219,6 +231,7 @@ impl Offload {
             counters: OffloadStats::default(),
             prefill_rows: Vec::new(),
             split,
+            calibration: None,
             lane,
             link_timing: None,
         })
@@ -253,6 +266,9 @@ impl Offload {
                 .map_err(cuda_err(&format!("allocating {} expert cache slots", self.slots)))?;
             self.slab = Some(slab);
             self.bank = Some(HostBank::new(self.ctx.clone(), block_bytes));
+            if let SplitRule::Calibrated(prior) = self.split {
+                self.calibration = Some(LaneCalibration::new(prior, block_bytes));
+            }
         }
         let Some(bank) = self.bank.as_mut() else {
             return Err(Error::Cuda("no expert bank".into()));
@@ -428,16 +444,17 @@ impl Offload {
 
     /// Makes the routed experts of `layer` resident for this step, or leaves them to the CPU lane: reads the routed
     /// ids (and those of a guess handed over for the next layer, and with the lane on the rows of `x`), splits the
-    /// misses, plans, queues the copies of the link's misses, each with its event, and the slot table's upload on
-    /// `compute`. The caller makes `compute` wait for the returned events before the kernels that read the
-    /// experts, and has the lane compute [`LayerCopies::host`].
+    /// misses, plans, starts the CPU lane on its share ([`LayerCopies::host`], experts `inter` wide), queues the
+    /// copies of the link's misses, each with its event, and the slot table's upload on `compute`. The caller makes
+    /// `compute` wait for the returned events before the kernels that read the experts, and for the lane
+    /// ([`Offload::queue_host_products`]) before the products are summed.
     pub fn prepare_layer(
         &mut self,
         compute: &Arc<CudaStream>,
         layer: usize,
         routing: &CudaRouting,
         table: &CudaSlice<u64>,
-        x: &CudaTensor,
+        (x, inter): (&CudaTensor, usize),
     ) -> Result<LayerCopies> {
         let routed = routing.rows * routing.top_k;
         let guess = self.guess.take();
@@ -452,6 +469,10 @@ impl Offload {
             self.counters.host_pairs += done.pairs as u64;
             self.counters.host_bytes += done.bytes as u64;
             self.counters.host_ns += done.busy.as_nanos() as u64;
+            self.counters.host_pipeline_ns += done.pipeline.as_nanos() as u64;
+            if let Some(calibration) = self.calibration.as_mut() {
+                calibration.observe_cpu(&done.rows, done.pipeline.as_secs_f64());
+            }
         }
         let ids: Vec<u32> = all_ids[..routed].iter().map(|&e| e as u32).collect();
         // Rows of a batch that was not started here (an op called on its own) all count as decode rows.
@@ -464,6 +485,15 @@ impl Offload {
         let plan = self
             .cache
             .plan_batch_elsewhere(layer as u32, &ids, prefill_rows, |e| host.contains(&e))?;
+        // The lane first: nothing it reads waits for the copies or the slot table queued below.
+        let host_index = if plan.elsewhere.is_empty() {
+            Vec::new()
+        } else {
+            let experts = self.layers.get(layer).map_or(0, |l| l.bank_blocks.len());
+            let share = host_pairs(&all_ids[..routed], routing.top_k, &plan.elsewhere, experts)?;
+            self.start_on_host(layer, (x.rows, x.cols), inter, &plan.elsewhere, share.pairs)?;
+            share.index
+        };
         let routed_experts: Vec<u32> = plan.resident.iter().chain(&plan.fetch).map(|&(e, _)| e).collect();
         if let Some(scored) = self.next_guess.take().filter(|g| g.layer == layer) {
             let hits = scored.experts.iter().filter(|e| routed_experts.contains(e)).count();
@@ -495,7 +525,8 @@ impl Offload {
         )?;
         self.counters.copies += fetched.len() as u64;
         if let Some(start) = link_start {
-            self.link_timing = timed_event(&self.ctx, &self.copy_stream, true)?.map(|end| (start, end));
+            self.link_timing =
+                timed_event(&self.ctx, &self.copy_stream, true)?.map(|end| (start, end, fetched.len() * block_bytes));
         }
         let mirror = layer_state.table_host.as_mut_slice().map_err(cuda_err("slot table"))?;
         mirror.fill(0);
@@ -545,6 +576,7 @@ impl Offload {
             resident_ready,
             fetched,
             host: plan.elsewhere,
+            host_index,
         })
     }
 
@@ -557,22 +589,30 @@ impl Offload {
             .into_iter()
             .partition(|m| self.cache.slot_of((layer as u32, m.expert)).is_none());
         let bytes = self.bank.as_ref().map_or(0, |b| b.block_bytes());
-        plan_split(self.split, &misses, hits.len(), bytes).cpu
+        let rule = match &self.calibration {
+            Some(calibration) => SplitRule::Balanced(calibration.rates()),
+            None => self.split,
+        };
+        plan_split(rule, &misses, hits.len(), bytes).cpu
     }
 
     /// Adds the link's busy time over the last layer's demand copies, which have landed by the time the next
-    /// router's ids are read (the kernels that waited for them ran before that router).
+    /// router's ids are read (the kernels that waited for them ran before that router), and under calibration
+    /// feeds it to the link's rate.
     fn read_link_timing(&mut self) -> Result<()> {
-        if let Some((start, end)) = self.link_timing.take() {
+        if let Some((start, end, bytes)) = self.link_timing.take() {
             let ms = start.elapsed_ms(&end).map_err(cuda_err("timing the expert copies"))?;
             self.counters.link_ns += (ms as f64 * 1e6) as u64;
+            if let Some(calibration) = self.calibration.as_mut() {
+                calibration.observe_link(bytes, ms as f64 * 1e-3);
+            }
         }
         Ok(())
     }
 
     /// Starts the CPU lane on `pairs` (row of the layer's input, index into `experts`) of `layer`'s host
     /// `experts` and returns at once; [`Offload::queue_host_products`] queues the stream's wait for it.
-    pub fn start_on_host(
+    fn start_on_host(
         &mut self,
         layer: usize,
         x_shape: (usize, usize),
@@ -653,6 +693,7 @@ impl Offload {
             layer_misses: counts.iter().map(|c| c.misses).collect(),
             bytes_copied: self.counters.copies * bytes_per_expert as u64,
             prefetches_used: self.cache.prefetches_used(),
+            calibrated: self.calibration.as_ref().map(LaneCalibration::summary),
             ..self.counters.clone()
         }
     }

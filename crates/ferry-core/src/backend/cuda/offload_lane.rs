@@ -1,9 +1,10 @@
 //! The CPU lane under expert offload: a layer's host experts computed from the bank in place while the GPU runs
 //! everything else, waited for only where their products are summed. The lane ([`HostLane`]) lives on a thread of
-//! its own that takes one job at a time, so the thread driving the GPU never blocks inside a layer: it starts the
-//! job, queues the GPU's share, then queues on the compute stream a host function that returns once the job is
-//! done, the products' upload behind it and moe_combine behind that, and goes on to queue the rest of the layer and
-//! the next one's attention. The stream, not the host, waits for the lane, and only at the combine.
+//! its own that takes one job at a time (polling for it, and computing a worker's share of it), so the thread
+//! driving the GPU never blocks inside a layer: it starts the job, queues the GPU's share, then queues on the
+//! compute stream a host function that returns once the job is done, the products' upload behind it and
+//! moe_combine behind that, and goes on to queue the rest of the layer and the next one's attention. The stream,
+//! not the host, waits for the lane, and only at the combine.
 //!
 //! The buffers the lane reads and writes (the layer's input rows, read with its routed ids, and the products) are
 //! pinned and stay where they are; a job's rows are next overwritten by the next MoE layer's download and its
@@ -13,28 +14,33 @@
 
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, PinnedHostSlice};
 
 use super::expert_format::{grid, mxfp4_matrix_bytes, ExpertFormat, ExpertGlu};
 use super::{cuda_err, CudaTensor};
 use crate::backend::cpu::gemv::{BlockScales, WeightDType};
-use crate::backend::cpu::lane::{HostLane, LaneDType, LaneExpert, LaneWork};
+use crate::backend::cpu::lane::{HostLane, LaneDType, LaneExpert, LaneWork, POLL_BEFORE_SLEEP};
 use crate::backend::ExpertActivation;
 use crate::loader::DType;
 use crate::{Error, Result};
 
-/// What one job computed, for the offload's counters.
+/// What one job computed, for the offload's counters and the planner's calibration.
 pub(super) struct LaneDone {
     pub experts: usize,
     pub pairs: usize,
     pub bytes: usize,
     /// The lane's own time.
     pub busy: Duration,
+    /// The rows of each of the job's experts.
+    pub rows: Vec<usize>,
+    /// What the job cost the pipeline, from its start on the host: until the stream was let go past its wait when
+    /// the stream had to wait (the products being on their way then), else until the job was done.
+    pub pipeline: Duration,
 }
 
 /// A borrowed slice sent to the lane's thread as its address: see [`OffloadLane::start`] for why it stays valid.
@@ -63,10 +69,21 @@ struct LaneJob {
     pairs: Vec<(u32, u32)>,
 }
 
-/// The last finished job's number and outcome; `u64::MAX` once the lane's thread has ended, so no one waits on it.
+/// The last finished job's number, outcome and time (`u64::MAX` once the lane's thread has ended, so no one waits
+/// on it), and the last job the stream waited for.
 struct Finished {
     seq: u64,
     result: Result<Duration>,
+    at: Instant,
+    released: Option<Released>,
+}
+
+/// The stream let go past job `seq`'s wait at `at`; `waited` when the job was not done as the stream got there.
+#[derive(Clone, Copy)]
+struct Released {
+    seq: u64,
+    at: Instant,
+    waited: bool,
 }
 
 struct LaneSignal {
@@ -75,22 +92,34 @@ struct LaneSignal {
 }
 
 impl LaneSignal {
+    fn lock(&self) -> MutexGuard<'_, Finished> {
+        self.finished.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn finish(&self, seq: u64, result: Result<Duration>) {
-        let mut finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
-        *finished = Finished { seq, result };
+        let mut finished = self.lock();
+        (finished.seq, finished.result, finished.at) = (seq, result, Instant::now());
         self.changed.notify_all();
     }
 
-    /// Waits until job `seq` (or a later one) has finished; returns its outcome when it was the last.
-    fn wait_for(&self, seq: u64) -> Result<Duration> {
-        let mut finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+    /// Waits until job `seq` (or a later one) has finished.
+    fn wait_until(&self, seq: u64) -> MutexGuard<'_, Finished> {
+        let mut finished = self.lock();
         while finished.seq < seq {
             finished = self.changed.wait(finished).unwrap_or_else(|e| e.into_inner());
         }
-        match &finished.result {
-            Ok(busy) => Ok(*busy),
-            Err(e) => Err(Error::Shape(format!("the CPU lane failed: {e}"))),
-        }
+        finished
+    }
+
+    /// The stream's side: waits for job `seq`, then notes when the stream was let go and whether it waited.
+    fn release(&self, seq: u64) {
+        let waited = self.lock().seq < seq;
+        let mut finished = self.wait_until(seq);
+        finished.released = Some(Released {
+            seq,
+            at: Instant::now(),
+            waited,
+        });
     }
 }
 
@@ -107,7 +136,8 @@ impl Drop for EndOnDrop {
 /// A job that was started and not yet collected.
 struct Pending {
     seq: u64,
-    experts: usize,
+    started: Instant,
+    rows: Vec<usize>,
     pairs: usize,
     bytes: usize,
 }
@@ -131,6 +161,8 @@ impl OffloadLane {
             finished: Mutex::new(Finished {
                 seq: 0,
                 result: Ok(Duration::ZERO),
+                at: Instant::now(),
+                released: None,
             }),
             changed: Condvar::new(),
         });
@@ -178,12 +210,22 @@ impl OffloadLane {
         let Some(pending) = self.pending.take() else {
             return Ok(None);
         };
-        let busy = self.signal.wait_for(pending.seq)?;
+        let finished = self.signal.wait_until(pending.seq);
+        let busy = match &finished.result {
+            Ok(busy) => *busy,
+            Err(e) => return Err(Error::Shape(format!("the CPU lane failed: {e}"))),
+        };
+        let until = match finished.released {
+            Some(released) if released.seq == pending.seq && released.waited => released.at,
+            _ => finished.at,
+        };
         Ok(Some(LaneDone {
-            experts: pending.experts,
+            experts: pending.rows.len(),
             pairs: pending.pairs,
             bytes: pending.bytes,
             busy,
+            pipeline: until.saturating_duration_since(pending.started),
+            rows: pending.rows,
         }))
     }
 
@@ -230,6 +272,12 @@ impl OffloadLane {
             )));
         }
         let seq = self.next_seq;
+        let mut expert_rows = vec![0; blocks.len()];
+        for &(_, e) in &pairs {
+            if let Some(rows) = expert_rows.get_mut(e as usize) {
+                *rows += 1;
+            }
+        }
         let job = LaneJob {
             seq,
             rows: Raw::of(&rows_host.as_slice().map_err(cuda_err("lane rows"))?[..row_values]),
@@ -241,13 +289,15 @@ impl OffloadLane {
             inter,
             pairs,
         };
-        let (experts, pairs, bytes) = (blocks.len(), job.pairs.len(), blocks.iter().map(|b| b.len()).sum());
+        let (pairs, bytes) = (job.pairs.len(), blocks.iter().map(|b| b.len()).sum());
+        let started = Instant::now();
         jobs.send(job)
             .map_err(|_| Error::Cuda("the CPU lane's thread has ended".into()))?;
         self.next_seq += 1;
         self.pending = Some(Pending {
             seq,
-            experts,
+            started,
+            rows: expert_rows,
             pairs,
             bytes,
         });
@@ -294,16 +344,31 @@ unsafe extern "C" fn wait_for_job(data: *mut c_void) {
     // SAFETY: the box was handed to this call alone.
     let wait = unsafe { Box::from_raw(data.cast::<(Arc<LaneSignal>, u64)>()) };
     // A failed job is reported by `collect`; the stream goes on either way.
-    let _ = wait.0.wait_for(wait.1);
+    wait.0.release(wait.1);
 }
 
-/// The lane's thread: runs each job and reports it, until the channel closes.
+/// The lane's thread: runs each job (taking a worker's share of it) and reports it, until the channel closes.
 fn run_jobs(mut lane: HostLane, jobs: Receiver<LaneJob>, ends: EndOnDrop) {
-    for job in jobs {
+    while let Some(job) = next_job(&jobs) {
         let result = catch_unwind(AssertUnwindSafe(|| run_job(&mut lane, &job)))
             .unwrap_or_else(|_| Err(Error::Shape("the CPU lane panicked".into())));
         ends.0.finish(job.seq, result);
     }
+}
+
+/// The next job, polled for as the lane's workers poll ([`POLL_BEFORE_SLEEP`]), then waited for: decode sends one
+/// per MoE layer, and a thread asleep on the channel costs the layer a wake-up through the kernel before the job
+/// can even be handed to the workers. `None` once the channel has closed.
+fn next_job(jobs: &Receiver<LaneJob>) -> Option<LaneJob> {
+    let polling = Instant::now();
+    while polling.elapsed() < POLL_BEFORE_SLEEP {
+        match jobs.try_recv() {
+            Ok(job) => return Some(job),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => std::hint::spin_loop(),
+        }
+    }
+    jobs.recv().ok()
 }
 
 fn run_job(lane: &mut HostLane, job: &LaneJob) -> Result<Duration> {
@@ -332,6 +397,39 @@ fn run_job(lane: &mut HostLane, job: &LaneJob) -> Result<Duration> {
         pairs: &job.pairs,
     };
     Ok(lane.compute(&work, products, || ())?.1)
+}
+
+/// The CPU lane's share of a step.
+pub(super) struct HostPairs {
+    /// Per (row, k) pair of the step, its row among the lane's products, or -1.
+    pub index: Vec<i32>,
+    /// The lane's pairs, (row, index into its experts), in pair order.
+    pub pairs: Vec<(u32, u32)>,
+}
+
+/// The CPU lane's share of a step whose routed ids are `ids` (`[rows * top_k]`) in a layer of `experts` experts,
+/// the lane computing `host`.
+pub(super) fn host_pairs(ids: &[i32], top_k: usize, host: &[u32], experts: usize) -> Result<HostPairs> {
+    let mut host_at = vec![-1i32; experts];
+    for (at, &e) in host.iter().enumerate() {
+        *host_at
+            .get_mut(e as usize)
+            .ok_or_else(|| Error::Cuda(format!("routed to expert {e} of a layer of {experts} experts")))? = at as i32;
+    }
+    let mut index = vec![-1i32; ids.len()];
+    let mut pairs: Vec<(u32, u32)> = Vec::new();
+    for (pair, &e) in ids.iter().enumerate() {
+        let at = usize::try_from(e)
+            .ok()
+            .and_then(|e| host_at.get(e))
+            .copied()
+            .unwrap_or(-1);
+        if at >= 0 {
+            index[pair] = pairs.len() as i32;
+            pairs.push(((pair / top_k) as u32, at as u32));
+        }
+    }
+    Ok(HostPairs { index, pairs })
 }
 
 /// The activation the expert kernels' `glu` arguments stand for.
@@ -426,6 +524,21 @@ mod tests {
     use crate::backend::cuda::expert_format::with_f32_biases;
     use crate::backend::ExpertTensors;
     use crate::loader::TensorRef;
+
+    /// Two rows of top 3, the lane computing experts 7 and 2: each of their pairs gets the next row of the lane's
+    /// products in pair order, with its row and place in `host`; the others stay on the GPU; a host expert outside
+    /// the layer is refused.
+    #[test]
+    fn the_lanes_pairs_follow_the_routed_pairs_in_order() {
+        let ids = [2, 5, 7, 7, 1, 2];
+        let share = host_pairs(&ids, 3, &[7, 2], 8).unwrap();
+        assert_eq!(share.index, [0, -1, 1, 2, -1, 3]);
+        assert_eq!(share.pairs, [(0, 1), (0, 0), (1, 0), (1, 1)]);
+        let none = host_pairs(&ids, 3, &[], 8).unwrap();
+        assert_eq!(none.index, [-1; 6]);
+        assert!(none.pairs.is_empty());
+        assert!(matches!(host_pairs(&ids, 3, &[8], 8), Err(Error::Cuda(_))));
+    }
 
     /// gpt-oss's bank block (MXFP4 gate, up and down, then the f32 biases, a missing one as zeros) read back by the
     /// lane as the tensors it was made of, with the clamped SwiGLU its kernel arguments stand for; a short block is

@@ -1,5 +1,6 @@
 //! The CPU lane: routed experts computed on the host straight from where their weights lie (the GPU offload's
-//! pinned bank, read in place), on a persistent pool of pinned threads, while the calling thread drives the GPU.
+//! pinned bank, read in place), on a persistent pool of pinned threads and the thread that hands it the job (under
+//! offload, the lane's own thread, so the thread driving the GPU goes on).
 //! f32 activations and accumulation through the CPU backend's GEMV kernels ([`matmul_serial`]) and the same
 //! activation and bias arithmetic as `cpu/moe.rs`, so each (row, expert) product equals the CPU backend's to the
 //! bit, for bf16 experts, FP8 ones (E4M3 with block scales, read in place like the bf16 ones) and MXFP4 ones
@@ -30,6 +31,7 @@ use crate::loader::mxfp4::MXFP4_BLOCK;
 use crate::loader::DType;
 use crate::{Error, Result};
 use pool::WorkerPool;
+pub use pool::POLL_BEFORE_SLEEP;
 
 /// Bytes of weights one work item reads: small enough that a one-row expert spreads over every thread, large
 /// enough that the shared counter is not the bottleneck.
@@ -150,7 +152,8 @@ struct Layout {
 }
 
 impl HostLane {
-    /// A lane of `threads` workers; [`HostLane::default_threads`] leaves one core to the GPU-driving thread.
+    /// A lane of `threads` workers, the thread that calls [`HostLane::compute`] one of them;
+    /// [`HostLane::default_threads`] leaves one core to the GPU-driving thread.
     pub fn new(threads: usize) -> Result<Self> {
         Ok(HostLane {
             pool: WorkerPool::new(threads)?,
@@ -172,7 +175,7 @@ impl HostLane {
     }
 
     /// Computes `work`'s pairs into `out` (`[pairs, hidden]`, pair order) on the workers while the calling thread
-    /// runs `during`; returns what `during` returned and the lane's own time.
+    /// runs `during`, then on the calling thread too; returns what `during` returned and the lane's own time.
     pub fn compute<R>(
         &mut self,
         work: &LaneWork<'_>,

@@ -9,20 +9,19 @@ use crate::backend::cuda::expert_format::{ExpertFormat, ExpertGlu};
 use crate::backend::cuda::offload::{LayerCopies, Offload};
 use crate::backend::cuda::workspace::MOE_GROUP_ROWS;
 use crate::backend::cuda::{cuda_err, CudaBackend, CudaRouting, CudaTensor};
-use crate::{Error, Result};
+use crate::Result;
 
-/// The MoE block under offload when the CPU lane takes some of this layer's misses (`copies.host`): the lane
-/// starts on their pairs from the bank and this thread queues the GPU's share (every decode pair, or the first
-/// row group of a larger batch), then the stream's wait for the lane and the products' upload, then moe_combine,
-/// which sums each row's pairs in router order, each from wherever it was computed. The host does not wait for
-/// the lane here: it goes on queuing the rest of the layer and the next while the lane and the GPU compute. Each product differs from the GPU's only in the order of its
-/// dot products' additions (f32 on both sides); the sum over a row's experts is the same expression in the same
-/// order.
+/// The MoE block under offload when the CPU lane takes some of this layer's misses (`copies.host`): the lane has
+/// started on their pairs from the bank ([`Offload::prepare_layer`]) and this thread queues the GPU's share
+/// (every decode pair, or the first row group of a larger batch), then the stream's wait for the lane and the
+/// products' upload, then moe_combine, which sums each row's pairs in router order, each from wherever it was
+/// computed. The host does not wait for the lane here: it goes on queuing the rest of the layer and the next while
+/// the lane and the GPU compute. Each product differs from the GPU's only in the order of its dot products'
+/// additions (f32 on both sides); the sum over a row's experts is the same expression in the same order.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn moe_with_host_lane(
     cuda: &CudaBackend,
     offload: &mut Offload,
-    layer: usize,
     x: &CudaTensor,
     routing: &CudaRouting,
     table: &CudaSlice<u64>,
@@ -32,33 +31,13 @@ pub(super) fn moe_with_host_lane(
     glu: ExpertGlu,
 ) -> Result<CudaTensor> {
     let hidden = x.cols;
-    let pairs = routing.rows * routing.top_k;
-    // Per expert id, its place in `copies.host` (or -1).
-    let mut host_at = vec![-1i32; copies.addresses.len()];
-    for (at, &e) in copies.host.iter().enumerate() {
-        *host_at.get_mut(e as usize).ok_or_else(|| {
-            Error::Cuda(format!(
-                "routed to expert {e} of a layer of {} experts",
-                copies.addresses.len()
-            ))
-        })? = at as i32;
-    }
-    let mut index = vec![-1i32; pairs];
-    let mut host_pairs: Vec<(u32, u32)> = Vec::new();
-    for (pair, &e) in copies.ids[..pairs].iter().enumerate() {
-        let at = host_at.get(e as usize).copied().unwrap_or(-1);
-        if at >= 0 {
-            index[pair] = host_pairs.len() as i32;
-            host_pairs.push(((pair / routing.top_k) as u32, at as u32));
-        }
-    }
+    let host_pairs = copies.host_index.iter().filter(|&&at| at >= 0).count();
     let host = HostProducts {
-        products: cuda.tensor(host_pairs.len(), hidden)?,
-        index: cuda.copy_to_device(&index)?,
+        products: cuda.tensor(host_pairs, hidden)?,
+        index: cuda.copy_to_device(&copies.host_index)?,
     };
-    let on_host = |pair: usize| index[pair] >= 0;
+    let on_host = |pair: usize| copies.host_index[pair] >= 0;
     let out = cuda.tensor(routing.rows, hidden)?;
-    offload.start_on_host(layer, (x.rows, hidden), inter, &copies.host, host_pairs)?;
     if x.rows <= MOE_DECODE_MAX_ROWS {
         let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format, glu)?;
         offload.queue_host_products(&cuda.stream, &host.products)?;

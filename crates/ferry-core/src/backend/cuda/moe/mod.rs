@@ -142,20 +142,9 @@ pub(super) fn moe_experts(
         .as_ref()
         .ok_or_else(|| Error::Cuda("offloaded experts without offload".into()))?;
     let mut offload = offload.lock().unwrap_or_else(|e| e.into_inner());
-    let copies = offload.prepare_layer(&cuda.stream, layer, routing, table, x)?;
+    let copies = offload.prepare_layer(&cuda.stream, layer, routing, table, (x, inter))?;
     if !copies.host.is_empty() {
-        return moe_with_host_lane(
-            cuda,
-            &mut offload,
-            layer,
-            x,
-            routing,
-            table,
-            &copies,
-            inter,
-            format,
-            glu,
-        );
+        return moe_with_host_lane(cuda, &mut offload, x, routing, table, &copies, inter, format, glu);
     }
     drop(offload);
     if x.rows > MOE_DECODE_MAX_ROWS || copies.fetched.is_empty() {
