@@ -46,6 +46,63 @@ __device__ __forceinline__ float block_sum(float v) {
     return total;
 }
 
+// The RMSNorm of one row: out = x / sqrt(mean(x^2) + eps) * weight over its cols values, by the whole block (every
+// thread calls it). Thread i takes columns i, i + blockDim.x, ... and the block sums the squares with block_sum, so
+// wherever it runs with the same block size (add_rms_norm, and the fused residual epilogues below, all at 256
+// threads) the result is the same to the bit. x is read through L2 (ld.global.cg): in a fused epilogue other
+// blocks wrote it.
+__device__ __forceinline__ void block_rms_norm_row(const float* x, const float* __restrict__ weight,
+                                                   float* __restrict__ out, int cols, float eps) {
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = __ldcg(x + i);
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(sum) / cols + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[i] = __ldcg(x + i) * inv * weight[i];
+}
+
+// A product's output value y at index i: stored in out, or, in a fused residual epilogue (residual not null),
+// added to the residual stream, after `shared` (a MoE block's shared expert output, added to the routed sum as
+// add_assign would; null: none). x + (y + shared) is what the unfused ops compute, in that order.
+__device__ __forceinline__ void store_or_add(float y, size_t i, const float* __restrict__ shared, float* residual,
+                                             float* __restrict__ out) {
+    if (residual == nullptr) {
+        out[i] = y;
+        return;
+    }
+    if (shared != nullptr) y += shared[i];
+    residual[i] += y;
+}
+
+// Whether this block is the last of its grid to get here, for a fused epilogue that needs every block's output:
+// each block counts itself on `counter` once its threads' writes are visible device-wide; the last one resets the
+// counter to zero for the next launch (the kernels that use it run in order on one stream) and may then read what
+// every block wrote. Every thread of the block calls it.
+__device__ __forceinline__ bool last_block_done(unsigned int* counter) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// The end of a fused residual epilogue whose blocks each add part of every row: the last block normalises the
+// `rows` rows of the residual (cols wide) into out. Call it at the very end of the kernel, from every thread.
+__device__ __forceinline__ void last_block_rms_norm(const float* residual, const float* __restrict__ weight,
+                                                    float eps, unsigned int* counter, int rows, int cols,
+                                                    float* __restrict__ out) {
+    if (!last_block_done(counter)) return;
+    for (int t = 0; t < rows; ++t)
+        block_rms_norm_row(residual + static_cast<size_t>(t) * cols, weight, out + static_cast<size_t>(t) * cols,
+                           cols, eps);
+}
+
 // For kernels whose blocks take tiles of a batch's slices: slice s has tiles_of(slice_len[s]) tiles (none for a
 // slice the kernel leaves to another), counted slice after slice. Finds the slice holding tile `tile` and the
 // tile's index within it: warp 0 scans the slices 32 at a time and tells the block through `found` (two ints of

@@ -5,6 +5,9 @@
 // scales). Experts with biases (gpt-oss) end their block with them in f32, gate's, up's, then down's, from byte
 // `bias_at` (a multiple of 16; -1: no biases).
 #include "common.cuh"
+#include "route.cuh"
+
+static_assert(MOE_WARPS * 32 == 256, "moe_down's fused norm runs at add_rms_norm's block size: the same bits");
 
 // The f32 biases of an expert block: gate's [inter], up's [inter], down's [hidden] (null: none).
 __device__ __forceinline__ const float* expert_biases(const void* block, long long bias_at) {
@@ -31,155 +34,22 @@ __device__ __forceinline__ float with_down_bias(const float* biases, int inter, 
     return biases == nullptr ? s : s + biases[2 * inter + h];
 }
 
-constexpr int MAX_EXPERTS_PER_LANE = ROUTER_MAX_EXPERTS / 32;
-
-// The warp's largest value and its index (the lower index among equals), left in every lane.
-__device__ __forceinline__ void warp_argmax(float& best, int& best_id) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
-        if (other > best || (other == best && other_id < best_id)) {
-            best = other;
-            best_id = other_id;
-        }
-    }
-}
-
-// One warp per row: softmax over the experts, then the top_k largest in order (ties to the lower id), with
-// weights renormalised over the chosen ones when asked.
+// One warp per row (route.cuh's routers, which the router GEMV's fused epilogue in gemv.cu also runs).
 extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, int num_experts, int top_k,
                                               int renormalize, int* __restrict__ ids, float* __restrict__ weights) {
-    const int r = blockIdx.x, lane = threadIdx.x;
-    const float* row = logits + static_cast<size_t>(r) * num_experts;
-    float e[MAX_EXPERTS_PER_LANE];
-    float local_max = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-        const int x = lane + 32 * i;
-        e[i] = x < num_experts ? row[x] : -INFINITY;
-        local_max = fmaxf(local_max, e[i]);
-    }
-    const float max = warp_max(local_max);
-    float local_sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-        const int x = lane + 32 * i;
-        e[i] = x < num_experts ? expf(e[i] - max) : -1.0f;
-        if (x < num_experts) local_sum += e[i];
-    }
-    const float total = warp_sum(local_sum);
-    float kept = 0.0f;
-    for (int k = 0; k < top_k; ++k) {
-        float best = -1.0f;
-        int best_id = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-            const int x = lane + 32 * i;
-            if (e[i] > best || (e[i] == best && x < best_id)) {
-                best = e[i];
-                best_id = x;
-            }
-        }
-        warp_argmax(best, best_id);
-        const float p = best / total;
-        kept += p;
-        if (lane == 0) {
-            ids[r * top_k + k] = best_id;
-            weights[r * top_k + k] = p;
-        }
-#pragma unroll
-        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i)
-            if (lane + 32 * i == best_id) e[i] = -1.0f;
-    }
-    if (renormalize && lane == 0)
-        for (int k = 0; k < top_k; ++k) weights[r * top_k + k] /= kept;
+    const int r = blockIdx.x;
+    route_row_softmax_topk(logits + static_cast<size_t>(r) * num_experts, num_experts, top_k, renormalize,
+                           ids + r * top_k, weights + r * top_k);
 }
 
-// One warp per row: DeepSeek-V3's and GLM-4.5's router (RouterKind::SigmoidGroupedTopK), as the CPU backend
-// computes it. score = sigmoid(logit) and choice = score + bias[e]; the n_group groups of consecutive experts rank
-// by the sum of their two best choices, the experts of the best topk_group groups (the others are out) give the
-// top_k best choices in order, ties to the lower id (groups likewise); weight = score / (sum of the chosen scores +
-// 1e-20, when renormalize) * scaling.
 extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ logits, const float* __restrict__ bias,
                                                       int num_experts, int n_group, int topk_group, int top_k,
                                                       int renormalize, float scaling, int* __restrict__ ids,
                                                       float* __restrict__ weights) {
-    // A group holds at least two experts, so there are at most ROUTER_MAX_EXPERTS / 2 groups.
-    __shared__ float scores[ROUTER_MAX_EXPERTS];
-    __shared__ float choices[ROUTER_MAX_EXPERTS];
-    __shared__ float group_scores[ROUTER_MAX_EXPERTS / 2];
-    __shared__ int group_kept[ROUTER_MAX_EXPERTS / 2];
-    const int r = blockIdx.x, lane = threadIdx.x;
-    const int group_size = num_experts / n_group;
-    const float* row = logits + static_cast<size_t>(r) * num_experts;
-    for (int x = lane; x < num_experts; x += 32) {
-        const float score = 1.0f / (1.0f + expf(-row[x]));
-        scores[x] = score;
-        choices[x] = score + bias[x];
-    }
-    __syncwarp();
-    for (int g = lane; g < n_group; g += 32) {
-        float first = -INFINITY, second = -INFINITY;
-        for (int j = 0; j < group_size; ++j) {
-            const float v = choices[g * group_size + j];
-            if (v > first) {
-                second = first;
-                first = v;
-            } else if (v > second) {
-                second = v;
-            }
-        }
-        group_scores[g] = first + second;
-        group_kept[g] = 0;
-    }
-    __syncwarp();
-    for (int t = 0; t < topk_group; ++t) {
-        float best = -INFINITY;
-        int best_g = 0x7fffffff;
-        for (int g = lane; g < n_group; g += 32)
-            if (!group_kept[g] && (group_scores[g] > best || (group_scores[g] == best && g < best_g))) {
-                best = group_scores[g];
-                best_g = g;
-            }
-        warp_argmax(best, best_g);
-        // Found unless the scores are NaN; the index stays in bounds even then.
-        best_g = min(best_g, n_group - 1);
-        if (lane == 0) group_kept[best_g] = 1;
-        __syncwarp();
-    }
-    // Each lane's candidates: its experts of the kept groups; an expert chosen or left out is marked taken.
-    float candidate[MAX_EXPERTS_PER_LANE];
-    bool taken[MAX_EXPERTS_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-        const int x = lane + 32 * i;
-        taken[i] = x >= num_experts || !group_kept[x / group_size];
-        candidate[i] = taken[i] ? -INFINITY : choices[x];
-    }
-    float total = 0.0f;
-    for (int k = 0; k < top_k; ++k) {
-        float best = -INFINITY;
-        int best_id = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-            const int x = lane + 32 * i;
-            if (!taken[i] && (candidate[i] > best || (candidate[i] == best && x < best_id))) {
-                best = candidate[i];
-                best_id = x;
-            }
-        }
-        warp_argmax(best, best_id);
-        best_id = min(best_id, num_experts - 1);
-        total += scores[best_id];
-        if (lane == 0) ids[r * top_k + k] = best_id;
-#pragma unroll
-        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i)
-            if (lane + 32 * i == best_id) taken[i] = true;
-    }
-    const float denominator = renormalize ? total + 1e-20f : 1.0f;
-    if (lane == 0)
-        for (int k = 0; k < top_k; ++k) weights[r * top_k + k] = scores[ids[r * top_k + k]] / denominator * scaling;
+    __shared__ float scratch[router_scratch_floats(ROUTER_MAX_EXPERTS, ROUTER_MAX_EXPERTS / 2)];
+    const int r = blockIdx.x;
+    route_row_sigmoid_grouped(logits + static_cast<size_t>(r) * num_experts, bias, num_experts, n_group, topk_group,
+                              top_k, renormalize, scaling, ids + r * top_k, weights + r * top_k, scratch);
 }
 
 // act[(r * top_k + k), i] = expert_glu(gate_e[i] . x_r, up_e[i] . x_r), e = ids[r * top_k + k].
@@ -206,6 +76,26 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
             expert_glu(expert_biases(block, bias_at), inter, i, gs, us, clamped, alpha, limit);
 }
 
+// moe_down's last step in every format, once the block's products are in shared memory: each feature's weighted
+// sum of the row's products in router order, stored, or in the fused residual epilogue (residual not null) added
+// with the shared expert's output to the residual stream, whose rows the last block then normalises into out
+// (common.cuh's store_or_add and last_block_rms_norm: add_assign and add_rms_norm's result, to the bit).
+__device__ __forceinline__ void down_finish(const float* products, const float* __restrict__ weights, int r,
+                                            int top_k, int first, int block_features, int hidden,
+                                            const float* __restrict__ shared, float* residual,
+                                            const float* __restrict__ norm, float eps, unsigned int* counter,
+                                            float* __restrict__ out) {
+    __syncthreads();
+    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
+        const int h = first + j;
+        if (h >= hidden) continue;
+        float sum = 0.0f;
+        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
+        store_or_add(sum, static_cast<size_t>(r) * hidden + h, shared, residual, out);
+    }
+    if (residual != nullptr) last_block_rms_norm(residual, norm, eps, counter, gridDim.y, hidden, out);
+}
+
 // out[r, h] = sum_k w[r, k] * (down_e[h] . act[r * top_k + k] + down bias_e[h]), summed in router order.
 // Grid: (ceil(hidden / (feature_groups * MOE_DOWN_ROWS)), rows); dynamic shared memory: top_k * feature_groups *
 // MOE_DOWN_ROWS floats. A block's features form feature_groups groups of MOE_DOWN_ROWS rows; its warps take the
@@ -215,7 +105,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
              const float* __restrict__ weights, const uint16_t* const* __restrict__ experts, long long bias_at,
-             int feature_groups, float* __restrict__ out) {
+             int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
+             const float* __restrict__ norm, float eps, unsigned int* counter) {
     __shared__ WarpStaging staging[MOE_WARPS];
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -244,14 +135,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = s;
         }
     }
-    __syncthreads();
-    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
-        const int h = first + j;
-        if (h >= hidden) continue;
-        float sum = 0.0f;
-        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
-        out[static_cast<size_t>(r) * hidden + h] = sum;
-    }
+    down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
 }
 
 // y[pair, h] = down_e[h] . act[pair] + down bias_e[h], e = ids[pair], for the pairs order[blockIdx.y]: moe_down's
@@ -326,10 +210,14 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const uint32
 // out[r] = sum_k weights[r, k] * y[r * top_k + k], in router order (the prefill path's combine, and the offload
 // decode path's after moe_down_pairs: the same sum, in the same order, as moe_down's). With the CPU lane, a pair p
 // with host_index[p] >= 0 was computed on the host: its product is row host_index[p] of host_y instead, summed in
-// its place, so the lane's share costs no extra pass over the output (host_index null: every pair is in y).
+// its place, so the lane's share costs no extra pass over the output (host_index null: every pair is in y). With a
+// residual, moe_down's fused epilogue: the sum (plus `shared`) is added to the residual row, which the block then
+// normalises into out, with the same arithmetic as moe_down's last block (one block of 256 threads per row).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights, int top_k,
                                        int hidden, const float* __restrict__ host_y,
-                                       const int* __restrict__ host_index, float* __restrict__ out) {
+                                       const int* __restrict__ host_index, float* __restrict__ out,
+                                       const float* __restrict__ shared, float* residual,
+                                       const float* __restrict__ norm, float eps) {
     const int r = blockIdx.x;
     for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
         float sum = 0.0f;
@@ -340,8 +228,12 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
                                              : y[static_cast<size_t>(pair) * hidden + h];
             sum += weights[pair] * product;
         }
-        out[static_cast<size_t>(r) * hidden + h] = sum;
+        store_or_add(sum, static_cast<size_t>(r) * hidden + h, shared, residual, out);
     }
+    // Each thread normalises the features it added (block_rms_norm_row's), so it reads back only its own writes.
+    if (residual != nullptr)
+        block_rms_norm_row(residual + static_cast<size_t>(r) * hidden, norm, out + static_cast<size_t>(r) * hidden,
+                           hidden, eps);
 }
 
 // ---- FP8 experts ----------------------------------------------------------------------------------------------
@@ -431,7 +323,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_fp8(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
                  const float* __restrict__ weights, const uint8_t* const* __restrict__ experts,
                  int gate_up_block_rows, int gate_up_block_cols, int down_block_rows, int down_block_cols,
-                 int feature_groups, float* __restrict__ out) {
+                 int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
+             const float* __restrict__ norm, float eps, unsigned int* counter) {
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -447,14 +340,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
         for (int j = 0; j < MOE_DOWN_ROWS; ++j)
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
     }
-    __syncthreads();
-    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
-        const int h = first + j;
-        if (h >= hidden) continue;
-        float sum = 0.0f;
-        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
-        out[static_cast<size_t>(r) * hidden + h] = sum;
-    }
+    down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
 }
 
 // moe_down_pairs for FP8 expert blocks: the same grid and products as moe_down_fp8's, one pair at a time.
@@ -610,7 +496,8 @@ __device__ __forceinline__ void down_rows_mxfp4(const Mxfp4Layout& layout, const
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_mxfp4(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
                    const float* __restrict__ weights, const uint8_t* const* __restrict__ experts, long long bias_at,
-                   int feature_groups, float* __restrict__ out) {
+                   int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
+             const float* __restrict__ norm, float eps, unsigned int* counter) {
     const Mxfp4Layout layout{inter, hidden};
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -626,14 +513,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
         for (int j = 0; j < MOE_DOWN_ROWS; ++j)
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
     }
-    __syncthreads();
-    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
-        const int h = first + j;
-        if (h >= hidden) continue;
-        float sum = 0.0f;
-        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
-        out[static_cast<size_t>(r) * hidden + h] = sum;
-    }
+    down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
 }
 
 // moe_down_pairs for MXFP4 expert blocks: the same grid and products as moe_down_mxfp4's, one pair at a time.

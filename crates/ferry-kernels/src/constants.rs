@@ -22,6 +22,9 @@ kernel_constants! {
     MOE_DOWN_ROWS: usize = 4;
     /// Experts the router kernel handles: one warp, 16 per lane.
     ROUTER_MAX_EXPERTS: usize = 512;
+    /// Floats of scratch a warp of the fused router GEMV (gemv.cu's gemv_route_R) has for the grouped sigmoid
+    /// router, in its 4 KiB of staging slots: 2 x experts + 2 x groups must fit (route.cuh).
+    FUSED_ROUTER_SCRATCH_FLOATS: usize = 1024;
 
     /// Tokens per block of the paged KV cache.
     KV_BLOCK_SIZE: usize = 16;

@@ -136,6 +136,9 @@ impl CudaBackend {
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(blas_err)?;
         let functions = load_kernels(&ctx)?;
+        let block_counter = stream
+            .alloc_zeros::<u32>(1)
+            .map_err(cuda_err("allocating the block counter"))?;
         let attribute = |a, what| ctx.attribute(a).map(|v| v as usize).map_err(cuda_err(what));
         let multiprocessors = attribute(
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -167,6 +170,7 @@ impl CudaBackend {
             stream,
             blas,
             functions,
+            block_counter,
             offload: None,
             graphs: Some(Mutex::new(Default::default())),
             step_inputs: Mutex::new(None),

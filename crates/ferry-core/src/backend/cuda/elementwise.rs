@@ -3,6 +3,7 @@
 //! gates and row selection.
 
 use cudarc::driver::CudaSlice;
+use ferry_kernels::constants::{GEMV_WARPS, MOE_WARPS};
 
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::{CudaBackend, CudaTensor, CudaWeight};
@@ -30,7 +31,8 @@ kernel! {
 }
 
 kernel! {
-    /// elementwise.cu's `add_rms_norm`: `x += y`, then `out = rms_norm(x) * weight`, one block per row.
+    /// elementwise.cu's `add_rms_norm`: `x += y`, then `out = rms_norm(x) * weight`, one block of 256 threads per
+    /// row.
     struct AddRmsNorm = "add_rms_norm" {
         x: Ptr<f32>,
         y: Ptr<f32>,
@@ -88,6 +90,9 @@ kernel! {
         cols: i32,
     }
 }
+
+// add_rms_norm's block size is the fused residual epilogues' (gemv.cu's and moe.cu's blocks), for the same bits.
+const _: () = assert!(BLOCK_THREADS as usize == GEMV_WARPS * 32 && BLOCK_THREADS as usize == MOE_WARPS * 32);
 
 /// Threads of a block that takes a row of `cols` values: a warp per 32, at most 1024.
 fn row_threads(cols: usize) -> u32 {
@@ -171,7 +176,9 @@ pub(super) fn add_rms_norm(
         cols: x.cols as i32,
         eps,
     };
-    norm.launch(cuda, per_row(x.rows, row_threads(x.cols)))?;
+    // BLOCK_THREADS (256) per row: the block size of the fused residual epilogues (gemv.cu, moe.cu), whose norm
+    // then sums in this kernel's order, so that fused and unfused give the same bits.
+    norm.launch(cuda, per_row(x.rows, BLOCK_THREADS))?;
     Ok(out)
 }
 

@@ -1,7 +1,9 @@
 //! Products with bf16 or FP8 weights, `out = x W^T (+ bias)`: decode-sized ones (up to [`GEMV_MAX_ROWS`] rows) on
 //! the GEMV kernels of gemv.cu, one per row count and weight format, which read each weight once; larger ones on
 //! cuBLAS's bf16 tensor cores with the f32 activations split into two bf16 halves (`x = hi + lo`), which keeps f32
-//! accuracy. The one cuBLAS GEMM call of the backend ([`CudaBackend::gemm_bf16`]) is here.
+//! accuracy. The one cuBLAS GEMM call of the backend ([`CudaBackend::gemm_bf16`]) is here. Decode's output
+//! projections may end in the GEMV's fused residual epilogue ([`CudaBackend::matmul_add_rms_norm`]); the router's
+//! GEMV with its top-k is route.rs's launch of `gemv_route_R`.
 //!
 //! Dense FP8 weights are read without rounding to bf16 (an E4M3 value times an f32 scale has up to 28 significant
 //! bits, bf16 8: rounding every weight moved the fixtures' logits by 0.07). The GEMV dequantizes in registers and
@@ -20,8 +22,8 @@ use super::{blas_err, Bf16Matrix, CudaBackend, CudaTensor, Fp8Matrix};
 use crate::{Error, Result};
 
 /// gemv.cu's kernels (the kernel table's list): `gemv_bf16_R` for R = 1..=8 rows, then `gemv_fp8_R`, then
-/// `dequantize_fp8`.
-pub(super) const GEMV_KERNELS: [&str; 2 * GEMV_MAX_ROWS + 1] = [
+/// `gemv_route_R` (the router's product and top-k), then `dequantize_fp8`.
+pub(super) const GEMV_KERNELS: [&str; 3 * GEMV_MAX_ROWS + 1] = [
     "gemv_bf16_1",
     "gemv_bf16_2",
     "gemv_bf16_3",
@@ -38,6 +40,14 @@ pub(super) const GEMV_KERNELS: [&str; 2 * GEMV_MAX_ROWS + 1] = [
     "gemv_fp8_6",
     "gemv_fp8_7",
     "gemv_fp8_8",
+    "gemv_route_1",
+    "gemv_route_2",
+    "gemv_route_3",
+    "gemv_route_4",
+    "gemv_route_5",
+    "gemv_route_6",
+    "gemv_route_7",
+    "gemv_route_8",
     "dequantize_fp8",
 ];
 
@@ -46,13 +56,20 @@ fn gemv_kernel(fp8: bool, rows: usize) -> &'static str {
     GEMV_KERNELS[usize::from(fp8) * GEMV_MAX_ROWS + rows - 1]
 }
 
+/// The fused router GEMV for `rows` rows (1..=`GEMV_MAX_ROWS`).
+pub(super) fn gemv_route_kernel(rows: usize) -> &'static str {
+    GEMV_KERNELS[2 * GEMV_MAX_ROWS + rows - 1]
+}
+
 /// Blocks a GEMV launch should have at least, so that every SM of a large GPU gets work: products with fewer rows
 /// split k between the warps of a block until they do.
 const GEMV_MIN_BLOCKS: usize = 256;
 
 kernel! {
     /// gemv.cu's `gemv_bf16_R` (one kernel per row count R of x): `out = x W^T (+ bias)` for W `[n, k]`, each
-    /// weight row's k-steps split between `k_slices` warps; `bias` may be null.
+    /// weight row's k-steps split between `k_slices` warps; `bias` may be null. With a `residual` (else null):
+    /// `residual += x W^T (+ bias)`, then `out` = each residual row's RMSNorm times `norm`, the last of the blocks
+    /// (counted on `counter`) normalising.
     struct Gemv {
         x: Ptr<f32>,
         k: i32,
@@ -61,6 +78,10 @@ kernel! {
         k_slices: i32,
         bias: Ptr<f32>,
         out: Ptr<f32>,
+        residual: Ptr<f32>,
+        norm: Ptr<f32>,
+        eps: f32,
+        counter: Ptr<u32>,
     }
 }
 
@@ -177,6 +198,22 @@ fn gemv_k_slices(rows: usize, n: usize, k: usize) -> usize {
     slices
 }
 
+/// A bf16 GEMV of `rows` rows (1..=`GEMV_MAX_ROWS`) with W `[n, k]`: how many warps split each weight row's
+/// k-steps, and the grid.
+pub(super) fn gemv_shape(rows: usize, n: usize, k: usize) -> (i32, LaunchConfig) {
+    let slices = gemv_k_slices(rows, n, k);
+    let block_rows = GEMV_WARPS / slices * GEMV_ROWS_PER_WARP[rows - 1];
+    (slices as i32, gemv_grid(n.div_ceil(block_rows)))
+}
+
+/// The residual epilogue of [`CudaBackend::matmul_add_rms_norm`]: the residual the product is added to, and the
+/// norm applied to it.
+struct AddNorm {
+    residual: Ptr<f32>,
+    norm: Ptr<f32>,
+    eps: f32,
+}
+
 /// `blocks` GEMV blocks of `GEMV_WARPS` warps.
 fn gemv_grid(blocks: usize) -> LaunchConfig {
     LaunchConfig {
@@ -193,27 +230,74 @@ impl CudaBackend {
         if x.rows == 0 {
             return Ok(out);
         }
-        let (n, k) = (w.rows, w.cols);
         if x.rows <= GEMV_MAX_ROWS {
-            let slices = gemv_k_slices(x.rows, n, k);
-            let block_rows = GEMV_WARPS / slices * GEMV_ROWS_PER_WARP[x.rows - 1];
-            let cfg = gemv_grid(n.div_ceil(block_rows));
-            let gemv = Gemv {
-                x: ptr(&x.data),
-                k: k as i32,
-                w: w.data,
-                n: n as i32,
-                k_slices: slices as i32,
-                bias: bias.unwrap_or(Ptr::null()),
-                out: ptr(&out.data),
-            };
-            gemv.launch_kernel(self, gemv_kernel(false, x.rows), cfg)?;
+            self.gemv(x, w, bias, &out, None)?;
             return Ok(out);
         }
         let halves = self.split_bf16(x)?;
         self.gemm_split(&halves, 0, x.rows, w, &out)?;
         self.add_bias(&out, bias)?;
         Ok(out)
+    }
+
+    /// [`crate::backend::Backend::linear_add_rms_norm`] for 1..=[`GEMV_MAX_ROWS`] rows of `x`: `residual += x W^T (+
+    /// bias)` and the RMSNorm of each residual row times `norm` in one GEMV launch (gemv.cu's residual epilogue),
+    /// the same bits as [`CudaBackend::matmul`] then elementwise.cu's add_rms_norm.
+    pub(super) fn matmul_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: Bf16Matrix,
+        bias: Option<Ptr<f32>>,
+        residual: &mut CudaTensor,
+        norm: Ptr<f32>,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        let out = self.product_output(x, w.rows, w.cols)?;
+        if (residual.rows, residual.cols) != (out.rows, out.cols) || !(1..=GEMV_MAX_ROWS).contains(&x.rows) {
+            return Err(Error::Shape(format!(
+                "matmul_add_rms_norm: a [{}, {}] product into a [{}, {}] residual",
+                out.rows, out.cols, residual.rows, residual.cols
+            )));
+        }
+        let epilogue = AddNorm {
+            residual: ptr(&residual.data),
+            norm,
+            eps,
+        };
+        self.gemv(x, w, bias, &out, Some(epilogue))?;
+        Ok(out)
+    }
+
+    /// gemv.cu's `gemv_bf16_R` for the 1..=[`GEMV_MAX_ROWS`] rows of x into `out`, with the residual epilogue when
+    /// given.
+    fn gemv(
+        &self,
+        x: &CudaTensor,
+        w: Bf16Matrix,
+        bias: Option<Ptr<f32>>,
+        out: &CudaTensor,
+        epilogue: Option<AddNorm>,
+    ) -> Result<()> {
+        let (slices, cfg) = gemv_shape(x.rows, w.rows, w.cols);
+        let epilogue = epilogue.unwrap_or(AddNorm {
+            residual: Ptr::null(),
+            norm: Ptr::null(),
+            eps: 0.0,
+        });
+        let gemv = Gemv {
+            x: ptr(&x.data),
+            k: w.cols as i32,
+            w: w.data,
+            n: w.rows as i32,
+            k_slices: slices,
+            bias: bias.unwrap_or(Ptr::null()),
+            out: ptr(&out.data),
+            residual: epilogue.residual,
+            norm: epilogue.norm,
+            eps: epilogue.eps,
+            counter: ptr(&self.block_counter),
+        };
+        gemv.launch_kernel(self, gemv_kernel(false, x.rows), cfg)
     }
 
     /// `out = x W^T (+ bias)` for an FP8 W, read exactly (see the file's comment).

@@ -42,7 +42,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 
 use super::{
     AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, ForwardStep, MlaParams, QkNormWeights,
-    Rope, Router, RouterKind, SeqSlice,
+    ResidualNorm, Rope, Router, RouterKind, SeqSlice,
 };
 use crate::kv::{KvSpec, SeqId};
 use crate::loader::TensorRef;
@@ -216,6 +216,10 @@ pub struct CudaBackend {
     blas: CudaBlas,
     /// Every kernel of context.rs's table, by name.
     functions: HashMap<&'static str, CudaFunction>,
+    /// The block count of the kernels with a last-block epilogue (common.cuh's `last_block_done`: the fused
+    /// residual norm and router GEMVs, moe_down's residual epilogue); zero between launches, which run in order on
+    /// `stream`.
+    block_counter: CudaSlice<u32>,
     /// Built with the backend ([`CudaBackend::builder`]) when the routed experts are offloaded.
     offload: Option<Mutex<offload::Offload>>,
     /// Captured decode steps (graph.rs); None when graphs are off (`--no-cuda-graphs`, or experts offloaded).
@@ -337,6 +341,22 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn linear_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        into: ResidualNorm<'_, CudaTensor, CudaWeight>,
+    ) -> Result<CudaTensor> {
+        if matches!(w, CudaWeight::Matrix { .. }) && (1..=GEMV_MAX_ROWS).contains(&x.rows) {
+            let bias = bias.map(|b| b.vector()).transpose()?;
+            let norm = into.weight.vector()?;
+            return self.matmul_add_rms_norm(x, w.matrix()?, bias, into.residual, norm, into.eps);
+        }
+        let y = self.linear(x, w, bias)?;
+        self.add_rms_norm(into.residual, &y, into.weight, into.eps)
+    }
+
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
         elementwise::add_assign(self, x, y)
     }
@@ -416,6 +436,19 @@ impl Backend for CudaBackend {
         moe::route(self, logits, router)
     }
 
+    fn route_linear(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        router: Router<'_, CudaWeight>,
+    ) -> Result<CudaRouting> {
+        match moe::route_linear(self, x, w, bias, &router)? {
+            Some(routing) => Ok(routing),
+            None => self.route(&self.linear(x, w, bias)?, router),
+        }
+    }
+
     fn routing_to_host(&self, routing: &CudaRouting) -> Result<Vec<u32>> {
         moe::routing_to_host(self, routing)
     }
@@ -425,7 +458,39 @@ impl Backend for CudaBackend {
     }
 
     fn moe_experts(&self, x: &CudaTensor, routing: &CudaRouting, experts: &CudaExperts) -> Result<CudaTensor> {
-        moe::moe_experts(self, x, routing, experts)
+        moe::moe_experts(self, x, routing, experts, None).map(|(out, _)| out)
+    }
+
+    fn moe_experts_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        routing: &CudaRouting,
+        experts: &CudaExperts,
+        shared: Option<&CudaTensor>,
+        into: ResidualNorm<'_, CudaTensor, CudaWeight>,
+    ) -> Result<CudaTensor> {
+        let hidden = experts.shape().0;
+        let mismatch = |t: &CudaTensor| (t.rows, t.cols) != (x.rows, hidden);
+        if mismatch(into.residual) || shared.is_some_and(mismatch) {
+            return Err(Error::Shape(format!(
+                "moe_experts_add_rms_norm: a residual or shared expert output that is not [{}, {hidden}]",
+                x.rows
+            )));
+        }
+        let epilogue = moe::ResidualEpilogue {
+            shared: shared.map_or(Ptr::null(), |s| ptr(&s.data)),
+            residual: ptr(&into.residual.data),
+            norm: into.weight.vector()?,
+            eps: into.eps,
+        };
+        let (mut out, fused) = moe::moe_experts(self, x, routing, experts, Some(epilogue))?;
+        if fused {
+            return Ok(out);
+        }
+        if let Some(shared) = shared {
+            self.add_assign(&mut out, shared)?;
+        }
+        self.add_rms_norm(into.residual, &out, into.weight, into.eps)
     }
 
     fn wants_routing_guess(&self, rows: usize) -> bool {

@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{MOE_DOWN_ROWS, MOE_WARPS};
 
-use super::launch_combine;
+use super::{launch_combine_into, ResidualEpilogue};
 use crate::backend::cuda::expert_format::{ExpertFormat, ExpertGlu};
 use crate::backend::cuda::launch::{kernel, ptr, Ptr};
 use crate::backend::cuda::offload::LayerCopies;
@@ -50,7 +50,8 @@ kernel! {
 
 kernel! {
     /// moe.cu's `moe_down`: `out[r] = sum_k weights[r, k] * (down_e act[r * top_k + k] + down bias_e)`, in router
-    /// order. Also `moe_down_mxfp4`.
+    /// order; with a `residual` (else null) the [`ResidualEpilogue`], its last block (counted on `counter`)
+    /// normalising. Also `moe_down_mxfp4`.
     struct MoeDown {
         act: Ptr<f32>,
         hidden: i32,
@@ -62,6 +63,11 @@ kernel! {
         bias_at: i64,
         feature_groups: i32,
         out: Ptr<f32>,
+        shared: Ptr<f32>,
+        residual: Ptr<f32>,
+        norm: Ptr<f32>,
+        eps: f32,
+        counter: Ptr<u32>,
     }
 }
 
@@ -116,11 +122,16 @@ kernel! {
         down_block_cols: i32,
         feature_groups: i32,
         out: Ptr<f32>,
+        shared: Ptr<f32>,
+        residual: Ptr<f32>,
+        norm: Ptr<f32>,
+        eps: f32,
+        counter: Ptr<u32>,
     }
 }
 
 /// The decode kernels over every (row, k) pair: moe_gate_up, then moe_down, which sums a row's experts in router
-/// order.
+/// order (and applies the epilogue, when given).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn moe_decode(
     cuda: &CudaBackend,
@@ -131,7 +142,10 @@ pub(super) fn moe_decode(
     inter: usize,
     format: ExpertFormat,
     glu: ExpertGlu,
+    epilogue: Option<ResidualEpilogue>,
 ) -> Result<CudaTensor> {
+    let ([shared, residual, norm], eps) = ResidualEpilogue::pointers(epilogue);
+    let counter = ptr(&cuda.block_counter);
     let pairs = routing.rows * routing.top_k;
     let act = cuda.tensor(pairs, inter)?;
     launch_gate_up(cuda, x, routing, table, Ptr::null(), pairs, &act, format, glu)?;
@@ -157,6 +171,11 @@ pub(super) fn moe_decode(
             bias_at: glu.bias_at,
             feature_groups: feature_groups as i32,
             out: ptr(&out.data),
+            shared,
+            residual,
+            norm,
+            eps,
+            counter,
         }
         .launch_kernel(
             cuda,
@@ -184,6 +203,11 @@ pub(super) fn moe_decode(
                 down_block_cols,
                 feature_groups: feature_groups as i32,
                 out: ptr(&out.data),
+                shared,
+                residual,
+                norm,
+                eps,
+                counter,
             }
             .launch(cuda, config)?
         }
@@ -261,7 +285,8 @@ pub(super) fn launch_gate_up(
 /// experts run at once, each copied expert's pairs as soon as its copy has landed (the compute stream waits on its
 /// event), each pair's down product kept apart (moe_down_pairs), and moe_combine sums each row's products in router
 /// order. Every pair is computed as in moe_gate_up + moe_down over all pairs, and summed in the same order, so the
-/// result is the same to the bit; only when each expert's work starts differs.
+/// result is the same to the bit; only when each expert's work starts differs. moe_combine applies the epilogue,
+/// when given, as moe_down would.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn moe_decode_under_copies(
     cuda: &CudaBackend,
@@ -273,10 +298,11 @@ pub(super) fn moe_decode_under_copies(
     inter: usize,
     format: ExpertFormat,
     glu: ExpertGlu,
+    epilogue: Option<ResidualEpilogue>,
 ) -> Result<CudaTensor> {
     let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format, glu)?;
     let out = cuda.tensor(routing.rows, hidden)?;
-    launch_combine(cuda, &y, routing, 0..routing.rows, None, &out)?;
+    launch_combine_into(cuda, &y, routing, 0..routing.rows, None, &out, epilogue)?;
     Ok(out)
 }
 

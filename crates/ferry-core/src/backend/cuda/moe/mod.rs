@@ -5,7 +5,8 @@
 //! expert_format.rs), with or without biases, computing silu(gate) * up or gpt-oss's clamped SwiGLU: the decode
 //! kernels read FP8 and MXFP4 blocks directly, the grouped path widens each expert to bf16 first. With the
 //! offload's CPU lane, both paths leave the host's experts out and moe_combine reads their products from the
-//! lane's upload.
+//! lane's upload. The decode paths can end in a fused residual epilogue ([`ResidualEpilogue`]: the residual add and
+//! the next RMSNorm inside moe_down or moe_combine).
 
 use cudarc::driver::CudaSlice;
 use ferry_kernels::constants::GEMV_MAX_ROWS;
@@ -28,11 +29,12 @@ mod route;
 use decode::{moe_decode, moe_decode_under_copies};
 use grouped::moe_experts_grouped;
 use lane::moe_with_host_lane;
-pub(super) use route::{check_router, route, routing_from_host, routing_to_host};
+pub(super) use route::{check_router, route, route_linear, routing_from_host, routing_to_host};
 
 kernel! {
     /// moe.cu's `moe_combine`: `out[r] = sum_k weights[r, k] * y[r * top_k + k]`, in router order, a pair's product
-    /// read from row `host_index[pair]` of `host_y` where that is not negative (the CPU lane's; null: none).
+    /// read from row `host_index[pair]` of `host_y` where that is not negative (the CPU lane's; null: none). With a
+    /// `residual` (else null), the [`ResidualEpilogue`].
     struct MoeCombine = "moe_combine" {
         y: Ptr<f32>,
         weights: Ptr<f32>,
@@ -41,6 +43,29 @@ kernel! {
         host_y: Ptr<f32>,
         host_index: Ptr<i32>,
         out: Ptr<f32>,
+        shared: Ptr<f32>,
+        residual: Ptr<f32>,
+        norm: Ptr<f32>,
+        eps: f32,
+    }
+}
+
+/// The fused residual epilogue of the decode expert kernels ([`crate::backend::Backend::moe_experts_add_rms_norm`]):
+/// each row's routed sum, plus `shared` (a shared expert's output; null: none), is added to `residual`, whose rows
+/// are then RMS-normalised times `norm` into the output. Same bits as moe_combine or moe_down alone, then
+/// add_assign and add_rms_norm.
+#[derive(Clone, Copy)]
+pub(in crate::backend::cuda) struct ResidualEpilogue {
+    pub shared: Ptr<f32>,
+    pub residual: Ptr<f32>,
+    pub norm: Ptr<f32>,
+    pub eps: f32,
+}
+
+impl ResidualEpilogue {
+    /// The epilogue's pointers, or nulls for none: `[shared, residual, norm]`.
+    fn pointers(epilogue: Option<ResidualEpilogue>) -> ([Ptr<f32>; 3], f32) {
+        epilogue.map_or(([Ptr::null(); 3], 0.0), |e| ([e.shared, e.residual, e.norm], e.eps))
     }
 }
 
@@ -115,13 +140,17 @@ pub(super) fn upload_experts(
     })
 }
 
-/// [`crate::backend::Backend::moe_experts`]: the decode kernels for a few rows, the grouped path for more.
+/// [`crate::backend::Backend::moe_experts`]: the decode kernels for a few rows, the grouped path for more. With an
+/// epilogue, the decode paths apply it (the output is then the normalised residual) and say so; the grouped path
+/// and the CPU lane's leave it to the caller (false).
 pub(super) fn moe_experts(
     cuda: &CudaBackend,
     x: &CudaTensor,
     routing: &CudaRouting,
     experts: &CudaExperts,
-) -> Result<CudaTensor> {
+    epilogue: Option<ResidualEpilogue>,
+) -> Result<(CudaTensor, bool)> {
+    let fused = epilogue.is_some();
     let (hidden, inter) = experts.shape();
     let (format, glu) = (experts.format(), experts.glu());
     let (table, layer) = match experts {
@@ -131,9 +160,11 @@ pub(super) fn moe_experts(
                     .stream
                     .clone_dtoh(&routing.ids)
                     .map_err(cuda_err("routing to host"))?;
-                return moe_experts_grouped(cuda, x, routing, &ids, addresses, hidden, inter, format, glu);
+                let out = moe_experts_grouped(cuda, x, routing, &ids, addresses, hidden, inter, format, glu)?;
+                return Ok((out, false));
             }
-            return moe_decode(cuda, x, routing, table, hidden, inter, format, glu);
+            let out = moe_decode(cuda, x, routing, table, hidden, inter, format, glu, epilogue)?;
+            return Ok((out, fused));
         }
         CudaExperts::Offloaded { layer, table, .. } => (table, *layer),
     };
@@ -144,7 +175,8 @@ pub(super) fn moe_experts(
     let mut offload = offload.lock().unwrap_or_else(|e| e.into_inner());
     let copies = offload.prepare_layer(&cuda.stream, layer, routing, table, (x, inter))?;
     if !copies.host.is_empty() {
-        return moe_with_host_lane(cuda, &mut offload, x, routing, table, &copies, inter, format, glu);
+        let out = moe_with_host_lane(cuda, &mut offload, x, routing, table, &copies, inter, format, glu)?;
+        return Ok((out, false));
     }
     drop(offload);
     if x.rows > MOE_DECODE_MAX_ROWS || copies.fetched.is_empty() {
@@ -152,7 +184,7 @@ pub(super) fn moe_experts(
             .wait(copies.all_ready())
             .map_err(cuda_err("waiting for expert copies"))?;
         if x.rows > MOE_DECODE_MAX_ROWS {
-            return moe_experts_grouped(
+            let out = moe_experts_grouped(
                 cuda,
                 x,
                 routing,
@@ -162,11 +194,14 @@ pub(super) fn moe_experts(
                 inter,
                 format,
                 glu,
-            );
+            )?;
+            return Ok((out, false));
         }
-        return moe_decode(cuda, x, routing, table, hidden, inter, format, glu);
+        let out = moe_decode(cuda, x, routing, table, hidden, inter, format, glu, epilogue)?;
+        return Ok((out, fused));
     }
-    moe_decode_under_copies(cuda, x, routing, table, &copies, hidden, inter, format, glu)
+    let out = moe_decode_under_copies(cuda, x, routing, table, &copies, hidden, inter, format, glu, epilogue)?;
+    Ok((out, fused))
 }
 
 /// moe_combine over `rows` of the batch: `y` holds those rows' products (its first row is `rows.start`'s first
@@ -179,12 +214,28 @@ fn launch_combine(
     host: Option<&HostProducts>,
     out: &CudaTensor,
 ) -> Result<()> {
+    launch_combine_into(cuda, y, routing, rows, host, out, None)
+}
+
+/// [`launch_combine`] with the residual epilogue when given (its pointers address the whole batch's rows).
+fn launch_combine_into(
+    cuda: &CudaBackend,
+    y: &CudaTensor,
+    routing: &CudaRouting,
+    rows: std::ops::Range<usize>,
+    host: Option<&HostProducts>,
+    out: &CudaTensor,
+    epilogue: Option<ResidualEpilogue>,
+) -> Result<()> {
     let (top_k, hidden) = (routing.top_k, out.cols);
     let first_pair = rows.start * top_k;
     let (host_y, host_index) = match host {
         Some(h) => (ptr(&h.products.data), ptr(&h.index).offset(first_pair)),
         None => (Ptr::null(), Ptr::null()),
     };
+    let ([shared, residual, norm], eps) = ResidualEpilogue::pointers(epilogue);
+    let first_value = rows.start * hidden;
+    let at = |p: Ptr<f32>| if p.address() == 0 { p } else { p.offset(first_value) };
     let combine = MoeCombine {
         y: ptr(&y.data),
         weights: ptr(&routing.weights).offset(first_pair),
@@ -192,7 +243,11 @@ fn launch_combine(
         hidden: hidden as i32,
         host_y,
         host_index,
-        out: ptr(&out.data).offset(rows.start * hidden),
+        out: ptr(&out.data).offset(first_value),
+        shared: at(shared),
+        residual: at(residual),
+        norm,
+        eps,
     };
     combine.launch(cuda, per_row(rows.len(), BLOCK_THREADS))
 }
