@@ -494,5 +494,116 @@ def run_tests(package, tests):
 def main():
     run_tests(openai, [(name, fn) for name, fn in globals().items() if name.startswith("test_")])
 
+
+# The Responses API (`client.responses`): stateless, over the same neutral layer as chat.
+RESPONSES_WEATHER_TOOL = {"type": "function", **WEATHER_TOOL["function"]}
+
+
+def streamed_response(client, **kwargs):
+    """The response a stream spells, checked: `response.created` first, events numbered from 0, the SDK's stream
+    helper accumulating them into the same final response the last event carries."""
+    events = list(client.responses.create(stream=True, **kwargs))
+    assert [e.sequence_number for e in events] == list(range(len(events))), [e.type for e in events]
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress", events[:2]
+    assert events[-1].type in ("response.completed", "response.incomplete"), events[-1]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text, (deltas, events[-1].response)
+    return events[-1].response
+
+
+def test_responses_plain_and_streamed_agree(server):
+    kwargs = dict(model=MODEL, input="Tell me about ferries.", instructions="Be brief.", max_output_tokens=24,
+                  temperature=0, metadata={"run": "sdk"})
+    whole = server.client.responses.create(**kwargs)
+    assert whole.object == "response" and whole.id.startswith("resp_"), whole
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens", whole
+    assert whole.metadata == {"run": "sdk"} and whole.instructions == "Be brief."
+    assert whole.model_extra.get("store") is False, "nothing is stored, and the response says so"
+    assert whole.usage.output_tokens == 24
+    assert whole.usage.total_tokens == whole.usage.input_tokens + 24
+    streamed = streamed_response(server.client, **kwargs)
+    assert streamed.output_text == whole.output_text
+    assert [item.type for item in streamed.output] == [item.type for item in whole.output]
+    assert streamed.usage.input_tokens_details.cached_tokens > 0, "the same prompt again: from the prefix cache"
+
+
+def test_responses_text_format_is_enforced(server):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = server.client.responses.create(
+        model=MODEL, input="Yes or no?", max_output_tokens=200, temperature=0,
+        text={"format": {"type": "json_schema", "name": "reply", "schema": schema}},
+    )
+    assert r.status == "completed", r
+    assert json.loads(r.output_text)["answer"] in ("yes", "no"), r.output_text
+
+
+def test_responses_refuse_what_a_stateless_server_cannot_do(server):
+    r = server.client.responses
+    expect_error(400, lambda: r.create(model=MODEL, input="hi", store=True), param="store")
+    expect_error(400, lambda: r.create(model=MODEL, input="hi", previous_response_id="resp_1"),
+                 param="previous_response_id")
+    expect_error(400, lambda: r.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_image",
+                 "image_url": "https://example.com/a.png"}]}]), param="input[0].content[0].type")
+    expect_error(404, lambda: r.create(model="other", input="hi"), code="model_not_found")
+
+
+def test_responses_client_that_hangs_up_is_cancelled(server):
+    cancelled = 'ferry_requests_total{outcome="cancelled"}'
+    before = server.metric(cancelled, default=0)
+    stream = server.client.responses.create(model=MODEL, input="Write a long story.", max_output_tokens=4000,
+                                            stream=True)
+    for event in stream:
+        if event.type == "response.output_text.delta" or event.type == "response.reasoning_text.delta":
+            break
+    stream.close()
+    deadline = time.time() + 10
+    while server.metric("ferry_running_requests") > 0 or server.metric(cancelled, default=0) < before + 1:
+        assert time.time() < deadline, "the request ran on instead of being cancelled"
+        time.sleep(0.05)
+
+
+def test_responses_tool_calls_plain_and_streamed(ferry):
+    server = Server(ferry, fixture=HERMES_FIXTURE)
+    try:
+        question = [{"role": "user", "content": "What is the weather in Paris?"}]
+        kwargs = dict(model=MODEL, input=question, tools=[RESPONSES_WEATHER_TOOL])
+        whole = server.client.responses.create(**kwargs)
+        assert whole.status == "completed", whole
+        assert [item.type for item in whole.output] == ["reasoning", "message", "function_call"], whole.output
+        assert whole.output[0].content[0].text == "\nThe user wants the weather.\n", whole.output[0]
+        assert whole.output_text == "Let me check."
+        call = whole.output[2]
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 3}, call
+        assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens, whole.usage
+
+        streamed = streamed_response(server.client, **kwargs)
+        assert [(i.type, i.model_dump(exclude={"id", "call_id"})) for i in streamed.output] == [
+            (i.type, i.model_dump(exclude={"id", "call_id"})) for i in whole.output]
+        # The SDK's stream helper accumulates the events into the same response.
+        with server.client.responses.stream(**kwargs) as stream:
+            final = stream.get_final_response()
+        assert [i.type for i in final.output] == [i.type for i in whole.output]
+        assert final.output[2].arguments == call.arguments
+
+        # The output and the call's result go back as the next input, as an agent sends them.
+        history = question + [item.model_dump(exclude_none=True) for item in whole.output]
+        history.append({"type": "function_call_output", "call_id": call.call_id, "output": "sunny"})
+        again = server.client.responses.create(model=MODEL, input=history, tools=[RESPONSES_WEATHER_TOOL])
+        assert again.usage.input_tokens > whole.usage.input_tokens
+
+        # Forced (the schema's cities listed: forced greedy output cannot run on in a free string), schemas enforced.
+        named = {"type": "function", "name": "get_weather"}
+        forced_tool = {"type": "function", **FORCED_WEATHER_TOOL["function"], "strict": True}
+        forced = server.client.responses.create(model=MODEL, input=question, tools=[forced_tool], tool_choice=named,
+                                                parallel_tool_calls=False, temperature=0)
+        calls = [item for item in forced.output if item.type == "function_call"]
+        assert len(calls) == 1 and json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo"), forced.output
+        assert forced.tools[0].strict is True
+        none = server.client.responses.create(tool_choice="none", **kwargs)
+        assert all(item.type != "function_call" for item in none.output), none.output
+    finally:
+        server.stop()
+
 if __name__ == "__main__":
     main()

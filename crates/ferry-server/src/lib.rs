@@ -1,7 +1,8 @@
 //! ferry-server: the OpenAI-compatible HTTP API in front of ferry's engine.
 //!
-//! - `POST /v1/chat/completions` and `POST /v1/completions` (OpenAI), `POST /v1/messages` (Anthropic), plain or
-//!   streamed as server-sent events, over one protocol-neutral request layer; `POST /v1/messages/count_tokens`;
+//! - `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (OpenAI), `POST /v1/messages`
+//!   (Anthropic), plain or streamed as server-sent events, over one protocol-neutral request layer;
+//!   `POST /v1/messages/count_tokens`;
 //! - `GET /v1/models` and `/v1/models/{id}`, `POST /tokenize` and `/detokenize` (vLLM's), `GET /health` (503 with
 //!   load progress until the model is ready, and with the reason when the engine has died or stalled), `GET
 //!   /metrics` (Prometheus).
@@ -33,6 +34,7 @@ mod openai;
 mod params;
 mod prompt_work;
 mod reasoning;
+mod responses;
 mod sampling;
 mod tools;
 
@@ -229,6 +231,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(endpoints::models))
         .route("/v1/models/{id}", get(endpoints::model))
         .route("/tokenize", post(endpoints::tokenize_route))

@@ -1,0 +1,291 @@
+//! `ferry serve`'s OpenAI Responses API (`POST /v1/responses`) over real HTTP: a response and its event stream
+//! agree and the events come in order, numbered; a scripted checkpoint's reasoning and tool calls come back as
+//! `reasoning` and `function_call` items and go back in `input`; what the server cannot honour (`store: true`,
+//! `previous_response_id`, unknown fields) is an OpenAI-shaped 400 naming the field.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{Server, KEY};
+use serde_json::{json, Value};
+
+fn respond(server: &Server, body: &Value) -> (u16, Value) {
+    server.post("/v1/responses", body)
+}
+
+/// The events of a streamed response, checked: each named by its type and numbered in order from 0.
+fn events(server: &Server, body: &Value) -> Vec<Value> {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let (status, text) = server.request("POST", "/v1/responses", Some(&body.to_string()), Some(KEY));
+    assert_eq!(status, 200, "{text}");
+    let mut out: Vec<Value> = vec![];
+    let mut name = None;
+    for line in text.lines() {
+        if let Some(event) = line.strip_prefix("event: ") {
+            name = Some(event.to_string());
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            let data: Value = serde_json::from_str(data).unwrap();
+            assert_eq!(Some(data["type"].as_str().unwrap()), name.take().as_deref(), "{data}");
+            assert_eq!(data["sequence_number"], out.len(), "{data}");
+            out.push(data);
+        }
+    }
+    out
+}
+
+/// The response a stream spells, checked against its events: created and in progress first, each item opened,
+/// filled by deltas and closed before the next, each `.done` holding what its deltas added up to, and the items
+/// done equal to the final response's output.
+fn response_from_stream(events: &[Value]) -> Value {
+    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(types[..2], ["response.created", "response.in_progress"], "{types:?}");
+    assert_eq!(events[0]["response"]["status"], "in_progress");
+    assert_eq!(events[0]["response"]["output"], json!([]));
+    let last = events.last().unwrap();
+    let status = last["response"]["status"].as_str().unwrap();
+    assert_eq!(last["type"], format!("response.{status}"));
+    let output = last["response"]["output"].as_array().unwrap();
+    let mut done = 0;
+    let mut open: Option<(Value, String)> = None;
+    for event in &events[2..events.len() - 1] {
+        let kind = event["type"].as_str().unwrap();
+        if kind != "response.output_item.added" {
+            let (item, _) = open
+                .as_ref()
+                .expect("every event but an item's opening is about the open item");
+            assert_eq!(event["output_index"], done, "{event}");
+            if let Some(id) = event.get("item_id") {
+                assert_eq!(id, &item["id"], "{event}");
+            }
+        }
+        match kind {
+            "response.output_item.added" => {
+                assert!(open.is_none(), "an item opens after the last one closed: {types:?}");
+                assert_eq!(event["output_index"], done);
+                assert_eq!(event["item"]["status"], "in_progress");
+                open = Some((event["item"].clone(), String::new()));
+            }
+            "response.content_part.added" => assert_eq!(event["part"]["text"], ""),
+            "response.reasoning_text.delta"
+            | "response.output_text.delta"
+            | "response.function_call_arguments.delta" => {
+                open.as_mut().unwrap().1 += event["delta"].as_str().unwrap();
+            }
+            "response.reasoning_text.done" | "response.output_text.done" => {
+                assert_eq!(event["text"], open.as_ref().unwrap().1.as_str());
+            }
+            "response.content_part.done" => assert_eq!(event["part"]["text"], open.as_ref().unwrap().1.as_str()),
+            "response.function_call_arguments.done" => {
+                assert_eq!(event["arguments"], open.as_ref().unwrap().1.as_str());
+            }
+            "response.output_item.done" => {
+                open = None;
+                assert_eq!(event["item"], output[done], "the item done is the response's");
+                done += 1;
+            }
+            other => panic!("unexpected event {other}: {types:?}"),
+        }
+    }
+    assert!(open.is_none() && done == output.len(), "{types:?}");
+    last["response"].clone()
+}
+
+/// The parts of a response that do not differ between two runs of one request.
+fn without_ids(response: &Value) -> Value {
+    let mut response = response.clone();
+    for key in ["id", "created_at", "usage"] {
+        response.as_object_mut().unwrap().remove(key);
+    }
+    for item in response["output"].as_array_mut().unwrap() {
+        item.as_object_mut().unwrap().remove("id");
+        item.as_object_mut().unwrap().remove("call_id");
+    }
+    response
+}
+
+#[test]
+fn a_response_and_its_stream_agree_and_a_cut_one_is_incomplete() {
+    let server = Server::start(&[]);
+    let request = json!({"model": "tiny", "input": "Tell me about ferries.", "max_output_tokens": 24,
+        "temperature": 0, "instructions": "Be brief.", "metadata": {"run": "1"}});
+    let (status, whole) = respond(&server, &request);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(
+        (&whole["object"], &whole["model"]),
+        (&json!("response"), &json!("tiny"))
+    );
+    assert!(whole["id"].as_str().unwrap().starts_with("resp_"), "{whole}");
+    assert_eq!(whole["status"], "incomplete", "{whole}");
+    assert_eq!(whole["incomplete_details"], json!({"reason": "max_output_tokens"}));
+    assert_eq!(whole["store"], false, "nothing is stored, and the response says so");
+    assert_eq!(
+        (&whole["instructions"], &whole["metadata"]),
+        (&json!("Be brief."), &json!({"run": "1"}))
+    );
+    let output = whole["output"].as_array().unwrap();
+    assert_eq!(output.last().unwrap()["status"], "incomplete", "{whole}");
+    let usage = &whole["usage"];
+    assert_eq!(usage["output_tokens"], 24);
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(usage["input_tokens"].as_u64().unwrap() + 24)
+    );
+
+    let streamed = response_from_stream(&events(&server, &request));
+    assert_eq!(without_ids(&streamed), without_ids(&whole));
+    // The same prompt again: its full blocks come from the prefix cache.
+    assert_eq!(streamed["usage"]["input_tokens"], usage["input_tokens"]);
+    assert!(
+        streamed["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+}
+
+fn tool_server(fixture: &str) -> Server {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(fixture);
+    Server::start_serving(&["--model", fixture.to_str().unwrap(), "--api-key", KEY])
+}
+
+fn weather() -> Value {
+    json!({"type": "function", "name": "get_weather", "description": "The weather forecast for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}})
+}
+
+#[test]
+fn reasoning_and_tool_calls_come_as_items_and_go_back_in_the_input() {
+    let server = tool_server("tool_calls_hermes");
+    let question = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let request = json!({"model": "tiny", "input": question, "tools": [weather()]});
+    let (status, whole) = respond(&server, &request);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["status"], "completed", "{whole}");
+    let output = whole["output"].as_array().unwrap();
+    let types: Vec<&str> = output.iter().map(|item| item["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["reasoning", "message", "function_call"], "{whole}");
+    assert_eq!(output[0]["content"][0]["text"], "\nThe user wants the weather.\n");
+    assert_eq!(output[1]["content"][0]["text"], "Let me check.");
+    let call = &output[2];
+    assert_eq!(call["name"], "get_weather");
+    assert!(call["call_id"].as_str().unwrap().starts_with("call_"), "{call}");
+    let arguments: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(arguments, json!({"city": "Paris", "days": 3}));
+    let reasoning_tokens = whole["usage"]["output_tokens_details"]["reasoning_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        reasoning_tokens > 0 && reasoning_tokens < whole["usage"]["output_tokens"].as_u64().unwrap(),
+        "{whole}"
+    );
+    assert_eq!(whole["tools"][0]["name"], "get_weather");
+    assert_eq!(whole["tool_choice"], "auto");
+
+    let streamed = response_from_stream(&events(&server, &request));
+    assert_eq!(without_ids(&streamed), without_ids(&whole));
+
+    // The output and the call's result go back as the next request's input, as an agent sends them.
+    let mut input = question.as_array().unwrap().clone();
+    input.extend(output.iter().cloned());
+    input.push(json!({"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}));
+    let (status, again) = respond(&server, &json!({"model": "tiny", "input": input, "tools": [weather()]}));
+    assert_eq!(status, 200, "{again}");
+    assert!(again["usage"]["input_tokens"].as_u64() > whole["usage"]["input_tokens"].as_u64());
+
+    // Forced (the cities listed: forced greedy output cannot run on in a free string), the schema enforced.
+    let mut listed = weather();
+    listed["parameters"]["properties"]["city"]["enum"] = json!(["Paris", "Oslo"]);
+    listed["parameters"]["additionalProperties"] = json!(false);
+    let forced = json!({"model": "tiny", "input": question, "tools": [listed], "tool_choice": "required",
+        "parallel_tool_calls": false, "temperature": 0, "max_output_tokens": 200});
+    let (status, forced) = respond(&server, &forced);
+    assert_eq!(status, 200, "{forced}");
+    let calls: Vec<&Value> = forced["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|item| item["type"] == "function_call")
+        .collect();
+    assert_eq!(calls.len(), 1, "{forced}");
+    assert_eq!(forced["tools"][0]["strict"], true);
+}
+
+#[test]
+fn what_this_server_cannot_honour_is_a_400_naming_the_field() {
+    let server = Server::start(&[]);
+    for (field, value) in [
+        ("store", json!(true)),
+        ("previous_response_id", json!("resp_1")),
+        ("include", json!(["reasoning.encrypted_content"])),
+        ("max_output_tokens", json!(0)),
+    ] {
+        let mut request = json!({"model": "tiny", "input": "hi"});
+        request[field] = value;
+        let (status, error) = respond(&server, &request);
+        assert_eq!(status, 400, "{error}");
+        assert_eq!(error["error"]["param"], field, "{error}");
+        assert_eq!(error["error"]["type"], "invalid_request_error");
+    }
+    let (status, error) = respond(&server, &json!({"model": "tiny", "input": [{"role": "user"}]}));
+    assert_eq!((status, &error["error"]["param"]), (400, &json!("input[0].content")));
+    let (status, error) = respond(
+        &server,
+        &json!({"model": "tiny", "input": "hi", "reasoning": {"effort": "low"}}),
+    );
+    assert_eq!(
+        (status, &error["error"]["param"]),
+        (400, &json!("reasoning.effort")),
+        "Qwen3's template takes no effort: {error}"
+    );
+    let (status, error) = respond(&server, &json!({"model": "other", "input": "hi"}));
+    assert_eq!((status, &error["error"]["code"]), (404, &json!("model_not_found")));
+    let (status, _) = respond(
+        &server,
+        &json!({"model": "tiny", "input": "hi", "max_output_tokens": 2}),
+    );
+    assert_eq!(status, 200, "still serving");
+    // The access log has a line for each, written once the response is done.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let logged = |line: &str| {
+        server
+            .log()
+            .lines()
+            .any(|l| l.contains("ferry::access") && l.contains(line))
+    };
+    while !(logged("POST /v1/responses 400") && logged("POST /v1/responses 200") && logged("outcome=length")) {
+        assert!(Instant::now() < deadline, "no access lines:\n{}", server.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_harmony_model_takes_an_effort_and_its_reasoning_goes_back_in_the_input() {
+    let server = tool_server("tool_calls_harmony");
+    let question = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let request = json!({"model": "tiny", "input": question, "tools": [weather()], "reasoning": {"effort": "low"}});
+    let (status, whole) = respond(&server, &request);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["reasoning"]["effort"], "low");
+    let output = whole["output"].as_array().unwrap();
+    let types: Vec<&str> = output.iter().map(|item| item["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["reasoning", "function_call"], "{whole}");
+    assert_eq!(output[0]["content"][0]["text"], "The user wants the weather in Paris.");
+    let result = json!({"type": "function_call_output", "call_id": output[1]["call_id"], "output": "sunny"});
+    // gpt-oss's template renders the reasoning before the call: given back, it grows the prompt.
+    let mut prompts = vec![];
+    for items in [&output[1..], &output[..]] {
+        let mut input = question.as_array().unwrap().clone();
+        input.extend(items.iter().cloned());
+        input.push(result.clone());
+        let (status, again) = respond(&server, &json!({"model": "tiny", "input": input, "tools": [weather()]}));
+        assert_eq!(status, 200, "{again}");
+        prompts.push(again["usage"]["input_tokens"].as_u64().unwrap());
+    }
+    assert!(prompts[1] > prompts[0], "{prompts:?}");
+}

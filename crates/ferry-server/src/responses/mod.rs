@@ -1,0 +1,221 @@
+//! OpenAI's Responses API, `POST /v1/responses`, stateless, over the protocol-neutral layer (chat.rs,
+//! generation.rs): one response object (`output` items: `reasoning`, `message`, `function_call`), or its event
+//! stream (stream.rs). Errors keep the server's OpenAI shape.
+//!
+//! Not here: reading the request (request.rs, tools.rs), turning pieces into items and events (output.rs).
+
+mod output;
+mod request;
+mod stream;
+mod tools;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Map, Value};
+
+use crate::body::Body;
+use crate::chat::check_model_name;
+use crate::error::ApiError;
+use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output};
+use crate::openai::response_id;
+use crate::tools::history::{HistoryFormat, HistoryReasoning};
+use crate::{unix_seconds, AppState};
+use output::OutputItems;
+use request::ResponsesBody;
+
+/// The fields every response object of one request repeats.
+struct ResponseMeta {
+    id: String,
+    created_at: u64,
+    model: String,
+    /// What the request set that the response repeats (`instructions`, `tools`, `metadata`, `store`, ...).
+    echo: Map<String, Value>,
+}
+
+/// `usage`: the prompt (with the tokens the prefix cache held) and the output (with its reasoning).
+fn usage(finish: &Finish, reasoning_tokens: usize) -> Value {
+    json!({
+        "input_tokens": finish.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": finish.cached_tokens},
+        "output_tokens": finish.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+    })
+}
+
+/// The response's status when it ended this way, and the status of an item it cut short.
+fn status(finish: &Finish) -> &'static str {
+    match finish.reason {
+        FinishReason::Length => "incomplete",
+        _ => "completed",
+    }
+}
+
+impl ResponseMeta {
+    /// The response object: in progress (no `finish`), or finished with its output.
+    fn object(&self, output: Vec<Value>, finish: Option<(&Finish, usize)>) -> Value {
+        let mut object = self.echo.clone();
+        let (status, usage) = match finish {
+            None => ("in_progress", Value::Null),
+            Some((finish, reasoning_tokens)) => (status(finish), usage(finish, reasoning_tokens)),
+        };
+        let incomplete_details = match status {
+            "incomplete" => json!({"reason": "max_output_tokens"}),
+            _ => Value::Null,
+        };
+        for (key, value) in [
+            ("id", self.id.clone().into()),
+            ("object", "response".into()),
+            ("created_at", self.created_at.into()),
+            ("status", status.into()),
+            ("error", Value::Null),
+            ("incomplete_details", incomplete_details),
+            ("model", self.model.clone().into()),
+            ("output", output.into()),
+            ("usage", usage),
+        ] {
+            object.insert(key.into(), value);
+        }
+        Value::Object(object)
+    }
+}
+
+/// An error raised by the neutral layer or the chat route's tool rules, named in this API's terms: the conversation
+/// is `input`, the output format `text.format`, the effort `reasoning.effort`, a tool's fields are its own (not
+/// inside `function`), and a named `tool_choice` names its function in `name`.
+fn in_responses_terms(mut error: ApiError) -> ApiError {
+    let Some(param) = error.param.clone() else {
+        return error;
+    };
+    let renamed = match param.as_str() {
+        param if param.starts_with("messages") => "input".to_string(),
+        "response_format" => "text.format".into(),
+        "reasoning_effort" => "reasoning.effort".into(),
+        "tool_choice.function" | "tool_choice.function.name" => "tool_choice.name".into(),
+        param if param.starts_with("tools[") => param.replacen(".function", "", 1),
+        _ => return error,
+    };
+    error.message = error.message.replace(&param, &renamed);
+    error.param = Some(renamed);
+    error
+}
+
+async fn respond_whole(meta: ResponseMeta, mut generation: Generation) -> Response {
+    let mut items = OutputItems::new(&meta.id);
+    // A plain response has no use for the events.
+    let mut events = vec![];
+    while let Some(output) = generation.next().await {
+        events.clear();
+        match output {
+            Output::Pieces(pieces) => items.token(&pieces, &mut events),
+            Output::Finished(pieces, finish) => {
+                items.pieces(&pieces, &mut events);
+                items.close(status(&finish), &mut events);
+                let object = meta.object(items.items(), Some((&finish, items.reasoning_tokens)));
+                return Json(object).into_response();
+            }
+            Output::Failed(error) => return error.into_response(),
+        }
+    }
+    ApiError::internal("generation failed: no output").into_response()
+}
+
+/// A request read, admitted and submitted: how to render it, its output, whether to stream it.
+type Started = (ResponseMeta, Generation, bool);
+
+fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
+    let body = Body::parse(body)?;
+    let model = state.model()?;
+    let keeps_reasoning = HistoryFormat::of(&model).reasoning != HistoryReasoning::Unrendered;
+    let ResponsesBody {
+        model: name,
+        chat,
+        echo,
+    } = ResponsesBody::parse(&body, keeps_reasoning)?;
+    check_model_name(state, name.as_deref())?;
+    let (request, parser) = chat
+        .prepare(&model)
+        .and_then(|prompt| prompt.start(state, &model, &chat.params, "input"))
+        .map_err(in_responses_terms)?;
+    let generation = Generation::start(state, &model, request, parser)?;
+    let meta = ResponseMeta {
+        id: format!("resp_{:016x}", response_id()),
+        created_at: unix_seconds(),
+        model: state.0.config.served_model_name.clone(),
+        echo,
+    };
+    Ok((meta, generation, chat.params.stream))
+}
+
+/// `POST /v1/responses`.
+pub async fn responses(State(state): State<AppState>, body: Bytes) -> Response {
+    match crate::prompt_work::off_runtime(&state, move |state| start(state, &body)).await {
+        Ok((meta, generation, true)) => stream::respond(meta, generation),
+        Ok((meta, generation, false)) => respond_whole(meta, generation).await,
+        Err(error) => {
+            record_refusal(&state, &error);
+            error.into_response()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_neutral_layers_fields_are_named_as_this_api_names_them() {
+        let renamed = in_responses_terms(ApiError::invalid_param(
+            "reasoning_effort",
+            "this model's chat template takes no reasoning effort",
+        ));
+        assert_eq!(renamed.param.as_deref(), Some("reasoning.effort"));
+        let renamed = in_responses_terms(ApiError::invalid_param("response_format", "`response_format`: bad"));
+        assert_eq!(
+            (renamed.param.as_deref(), renamed.message.as_str()),
+            (Some("text.format"), "`text.format`: bad")
+        );
+        let renamed = in_responses_terms(ApiError::invalid_param(
+            "tools[1].function.strict",
+            "`tools[1].function.strict`",
+        ));
+        assert_eq!(
+            (renamed.param.as_deref(), renamed.message.as_str()),
+            (Some("tools[1].strict"), "`tools[1].strict`")
+        );
+        let kept = in_responses_terms(ApiError::invalid_param("tools", "x"));
+        assert_eq!(kept.param.as_deref(), Some("tools"));
+    }
+
+    #[test]
+    fn a_response_cut_by_its_token_limit_is_incomplete() {
+        let meta = ResponseMeta {
+            id: "resp_1".into(),
+            created_at: 1,
+            model: "m".into(),
+            echo: Map::new(),
+        };
+        let finish = |reason| Finish {
+            reason,
+            prompt_tokens: 5,
+            cached_tokens: 2,
+            completion_tokens: 3,
+        };
+        let cut = meta.object(vec![], Some((&finish(FinishReason::Length), 1)));
+        assert_eq!(cut["status"], "incomplete");
+        assert_eq!(cut["incomplete_details"], json!({"reason": "max_output_tokens"}));
+        assert_eq!(
+            cut["usage"],
+            json!({"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 3,
+                   "output_tokens_details": {"reasoning_tokens": 1}, "total_tokens": 8})
+        );
+        let done = meta.object(vec![], Some((&finish(FinishReason::ToolCalls), 0)));
+        assert_eq!(
+            (done["status"].as_str(), &done["incomplete_details"]),
+            (Some("completed"), &Value::Null)
+        );
+        assert_eq!(meta.object(vec![], None)["status"], "in_progress");
+    }
+}

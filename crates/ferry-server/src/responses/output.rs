@@ -1,0 +1,277 @@
+//! A response's `output` built from the generation's pieces, and the stream events that spell it: consecutive
+//! reasoning makes one `reasoning` item (its text as one `reasoning_text` part; the model has no summarizer, so
+//! `summary` is empty), consecutive content one `message` item (one `output_text` part), and each tool call a
+//! `function_call` item. An item is opened (`response.output_item.added`, then its part's
+//! `response.content_part.added`), filled (`response.reasoning_text.delta`, `response.output_text.delta`,
+//! `response.function_call_arguments.delta`) and closed (the matching `.done` events, `response.content_part.done`,
+//! `response.output_item.done`) before the next one opens.
+//!
+//! Events are built here without their `sequence_number` (stream.rs numbers them); a plain response drops them.
+
+use serde_json::{json, Value};
+
+use crate::generation::Piece;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Reasoning,
+    Message,
+    Call,
+}
+
+/// The item being written.
+struct Open {
+    kind: Kind,
+    id: String,
+    /// The text so far: reasoning, content or the call's arguments.
+    text: String,
+    /// A call's `call_id` and function name (None for the other kinds).
+    call: Option<(String, String)>,
+}
+
+/// The output items of one response, and how many generated tokens were reasoning.
+pub struct OutputItems {
+    /// The hex part of the response's id, which its items' ids carry.
+    response: String,
+    done: Vec<Value>,
+    open: Option<Open>,
+    pub reasoning_tokens: usize,
+}
+
+/// A text part of an item: `reasoning_text` or `output_text`.
+fn part(kind: Kind, text: &str) -> Value {
+    match kind {
+        Kind::Reasoning => json!({"type": "reasoning_text", "text": text}),
+        _ => json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []}),
+    }
+}
+
+impl Open {
+    /// The item as the response (or an `output_item` event) shows it.
+    fn item(&self, status: &str) -> Value {
+        let content = match self.text.is_empty() && status == "in_progress" {
+            true => vec![],
+            false => vec![part(self.kind, &self.text)],
+        };
+        match self.kind {
+            Kind::Reasoning => {
+                json!({"type": "reasoning", "id": self.id, "summary": [], "content": content, "status": status})
+            }
+            Kind::Message => json!({
+                "type": "message", "id": self.id, "role": "assistant", "status": status, "content": content,
+            }),
+            Kind::Call => {
+                let (call_id, name) = self.call.clone().unwrap_or_default();
+                json!({
+                    "type": "function_call", "id": self.id, "call_id": call_id, "name": name,
+                    "arguments": self.text, "status": status,
+                })
+            }
+        }
+    }
+}
+
+impl OutputItems {
+    pub fn new(response_id: &str) -> Self {
+        OutputItems {
+            response: response_id.trim_start_matches("resp_").to_string(),
+            done: vec![],
+            open: None,
+            reasoning_tokens: 0,
+        }
+    }
+
+    /// The pieces of one generated token: it counts as reasoning when it gave reasoning, or gave nothing yet while
+    /// the model was reasoning (text held back: a tag that may end the reasoning).
+    pub fn token(&mut self, pieces: &[Piece], events: &mut Vec<Value>) {
+        let in_reasoning = self.open.as_ref().is_some_and(|open| open.kind == Kind::Reasoning);
+        if pieces.iter().any(|p| matches!(p, Piece::Reasoning(_))) || (pieces.is_empty() && in_reasoning) {
+            self.reasoning_tokens += 1;
+        }
+        self.pieces(pieces, events);
+    }
+
+    /// Pieces that came with no new token (the end of the output).
+    pub fn pieces(&mut self, pieces: &[Piece], events: &mut Vec<Value>) {
+        for piece in pieces {
+            self.piece(piece, events);
+        }
+    }
+
+    fn output_index(&self) -> usize {
+        self.done.len()
+    }
+
+    fn piece(&mut self, piece: &Piece, events: &mut Vec<Value>) {
+        let (kind, text) = match piece {
+            Piece::Reasoning(text) => (Kind::Reasoning, text),
+            Piece::Content(text) => (Kind::Message, text),
+            Piece::ToolCallStart { index, name } => {
+                let call = (format!("call_{}{index:02x}", self.response), name.clone());
+                self.open(Kind::Call, Some(call), events);
+                return;
+            }
+            Piece::ToolCallArguments { fragment, .. } => (Kind::Call, fragment),
+        };
+        match self.open.as_ref().map(|open| open.kind) {
+            Some(open) if open == kind => {}
+            // Arguments always follow their call's start.
+            _ if kind == Kind::Call => return,
+            _ => self.open(kind, None, events),
+        }
+        let output_index = self.output_index();
+        let Some(open) = &mut self.open else { return };
+        open.text.push_str(text);
+        let event = match kind {
+            Kind::Reasoning => json!({"type": "response.reasoning_text.delta", "content_index": 0, "delta": text}),
+            Kind::Message => {
+                json!({"type": "response.output_text.delta", "content_index": 0, "delta": text, "logprobs": []})
+            }
+            Kind::Call => json!({"type": "response.function_call_arguments.delta", "delta": text}),
+        };
+        events.push(with_item(event, &open.id, output_index));
+    }
+
+    /// Closes the open item and opens one of `kind`.
+    fn open(&mut self, kind: Kind, call: Option<(String, String)>, events: &mut Vec<Value>) {
+        self.close("completed", events);
+        let prefix = match kind {
+            Kind::Reasoning => "rs",
+            Kind::Message => "msg",
+            Kind::Call => "fc",
+        };
+        let open = Open {
+            kind,
+            id: format!("{prefix}_{}{:02x}", self.response, self.output_index()),
+            text: String::new(),
+            call,
+        };
+        let output_index = self.output_index();
+        events.push(
+            json!({"type": "response.output_item.added", "output_index": output_index,
+                           "item": open.item("in_progress")}),
+        );
+        if kind != Kind::Call {
+            let event = json!({"type": "response.content_part.added", "content_index": 0, "part": part(kind, "")});
+            events.push(with_item(event, &open.id, output_index));
+        }
+        self.open = Some(open);
+    }
+
+    /// Closes the open item with `status` (`completed`, or `incomplete` where the output was cut short).
+    pub fn close(&mut self, status: &str, events: &mut Vec<Value>) {
+        let Some(open) = self.open.take() else { return };
+        let output_index = self.output_index();
+        let text = open.text.as_str();
+        let done = match open.kind {
+            Kind::Reasoning => json!({"type": "response.reasoning_text.done", "content_index": 0, "text": text}),
+            Kind::Message => {
+                json!({"type": "response.output_text.done", "content_index": 0, "text": text, "logprobs": []})
+            }
+            Kind::Call => json!({"type": "response.function_call_arguments.done", "arguments": text}),
+        };
+        events.push(with_item(done, &open.id, output_index));
+        if open.kind != Kind::Call {
+            let event =
+                json!({"type": "response.content_part.done", "content_index": 0, "part": part(open.kind, text)});
+            events.push(with_item(event, &open.id, output_index));
+        }
+        let item = open.item(status);
+        events.push(json!({"type": "response.output_item.done", "output_index": output_index, "item": item}));
+        self.done.push(item);
+    }
+
+    /// The items, once the last is closed.
+    pub fn items(&self) -> Vec<Value> {
+        self.done.clone()
+    }
+}
+
+fn with_item(mut event: Value, item_id: &str, output_index: usize) -> Value {
+    event["item_id"] = item_id.into();
+    event["output_index"] = output_index.into();
+    event
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn types(events: &[Value]) -> Vec<&str> {
+        events.iter().map(|e| e["type"].as_str().unwrap()).collect()
+    }
+
+    #[test]
+    fn pieces_make_items_opened_filled_and_closed_in_order() {
+        let mut items = OutputItems::new("resp_00ab");
+        let mut events = vec![];
+        items.token(&[Piece::Reasoning("so".into())], &mut events);
+        items.token(&[], &mut events);
+        items.token(&[Piece::Content("hi".into())], &mut events);
+        items.token(&[Piece::Content("!".into())], &mut events);
+        let call = [
+            Piece::ToolCallStart {
+                index: 0,
+                name: "f".into(),
+            },
+            Piece::ToolCallArguments {
+                index: 0,
+                fragment: "{}".into(),
+            },
+        ];
+        items.pieces(&call, &mut events);
+        items.close("completed", &mut events);
+        assert_eq!(
+            items.reasoning_tokens, 2,
+            "the token held back inside the reasoning counts"
+        );
+        assert_eq!(
+            types(&events),
+            [
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+            ]
+        );
+        assert_eq!(
+            items.items(),
+            vec![
+                json!({"type": "reasoning", "id": "rs_00ab00", "summary": [], "status": "completed",
+                       "content": [{"type": "reasoning_text", "text": "so"}]}),
+                json!({"type": "message", "id": "msg_00ab01", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": "hi!", "annotations": [], "logprobs": []}]}),
+                json!({"type": "function_call", "id": "fc_00ab02", "call_id": "call_00ab00", "name": "f",
+                       "arguments": "{}", "status": "completed"}),
+            ]
+        );
+        assert_eq!(events[8]["output_index"], 1);
+        assert_eq!(events[8]["item_id"], "msg_00ab01");
+    }
+
+    #[test]
+    fn an_output_cut_short_leaves_its_last_item_incomplete() {
+        let mut items = OutputItems::new("resp_1");
+        let mut events = vec![];
+        items.token(&[Piece::Content("par".into())], &mut events);
+        items.close("incomplete", &mut events);
+        assert_eq!(items.items()[0]["status"], "incomplete");
+        assert_eq!(items.reasoning_tokens, 0);
+        let mut empty = OutputItems::new("resp_2");
+        empty.close("completed", &mut events);
+        assert!(empty.items().is_empty());
+    }
+}

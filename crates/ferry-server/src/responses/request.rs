@@ -1,0 +1,577 @@
+//! OpenAI Responses request bodies read into the protocol-neutral request (chat.rs), field by field like params.rs:
+//! each mistake a 400 naming the field, and a field this server does not implement a 400 naming it too (as on the
+//! chat route).
+//!
+//! `input` (a string, or items: messages, an earlier turn's `function_call`s, `function_call_output`s and
+//! `reasoning`) becomes the template's conversation, after `instructions` as its system message. The server keeps
+//! nothing: `store` defaults to true in OpenAI's API, so an omitted `store` is served and the response says
+//! `store: false`; `store: true` asks for what this server cannot do and is refused, as is `previous_response_id`.
+//!
+//! Not here: the tool fields (tools.rs), the response (mod.rs, output.rs).
+
+use ferry_core::engine::ResponseFormat;
+use ferry_core::loader::ChatMessage;
+use serde_json::{json, Map, Value};
+
+use super::tools::{function_call, tool_request};
+use crate::body::{wrong_type, Body};
+use crate::chat::{ChatRequest, GenerationParams};
+use crate::error::ApiError;
+
+/// Fields accepted although nothing reads them, because by their nature they ask nothing of this server.
+const NO_ACTION_FIELDS: &[&str] = &[
+    // An end-user id that OpenAI keeps for abuse monitoring, as `user` is; a self-hosted server has no such monitoring.
+    "safety_identifier",
+    // A hint that routes requests sharing a prefix to one cache; this server's prefix cache finds shared prefixes by
+    // their tokens.
+    "prompt_cache_key",
+];
+
+/// The efforts the templates that take one (gpt-oss's) know.
+const EFFORTS: [&str; 3] = ["low", "medium", "high"];
+
+/// Most `metadata` pairs, and the longest key and value (OpenAI's limits).
+const METADATA_PAIRS: usize = 16;
+const METADATA_KEY_CHARS: usize = 64;
+const METADATA_VALUE_CHARS: usize = 512;
+
+/// A Responses request.
+#[derive(Clone, Debug)]
+pub struct ResponsesBody {
+    pub model: Option<String>,
+    pub chat: ChatRequest,
+    /// The fields the response object repeats of the request (`instructions`, `tools`, `metadata`, ...).
+    pub echo: Map<String, Value>,
+}
+
+pub(super) fn required(body: &Body, name: &str) -> ApiError {
+    let param = body.param(name);
+    ApiError::invalid_param(&param, format!("`{param}` is required"))
+}
+
+/// The object at `param` as a [`Body`] of its own.
+fn nested(param: &str, value: &Value) -> Result<Body, ApiError> {
+    let fields = value.as_object().ok_or_else(|| wrong_type(param, "an object", value))?;
+    Ok(Body::nested(fields.clone(), format!("{param}.")))
+}
+
+impl ResponsesBody {
+    /// `keeps_reasoning`: the served model's template renders earlier reasoning, so `reasoning` items go back into
+    /// its history (for one that renders none they are dropped, as the template would drop them).
+    pub fn parse(body: &Body, keeps_reasoning: bool) -> Result<Self, ApiError> {
+        if body.get("previous_response_id").is_some() {
+            return Err(ApiError::invalid_param(
+                "previous_response_id",
+                "`previous_response_id` is not supported: this server stores no responses; send the whole \
+                 conversation in `input`",
+            ));
+        }
+        if body.boolean("store")? {
+            return Err(ApiError::invalid_param(
+                "store",
+                "`store` must be false: this server stores no responses",
+            ));
+        }
+        let instructions = body.string("instructions")?;
+        let mut messages: Vec<ChatMessage> = instructions
+            .iter()
+            .map(|text| ChatMessage::text("system", text))
+            .collect();
+        messages.extend(input(body, keeps_reasoning)?);
+        let (tools, mut echo) = tool_request(body)?;
+        let (response_format, text) = text_format(body)?;
+        let (reasoning_effort, reasoning) = reasoning(body)?;
+        let max_tokens = body.positive("max_output_tokens")?;
+        let temperature = body.number_in("temperature", 0.0, 2.0)?;
+        let top_p = body.number_in("top_p", 0.0, 1.0)?;
+        if top_p == Some(0.0) {
+            return Err(ApiError::invalid_param("top_p", "`top_p` must be greater than 0"));
+        }
+        let user = body.string("user")?;
+        echo.insert("instructions".into(), instructions.into());
+        echo.insert("max_output_tokens".into(), max_tokens.into());
+        echo.insert("metadata".into(), metadata(body)?);
+        echo.insert("previous_response_id".into(), Value::Null);
+        echo.insert("reasoning".into(), reasoning);
+        echo.insert("store".into(), false.into());
+        echo.insert("temperature".into(), temperature.into());
+        echo.insert("text".into(), text);
+        echo.insert("top_p".into(), top_p.into());
+        echo.insert("truncation".into(), "disabled".into());
+        echo.insert("user".into(), user.into());
+        let chat = ChatRequest {
+            messages,
+            template_kwargs: Map::new(),
+            thinking: None,
+            thinking_budget: None,
+            reasoning_effort,
+            tools,
+            params: GenerationParams {
+                max_tokens,
+                temperature,
+                top_p,
+                response_format,
+                stream: body.boolean("stream")?,
+                ..GenerationParams::default()
+            },
+        };
+        let model = body.string("model")?;
+        body.refuse_unread(NO_ACTION_FIELDS)?;
+        Ok(ResponsesBody { model, chat, echo })
+    }
+}
+
+/// `metadata`: at most 16 string pairs, echoed in the response.
+fn metadata(body: &Body) -> Result<Value, ApiError> {
+    let Some(pairs) = body.object("metadata")? else {
+        return Ok(Value::Null);
+    };
+    let fits = pairs.len() <= METADATA_PAIRS
+        && pairs.iter().all(|(key, value)| {
+            key.chars().count() <= METADATA_KEY_CHARS
+                && value
+                    .as_str()
+                    .is_some_and(|v| v.chars().count() <= METADATA_VALUE_CHARS)
+        });
+    match fits {
+        true => Ok(Value::Object(pairs.clone())),
+        false => Err(ApiError::invalid_param(
+            "metadata",
+            format!(
+                "`metadata` holds at most {METADATA_PAIRS} pairs of strings, keys of at most \
+                 {METADATA_KEY_CHARS} characters and values of at most {METADATA_VALUE_CHARS}"
+            ),
+        )),
+    }
+}
+
+/// `reasoning`: `effort` for templates that take one (chat.rs checks), and `summary`, of which only `auto` is
+/// served: the model has no summarizer, so the reasoning item's summary is empty and its text is given whole.
+fn reasoning(body: &Body) -> Result<(Option<String>, Value), ApiError> {
+    let Some(fields) = body.object("reasoning")? else {
+        return Ok((None, json!({"effort": null, "summary": null})));
+    };
+    let reasoning = Body::nested(fields.clone(), "reasoning.".into());
+    let effort = reasoning.string("effort")?;
+    if let Some(effort) = effort.as_deref().filter(|effort| !EFFORTS.contains(effort)) {
+        return Err(ApiError::invalid_param(
+            "reasoning.effort",
+            format!("`reasoning.effort` is \"{effort}\"; expected \"low\", \"medium\" or \"high\""),
+        ));
+    }
+    let summary = reasoning.string("summary")?;
+    if summary.as_deref().is_some_and(|summary| summary != "auto") {
+        return Err(ApiError::invalid_param(
+            "reasoning.summary",
+            "`reasoning.summary` may only be \"auto\": this server returns the reasoning as written, not summarized",
+        ));
+    }
+    reasoning.refuse_unread(&[])?;
+    Ok((effort.clone(), json!({"effort": effort, "summary": summary})))
+}
+
+/// `text.format`: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "name", "schema",
+/// "strict", "description"}`, through the structured-output path (the schema is always enforced); and the `text`
+/// the response repeats.
+fn text_format(body: &Body) -> Result<(Option<ResponseFormat>, Value), ApiError> {
+    let text_type = json!({"format": {"type": "text"}});
+    let Some(fields) = body.object("text")? else {
+        return Ok((None, text_type));
+    };
+    let text = Body::nested(fields.clone(), "text.".into());
+    let Some(format_fields) = text.object("format")? else {
+        text.refuse_unread(&[])?;
+        return Ok((None, text_type));
+    };
+    let format = Body::nested(format_fields.clone(), "text.format.".into());
+    let parsed = match format.string("type")?.as_deref() {
+        Some("text") => None,
+        Some("json_object") => Some(ResponseFormat::JsonObject),
+        Some("json_schema") => {
+            format.string("name")?.ok_or_else(|| required(&format, "name"))?;
+            format.boolean("strict")?;
+            format.string("description")?;
+            match format.get("schema") {
+                Some(schema @ Value::Object(_)) => Some(ResponseFormat::JsonSchema(schema.clone())),
+                Some(other) => return Err(wrong_type("text.format.schema", "a JSON Schema object", other)),
+                None => return Err(required(&format, "schema")),
+            }
+        }
+        _ => {
+            return Err(ApiError::invalid_param(
+                "text.format.type",
+                "`text.format.type` must be \"text\", \"json_object\" or \"json_schema\"",
+            ))
+        }
+    };
+    format.refuse_unread(&[])?;
+    text.refuse_unread(&[])?;
+    Ok((parsed, json!({"format": format_fields})))
+}
+
+/// `input`: a string (one user message) or a non-empty array of items.
+fn input(body: &Body, keeps_reasoning: bool) -> Result<Vec<ChatMessage>, ApiError> {
+    let items = match body.get("input") {
+        Some(Value::String(text)) => return Ok(vec![ChatMessage::text("user", text)]),
+        Some(Value::Array(_)) | None => body.nonempty_array("input", "a string or an array of input items")?,
+        Some(other) => return Err(wrong_type("input", "a string or an array of input items", other)),
+    };
+    let mut history = History::default();
+    for (index, item) in items.iter().enumerate() {
+        history.add(&format!("input[{index}]"), item, keeps_reasoning)?;
+    }
+    match history.reasoning {
+        Some(_) => Err(ApiError::invalid_param(
+            &format!("input[{}]", items.len() - 1),
+            "a `reasoning` item must be followed by the message or function call it led to",
+        )),
+        None => Ok(history.messages),
+    }
+}
+
+/// The conversation as the templates read it, built item by item.
+#[derive(Default)]
+struct History {
+    messages: Vec<ChatMessage>,
+    /// A `reasoning` item's text, waiting for the assistant output it led to.
+    reasoning: Option<String>,
+}
+
+impl History {
+    fn add(&mut self, param: &str, item: &Value, keeps_reasoning: bool) -> Result<(), ApiError> {
+        let item = nested(param, item)?;
+        // The fields the items of a response carry, which a client sends back with them.
+        item.string("id")?;
+        item.string("status")?;
+        match item.string("type")?.as_deref() {
+            None | Some("message") => self.message(param, &item)?,
+            Some("function_call") => {
+                let call = function_call(&item)?;
+                match (self.reasoning.take(), self.messages.last_mut()) {
+                    // A call after the assistant's message (or an earlier call) of the same turn.
+                    (None, Some(last)) if last.role == "assistant" => last.tool_calls.push(call),
+                    (thinking, _) => self.messages.push(ChatMessage {
+                        role: "assistant".into(),
+                        tool_calls: vec![call],
+                        thinking,
+                        ..Default::default()
+                    }),
+                }
+            }
+            Some("function_call_output") => {
+                self.no_reasoning_before(param)?;
+                let call_id = item.string("call_id")?.ok_or_else(|| required(&item, "call_id"))?;
+                let content = match item.get("output") {
+                    Some(Value::String(text)) => text.clone(),
+                    Some(Value::Array(parts)) => parts_text(&item.param("output"), parts, "input_text")?,
+                    Some(other) => {
+                        return Err(wrong_type(
+                            &item.param("output"),
+                            "a string or an array of parts",
+                            other,
+                        ))
+                    }
+                    None => return Err(required(&item, "output")),
+                };
+                self.messages.push(ChatMessage {
+                    role: "tool".into(),
+                    content,
+                    tool_call_id: Some(call_id),
+                    ..Default::default()
+                });
+            }
+            Some("reasoning") => {
+                if item.get("encrypted_content").is_some() {
+                    return Err(ApiError::invalid_param(
+                        &item.param("encrypted_content"),
+                        "encrypted reasoning comes from another server: this one can neither read nor write it",
+                    ));
+                }
+                let parts = |name: &str, part_type: &str| match item.get(name) {
+                    Some(Value::Array(parts)) => parts_text(&item.param(name), parts, part_type),
+                    Some(other) => Err(wrong_type(&item.param(name), "an array of parts", other)),
+                    None => Ok(String::new()),
+                };
+                let (content, summary) = (parts("content", "reasoning_text")?, parts("summary", "summary_text")?);
+                // Reasoning given back as a summary alone: the summary is what the model reasoned, in short.
+                let text = match content.is_empty() {
+                    true => summary,
+                    false => content,
+                };
+                if keeps_reasoning {
+                    self.reasoning.get_or_insert_with(String::new).push_str(&text);
+                }
+            }
+            Some(kind) => {
+                return Err(ApiError::invalid_param(
+                    &item.param("type"),
+                    format!(
+                        "`{}` is \"{}\": this server reads messages, `function_call`, `function_call_output` and \
+                         `reasoning` items",
+                        item.param("type"),
+                        crate::error::quote(kind)
+                    ),
+                ))
+            }
+        }
+        item.refuse_unread(&[])
+    }
+
+    /// A message item: `role` user, system, developer (a system message to the templates) or assistant, and
+    /// `content` a string or text parts (`input_text`, or an assistant's `output_text`).
+    fn message(&mut self, param: &str, item: &Body) -> Result<(), ApiError> {
+        let role = match item.string("role")?.as_deref() {
+            Some("user") => "user",
+            Some("system" | "developer") => "system",
+            Some("assistant") => "assistant",
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    &item.param("role"),
+                    format!("`{param}.role` must be \"user\", \"system\", \"developer\" or \"assistant\""),
+                ))
+            }
+            None => return Err(required(item, "role")),
+        };
+        let part_type = match role {
+            "assistant" => "output_text",
+            _ => "input_text",
+        };
+        let content = match item.get("content") {
+            Some(Value::String(text)) => text.clone(),
+            Some(Value::Array(parts)) => parts_text(&item.param("content"), parts, part_type)?,
+            Some(other) => {
+                return Err(wrong_type(
+                    &item.param("content"),
+                    "a string or an array of parts",
+                    other,
+                ))
+            }
+            None => return Err(required(item, "content")),
+        };
+        let thinking = match role {
+            "assistant" => self.reasoning.take(),
+            _ => {
+                self.no_reasoning_before(param)?;
+                None
+            }
+        };
+        self.messages.push(ChatMessage {
+            role: role.into(),
+            content,
+            thinking,
+            ..Default::default()
+        });
+        Ok(())
+    }
+
+    fn no_reasoning_before(&self, param: &str) -> Result<(), ApiError> {
+        match self.reasoning {
+            Some(_) => Err(ApiError::invalid_param(
+                param,
+                "a `reasoning` item must be followed by the message or function call it led to",
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The text of content parts, all of type `part_type` (an `output_text`'s annotations and logprobs describe an
+/// earlier answer and are passed over); other parts (images, files, refusals) are refused by name.
+fn parts_text(param: &str, parts: &[Value], part_type: &str) -> Result<String, ApiError> {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, part)| {
+            let part = nested(&format!("{param}[{i}]"), part)?;
+            let text = match part.string("type")?.as_deref() {
+                Some(kind) if kind == part_type => part.string("text")?.ok_or_else(|| required(&part, "text"))?,
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        &part.param("type"),
+                        format!(
+                            "`{}` must be \"{part_type}\": this server serves a text-only model",
+                            part.param("type")
+                        ),
+                    ))
+                }
+            };
+            part.refuse_unread(&["annotations", "logprobs"])?;
+            Ok(text)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(value: Value, keeps_reasoning: bool) -> Result<ResponsesBody, ApiError> {
+        ResponsesBody::parse(&Body::new(value.as_object().unwrap().clone()), keeps_reasoning)
+    }
+
+    fn param_of(value: Value) -> Option<String> {
+        parse(value, true).unwrap_err().param
+    }
+
+    #[test]
+    fn a_full_request_is_read_and_echoed() {
+        let body = parse(
+            json!({
+                "model": "m", "instructions": "be brief", "max_output_tokens": 30, "temperature": 0.5,
+                "top_p": 0.9, "stream": true, "store": false, "metadata": {"k": "v"}, "user": "u",
+                "prompt_cache_key": "p", "reasoning": {"effort": "low", "summary": "auto"},
+                "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": true}},
+                "input": [
+                    {"role": "developer", "content": "rules"},
+                    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                    {"type": "reasoning", "id": "rs_1", "status": "completed",
+                     "summary": [{"type": "summary_text", "text": "short"}],
+                     "content": [{"type": "reasoning_text", "text": "greet"}]},
+                    {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                     "content": [{"type": "output_text", "text": "hello", "annotations": [], "logprobs": []}]},
+                    {"role": "user", "content": "again"}
+                ]
+            }),
+            true,
+        )
+        .unwrap();
+        let messages = &body.chat.messages;
+        let roles: Vec<_> = messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "system", "user", "assistant", "user"]);
+        assert_eq!(
+            (messages[3].content.as_str(), messages[3].thinking.as_deref()),
+            ("hello", Some("greet"))
+        );
+        let p = &body.chat.params;
+        assert_eq!(
+            (p.max_tokens, p.temperature, p.top_p, p.stream),
+            (Some(30), Some(0.5), Some(0.9), true)
+        );
+        assert_eq!(
+            p.response_format,
+            Some(ResponseFormat::JsonSchema(json!({"type": "object"})))
+        );
+        assert_eq!(body.chat.reasoning_effort.as_deref(), Some("low"));
+        assert_eq!(body.echo["store"], false);
+        assert_eq!(body.echo["metadata"], json!({"k": "v"}));
+        assert_eq!(body.echo["instructions"], "be brief");
+        assert_eq!(body.echo["text"]["format"]["name"], "n");
+        let plain = parse(json!({"input": "hi"}), false).unwrap();
+        assert_eq!(plain.chat.messages.len(), 1);
+        assert_eq!(plain.echo["text"], json!({"format": {"type": "text"}}));
+        assert_eq!(
+            plain.echo["store"], false,
+            "store defaults to true in OpenAI's API; nothing is stored here"
+        );
+    }
+
+    #[test]
+    fn calls_and_their_outputs_become_tool_calls_and_tool_messages() {
+        let body = parse(
+            json!({"input": [
+                {"role": "user", "content": "weather?"},
+                {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "look"}]},
+                {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+                 "arguments": "{\"city\": \"Oslo\"}", "status": "completed"},
+                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "cold"},
+                {"type": "function_call_output", "call_id": "call_2",
+                 "output": [{"type": "input_text", "text": "warm"}]}
+            ]}),
+            true,
+        )
+        .unwrap();
+        let messages = &body.chat.messages;
+        let roles: Vec<_> = messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["user", "assistant", "tool", "tool"]);
+        assert_eq!(messages[1].thinking.as_deref(), Some("look"));
+        let calls = &messages[1].tool_calls;
+        assert_eq!((calls[0].id.as_str(), calls[1].id.as_str()), ("call_1", "call_2"));
+        assert_eq!(calls[0].function.arguments, json!("{\"city\": \"Oslo\"}"));
+        assert_eq!(
+            (messages[3].content.as_str(), messages[3].tool_call_id.as_deref()),
+            ("warm", Some("call_2"))
+        );
+        let dropped = parse(
+            json!({"input": [{"role": "user", "content": "x"},
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]},
+                {"role": "assistant", "content": "y"}]}),
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            dropped.chat.messages[1].thinking, None,
+            "a template without reasoning gets none"
+        );
+    }
+
+    #[test]
+    fn every_bad_field_is_named() {
+        let with = |name: &str, value: Value| {
+            let mut body = json!({"input": "hi"});
+            body[name] = value;
+            body
+        };
+        let item = |value: Value| json!({"input": [value]});
+        for (body, param) in [
+            (json!({}), "input"),
+            (with("input", json!([])), "input"),
+            (with("input", json!(3)), "input"),
+            (with("previous_response_id", json!("resp_1")), "previous_response_id"),
+            (with("store", json!(true)), "store"),
+            (with("store", json!("no")), "store"),
+            (with("max_output_tokens", json!(0)), "max_output_tokens"),
+            (with("temperature", json!(3)), "temperature"),
+            (with("top_p", json!(0)), "top_p"),
+            (with("stop", json!(["x"])), "stop"),
+            (with("include", json!(["reasoning.encrypted_content"])), "include"),
+            (with("metadata", json!({"k": 1})), "metadata"),
+            (with("reasoning", json!({"effort": "max"})), "reasoning.effort"),
+            (with("reasoning", json!({"summary": "detailed"})), "reasoning.summary"),
+            (with("text", json!({"format": {"type": "yaml"}})), "text.format.type"),
+            (
+                with("text", json!({"format": {"type": "json_schema", "name": "n"}})),
+                "text.format.schema",
+            ),
+            (
+                with("text", json!({"format": {"type": "json_schema", "schema": {}}})),
+                "text.format.name",
+            ),
+            (with("text", json!({"verbosity": "low"})), "text.verbosity"),
+            (item(json!({"role": "tool", "content": "x"})), "input[0].role"),
+            (item(json!({"role": "user"})), "input[0].content"),
+            (
+                item(json!({"role": "user", "content": [{"type": "input_image", "image_url": "u"}]})),
+                "input[0].content[0].type",
+            ),
+            (
+                item(json!({"role": "assistant", "content": [{"type": "input_text", "text": "x"}]})),
+                "input[0].content[0].type",
+            ),
+            (item(json!({"type": "item_reference", "id": "x"})), "input[0].type"),
+            (
+                item(json!({"type": "function_call", "name": "f", "arguments": "{}"})),
+                "input[0].call_id",
+            ),
+            (
+                item(json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": "["})),
+                "input[0].arguments",
+            ),
+            (
+                item(json!({"type": "function_call_output", "call_id": "c"})),
+                "input[0].output",
+            ),
+            (
+                item(json!({"type": "reasoning", "summary": [], "encrypted_content": "x"})),
+                "input[0].encrypted_content",
+            ),
+            (item(json!({"type": "reasoning", "summary": []})), "input[0]"),
+            (
+                item(json!({"role": "user", "content": "x", "name": "ann"})),
+                "input[0].name",
+            ),
+        ] {
+            assert_eq!(param_of(body.clone()), Some(param.to_string()), "{body}");
+        }
+    }
+}
