@@ -64,6 +64,10 @@ pub struct OffloadArgs {
     /// workspace (each prefill chunk streams nearly the whole expert bank, so longer chunks stream it fewer times).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pub max_batch_tokens: Option<u64>,
+    /// Run every step eagerly: all-resident decode steps of up to 8 rows otherwise replay a CUDA graph captured
+    /// per row count and context span (the eager path is the reference they are held to).
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
     /// Not a flag: recurrent-state snapshots the plan keeps room for (`serve` sets it unless --no-prefix-cache).
     #[arg(skip)]
     pub snapshot_slots: usize,
@@ -91,6 +95,7 @@ impl OffloadArgs {
             && self.offload == OffloadChoice::Auto
             && self.moe_cache_slots.is_none()
             && self.moe_cache_policy == PolicyChoice::DEFAULT
+            && !self.no_cuda_graphs
     }
 
     /// The plan for `checkpoint` under a budget of `budget_bytes`.
@@ -145,7 +150,7 @@ pub fn open_backend(
     };
     let Some(gpu) = gpu else {
         if !offload.is_default() || strategy != MoeStrategy::Offload {
-            bail!("--gpu-memory-budget, --moe-strategy and the offload flags need a GPU (this run is on the CPU)");
+            bail!("--gpu-memory-budget, --moe-strategy, --no-cuda-graphs and the offload flags need a GPU (this run is on the CPU)");
         }
         return Ok((Backends::Cpu(CpuBackend), None));
     };
@@ -192,6 +197,7 @@ pub fn open_backend(
         }
         gpu
     };
+    let gpu = gpu.cuda_graphs(!offload.no_cuda_graphs);
     Ok((Backends::Cuda(Box::new(gpu.build()?)), Some(plan)))
 }
 

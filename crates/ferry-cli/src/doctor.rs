@@ -8,7 +8,7 @@ use ferry_core::backend::cpu::measure_read_bandwidth;
 use ferry_core::backend::cuda::CudaBackend;
 use serde_json::json;
 
-use crate::doctor_lanes::{store, DOCTOR_COPY_BYTES, DOCTOR_EXPERTS};
+use crate::doctor_lanes::{store, DOCTOR_EXPERTS, DOCTOR_ROUNDS};
 
 #[derive(clap::Args)]
 pub struct DoctorArgs {
@@ -25,7 +25,7 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             let name = cuda.device_name().to_string();
             let ceilings = cuda.measure_ceilings().context("measuring the GPU")?;
             let lanes = cuda
-                .measure_lanes(DOCTOR_EXPERTS, DOCTOR_COPY_BYTES)
+                .measure_lanes(DOCTOR_EXPERTS, DOCTOR_ROUNDS)
                 .context("measuring the offload lanes")?;
             let cached = store(&name, &lanes)?;
             tracing::info!("lane rates cached in {}", cached.display());
@@ -53,9 +53,10 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         println!("{:<36}{:.0} GB/s", "device copy (read + write)", c.d2d_copy_gb_s);
         println!("{:<36}{:.0} TFLOP/s", "bf16 GEMM 8192^3 (cuBLAS)", c.bf16_gemm_tflop_s);
         println!(
-            "{:<36}{:.1} GB/s link + {:.1} GB/s CPU lane ({} threads; +{:.0} % a row)",
+            "{:<36}{:.1} GB/s link + CPU lane {:.0} us a call + {:.1} GB/s ({} threads; +{:.0} % a row)",
             "expert lanes at once",
             lanes.link_gb_s,
+            lanes.cpu_fixed_us,
             lanes.cpu_gb_s,
             lanes.cpu_threads,
             lanes.cpu_row_cost * 100.0

@@ -1,7 +1,12 @@
 //! `--moe-strategy offload|hybrid|cpu|auto`: who computes the experts the GPU cache misses, and the measured lane
-//! rates the split is planned from. `ferry doctor` measures the link and the CPU lane at once and writes them to a
-//! small JSON file under the user's cache directory, one entry per host and GPU; `hybrid` and `auto` read it, and
-//! without an entry for this machine measure briefly at startup.
+//! rates the split is planned from. `ferry doctor` measures the link and the CPU lane at once (the lane's fixed
+//! cost, rate and row cost fitted from calls of several sizes) and writes them to a small JSON file under the
+//! user's cache directory, one entry per host and GPU; `hybrid` and `auto` read it, and without an entry for this
+//! machine (or with one written before the lane's cost was fitted) measure briefly at startup. Either way the
+//! planner splits each step by the measured cost, so both degrade to `offload` on the steps the lane cannot
+//! speed up. `hybrid` plans from that measurement alone; `auto` takes it as the prior of the offload's online
+//! calibration (`moe::LaneCalibration`), which refines it by what each lane costs inside the pipeline as the
+//! engine runs.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -17,12 +22,14 @@ pub enum MoeStrategy {
     /// Every miss is copied to the GPU over the link (PCIe).
     #[default]
     Offload,
-    /// Misses split between the link and the CPU lane by the measured rates, so both finish together.
+    /// Each step's misses split between the link and the CPU lane by the rates measured at startup (or by
+    /// `ferry doctor`), so both finish together; a step the lane would not speed up runs as `offload`.
     Hybrid,
     /// Every miss is computed on the host: nothing crosses the link for experts.
     Cpu,
-    /// `hybrid` where the planner gives the CPU lane a share of a batch-1 decode step on this machine, else
-    /// `offload`.
+    /// The split step by step, planned from rates calibrated as the engine runs (what each lane costs inside
+    /// the pipeline, the startup measurement the prior), where that prior gives the CPU lane a share of a batch-1
+    /// decode or of a short prompt's prefill on this machine; else `offload`, without starting the lane's threads.
     Auto,
 }
 
@@ -36,17 +43,15 @@ pub struct StrategyArgs {
 /// The GPU's rate over resident expert weights in decode: q30 all resident decodes 193.9 tok/s on the H200 (issue
 /// 12), 48 layers x 8 experts x 9.4 MB a token, about 700 GB/s. Only the hits' share of a step depends on it.
 const GPU_EXPERT_BYTES_PER_S: f64 = 700e9;
-/// What the lane adds to a layer it takes part in: waking its threads, the rows down and the products up.
-const CPU_FIXED_S: f64 = 30e-6;
-/// The startup measurement when no cached one exists: 224 experts (2.1 GB) against 512 MiB of copies, about a
-/// second. The experts must outgrow the last-level cache, as a decode step's do (each layer reads other experts):
-/// 16 of them (150 MB) fit the H200 host's cache, and the lane measured 213 GB/s there, twice what its memory
-/// reads (111 GB/s), which sent the planner's split too far to the CPU.
+/// The startup measurement when no cached one exists: 224 experts (2.1 GB), 10 rounds of the timed calls (about
+/// 0.15 s on the H200 host). The experts must outgrow the last-level cache, as a decode step's do (each layer
+/// reads other experts): 16 of them (150 MB) fit the H200 host's cache, and the lane measured 213 GB/s there,
+/// twice what its memory reads (111 GB/s), which sent the planner's split too far to the CPU.
 const BRIEF_EXPERTS: usize = 224;
-const BRIEF_COPY_BYTES: usize = 512 << 20;
-/// `ferry doctor`'s measurement: the same experts against 4 GiB of copies.
+const BRIEF_ROUNDS: usize = 10;
+/// `ferry doctor`'s measurement: the same experts, 40 rounds.
 pub const DOCTOR_EXPERTS: usize = 224;
-pub const DOCTOR_COPY_BYTES: usize = 4 << 30;
+pub const DOCTOR_ROUNDS: usize = 40;
 
 /// The split rule for `strategy` on the GPU `builder` opened, for a model whose experts are `bytes_per_expert`
 /// large and `top_k` to a token: the cached rates of this machine, else measured now.
@@ -66,7 +71,7 @@ pub fn split_rule(
                 None => {
                     tracing::info!("no cached lane rates for this machine (`ferry doctor` writes them): measuring");
                     builder
-                        .measure_lanes(BRIEF_EXPERTS, BRIEF_COPY_BYTES)
+                        .measure_lanes(BRIEF_EXPERTS, BRIEF_ROUNDS)
                         .context("measuring the offload lanes")?
                 }
             };
@@ -78,31 +83,42 @@ pub fn split_rule(
         _ => SplitRule::Balanced(rates),
     };
     tracing::info!(
-        "--moe-strategy {strategy:?}: link {:.1} GB/s, CPU lane {:.1} GB/s (+{:.0} % a row): {}",
+        "--moe-strategy {strategy:?}: link {:.1} GB/s, CPU lane {:.0} us + {:.1} GB/s (+{:.0} % a row): {}",
         rates.link_bytes_per_s / 1e9,
-        rates.cpu_bytes_per_s / 1e9,
-        rates.cpu_row_cost * 100.0,
-        if rule == SplitRule::Link {
-            "misses over the link"
-        } else {
-            "misses split with the CPU lane"
+        rates.cpu.fixed_s * 1e6,
+        rates.cpu.bytes_per_s / 1e9,
+        rates.cpu.row_cost * 100.0,
+        match rule {
+            SplitRule::Link => "misses over the link",
+            SplitRule::Calibrated(_) => "each step's misses split with the CPU lane, the rates calibrated as it runs",
+            _ => "each step's misses split with the CPU lane by the planner",
         }
     );
     Ok(rule)
 }
 
-/// `auto`'s rule: the planner's split when it gives the CPU lane any of a batch-1 decode step that misses all its
-/// `top_k` experts, else the link alone. The planner never plans a split slower than the link alone by its model,
-/// so by the model `auto` is never slower than `offload`; where the lane would not help, it is not started at all.
+/// `auto`'s rule: the calibrated split, step by step, when the prior `rates` give the CPU lane any of a batch-1
+/// decode step that misses all its `top_k` experts or of a short prompt's prefill (64 tokens, each expert used by
+/// a few), else the link alone, without starting the lane. The planner never plans a split slower than the link
+/// alone by its (calibrated) model, so by the model `auto` is never slower than `offload`, in every step.
 fn auto_rule(rates: LaneRates, bytes_per_expert: usize, top_k: usize) -> SplitRule {
-    let misses: Vec<Miss> = (0..top_k as u32).map(|expert| Miss { expert, rows: 1 }).collect();
-    if plan_split(SplitRule::Balanced(rates), &misses, 0, bytes_per_expert)
-        .cpu
-        .is_empty()
-    {
-        SplitRule::Link
+    let decode: Vec<Miss> = (0..top_k as u32).map(|expert| Miss { expert, rows: 1 }).collect();
+    // 64 tokens over 128 experts: each routed expert is used by about top_k / 2 rows.
+    let prefill: Vec<Miss> = (0..128)
+        .map(|expert| Miss {
+            expert,
+            rows: top_k.div_ceil(2),
+        })
+        .collect();
+    let lane_helps = [decode, prefill].iter().any(|misses| {
+        !plan_split(SplitRule::Balanced(rates), misses, 0, bytes_per_expert)
+            .cpu
+            .is_empty()
+    });
+    if lane_helps {
+        SplitRule::Calibrated(rates)
     } else {
-        SplitRule::Balanced(rates)
+        SplitRule::Link
     }
 }
 
@@ -110,9 +126,7 @@ fn auto_rule(rates: LaneRates, bytes_per_expert: usize, top_k: usize) -> SplitRu
 fn rates(c: &LaneCeilings) -> LaneRates {
     LaneRates {
         link_bytes_per_s: c.link_gb_s * 1e9,
-        cpu_bytes_per_s: c.cpu_gb_s * 1e9,
-        cpu_row_cost: c.cpu_row_cost,
-        cpu_fixed_s: CPU_FIXED_S,
+        cpu: c.cpu_cost(),
         gpu_bytes_per_s: GPU_EXPERT_BYTES_PER_S,
     }
 }
@@ -132,11 +146,17 @@ fn machine_key(gpu: &str) -> String {
     format!("{} / {gpu}", host.trim())
 }
 
+/// Every machine's entry that parses; an entry written before a field existed (the lane's fixed cost) is left out,
+/// so that machine is measured again.
 fn read_all() -> BTreeMap<String, LaneCeilings> {
-    cache_path()
+    let entries: BTreeMap<String, serde_json::Value> = cache_path()
         .and_then(|path| std::fs::read_to_string(path).ok())
         .and_then(|text| serde_json::from_str(&text).ok())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    entries
+        .into_iter()
+        .filter_map(|(key, value)| Some((key, serde_json::from_value(value).ok()?)))
+        .collect()
 }
 
 /// The cached rates of this machine with `gpu`, if `ferry doctor` measured them.
@@ -164,15 +184,28 @@ mod tests {
     #[test]
     fn auto_takes_the_lane_only_where_the_planner_gives_it_work() {
         let h200 = LaneCeilings {
-            link_gb_s: 48.0,
-            cpu_gb_s: 68.0,
-            cpu_row_cost: 0.05,
+            link_gb_s: 46.6,
+            cpu_gb_s: 75.7,
+            cpu_fixed_us: 200.0,
+            cpu_row_cost: 0.09,
             cpu_threads: 15,
         };
         let expert = 9_437_184;
-        assert!(matches!(auto_rule(rates(&h200), expert, 8), SplitRule::Balanced(_)));
-        let slow_host = LaneCeilings { cpu_gb_s: 2.0, ..h200 };
+        let rule = auto_rule(rates(&h200), expert, 8);
+        assert!(matches!(rule, SplitRule::Calibrated(_)));
+        // Chosen step by step: a locality step (one miss beside 7 hits) runs as offload, an all-miss step splits.
+        let one_miss = [Miss { expert: 0, rows: 1 }];
+        assert!(plan_split(rule, &one_miss, 7, expert).cpu.is_empty());
+        let all_miss: Vec<Miss> = (0..8).map(|expert| Miss { expert, rows: 1 }).collect();
+        assert!(!plan_split(rule, &all_miss, 0, expert).cpu.is_empty());
+        let slow_host = LaneCeilings { cpu_gb_s: 0.1, ..h200 };
         assert_eq!(auto_rule(rates(&slow_host), expert, 8), SplitRule::Link);
+        // A lane whose every call costs more than a layer's copies never gets work.
+        let slow_start = LaneCeilings {
+            cpu_fixed_us: 30_000.0,
+            ..h200
+        };
+        assert_eq!(auto_rule(rates(&slow_start), expert, 8), SplitRule::Link);
     }
 
     #[test]
@@ -183,6 +216,7 @@ mod tests {
         let first = LaneCeilings {
             link_gb_s: 50.0,
             cpu_gb_s: 60.0,
+            cpu_fixed_us: 150.0,
             cpu_row_cost: 0.1,
             cpu_threads: 15,
         };
@@ -202,5 +236,17 @@ mod tests {
         let path = store("GPU A", &rewritten).unwrap();
         assert_eq!(load("GPU A"), Some(rewritten));
         assert!(path.starts_with(dir.path()));
+        // An entry without the lane's fixed cost (written by an older ferry) is measured again, the others kept.
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut all: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).unwrap();
+        let old_key = machine_key("GPU B");
+        all.get_mut(&old_key)
+            .unwrap()
+            .as_object_mut()
+            .unwrap()
+            .remove("cpu_fixed_us");
+        std::fs::write(&path, serde_json::to_string(&all).unwrap()).unwrap();
+        assert_eq!(load("GPU B"), None);
+        assert_eq!(load("GPU A"), Some(rewritten));
     }
 }

@@ -46,6 +46,102 @@ __device__ __forceinline__ float block_sum(float v) {
     return total;
 }
 
+// The RMSNorm of one row: out = x / sqrt(mean(x^2) + eps) * weight over its cols values, by the whole block (every
+// thread calls it). Thread i takes columns i, i + blockDim.x, ... and the block sums the squares with block_sum, so
+// wherever it runs with the same block size (add_rms_norm, and the fused residual epilogues below, all at 256
+// threads) the result is the same to the bit. x is read through L2 (ld.global.cg): in a fused epilogue other
+// blocks wrote it.
+__device__ __forceinline__ void block_rms_norm_row(const float* x, const float* __restrict__ weight,
+                                                   float* __restrict__ out, int cols, float eps) {
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = __ldcg(x + i);
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(sum) / cols + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[i] = __ldcg(x + i) * inv * weight[i];
+}
+
+// A product's output value y at index i: stored in out, or, in a fused residual epilogue (residual not null),
+// added to the residual stream, after `shared` (a MoE block's shared expert output, added to the routed sum as
+// add_assign would; null: none). x + (y + shared) is what the unfused ops compute, in that order.
+__device__ __forceinline__ void store_or_add(float y, size_t i, const float* __restrict__ shared, float* residual,
+                                             float* __restrict__ out) {
+    if (residual == nullptr) {
+        out[i] = y;
+        return;
+    }
+    if (shared != nullptr) y += shared[i];
+    residual[i] += y;
+}
+
+// Whether this block is the last of its grid to get here, for a fused epilogue that needs every block's output:
+// each block counts itself on `counter` once its threads' writes are visible device-wide; the last one resets the
+// counter to zero for the next launch (the kernels that use it run in order on one stream) and may then read what
+// every block wrote. Every thread of the block calls it.
+__device__ __forceinline__ bool last_block_done(unsigned int* counter) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// The end of a fused residual epilogue whose blocks each add part of every row: the last block normalises the
+// `rows` rows of the residual (cols wide) into out. Call it at the very end of the kernel, from every thread.
+__device__ __forceinline__ void last_block_rms_norm(const float* residual, const float* __restrict__ weight,
+                                                    float eps, unsigned int* counter, int rows, int cols,
+                                                    float* __restrict__ out) {
+    if (!last_block_done(counter)) return;
+    for (int t = 0; t < rows; ++t)
+        block_rms_norm_row(residual + static_cast<size_t>(t) * cols, weight, out + static_cast<size_t>(t) * cols,
+                           cols, eps);
+}
+
+// For kernels whose blocks take tiles of a batch's slices: slice s has tiles_of(slice_len[s]) tiles (none for a
+// slice the kernel leaves to another), counted slice after slice. Finds the slice holding tile `tile` and the
+// tile's index within it: warp 0 scans the slices 32 at a time and tells the block through `found` (two ints of
+// shared memory). Every thread of the block calls it; false past the last tile.
+template <typename TilesOf>
+__device__ __forceinline__ bool find_slice_tile(const uint32_t* __restrict__ slice_len, int slices, int tile,
+                                                TilesOf tiles_of, int* found, int& slice, int& local) {
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int before = 0;  // tiles of the slices already scanned
+        int result_slice = -1, result_local = 0;
+        for (int base = 0; base < slices && result_slice < 0; base += 32) {
+            const int s = base + lane;
+            const int tiles = s < slices ? tiles_of(static_cast<int>(slice_len[s])) : 0;
+            int inclusive = tiles;
+#pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+                if (lane >= offset) inclusive += up;
+            }
+            const unsigned holds = __ballot_sync(0xffffffffu, s < slices && before + inclusive > tile);
+            if (holds != 0) {
+                const int owner = __ffs(holds) - 1;
+                result_slice = base + owner;
+                result_local = tile - before - __shfl_sync(0xffffffffu, inclusive - tiles, owner);
+            }
+            before += __shfl_sync(0xffffffffu, inclusive, 31);
+        }
+        if (lane == 0) {
+            found[0] = result_slice;
+            found[1] = result_local;
+        }
+    }
+    __syncthreads();
+    slice = found[0];
+    local = found[1];
+    return slice >= 0;
+}
+
 // A warp's weights travel through shared memory in two stages of STAGE_COPIES 16-byte copies per lane (whole
 // k-steps of every row the warp sums), so one stage is in flight while the other is summed. Asynchronous copies
 // are issued ahead of their use whatever the instruction scheduler does, where register loads get scheduled next to
@@ -163,4 +259,69 @@ __device__ __forceinline__ float fp8_e4m3_to_float(uint32_t byte) {
                                         : static_cast<float>(magnitude & 7u) * 0x1p-9f;
     if (magnitude == 0x7fu) value = __uint_as_float(0x7fc00000u);
     return (byte & 0x80u) != 0 ? -value : value;
+}
+
+// Dot products of ROWS E4M3 weight rows of length k (row r's f32 scales at scales[r], one per block_cols columns)
+// with TOKENS f32 activation rows (x + t * k), by one warp: dequantized in registers, accumulated in f32; acc[r][t]
+// ends as the lane's partial sum (the caller reduces across the warp). Aligned rows (16 bytes; k and block_cols
+// multiples of 16) take 16 weights per lane and step and scale each run's sum once (a run never crosses a block);
+// others take one weight at a time. The FP8 expert kernels (moe.cu) and the dense FP8 GEMV (gemv.cu) share it.
+template <int ROWS, int TOKENS>
+__device__ __forceinline__ void warp_rows_dot_fp8(const uint8_t* const (&w)[ROWS], const float* const (&scales)[ROWS],
+                                                  int block_cols, const float* __restrict__ x, int k,
+                                                  float (&acc)[ROWS][TOKENS]) {
+    const int lane = threadIdx.x & 31;
+    uintptr_t addresses = reinterpret_cast<uintptr_t>(x);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(w[r]);
+    if ((addresses & 15) == 0 && (k & 15) == 0 && (block_cols & 15) == 0) {
+        for (int col = lane * 16; col < k; col += 32 * 16) {
+            uint32_t words[ROWS][4];
+            float scale[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const uint4 packed = __ldg(reinterpret_cast<const uint4*>(w[r] + col));
+                words[r][0] = packed.x, words[r][1] = packed.y, words[r][2] = packed.z, words[r][3] = packed.w;
+                scale[r] = scales[r][col / block_cols];
+            }
+#pragma unroll
+            for (int t = 0; t < TOKENS; ++t) {
+                const float* xt = x + static_cast<size_t>(t) * k + col;
+                float xv[16];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float4 v = __ldg(reinterpret_cast<const float4*>(xt) + j);
+                    xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
+                }
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < 16; ++j)
+                        sum = fmaf(fp8_e4m3_to_float(words[r][j / 4] >> (8 * (j % 4))), xv[j], sum);
+                    acc[r][t] = fmaf(sum, scale[r], acc[r][t]);
+                }
+            }
+        }
+    } else {
+        for (int col = lane; col < k; col += 32) {
+#pragma unroll
+            for (int t = 0; t < TOKENS; ++t) {
+                const float xv = x[static_cast<size_t>(t) * k + col];
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r)
+                    acc[r][t] = fmaf(fp8_e4m3_to_float(w[r][col]) * scales[r][col / block_cols], xv, acc[r][t]);
+            }
+        }
+    }
+}
+
+// A weight as two bf16 halves at index i, hi = bf16(value) and lo = bf16(value - hi): cuBLAS's bf16 products of
+// both, summed in f32, keep the weight to 2^-16 where bf16 alone would round it to 2^-8 (how the grouped expert
+// path and the dense FP8 products of more than GEMV_MAX_ROWS rows read FP8 weights).
+__device__ __forceinline__ void store_bf16_halves(float value, size_t i, uint16_t* __restrict__ hi,
+                                                  uint16_t* __restrict__ lo) {
+    const uint16_t high = float_to_bf16(value);
+    hi[i] = high;
+    lo[i] = float_to_bf16(value - bf16_to_float(high));
 }

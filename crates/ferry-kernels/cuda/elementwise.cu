@@ -19,22 +19,17 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     for (int i = threadIdx.x; i < group; i += blockDim.x) og[i] = xg[i] * inv * weight[i];
 }
 
-// x += y, then out = rms_norm(x) * weight, row by row (one block per row): the residual add and the next norm
-// in one pass.
+// x += y, then out = rms_norm(x) * weight, row by row (one block of 256 threads per row): the residual add and the
+// next norm in one pass, with the same arithmetic as the fused residual epilogues of gemv.cu and moe.cu (common.cuh's
+// store_or_add and block_rms_norm_row), so that fused and unfused give the same bits.
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y,
                                         const float* __restrict__ weight, float* __restrict__ out, int cols,
                                         float eps) {
     float* xr = x + static_cast<size_t>(blockIdx.x) * cols;
     const float* yr = y + static_cast<size_t>(blockIdx.x) * cols;
-    float* o = out + static_cast<size_t>(blockIdx.x) * cols;
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = xr[i] + yr[i];
-        xr[i] = v;
-        sum += v * v;
-    }
-    const float inv = 1.0f / sqrtf(block_sum(sum) / cols + eps);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = xr[i] * inv * weight[i];
+    // Each thread normalises the columns it added (block_rms_norm_row's), so it reads back only its own writes.
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) xr[i] += yr[i];
+    block_rms_norm_row(xr, weight, out + static_cast<size_t>(blockIdx.x) * cols, cols, eps);
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, size_t n) {

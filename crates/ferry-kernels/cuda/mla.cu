@@ -43,8 +43,14 @@ extern "C" __global__ void mla_latent_append(const float* __restrict__ compresse
     rotate_rope(in + rank, out + rank, rope_dim, positions[row], inv_freq, interleaved, rope_scale);
 }
 
-// Block per (row, head) of MLA_ATTEND_WARPS warps. kv_b is [heads * (nope + v_dim), rank] bf16: per head its key
-// rows W_k[h], then its value rows W_v[h]. The block
+// kv_b's weight i: bf16, or (an FP8 kv_b_proj, dequantized by mla.rs) the sum of two bf16 halves when lo is not null.
+__device__ __forceinline__ float kv_b_weight(const uint16_t* __restrict__ hi, const uint16_t* __restrict__ lo,
+                                             size_t i) {
+    return lo != nullptr ? bf16_to_float(hi[i]) + bf16_to_float(lo[i]) : bf16_to_float(hi[i]);
+}
+
+// Block per (row, head) of MLA_ATTEND_WARPS warps. kv_b is [heads * (nope + v_dim), rank] bf16 (kv_b_lo null), or
+// two bf16 halves of it: per head its key rows W_k[h], then its value rows W_v[h]. The block
 //   1. takes the head's query into latent space: [W_k[h]^T q_nope, rope(q_rope)] (threads over features of c, so a
 //      warp reads consecutive weights of one row);
 //   2. attends over positions 0..row_pos[row] of the row's sequence (pool rows through its block table): each warp
@@ -54,7 +60,7 @@ extern "C" __global__ void mla_latent_append(const float* __restrict__ compresse
 // rank is a multiple of 32 up to MLA_MAX_RANK. Dynamic shared memory (floats): the latent query (rank + rope_dim),
 // o_c (rank), per warp its partial (rank) and its max and sum.
 extern "C" __global__ void mla_attend(const float* __restrict__ q, const uint16_t* __restrict__ kv_b,
-                                      const float* __restrict__ pool, const uint32_t* __restrict__ row_pos,
+                                      const uint16_t* __restrict__ kv_b_lo, const float* __restrict__ pool, const uint32_t* __restrict__ row_pos,
                                       const uint32_t* __restrict__ row_table, const uint32_t* __restrict__ block_tables,
                                       const float* __restrict__ inv_freq, int interleaved, float rope_scale,
                                       int heads, int rank, int nope, int rope_dim, int v_dim, float scale,
@@ -67,13 +73,12 @@ extern "C" __global__ void mla_attend(const float* __restrict__ q, const uint16_
     float* partial = o_c + rank;
     float* stats = partial + MLA_ATTEND_WARPS * rank;
     const float* q_head = q + (static_cast<size_t>(row) * heads + head) * (nope + rope_dim);
-    const uint16_t* w_k = kv_b + static_cast<size_t>(head) * (nope + v_dim) * rank;
-    const uint16_t* w_v = w_k + static_cast<size_t>(nope) * rank;
+    const size_t w_k = static_cast<size_t>(head) * (nope + v_dim) * rank, w_v = w_k + static_cast<size_t>(nope) * rank;
     const uint32_t pos = row_pos[row];
 
     for (int c = threadIdx.x; c < rank; c += blockDim.x) {
         float acc = 0.0f;
-        for (int i = 0; i < nope; ++i) acc += q_head[i] * bf16_to_float(w_k[static_cast<size_t>(i) * rank + c]);
+        for (int i = 0; i < nope; ++i) acc += q_head[i] * kv_b_weight(kv_b, kv_b_lo, w_k + static_cast<size_t>(i) * rank + c);
         query[c] = acc;
     }
     rotate_rope(q_head + nope, query + rank, rope_dim, pos, inv_freq, interleaved, rope_scale);
@@ -129,7 +134,7 @@ extern "C" __global__ void mla_attend(const float* __restrict__ q, const uint16_
 
     for (int d = warp; d < v_dim; d += MLA_ATTEND_WARPS) {
         float sum = 0.0f;
-        for (int c = lane; c < rank; c += 32) sum += bf16_to_float(w_v[static_cast<size_t>(d) * rank + c]) * o_c[c];
+        for (int c = lane; c < rank; c += 32) sum += kv_b_weight(kv_b, kv_b_lo, w_v + static_cast<size_t>(d) * rank + c) * o_c[c];
         sum = warp_sum(sum);
         if (lane == 0) out[(static_cast<size_t>(row) * heads + head) * v_dim + d] = sum;
     }

@@ -1,167 +1,65 @@
 // The MoE block on the device: the routers (softmax top-k; DeepSeek-V3's grouped sigmoid top-k), and the routed
 // experts of a few tokens (decode) read through a per-layer table of expert pointers, so where an expert lives
 // (resident, or a cache slot) is the table's business alone. An expert's block holds gate [inter, hidden], then up
-// [inter, hidden], then down [hidden, inter] (bf16; FP8 experts, at the end of this file, add their scales).
+// [inter, hidden], then down [hidden, inter] (bf16; FP8 and MXFP4 experts, at the end of this file, add their
+// scales). Experts with biases (gpt-oss) end their block with them in f32, gate's, up's, then down's, from byte
+// `bias_at` (a multiple of 16; -1: no biases).
 #include "common.cuh"
+#include "route.cuh"
 
-constexpr int MAX_EXPERTS_PER_LANE = ROUTER_MAX_EXPERTS / 32;
+static_assert(MOE_WARPS * 32 == 256, "moe_down's fused norm runs at add_rms_norm's block size: the same bits");
 
-// The warp's largest value and its index (the lower index among equals), left in every lane.
-__device__ __forceinline__ void warp_argmax(float& best, int& best_id) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
-        if (other > best || (other == best && other_id < best_id)) {
-            best = other;
-            best_id = other_id;
-        }
-    }
+// The f32 biases of an expert block: gate's [inter], up's [inter], down's [hidden] (null: none).
+__device__ __forceinline__ const float* expert_biases(const void* block, long long bias_at) {
+    return bias_at < 0 ? nullptr : reinterpret_cast<const float*>(static_cast<const uint8_t*>(block) + bias_at);
 }
 
-// One warp per row: softmax over the experts, then the top_k largest in order (ties to the lower id), with
-// weights renormalised over the chosen ones when asked.
+// Feature i of an expert's activation from its gate and up products g and u, as the CPU backend computes it: the
+// biases added (when there are), then silu(g) * u, or gpt-oss's clamped SwiGLU when `clamped`: g = min(g, limit),
+// u clamped to +-limit, (u + 1) * g * sigmoid(alpha * g).
+__device__ __forceinline__ float expert_glu(const float* biases, int inter, int i, float g, float u, int clamped,
+                                            float alpha, float limit) {
+    if (biases != nullptr) {
+        g += biases[i];
+        u += biases[inter + i];
+    }
+    if (!clamped) return g / (1.0f + expf(-g)) * u;
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+}
+
+// Down's product for feature h plus its bias, when the block has biases.
+__device__ __forceinline__ float with_down_bias(const float* biases, int inter, int h, float s) {
+    return biases == nullptr ? s : s + biases[2 * inter + h];
+}
+
+// One warp per row (route.cuh's routers, which the router GEMV's fused epilogue in gemv.cu also runs).
 extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, int num_experts, int top_k,
                                               int renormalize, int* __restrict__ ids, float* __restrict__ weights) {
-    const int r = blockIdx.x, lane = threadIdx.x;
-    const float* row = logits + static_cast<size_t>(r) * num_experts;
-    float e[MAX_EXPERTS_PER_LANE];
-    float local_max = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-        const int x = lane + 32 * i;
-        e[i] = x < num_experts ? row[x] : -INFINITY;
-        local_max = fmaxf(local_max, e[i]);
-    }
-    const float max = warp_max(local_max);
-    float local_sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-        const int x = lane + 32 * i;
-        e[i] = x < num_experts ? expf(e[i] - max) : -1.0f;
-        if (x < num_experts) local_sum += e[i];
-    }
-    const float total = warp_sum(local_sum);
-    float kept = 0.0f;
-    for (int k = 0; k < top_k; ++k) {
-        float best = -1.0f;
-        int best_id = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-            const int x = lane + 32 * i;
-            if (e[i] > best || (e[i] == best && x < best_id)) {
-                best = e[i];
-                best_id = x;
-            }
-        }
-        warp_argmax(best, best_id);
-        const float p = best / total;
-        kept += p;
-        if (lane == 0) {
-            ids[r * top_k + k] = best_id;
-            weights[r * top_k + k] = p;
-        }
-#pragma unroll
-        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i)
-            if (lane + 32 * i == best_id) e[i] = -1.0f;
-    }
-    if (renormalize && lane == 0)
-        for (int k = 0; k < top_k; ++k) weights[r * top_k + k] /= kept;
+    const int r = blockIdx.x;
+    route_row_softmax_topk(logits + static_cast<size_t>(r) * num_experts, num_experts, top_k, renormalize,
+                           ids + r * top_k, weights + r * top_k);
 }
 
-// One warp per row: DeepSeek-V3's and GLM-4.5's router (RouterKind::SigmoidGroupedTopK), as the CPU backend
-// computes it. score = sigmoid(logit) and choice = score + bias[e]; the n_group groups of consecutive experts rank
-// by the sum of their two best choices, the experts of the best topk_group groups (the others are out) give the
-// top_k best choices in order, ties to the lower id (groups likewise); weight = score / (sum of the chosen scores +
-// 1e-20, when renormalize) * scaling.
 extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ logits, const float* __restrict__ bias,
                                                       int num_experts, int n_group, int topk_group, int top_k,
                                                       int renormalize, float scaling, int* __restrict__ ids,
                                                       float* __restrict__ weights) {
-    // A group holds at least two experts, so there are at most ROUTER_MAX_EXPERTS / 2 groups.
-    __shared__ float scores[ROUTER_MAX_EXPERTS];
-    __shared__ float choices[ROUTER_MAX_EXPERTS];
-    __shared__ float group_scores[ROUTER_MAX_EXPERTS / 2];
-    __shared__ int group_kept[ROUTER_MAX_EXPERTS / 2];
-    const int r = blockIdx.x, lane = threadIdx.x;
-    const int group_size = num_experts / n_group;
-    const float* row = logits + static_cast<size_t>(r) * num_experts;
-    for (int x = lane; x < num_experts; x += 32) {
-        const float score = 1.0f / (1.0f + expf(-row[x]));
-        scores[x] = score;
-        choices[x] = score + bias[x];
-    }
-    __syncwarp();
-    for (int g = lane; g < n_group; g += 32) {
-        float first = -INFINITY, second = -INFINITY;
-        for (int j = 0; j < group_size; ++j) {
-            const float v = choices[g * group_size + j];
-            if (v > first) {
-                second = first;
-                first = v;
-            } else if (v > second) {
-                second = v;
-            }
-        }
-        group_scores[g] = first + second;
-        group_kept[g] = 0;
-    }
-    __syncwarp();
-    for (int t = 0; t < topk_group; ++t) {
-        float best = -INFINITY;
-        int best_g = 0x7fffffff;
-        for (int g = lane; g < n_group; g += 32)
-            if (!group_kept[g] && (group_scores[g] > best || (group_scores[g] == best && g < best_g))) {
-                best = group_scores[g];
-                best_g = g;
-            }
-        warp_argmax(best, best_g);
-        // Found unless the scores are NaN; the index stays in bounds even then.
-        best_g = min(best_g, n_group - 1);
-        if (lane == 0) group_kept[best_g] = 1;
-        __syncwarp();
-    }
-    // Each lane's candidates: its experts of the kept groups; an expert chosen or left out is marked taken.
-    float candidate[MAX_EXPERTS_PER_LANE];
-    bool taken[MAX_EXPERTS_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-        const int x = lane + 32 * i;
-        taken[i] = x >= num_experts || !group_kept[x / group_size];
-        candidate[i] = taken[i] ? -INFINITY : choices[x];
-    }
-    float total = 0.0f;
-    for (int k = 0; k < top_k; ++k) {
-        float best = -INFINITY;
-        int best_id = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-            const int x = lane + 32 * i;
-            if (!taken[i] && (candidate[i] > best || (candidate[i] == best && x < best_id))) {
-                best = candidate[i];
-                best_id = x;
-            }
-        }
-        warp_argmax(best, best_id);
-        best_id = min(best_id, num_experts - 1);
-        total += scores[best_id];
-        if (lane == 0) ids[r * top_k + k] = best_id;
-#pragma unroll
-        for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i)
-            if (lane + 32 * i == best_id) taken[i] = true;
-    }
-    const float denominator = renormalize ? total + 1e-20f : 1.0f;
-    if (lane == 0)
-        for (int k = 0; k < top_k; ++k) weights[r * top_k + k] = scores[ids[r * top_k + k]] / denominator * scaling;
+    __shared__ float scratch[router_scratch_floats(ROUTER_MAX_EXPERTS, ROUTER_MAX_EXPERTS / 2)];
+    const int r = blockIdx.x;
+    route_row_sigmoid_grouped(logits + static_cast<size_t>(r) * num_experts, bias, num_experts, n_group, topk_group,
+                              top_k, renormalize, scaling, ids + r * top_k, weights + r * top_k, scratch);
 }
 
-// act[(r * top_k + k), i] = silu(gate_e[i] . x_r) * (up_e[i] . x_r), e = ids[r * top_k + k].
+// act[(r * top_k + k), i] = expert_glu(gate_e[i] . x_r, up_e[i] . x_r), e = ids[r * top_k + k].
 // Grid: (ceil(inter / MOE_WARPS), pairs); one warp per output feature, its gate and up rows read together. Block y
 // takes pair order[y], or pair y when order is null: under offload a step runs the pairs of resident experts
 // first and each copied expert's pairs once its copy has landed, each pair computed exactly as in one launch.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_gate_up(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                const int* __restrict__ order, const uint16_t* const* __restrict__ experts, float* __restrict__ act) {
+                const int* __restrict__ order, const uint16_t* const* __restrict__ experts, long long bias_at,
+                int clamped, float alpha, float limit, float* __restrict__ act) {
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
     const int i = blockIdx.x * MOE_WARPS + warp;
@@ -173,10 +71,32 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     float acc[2][1] = {};
     warp_rows_dot<2, 1>(rows, x + static_cast<size_t>(pair / top_k) * hidden, hidden, hidden, 0, 1, staging[warp], acc);
     const float gs = warp_sum(acc[0][0]), us = warp_sum(acc[1][0]);
-    if ((threadIdx.x & 31) == 0) act[static_cast<size_t>(pair) * inter + i] = gs / (1.0f + expf(-gs)) * us;
+    if ((threadIdx.x & 31) == 0)
+        act[static_cast<size_t>(pair) * inter + i] =
+            expert_glu(expert_biases(block, bias_at), inter, i, gs, us, clamped, alpha, limit);
 }
 
-// out[r, h] = sum_k w[r, k] * (down_e[h] . act[r * top_k + k]), summed in router order.
+// moe_down's last step in every format, once the block's products are in shared memory: each feature's weighted
+// sum of the row's products in router order, stored, or in the fused residual epilogue (residual not null) added
+// with the shared expert's output to the residual stream, whose rows the last block then normalises into out
+// (common.cuh's store_or_add and last_block_rms_norm: add_assign and add_rms_norm's result, to the bit).
+__device__ __forceinline__ void down_finish(const float* products, const float* __restrict__ weights, int r,
+                                            int top_k, int first, int block_features, int hidden,
+                                            const float* __restrict__ shared, float* residual,
+                                            const float* __restrict__ norm, float eps, unsigned int* counter,
+                                            float* __restrict__ out) {
+    __syncthreads();
+    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
+        const int h = first + j;
+        if (h >= hidden) continue;
+        float sum = 0.0f;
+        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
+        store_or_add(sum, static_cast<size_t>(r) * hidden + h, shared, residual, out);
+    }
+    if (residual != nullptr) last_block_rms_norm(residual, norm, eps, counter, gridDim.y, hidden, out);
+}
+
+// out[r, h] = sum_k w[r, k] * (down_e[h] . act[r * top_k + k] + down bias_e[h]), summed in router order.
 // Grid: (ceil(hidden / (feature_groups * MOE_DOWN_ROWS)), rows); dynamic shared memory: top_k * feature_groups *
 // MOE_DOWN_ROWS floats. A block's features form feature_groups groups of MOE_DOWN_ROWS rows; its warps take the
 // (expert, group) items in turn, so the experts of a row are read in parallel rather than one after another, and
@@ -184,8 +104,9 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // keeps every warp busy when top_k is small.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
-             const float* __restrict__ weights, const uint16_t* const* __restrict__ experts, int feature_groups,
-             float* __restrict__ out) {
+             const float* __restrict__ weights, const uint16_t* const* __restrict__ experts, long long bias_at,
+             int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
+             const float* __restrict__ norm, float eps, unsigned int* counter) {
     __shared__ WarpStaging staging[MOE_WARPS];
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -194,45 +115,46 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
         const int k = item / feature_groups, group = item % feature_groups;
         const int pair = r * top_k + k;
-        const uint16_t* down = experts[ids[pair]] + 2 * static_cast<size_t>(inter) * hidden;
+        const uint16_t* block = experts[ids[pair]];
+        const uint16_t* down = block + 2 * static_cast<size_t>(inter) * hidden;
+        const float* biases = expert_biases(block, bias_at);
         // Features past hidden (the last block) repeat feature hidden - 1 and are not stored.
+        int features[MOE_DOWN_ROWS];
         const uint16_t* rows[MOE_DOWN_ROWS];
 #pragma unroll
-        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
-            rows[j] = down + static_cast<size_t>(min(first + group * MOE_DOWN_ROWS + j, hidden - 1)) * inter;
+        for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
+            features[j] = min(first + group * MOE_DOWN_ROWS + j, hidden - 1);
+            rows[j] = down + static_cast<size_t>(features[j]) * inter;
+        }
         float acc[MOE_DOWN_ROWS][1] = {};
         warp_rows_dot<MOE_DOWN_ROWS, 1>(rows, act + static_cast<size_t>(pair) * inter, inter, inter, 0, 1,
                                         staging[warp], acc);
 #pragma unroll
         for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
-            const float s = warp_sum(acc[j][0]);
+            const float s = with_down_bias(biases, inter, features[j], warp_sum(acc[j][0]));
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = s;
         }
     }
-    __syncthreads();
-    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
-        const int h = first + j;
-        if (h >= hidden) continue;
-        float sum = 0.0f;
-        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
-        out[static_cast<size_t>(r) * hidden + h] = sum;
-    }
+    down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
 }
 
-// y[pair, h] = down_e[h] . act[pair], e = ids[pair], for the pairs order[blockIdx.y]: moe_down's products, one
-// (row, k) pair at a time, for the offload's decode path, which runs each copied expert's pairs once its copy has
-// landed; moe_combine then sums a row's products in router order exactly as moe_down does, so the result is the
-// same to the bit. Grid: (ceil(hidden / (MOE_WARPS * MOE_DOWN_ROWS)), pairs of this launch); each warp takes a group
-// of MOE_DOWN_ROWS features, the same groups (multiples of MOE_DOWN_ROWS) as moe_down's.
+// y[pair, h] = down_e[h] . act[pair] + down bias_e[h], e = ids[pair], for the pairs order[blockIdx.y]: moe_down's
+// products, one (row, k) pair at a time, for the offload's decode path, which runs each copied expert's pairs once
+// its copy has landed; moe_combine then sums a row's products in router order exactly as moe_down does, so the
+// result is the same to the bit. Grid: (ceil(hidden / (MOE_WARPS * MOE_DOWN_ROWS)), pairs of this launch); each
+// warp takes a group of MOE_DOWN_ROWS features, the same groups (multiples of MOE_DOWN_ROWS) as moe_down's.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
-                   const int* __restrict__ order, const uint16_t* const* __restrict__ experts, float* __restrict__ y) {
+                   const int* __restrict__ order, const uint16_t* const* __restrict__ experts, long long bias_at,
+                   float* __restrict__ y) {
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
     const int pair = order[blockIdx.y];
     const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
     if (first >= hidden) return;
-    const uint16_t* down = experts[ids[pair]] + 2 * static_cast<size_t>(inter) * hidden;
+    const uint16_t* block = experts[ids[pair]];
+    const uint16_t* down = block + 2 * static_cast<size_t>(inter) * hidden;
+    const float* biases = expert_biases(block, bias_at);
     // Features past hidden (the last group) repeat feature hidden - 1 and are not stored, as in moe_down.
     const uint16_t* rows[MOE_DOWN_ROWS];
 #pragma unroll
@@ -242,12 +164,42 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
                                     acc);
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
-        const float s = warp_sum(acc[j][0]);
+        const float s = with_down_bias(biases, inter, min(first + j, hidden - 1), warp_sum(acc[j][0]));
         if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = s;
     }
 }
 
-// Gathers rows of x: out[i] = x[rows[i]] (the tokens routed to one expert, for its GEMMs in prefill).
+// The grouped path's activation: act[p, i] = expert_glu(gate_up[p, i], gate_up[p, inter + i]) for the n values of
+// act ([pairs, inter]) from the fused product gate_up ([pairs, 2 * inter]), pair p's biases read from the block at
+// pair_blocks[p] (null: no biases).
+extern "C" __global__ void moe_glu_grouped(const float* __restrict__ gate_up, int inter,
+                                           const uint8_t* const* __restrict__ pair_blocks, long long bias_at,
+                                           int clamped, float alpha, float limit, float* __restrict__ act,
+                                           size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const size_t p = i / inter;
+        const int c = static_cast<int>(i % inter);
+        const float* biases = pair_blocks != nullptr ? expert_biases(pair_blocks[p], bias_at) : nullptr;
+        const float* row = gate_up + p * 2 * inter;
+        act[i] = expert_glu(biases, inter, c, row[c], row[inter + c], clamped, alpha, limit);
+    }
+}
+
+// The grouped path's down bias: y[p, h] += down bias of the block at pair_blocks[p], over the n values of y
+// ([pairs, hidden]), as the decode kernels add it to each pair's product before the router-weighted sum.
+extern "C" __global__ void moe_add_down_bias(float* __restrict__ y, int hidden, int inter,
+                                             const uint8_t* const* __restrict__ pair_blocks, long long bias_at,
+                                             size_t n) {
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const size_t p = i / hidden;
+        y[i] = with_down_bias(expert_biases(pair_blocks[p], bias_at), inter, static_cast<int>(i % hidden), y[i]);
+    }
+}
+
+// Gathers rows of x: out[i] = x[rows[i]] (the grouped prefill path's rows into tiles by expert, and its products
+// back into router order).
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const uint32_t* __restrict__ rows,
                                        float* __restrict__ out, int cols) {
     const float* src = x + static_cast<size_t>(rows[blockIdx.x]) * cols;
@@ -258,10 +210,14 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const uint32
 // out[r] = sum_k weights[r, k] * y[r * top_k + k], in router order (the prefill path's combine, and the offload
 // decode path's after moe_down_pairs: the same sum, in the same order, as moe_down's). With the CPU lane, a pair p
 // with host_index[p] >= 0 was computed on the host: its product is row host_index[p] of host_y instead, summed in
-// its place, so the lane's share costs no extra pass over the output (host_index null: every pair is in y).
+// its place, so the lane's share costs no extra pass over the output (host_index null: every pair is in y). With a
+// residual, moe_down's fused epilogue: the sum (plus `shared`) is added to the residual row, which the block then
+// normalises into out, with the same arithmetic as moe_down's last block (one block of 256 threads per row).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights, int top_k,
                                        int hidden, const float* __restrict__ host_y,
-                                       const int* __restrict__ host_index, float* __restrict__ out) {
+                                       const int* __restrict__ host_index, float* __restrict__ out,
+                                       const float* __restrict__ shared, float* residual,
+                                       const float* __restrict__ norm, float eps) {
     const int r = blockIdx.x;
     for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
         float sum = 0.0f;
@@ -272,16 +228,12 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
                                              : y[static_cast<size_t>(pair) * hidden + h];
             sum += weights[pair] * product;
         }
-        out[static_cast<size_t>(r) * hidden + h] = sum;
+        store_or_add(sum, static_cast<size_t>(r) * hidden + h, shared, residual, out);
     }
-}
-
-// Scatters rows of x: out[rows[i]] = x[i] (an expert's results back to their (row, k) slots).
-extern "C" __global__ void scatter_rows(const float* __restrict__ x, const uint32_t* __restrict__ rows,
-                                        float* __restrict__ out, int cols) {
-    const float* src = x + static_cast<size_t>(blockIdx.x) * cols;
-    float* dst = out + static_cast<size_t>(rows[blockIdx.x]) * cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
+    // Each thread normalises the features it added (block_rms_norm_row's), so it reads back only its own writes.
+    if (residual != nullptr)
+        block_rms_norm_row(residual + static_cast<size_t>(r) * hidden, norm, out + static_cast<size_t>(r) * hidden,
+                           hidden, eps);
 }
 
 // ---- FP8 experts ----------------------------------------------------------------------------------------------
@@ -314,48 +266,23 @@ struct Fp8Layout {
 };
 
 // Dot products of ROWS rows of matrix m of an FP8 expert block with the f32 activations x (cols(m) values), by
-// one warp; acc[r] ends as the lane's partial sum (the caller reduces across the warp). Aligned rows take 16
-// weights per lane and step (a whole block of scale per 16 when block_cols is a multiple of 16); others one.
+// one warp (common.cuh's warp_rows_dot_fp8 over the rows and their scales); acc[r] ends as the lane's partial sum
+// (the caller reduces across the warp).
 template <int ROWS>
-__device__ __forceinline__ void warp_rows_dot_fp8(const Fp8Layout& layout, const uint8_t* block, int m,
-                                                  const int (&rows)[ROWS], const float* __restrict__ x,
-                                                  float (&acc)[ROWS]) {
-    const int lane = threadIdx.x & 31, k = layout.cols(m), bc = layout.block_cols(m);
+__device__ __forceinline__ void expert_rows_dot_fp8(const Fp8Layout& layout, const uint8_t* block, int m,
+                                                    const int (&rows)[ROWS], const float* __restrict__ x,
+                                                    float (&acc)[ROWS]) {
     const uint8_t* w[ROWS];
     const float* scales[ROWS];
-    uintptr_t addresses = reinterpret_cast<uintptr_t>(x);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         w[r] = layout.row(block, m, rows[r]);
         scales[r] = layout.scale_row(block, m, rows[r]);
-        addresses |= reinterpret_cast<uintptr_t>(w[r]);
     }
-    if ((addresses & 15) == 0 && (k & 15) == 0 && (bc & 15) == 0) {
-        for (int col = lane * 16; col < k; col += 32 * 16) {
-            float xv[16];
+    float sums[ROWS][1] = {};
+    warp_rows_dot_fp8<ROWS, 1>(w, scales, layout.block_cols(m), x, layout.cols(m), sums);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float4 v = __ldg(reinterpret_cast<const float4*>(x + col) + j);
-                xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
-            }
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                const uint4 packed = __ldg(reinterpret_cast<const uint4*>(w[r] + col));
-                const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-                float sum = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 16; ++j) sum = fmaf(fp8_e4m3_to_float(words[j / 4] >> (8 * (j % 4))), xv[j], sum);
-                acc[r] = fmaf(sum, scales[r][col / bc], acc[r]);
-            }
-        }
-    } else {
-        for (int col = lane; col < k; col += 32) {
-            const float xv = x[col];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r)
-                acc[r] = fmaf(fp8_e4m3_to_float(w[r][col]) * scales[r][col / bc], xv, acc[r]);
-        }
-    }
+    for (int r = 0; r < ROWS; ++r) acc[r] = sums[r][0];
 }
 
 // moe_gate_up for FP8 expert blocks: the same grid, pairs and output.
@@ -372,8 +299,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     const float* xr = x + static_cast<size_t>(pair / top_k) * hidden;
     const int row[1] = {i};
     float gate[1] = {}, up[1] = {};
-    warp_rows_dot_fp8<1>(layout, block, 0, row, xr, gate);
-    warp_rows_dot_fp8<1>(layout, block, 1, row, xr, up);
+    expert_rows_dot_fp8<1>(layout, block, 0, row, xr, gate);
+    expert_rows_dot_fp8<1>(layout, block, 1, row, xr, up);
     const float gs = warp_sum(gate[0]), us = warp_sum(up[0]);
     if ((threadIdx.x & 31) == 0) act[static_cast<size_t>(pair) * inter + i] = gs / (1.0f + expf(-gs)) * us;
 }
@@ -386,7 +313,7 @@ __device__ __forceinline__ void down_rows_fp8(const Fp8Layout& layout, const uin
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = min(first + j, layout.hidden - 1);
     float acc[MOE_DOWN_ROWS] = {};
-    warp_rows_dot_fp8<MOE_DOWN_ROWS>(layout, block, 2, rows, act_pair, acc);
+    expert_rows_dot_fp8<MOE_DOWN_ROWS>(layout, block, 2, rows, act_pair, acc);
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_ROWS; ++j) sums[j] = warp_sum(acc[j]);
 }
@@ -396,7 +323,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_fp8(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
                  const float* __restrict__ weights, const uint8_t* const* __restrict__ experts,
                  int gate_up_block_rows, int gate_up_block_cols, int down_block_rows, int down_block_cols,
-                 int feature_groups, float* __restrict__ out) {
+                 int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
+             const float* __restrict__ norm, float eps, unsigned int* counter) {
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -412,14 +340,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
         for (int j = 0; j < MOE_DOWN_ROWS; ++j)
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
     }
-    __syncthreads();
-    for (int j = threadIdx.x; j < block_features; j += blockDim.x) {
-        const int h = first + j;
-        if (h >= hidden) continue;
-        float sum = 0.0f;
-        for (int k = 0; k < top_k; ++k) sum += weights[r * top_k + k] * products[k * block_features + j];
-        out[static_cast<size_t>(r) * hidden + h] = sum;
-    }
+    down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
 }
 
 // moe_down_pairs for FP8 expert blocks: the same grid and products as moe_down_fp8's, one pair at a time.
@@ -440,10 +361,9 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
         if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = sums[j];
 }
 
-// Matrices first..first + count - 1 of an FP8 expert block dequantized to two bf16 halves, hi = bf16(w) and lo =
-// bf16(w - hi), back to back in each (gate and up as one [2 * inter, hidden] matrix, or down): the grouped prefill
-// path runs both through the same cuBLAS products as bf16 experts and adds them, which keeps the weights to 2^-16
-// (an E4M3 value times a bf16 scale exactly) where bf16 alone would round each to 2^-8. A grid-stride loop over
+// Matrices first..first + count - 1 of an FP8 expert block dequantized to two bf16 halves (common.cuh's
+// store_bf16_halves), back to back in each (gate and up as one [2 * inter, hidden] matrix, or down): the grouped
+// prefill path runs both through the same cuBLAS products as bf16 experts and adds them. A grid-stride loop over
 // their inter * hidden * count values.
 extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ block, int hidden, int inter,
                                                  int gate_up_block_rows, int gate_up_block_cols,
@@ -459,9 +379,177 @@ extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ blo
         const int cols = layout.cols(m);
         const int r = static_cast<int>(within / cols), c = static_cast<int>(within % cols);
         const float scale = layout.scale_row(block, m, r)[c / layout.block_cols(m)];
-        const float value = fp8_e4m3_to_float(layout.row(block, m, r)[c]) * scale;
-        const uint16_t high = float_to_bf16(value);
-        hi[i] = high;
-        lo[i] = float_to_bf16(value - bf16_to_float(high));
+        store_bf16_halves(fp8_e4m3_to_float(layout.row(block, m, r)[c]) * scale, i, hi, lo);
+    }
+}
+
+// ---- MXFP4 experts ---------------------------------------------------------------------------------------------
+// An MXFP4 expert's block (gpt-oss): gate [inter, hidden], up [inter, hidden], down [hidden, inter], each packed as
+// loader/mxfp4.rs packs a matrix (every row's e2m1 values, two per byte, the low nibble first, then every row's
+// e8m0 scales, one per 32 values along the row) and padded to a multiple of 16 bytes; then the f32 biases (from
+// bias_at). hidden and inter are multiples of 32, so every row's values start 16-byte aligned. A weight is its
+// e2m1 value times its group's power of two: the decode kernels sum each group of 32 products of e2m1 values and
+// activations, then scale the sum (exact, a power of two); the grouped path widens experts to bf16, exactly.
+struct Mxfp4Layout {
+    int inter, hidden;
+
+    // Rows and columns of matrix m (0 gate, 1 up, 2 down).
+    __device__ __forceinline__ int rows(int m) const { return m < 2 ? inter : hidden; }
+    __device__ __forceinline__ int cols(int m) const { return m < 2 ? hidden : inter; }
+    __device__ __forceinline__ size_t matrix_bytes() const {
+        return (static_cast<size_t>(inter) * hidden / 32 * 17 + 15) / 16 * 16;
+    }
+
+    // Row r of matrix m: its packed values, and its scales.
+    __device__ __forceinline__ const uint8_t* values(const uint8_t* block, int m, int r) const {
+        return block + m * matrix_bytes() + static_cast<size_t>(r) * cols(m) / 2;
+    }
+    __device__ __forceinline__ const uint8_t* scales(const uint8_t* block, int m, int r) const {
+        return block + m * matrix_bytes() + static_cast<size_t>(rows(m)) * cols(m) / 2 +
+               static_cast<size_t>(r) * (cols(m) / 32);
+    }
+};
+
+// An e2m1 nibble (sign, two exponent bits, one mantissa bit) as f32, exactly: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
+// their negatives.
+__device__ __forceinline__ float e2m1_to_float(uint32_t nibble) {
+    const uint32_t exponent = (nibble >> 1) & 3u, mantissa = nibble & 1u;
+    const float magnitude =
+        exponent != 0 ? __uint_as_float(((exponent + 126u) << 23) | (mantissa << 22)) : 0.5f * mantissa;
+    return (nibble & 8u) != 0 ? -magnitude : magnitude;
+}
+
+// An e8m0 scale, 2^(byte - 127), as f32 (byte 0 is the subnormal 2^-127; 255 infinity, as the CPU reads it).
+__device__ __forceinline__ float e8m0_to_float(uint32_t byte) {
+    return byte == 0 ? __uint_as_float(1u << 22) : __uint_as_float(byte << 23);
+}
+
+// Dot products of ROWS rows of matrix m of an MXFP4 expert block with the f32 activations x (cols(m) values,
+// 16-byte aligned), by one warp, a group of 32 weights per lane and step (16 bytes of values, one scale); acc[r]
+// ends as the lane's partial sum (the caller reduces across the warp).
+template <int ROWS>
+__device__ __forceinline__ void warp_rows_dot_mxfp4(const Mxfp4Layout& layout, const uint8_t* block, int m,
+                                                    const int (&rows)[ROWS], const float* __restrict__ x,
+                                                    float (&acc)[ROWS]) {
+    const int lane = threadIdx.x & 31, groups = layout.cols(m) / 32;
+    for (int g = lane; g < groups; g += 32) {
+        float xv[32];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(x + g * 32) + j);
+            xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const uint4 packed = __ldg(reinterpret_cast<const uint4*>(layout.values(block, m, rows[r])) + g);
+            const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const uint32_t byte = words[j / 4] >> (8 * (j % 4));
+                sum = fmaf(e2m1_to_float(byte & 15u), xv[2 * j], sum);
+                sum = fmaf(e2m1_to_float((byte >> 4) & 15u), xv[2 * j + 1], sum);
+            }
+            acc[r] = fmaf(sum, e8m0_to_float(layout.scales(block, m, rows[r])[g]), acc[r]);
+        }
+    }
+}
+
+// moe_gate_up for MXFP4 expert blocks: the same grid, pairs and output.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_gate_up_mxfp4(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
+                      const int* __restrict__ order, const uint8_t* const* __restrict__ experts, long long bias_at,
+                      int clamped, float alpha, float limit, float* __restrict__ act) {
+    const Mxfp4Layout layout{inter, hidden};
+    const int warp = threadIdx.x >> 5;
+    const int i = blockIdx.x * MOE_WARPS + warp;
+    const int pair = order != nullptr ? order[blockIdx.y] : blockIdx.y;
+    if (i >= inter) return;
+    const uint8_t* block = experts[ids[pair]];
+    const float* xr = x + static_cast<size_t>(pair / top_k) * hidden;
+    const int row[1] = {i};
+    float gate[1] = {}, up[1] = {};
+    warp_rows_dot_mxfp4<1>(layout, block, 0, row, xr, gate);
+    warp_rows_dot_mxfp4<1>(layout, block, 1, row, xr, up);
+    const float gs = warp_sum(gate[0]), us = warp_sum(up[0]);
+    if ((threadIdx.x & 31) == 0)
+        act[static_cast<size_t>(pair) * inter + i] =
+            expert_glu(expert_biases(block, bias_at), inter, i, gs, us, clamped, alpha, limit);
+}
+
+// The MOE_DOWN_ROWS features from `first` of down_e . act plus the down bias for one (row, k) pair, by one warp:
+// features past hidden repeat feature hidden - 1 (moe_down_mxfp4 and moe_down_pairs_mxfp4 share it, so both sum
+// the same products).
+__device__ __forceinline__ void down_rows_mxfp4(const Mxfp4Layout& layout, const uint8_t* block, long long bias_at,
+                                                int first, const float* act_pair, float (&sums)[MOE_DOWN_ROWS]) {
+    int rows[MOE_DOWN_ROWS];
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = min(first + j, layout.hidden - 1);
+    float acc[MOE_DOWN_ROWS] = {};
+    warp_rows_dot_mxfp4<MOE_DOWN_ROWS>(layout, block, 2, rows, act_pair, acc);
+    const float* biases = expert_biases(block, bias_at);
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) sums[j] = with_down_bias(biases, layout.inter, rows[j], warp_sum(acc[j]));
+}
+
+// moe_down for MXFP4 expert blocks: the same grid, shared memory and router-order sum.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down_mxfp4(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
+                   const float* __restrict__ weights, const uint8_t* const* __restrict__ experts, long long bias_at,
+                   int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
+             const float* __restrict__ norm, float eps, unsigned int* counter) {
+    const Mxfp4Layout layout{inter, hidden};
+    extern __shared__ float products[];  // [top_k][block_features]
+    const int warp = threadIdx.x >> 5, r = blockIdx.y;
+    const int block_features = feature_groups * MOE_DOWN_ROWS;
+    const int first = blockIdx.x * block_features;
+    for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
+        const int k = item / feature_groups, group = item % feature_groups;
+        const int pair = r * top_k + k;
+        float sums[MOE_DOWN_ROWS];
+        down_rows_mxfp4(layout, experts[ids[pair]], bias_at, first + group * MOE_DOWN_ROWS,
+                        act + static_cast<size_t>(pair) * inter, sums);
+#pragma unroll
+        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+            if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
+    }
+    down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
+}
+
+// moe_down_pairs for MXFP4 expert blocks: the same grid and products as moe_down_mxfp4's, one pair at a time.
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down_pairs_mxfp4(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
+                         const int* __restrict__ order, const uint8_t* const* __restrict__ experts,
+                         long long bias_at, float* __restrict__ y) {
+    const Mxfp4Layout layout{inter, hidden};
+    const int warp = threadIdx.x >> 5;
+    const int pair = order[blockIdx.y];
+    const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
+    if (first >= hidden) return;
+    float sums[MOE_DOWN_ROWS];
+    down_rows_mxfp4(layout, experts[ids[pair]], bias_at, first, act + static_cast<size_t>(pair) * inter, sums);
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+        if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = sums[j];
+}
+
+// Matrices first..first + count - 1 of an MXFP4 expert block widened to bf16, back to back (gate and up as one
+// [2 * inter, hidden] matrix, or down), for the grouped path's cuBLAS products: exact, since an e2m1 value times a
+// power of two is a bf16 number (2 significant bits, f32's exponent range). A grid-stride loop over their
+// inter * hidden * count values.
+extern "C" __global__ void dequantize_mxfp4_expert(const uint8_t* __restrict__ block, int hidden, int inter,
+                                                   int first, int count, uint16_t* __restrict__ out) {
+    const Mxfp4Layout layout{inter, hidden};
+    const size_t per_matrix = static_cast<size_t>(inter) * hidden;
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < per_matrix * count;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const int m = first + static_cast<int>(i / per_matrix);
+        const size_t within = i % per_matrix;
+        const int cols = layout.cols(m);
+        const int r = static_cast<int>(within / cols), c = static_cast<int>(within % cols);
+        const uint32_t byte = layout.values(block, m, r)[c / 2];
+        const float scale = e8m0_to_float(layout.scales(block, m, r)[c / 32]);
+        const float value = e2m1_to_float(c % 2 == 0 ? byte & 15u : byte >> 4) * scale;
+        out[i] = float_to_bf16(value);
     }
 }

@@ -22,6 +22,9 @@ kernel_constants! {
     MOE_DOWN_ROWS: usize = 4;
     /// Experts the router kernel handles: one warp, 16 per lane.
     ROUTER_MAX_EXPERTS: usize = 512;
+    /// Floats of scratch a warp of the fused router GEMV (gemv.cu's gemv_route_R) has for the grouped sigmoid
+    /// router, in its 4 KiB of staging slots: 2 x experts + 2 x groups must fit (route.cuh).
+    FUSED_ROUTER_SCRATCH_FLOATS: usize = 1024;
 
     /// Tokens per block of the paged KV cache.
     KV_BLOCK_SIZE: usize = 16;
@@ -38,6 +41,13 @@ kernel_constants! {
     ATTENTION_MAX_SPLITS: usize = 256;
     /// Threads per block of attention_combine.
     ATTENTION_COMBINE_THREADS: usize = 128;
+
+    /// M-rows ((query row, head) pairs) per warp of the flash prefill attention: one m16 tensor-core tile.
+    FLASH_WARP_ROWS: usize = 16;
+    /// Key features per key tile of the flash prefill attention (keys per tile times the padded head dim).
+    FLASH_TILE_FEATURES: usize = 4096;
+    /// Keys per tile of the flash prefill attention at most (the tile of heads of 64 and smaller).
+    FLASH_MAX_KEYS_PER_TILE: usize = 64;
 
     /// The largest compressed kv of multi-head latent attention (DeepSeek-V3's 512): an mla_attend lane keeps
     /// `MLA_MAX_RANK / 32` accumulators.

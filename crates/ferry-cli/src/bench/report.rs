@@ -4,7 +4,7 @@
 use ferry_core::backend::profiled::OpTime;
 use ferry_core::engine::plan::MemoryPlan;
 use ferry_core::model::ModelInfo;
-use ferry_core::moe::OffloadStats;
+use ferry_core::moe::{CalibratedRates, OffloadStats};
 use serde::Serialize;
 
 /// The memory the all-resident bound is computed against.
@@ -51,6 +51,11 @@ pub(super) struct OffloadReport {
     host_bytes_per_token: f64,
     link_gb_s: f64,
     host_gb_s: f64,
+    /// What the CPU lane's jobs cost the pipeline per decoded token (from each job's start to the stream's
+    /// release), beside the lane's own busy time in `host_gb_s`.
+    host_pipeline_ms_per_token: f64,
+    /// Under `--moe-strategy auto`, the planner's rates as calibrated by the end of the run.
+    calibrated: Option<CalibratedRates>,
 }
 
 #[derive(Debug, Serialize)]
@@ -168,6 +173,8 @@ pub(super) fn offload_report(
             after.link_ns - before.link_ns,
         ),
         host_gb_s: lane_gb_s(after.host_bytes - before.host_bytes, after.host_ns - before.host_ns),
+        host_pipeline_ms_per_token: (after.host_pipeline_ns - before.host_pipeline_ns) as f64 / 1e6 / tokens as f64,
+        calibrated: after.calibrated,
     })
 }
 

@@ -11,6 +11,8 @@ pub mod cpu;
 pub mod cuda;
 pub mod profiled;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::kv::{KvCache, KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::moe::OffloadStats;
@@ -22,6 +24,24 @@ pub struct SeqSlice {
     pub seq: SeqId,
     pub start_pos: usize,
     pub len: usize,
+}
+
+/// What [`Backend::run_forward`] knows of a forward pass besides its closure: the rows' token ids and slices, who
+/// runs it (`owner`: one id per model and KV cache, so that a step captured for one is never replayed for another)
+/// and the width of the logits it returns.
+pub struct ForwardStep<'a> {
+    pub ids: &'a [u32],
+    pub batch: &'a [SeqSlice],
+    pub owner: u64,
+    pub logits_width: usize,
+}
+
+impl ForwardStep<'_> {
+    /// An owner id no other model and cache of this process has.
+    pub fn new_owner() -> u64 {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    }
 }
 
 /// The positions of every row of a batch, in order.
@@ -224,6 +244,15 @@ pub struct Router<'a, W> {
     pub correction_bias: Option<&'a W>,
 }
 
+/// Where the fused ops put their result ([`Backend::linear_add_rms_norm`], [`Backend::moe_experts_add_rms_norm`]):
+/// added to the residual stream `residual`, whose rows are then RMS-normalised times `weight`, as
+/// [`Backend::add_rms_norm`] does: a layer's last product, the residual add and the next norm in one op.
+pub struct ResidualNorm<'a, T, W> {
+    pub residual: &'a mut T,
+    pub weight: &'a W,
+    pub eps: f32,
+}
+
 /// What an expert computes between its gate/up projections and its down projection.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ExpertActivation {
@@ -301,6 +330,18 @@ pub trait Backend: Send + Sync + Sized {
     /// Reserves KV room for the batch's new tokens and prepares its per-row positions and slots; fails (before
     /// any work) when a sequence is unknown, out of step with the batch, or the cache is full.
     fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Result<Self::Batch>;
+    /// Runs one forward pass of `step` over `kv`: `forward` itself (the default), or, on a backend that captures
+    /// decode steps (the CUDA backend's graphs, backend/cuda/graph.rs), a replay of what `forward` issued for an
+    /// earlier step of the same shape, the step's inputs uploaded first. `forward` must be the model's whole forward
+    /// pass over `kv` for `step.ids` and `step.batch`, with nothing read back to the host in between.
+    fn run_forward(
+        &self,
+        kv: &mut Self::Kv,
+        _step: &ForwardStep<'_>,
+        forward: &mut dyn FnMut(&mut Self::Kv) -> Result<Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        forward(kv)
+    }
     /// Copies `seq`'s recurrent state (every Gated DeltaNet layer's conv and delta-rule state) into the cache's
     /// snapshot slot `slot`, replacing what the slot held: prefix caching's anchor for a hybrid model. Ordered
     /// after every op issued before it.
@@ -330,6 +371,19 @@ pub trait Backend: Send + Sync + Sized {
         weight: &Self::Weight,
         eps: f32,
     ) -> Result<Self::Tensor>;
+    /// [`Backend::linear`] of `x`, added to `into`'s residual and normalised ([`Backend::add_rms_norm`]); returns the
+    /// normalised rows: a layer's output projection, the residual add and the next norm in one op. The default is
+    /// that composition; a backend that fuses must match it.
+    fn linear_add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        into: ResidualNorm<'_, Self::Tensor, Self::Weight>,
+    ) -> Result<Self::Tensor> {
+        let y = self.linear(x, w, bias)?;
+        self.add_rms_norm(into.residual, &y, into.weight, into.eps)
+    }
     /// `silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// Scales `x` by the sigmoid of `gate`: per row (`gate` `[rows, 1]`: `x[r, c] *= sigmoid(gate[r, 0])`, the
@@ -423,12 +477,40 @@ pub trait Backend: Send + Sync + Sized {
     ) -> Result<Self::Tensor>;
     /// Router logits `[rows, experts]` to each row's top-k experts and weights.
     fn route(&self, logits: &Self::Tensor, router: Router<'_, Self::Weight>) -> Result<Self::Routing>;
+    /// [`Backend::route`] of the router's logits `x W^T (+ bias)`: the router's product and its top-k in one op (on
+    /// the GPU one launch for a decode step). The default is that composition; a backend that fuses must match it.
+    fn route_linear(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        router: Router<'_, Self::Weight>,
+    ) -> Result<Self::Routing> {
+        self.route(&self.linear(x, w, bias)?, router)
+    }
     /// The routed expert ids, `[rows * top_k]`, on the host (to record a routing trace).
     fn routing_to_host(&self, routing: &Self::Routing) -> Result<Vec<u32>>;
     /// A routing from the host: `ids` and `weights` are `[rows * top_k]` (to replay a routing trace).
     fn routing_from_host(&self, ids: &[u32], weights: &[f32], top_k: usize) -> Result<Self::Routing>;
     /// `sum_k weight_k * expert_k(x)` for each row, summed in router order: the routed part of a MoE block.
     fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor>;
+    /// [`Backend::moe_experts`], plus `shared` (`[rows, hidden]`, a shared expert's output) when given, added to
+    /// `into`'s residual and normalised ([`Backend::add_rms_norm`]); returns the normalised rows. The default is that
+    /// composition (`add_assign` of `shared`, then `add_rms_norm`); a backend that fuses must match it.
+    fn moe_experts_add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        routing: &Self::Routing,
+        experts: &Self::Experts,
+        shared: Option<&Self::Tensor>,
+        into: ResidualNorm<'_, Self::Tensor, Self::Weight>,
+    ) -> Result<Self::Tensor> {
+        let mut out = self.moe_experts(x, routing, experts)?;
+        if let Some(shared) = shared {
+            self.add_assign(&mut out, shared)?;
+        }
+        self.add_rms_norm(into.residual, &out, into.weight, into.eps)
+    }
     /// Whether the MoE blocks of a step of `rows` rows should hand [`Backend::guess_routing`] a guess of the next
     /// MoE layer's routing: only a backend that can copy experts ahead of their use (expert offload) wants one, so
     /// that no other pays for the guess.

@@ -7,8 +7,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, MlaParams, QkNormWeights, Rope, Router,
-    RouterKind, SeqSlice,
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, MlaParams, QkNormWeights, ResidualNorm,
+    Rope, Router, RouterKind, SeqSlice,
 };
 use crate::kv::{KvSpec, SeqId};
 use crate::loader::TensorRef;
@@ -133,6 +133,8 @@ impl<B: Backend> Backend for Profiled<'_, B> {
         fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> ();
         fn add_rms_norm(&self, x: &mut Self::Tensor, y: &Self::Tensor, weight: &Self::Weight, eps: f32)
             -> Self::Tensor;
+        fn linear_add_rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>,
+            into: ResidualNorm<'_, Self::Tensor, Self::Weight>) -> Self::Tensor;
         fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
         fn sigmoid_gate(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> ();
         fn attention(&self, qkv: &Self::Tensor, qk_norm: Option<QkNormWeights<'_, Self::Weight>>,
@@ -147,9 +149,13 @@ impl<B: Backend> Backend for Profiled<'_, B> {
             dt_bias: &Self::Weight, kv: &mut Self::Kv, layer: usize, batch: &Self::Batch, params: &DeltaRuleParams)
             -> Self::Tensor;
         fn route(&self, logits: &Self::Tensor, router: Router<'_, Self::Weight>) -> Self::Routing;
+        fn route_linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>,
+            router: Router<'_, Self::Weight>) -> Self::Routing;
         fn routing_to_host(&self, routing: &Self::Routing) -> Vec<u32>;
         fn routing_from_host(&self, ids: &[u32], weights: &[f32], top_k: usize) -> Self::Routing;
         fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Self::Tensor;
+        fn moe_experts_add_rms_norm(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts,
+            shared: Option<&Self::Tensor>, into: ResidualNorm<'_, Self::Tensor, Self::Weight>) -> Self::Tensor;
         fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
     }
 }

@@ -4,7 +4,7 @@
 use std::borrow::Borrow;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, SeqSlice};
+use crate::backend::{Backend, ForwardStep, SeqSlice};
 use crate::kv::{KvCache, SeqId};
 use crate::model::Model;
 use crate::moe::{OffloadStats, RoutingTap};
@@ -38,6 +38,9 @@ pub struct ModelExecutor<'t, B: Backend, Be: Borrow<B> = B> {
     tap: Option<&'t mut (dyn RoutingTap + Send)>,
     /// Time spent issuing forward passes, not counting the wait for their logits.
     issue_time: Duration,
+    /// This executor's id among the process's: a backend replays a step it captured only for the same model and
+    /// cache ([`ForwardStep::owner`]).
+    owner: u64,
 }
 
 impl<'t, B: Backend, Be: Borrow<B>> ModelExecutor<'t, B, Be> {
@@ -48,6 +51,7 @@ impl<'t, B: Backend, Be: Borrow<B>> ModelExecutor<'t, B, Be> {
             kv,
             tap: None,
             issue_time: Duration::ZERO,
+            owner: ForwardStep::new_owner(),
         }
     }
 
@@ -80,8 +84,24 @@ impl<B: Backend, Be: Borrow<B> + Send> Executor for ModelExecutor<'_, B, Be> {
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>> {
         let backend = self.backend.borrow();
         let issued = Instant::now();
-        let tap = self.tap.as_deref_mut().map(|t| t as &mut dyn RoutingTap);
-        let logits = self.model.forward_routed(backend, ids, batch, &mut self.kv, tap)?;
+        let logits = match self.tap.as_deref_mut() {
+            // A tap reads routes on the host in the middle of the pass: eager.
+            Some(tap) => self
+                .model
+                .forward_routed(backend, ids, batch, &mut self.kv, Some(tap))?,
+            None => {
+                // Checked here too: a replayed step does not run the model's own checks.
+                self.model.check_batch(ids, batch)?;
+                let step = ForwardStep {
+                    ids,
+                    batch,
+                    owner: self.owner,
+                    logits_width: self.model.spec.vocab_size,
+                };
+                let model = &self.model;
+                backend.run_forward(&mut self.kv, &step, &mut |kv| model.forward(backend, ids, batch, kv))?
+            }
+        };
         self.issue_time += issued.elapsed();
         backend.to_host(&logits)
     }

@@ -244,8 +244,15 @@ mod tests {
     /// The model of a config.json, by its path from the repository root, with its routed experts in FP8 when the
     /// config's quantization_config says so.
     fn model(config: &str) -> (ModelInfo, ModelSpec) {
+        model_of(read_config(config))
+    }
+
+    fn read_config(config: &str) -> serde_json::Value {
         let text = std::fs::read_to_string(format!("{}/../../{config}", env!("CARGO_MANIFEST_DIR"))).unwrap();
-        let config: serde_json::Value = serde_json::from_str(&text).unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+
+    fn model_of(config: serde_json::Value) -> (ModelInfo, ModelSpec) {
         let spec = spec_for(config["model_type"].as_str().unwrap(), &config).unwrap();
         let format = WeightFormat {
             dtype: DType::BF16,
@@ -309,6 +316,34 @@ mod tests {
         assert!(
             fp8_slots as f64 >= 1.9 * bf16_slots as f64,
             "{fp8_slots} FP8 slots against {bf16_slots} bf16"
+        );
+    }
+
+    /// gpt-oss-120b's MXFP4 experts (17 bytes per 32 weights, and f32 biases) against the same model in bf16:
+    /// the budget holds about 3.8 times the slots.
+    #[test]
+    fn mxfp4_experts_fit_about_four_times_the_slots_of_bf16() {
+        let (mxfp4, spec) = model("bench/gptoss120.json");
+        let mut config = read_config("bench/gptoss120.json");
+        config.as_object_mut().unwrap().remove("quantization_config");
+        let (bf16, _) = model_of(config);
+        let biases = 4 * (2 * 2880 + 2880);
+        assert_eq!(mxfp4.bytes_per_expert, 3 * 2880 * 2880 / 32 * 17 + biases);
+        assert_eq!(bf16.bytes_per_expert, 3 * 2880 * 2880 * 2 + biases);
+        let slots = |info: &ModelInfo| {
+            plan_memory(info, &spec, &request("22.3GiB", OffloadMode::Auto, None))
+                .unwrap()
+                .slots
+        };
+        let (bf16_slots, mxfp4_slots) = (slots(&bf16), slots(&mxfp4));
+        assert!(
+            bf16_slots >= 128,
+            "{bf16_slots} bf16 slots: fewer than one layer's experts"
+        );
+        let ratio = mxfp4_slots as f64 / bf16_slots as f64;
+        assert!(
+            (3.7..3.8).contains(&ratio),
+            "{mxfp4_slots} MXFP4 slots against {bf16_slots} bf16"
         );
     }
 

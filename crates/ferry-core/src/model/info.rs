@@ -117,9 +117,10 @@ impl ModelInfo {
             (None, Some(true)) => DType::Mxfp4.bytes_for(expert_params as usize) as u64,
             (None, _) => expert_params * bytes,
         };
-        // gpt-oss's experts also carry f32 gate and up biases and a down bias in the stored dtype.
+        // gpt-oss's experts also carry gate, up and down biases, counted in f32 as the GPU's expert blocks hold
+        // them (the CPU keeps the down bias in the stored dtype: 2 bytes per feature fewer).
         let bytes_per_expert = match gpt_oss_experts {
-            Some(_) => expert_weight_bytes + 4 * 2 * moe_inter + bytes * h,
+            Some(_) => expert_weight_bytes + 4 * (2 * moe_inter + h),
             None => expert_weight_bytes,
         };
         ModelInfo {

@@ -1,6 +1,8 @@
 //! The building blocks every family's decoder is made of: attention (GQA, RoPE, optional biases, q/k norms,
 //! output gate and window), Gated DeltaNet, the SwiGLU MLP, and the MoE block (router of any [`RouterKind`],
-//! routed experts of any activation, optional shared expert, sigmoid-gated or added as is).
+//! routed experts of any activation, optional shared expert, sigmoid-gated or added as is). Each block's forward
+//! ends by adding its output to the residual stream and normalising it for what comes next ([`Residual`]), so that
+//! a backend can fuse the block's last product with both.
 
 use std::ops::Range;
 
@@ -8,10 +10,15 @@ use super::config::{
     ExpertLayout, ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm,
     STANDARD_EXPERTS,
 };
-use crate::backend::{AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, Router, RouterKind};
+use crate::backend::{
+    AttentionParams, Backend, DeltaRuleParams, ExpertTensors, QkNormWeights, ResidualNorm, Router, RouterKind,
+};
 use crate::loader::{TensorRef, WeightStore};
 use crate::moe::RoutingTap;
 use crate::{Error, Result};
+
+/// The residual stream a block's output is added to, and the norm applied after it.
+pub type Residual<'a, B> = ResidualNorm<'a, <B as Backend>::Tensor, <B as Backend>::Weight>;
 
 /// Loads weights by name, checks their shapes, and hands them to the backend.
 pub struct WeightLoader<'a, B: Backend> {
@@ -160,6 +167,7 @@ impl<B: Backend> Attention<B> {
         })
     }
 
+    /// Adds the attention's output to `into`'s residual and returns the normalised residual.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -169,6 +177,7 @@ impl<B: Backend> Attention<B> {
         kv: &mut B::Kv,
         layer: usize,
         batch: &B::Batch,
+        into: Residual<'_, B>,
     ) -> Result<B::Tensor> {
         let qkv = be.linear(x, &self.qkv_proj, self.qkv_bias.as_ref())?;
         let gate = self
@@ -186,7 +195,7 @@ impl<B: Backend> Attention<B> {
         if let Some(gate) = &gate {
             be.sigmoid_gate(&mut out, gate)?;
         }
-        be.linear(&out, &self.o_proj, self.o_bias.as_ref())
+        be.linear_add_rms_norm(&out, &self.o_proj, self.o_bias.as_ref(), into)
     }
 }
 
@@ -264,8 +273,17 @@ impl<B: Backend> GatedDeltaNet<B> {
         })
     }
 
-    /// `layer` is this layer's index among the model's Gated DeltaNet layers (its recurrent-state slot).
-    pub fn forward(&self, be: &B, x: &B::Tensor, kv: &mut B::Kv, layer: usize, batch: &B::Batch) -> Result<B::Tensor> {
+    /// `layer` is this layer's index among the model's Gated DeltaNet layers (its recurrent-state slot). Adds the
+    /// layer's output to `into`'s residual and returns the normalised residual.
+    pub fn forward(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        kv: &mut B::Kv,
+        layer: usize,
+        batch: &B::Batch,
+        into: Residual<'_, B>,
+    ) -> Result<B::Tensor> {
         let qkv = be.linear(x, &self.in_proj_qkv, None)?;
         let z = be.linear(x, &self.in_proj_z, None)?;
         let b = be.linear(x, &self.in_proj_b, None)?;
@@ -273,7 +291,7 @@ impl<B: Backend> GatedDeltaNet<B> {
         let qkv = be.causal_conv1d(&qkv, &self.conv1d, kv, layer, batch)?;
         let core = be.gated_delta_rule(&qkv, &a, &b, &self.a_log, &self.dt_bias, kv, layer, batch, &self.params)?;
         let normed = be.rms_norm(&core, &self.norm, self.params.v_head_dim, self.eps)?;
-        be.linear(&be.silu_mul(&z, &normed)?, &self.out_proj, None)
+        be.linear_add_rms_norm(&be.silu_mul(&z, &normed)?, &self.out_proj, None, into)
     }
 }
 
@@ -295,8 +313,17 @@ impl<B: Backend> Mlp<B> {
     }
 
     pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let act = be.silu_mul(&be.linear(x, &self.gate, None)?, &be.linear(x, &self.up, None)?)?;
-        be.linear(&act, &self.down, None)
+        be.linear(&self.activation(be, x)?, &self.down, None)
+    }
+
+    /// [`Mlp::forward`] added to `into`'s residual; returns the normalised residual.
+    pub fn forward_into(&self, be: &B, x: &B::Tensor, into: Residual<'_, B>) -> Result<B::Tensor> {
+        be.linear_add_rms_norm(&self.activation(be, x)?, &self.down, None, into)
+    }
+
+    /// `silu(gate x) * up x`, what the down projection reads.
+    fn activation(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        be.silu_mul(&be.linear(x, &self.gate, None)?, &be.linear(x, &self.up, None)?)
     }
 }
 
@@ -415,7 +442,8 @@ impl<B: Backend> MoeBlock<B> {
     /// the guess reaches the host with this block's own routing and its experts can be copied while this block
     /// computes. The input of the next block differs by one layer's residual update and that block's norm; the
     /// guess is only ever a prefetch, never a result. Not when a tap replays routes: the router's guess would
-    /// not predict replayed choices.
+    /// not predict replayed choices. Adds the block's output to `into`'s residual and returns the normalised
+    /// residual.
     pub fn forward(
         &self,
         be: &B,
@@ -423,8 +451,9 @@ impl<B: Backend> MoeBlock<B> {
         moe_layer: usize,
         tap: Option<&mut (dyn RoutingTap + '_)>,
         next: Option<&MoeBlock<B>>,
+        into: Residual<'_, B>,
     ) -> Result<B::Tensor> {
-        let mut routing = be.route(&be.linear(x, &self.router, self.router_bias.as_ref())?, self.router())?;
+        let mut routing = be.route_linear(x, &self.router, self.router_bias.as_ref(), self.router())?;
         let mut replayed = false;
         if let Some(tap) = tap {
             let routed = match tap.wants_router_choice() {
@@ -446,18 +475,20 @@ impl<B: Backend> MoeBlock<B> {
             }
         }
         if let Some(next) = next.filter(|_| !replayed && be.wants_routing_guess(be.shape(x).0)) {
-            let guess = be.route(&be.linear(x, &next.router, next.router_bias.as_ref())?, next.router())?;
+            let guess = be.route_linear(x, &next.router, next.router_bias.as_ref(), next.router())?;
             be.guess_routing(&next.experts, guess)?;
         }
-        let mut out = be.moe_experts(x, &routing, &self.experts)?;
-        if let Some(shared) = &self.shared {
-            let mut y = shared.mlp.forward(be, x)?;
-            if let Some(gate) = &shared.gate {
-                be.sigmoid_gate(&mut y, &be.linear(x, gate, None)?)?;
+        let shared = match &self.shared {
+            Some(shared) => {
+                let mut y = shared.mlp.forward(be, x)?;
+                if let Some(gate) = &shared.gate {
+                    be.sigmoid_gate(&mut y, &be.linear(x, gate, None)?)?;
+                }
+                Some(y)
             }
-            be.add_assign(&mut out, &y)?;
-        }
-        Ok(out)
+            None => None,
+        };
+        be.moe_experts_add_rms_norm(x, &routing, &self.experts, shared.as_ref(), into)
     }
 }
 

@@ -5,7 +5,7 @@
 //! only the latent); `o_proj`. Not for the softmax scale or the RoPE: those come from the spec.
 
 use super::config::{MlaSpec, ModelSpec};
-use super::layers::WeightLoader;
+use super::layers::{Residual, WeightLoader};
 use crate::backend::{Backend, MlaParams};
 use crate::Result;
 
@@ -76,6 +76,8 @@ impl<B: Backend> LatentAttention<B> {
         })
     }
 
+    /// Adds the attention's output to `into`'s residual and returns the normalised residual.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         be: &B,
@@ -84,6 +86,7 @@ impl<B: Backend> LatentAttention<B> {
         kv: &mut B::Kv,
         layer: usize,
         batch: &B::Batch,
+        into: Residual<'_, B>,
     ) -> Result<B::Tensor> {
         let q = match &self.q {
             QueryProjection::LowRank { a, a_bias, norm, b } => {
@@ -105,6 +108,6 @@ impl<B: Backend> LatentAttention<B> {
             batch,
             &self.params,
         )?;
-        be.linear(&out, &self.o_proj, self.o_bias.as_ref())
+        be.linear_add_rms_norm(&out, &self.o_proj, self.o_bias.as_ref(), into)
     }
 }

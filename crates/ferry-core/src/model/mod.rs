@@ -21,7 +21,7 @@ pub mod rope;
 pub use config::{FfnKind, GatedDeltaNetSpec, LayerSpec, Mixer, MlaSpec, ModelSpec, MoeSpec, QkNorm};
 pub use info::ModelInfo;
 
-use crate::backend::{Backend, SeqSlice};
+use crate::backend::{Backend, ResidualNorm, SeqSlice};
 use crate::kv::{KvLayerSpec, KvSpec, RecurrentSpec};
 use crate::loader::{Checkpoint, WeightStore};
 use crate::moe::RoutingTap;
@@ -216,15 +216,8 @@ impl<B: Backend> Model<B> {
         self.forward_routed(be, ids, batch, kv, None)
     }
 
-    /// [`forward`](Self::forward), with `tap` seeing every MoE layer's routing (to record or replay traces).
-    pub fn forward_routed(
-        &self,
-        be: &B,
-        ids: &[u32],
-        batch: &[SeqSlice],
-        kv: &mut B::Kv,
-        mut tap: Option<&mut (dyn RoutingTap + '_)>,
-    ) -> Result<B::Tensor> {
+    /// Fails unless `ids` are the rows of `batch`'s slices, none empty, and every id is in the vocabulary.
+    pub fn check_batch(&self, ids: &[u32], batch: &[SeqSlice]) -> Result<()> {
         let rows: usize = batch.iter().map(|s| s.len).sum();
         if rows != ids.len() || batch.iter().any(|s| s.len == 0) {
             return Err(Error::Shape(format!(
@@ -239,6 +232,19 @@ impl<B: Backend> Model<B> {
                 self.spec.vocab_size
             )));
         }
+        Ok(())
+    }
+
+    /// [`forward`](Self::forward), with `tap` seeing every MoE layer's routing (to record or replay traces).
+    pub fn forward_routed(
+        &self,
+        be: &B,
+        ids: &[u32],
+        batch: &[SeqSlice],
+        kv: &mut B::Kv,
+        mut tap: Option<&mut (dyn RoutingTap + '_)>,
+    ) -> Result<B::Tensor> {
+        self.check_batch(ids, batch)?;
         let prepared = be.prepare_batch(kv, batch)?;
         let eps = self.spec.rms_norm_eps;
         let h = self.spec.hidden_size;
@@ -249,44 +255,57 @@ impl<B: Backend> Model<B> {
         };
         let mut moe_layer = 0;
         for (i, layer) in self.layers.iter().enumerate() {
-            let mixed = match &layer.mixer {
+            // Each block adds its output to the residual stream x and returns x normalised for what follows: the
+            // post-attention norm, the next layer's input norm, or after the last layer the final norm.
+            let post_attention = ResidualNorm {
+                residual: &mut x,
+                weight: &layer.post_attention_norm,
+                eps,
+            };
+            normed = match &layer.mixer {
                 TokenMixer::Attention { attention, kv_layer } => {
-                    attention.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared)?
+                    attention.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared, post_attention)?
                 }
                 TokenMixer::LatentAttention { mla, kv_layer } => {
-                    mla.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared)?
+                    mla.forward(be, &normed, &self.rope, kv, *kv_layer, &prepared, post_attention)?
                 }
                 TokenMixer::GatedDeltaNet { gdn, state_layer } => {
-                    gdn.forward(be, &normed, kv, *state_layer, &prepared)?
+                    gdn.forward(be, &normed, kv, *state_layer, &prepared, post_attention)?
                 }
             };
-            normed = be.add_rms_norm(&mut x, &mixed, &layer.post_attention_norm, eps)?;
-            let out = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward(be, &normed)?,
+            let into = ResidualNorm {
+                residual: &mut x,
+                weight: self.layers.get(i + 1).map_or(&self.norm, |next| &next.input_norm),
+                eps,
+            };
+            normed = match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward_into(be, &normed, into)?,
                 Ffn::Moe(moe) => {
                     moe_layer += 1;
                     let next = self.layers[i + 1..].iter().find_map(|l| match &l.ffn {
                         Ffn::Moe(next) => Some(next),
                         Ffn::Dense(_) => None,
                     });
-                    moe.forward(be, &normed, moe_layer - 1, tap.as_deref_mut(), next)?
+                    moe.forward(be, &normed, moe_layer - 1, tap.as_deref_mut(), next, into)?
                 }
             };
-            // The residual add fused with the next layer's input norm; after the last layer, a plain add (the final
-            // norm runs on each sequence's last row only).
-            match self.layers.get(i + 1) {
-                Some(next) => normed = be.add_rms_norm(&mut x, &out, &next.input_norm, eps)?,
-                None => be.add_assign(&mut x, &out)?,
-            }
         }
-        let last_rows: Vec<usize> = batch
-            .iter()
-            .scan(0, |end, s| {
-                *end += s.len;
-                Some(*end - 1)
-            })
-            .collect();
-        let last = be.rms_norm(&be.select_rows(&x, &last_rows)?, &self.norm, h, eps)?;
+        // normed holds every row after the final norm (a row-wise op, so normalising all rows and then selecting
+        // equals selecting, then normalising). A batch of one row per slice (decode) needs no selection (nor its
+        // upload, which a captured step cannot hold).
+        let last = match batch.iter().all(|s| s.len == 1) {
+            true => normed,
+            false => {
+                let rows: Vec<usize> = batch
+                    .iter()
+                    .scan(0, |end, s| {
+                        *end += s.len;
+                        Some(*end - 1)
+                    })
+                    .collect();
+                be.select_rows(&normed, &rows)?
+            }
+        };
         be.linear(&last, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
     }
 }

@@ -6,11 +6,13 @@
 //! (the last copy's work starts when it lands). The CPU lane reads each of its experts once, whatever its rows,
 //! but does `rows` times the arithmetic: an expert used by `r` rows costs `bytes / cpu_bytes_per_s * (1 +
 //! (r - 1) * row_cost)`, and the lane's experts run one after another on all its threads, plus a fixed cost per
-//! layer (moving the rows and the products across). Since every miss costs the link the same and the CPU less the
-//! fewer rows use it, the best split sends a prefix of the misses ordered by rows (fewest first) to the CPU: the
-//! planner sorts once and tries every prefix length, O(misses log misses), keeping the one whose later lane ends
-//! first (the shorter prefix on a tie). Zero misses on the CPU is one of the candidates, so by the model a split
-//! is never slower than the link alone.
+//! layer (waking the threads, the phases' barriers, the rows down and the products up). All three CPU terms are
+//! measured ([`fit_cpu_lane`] over timed calls of a few sizes). Since every miss costs the link the same and the CPU
+//! less the fewer rows use it, the best split sends a prefix of the misses ordered by rows (fewest first) to the
+//! CPU: the planner sorts once and tries every prefix length, O(misses log misses), keeping the one whose later
+//! lane ends first (the shorter prefix on a tie). Zero misses on the CPU is one of the candidates, so a step the
+//! CPU would finish after the link alone gives the CPU nothing: by the model a split is never slower than the link
+//! alone, and `hybrid` and `auto` degrade to offload step by step.
 
 use std::collections::HashMap;
 
@@ -26,14 +28,83 @@ pub struct Miss {
 pub struct LaneRates {
     /// Host-to-device copy rate of the link, bytes per second.
     pub link_bytes_per_s: f64,
-    /// The CPU lane's rate at one row per expert, bytes of expert weights per second.
-    pub cpu_bytes_per_s: f64,
-    /// Each row beyond the first adds this share of the one-row time (the arithmetic of a row against a read).
-    pub cpu_row_cost: f64,
-    /// Seconds the lane adds to a layer whenever it takes any expert (rows down, products up, the wake-up).
-    pub cpu_fixed_s: f64,
+    /// The CPU lane's measured cost ([`fit_cpu_lane`]).
+    pub cpu: CpuLaneCost,
     /// The GPU's rate over resident expert weights, bytes per second (how long the hits take).
     pub gpu_bytes_per_s: f64,
+}
+
+/// What the CPU lane costs, fitted from timed calls: `fixed_s + experts * bytes / bytes_per_s * (1 + (rows - 1) *
+/// row_cost)` for a call of `experts` experts of `bytes` each used by `rows` rows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CpuLaneCost {
+    /// Seconds a call costs whatever it computes (waking the threads, the phases' barriers).
+    pub fixed_s: f64,
+    /// The lane's rate over one-row experts beyond the fixed cost, bytes of expert weights per second.
+    pub bytes_per_s: f64,
+    /// Each row beyond the first adds this share of an expert's one-row time (the arithmetic of a row against a
+    /// read).
+    pub row_cost: f64,
+}
+
+impl CpuLaneCost {
+    /// Seconds the lane takes for experts of `bytes` used by `rows` rows each.
+    pub fn seconds(&self, bytes: usize, rows: impl IntoIterator<Item = usize>) -> f64 {
+        let one_row_s = bytes as f64 / self.bytes_per_s;
+        self.fixed_s
+            + rows
+                .into_iter()
+                .map(|r| one_row_s * (1.0 + r.saturating_sub(1) as f64 * self.row_cost))
+                .sum::<f64>()
+    }
+}
+
+/// One timed call of the CPU lane: `experts` experts, each used by `rows` rows, took `seconds`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LanePoint {
+    pub experts: usize,
+    pub rows: usize,
+    pub seconds: f64,
+}
+
+/// The CPU lane's cost fitted to timed calls of experts `bytes` large: a least-squares line through the one-row
+/// points (time against experts) gives the fixed cost (its intercept, at least 0) and the rate (its slope); each
+/// many-row point then gives the row cost, and their mean is kept. `None` without one-row points at two expert
+/// counts or with a slope that is not positive (timings too noisy to use).
+pub fn fit_cpu_lane(points: &[LanePoint], bytes: usize) -> Option<CpuLaneCost> {
+    let one_row: Vec<(f64, f64)> = points
+        .iter()
+        .filter(|p| p.rows == 1)
+        .map(|p| (p.experts as f64, p.seconds))
+        .collect();
+    let n = one_row.len() as f64;
+    let mean_x = one_row.iter().map(|p| p.0).sum::<f64>() / n;
+    let mean_y = one_row.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = one_row.iter().map(|p| (p.0 - mean_x).powi(2)).sum();
+    let sxy: f64 = one_row.iter().map(|p| (p.0 - mean_x) * (p.1 - mean_y)).sum();
+    if one_row.len() < 2 || sxx <= 0.0 || sxy <= 0.0 {
+        return None;
+    }
+    let slope = sxy / sxx;
+    let fixed_s = (mean_y - slope * mean_x).max(0.0);
+    let row_costs: Vec<f64> = points
+        .iter()
+        .filter(|p| p.rows > 1)
+        .map(|p| {
+            let reads = p.experts as f64 * slope;
+            ((p.seconds - fixed_s - reads) / (reads * (p.rows - 1) as f64)).max(0.0)
+        })
+        .collect();
+    let row_cost = if row_costs.is_empty() {
+        0.0
+    } else {
+        row_costs.iter().sum::<f64>() / row_costs.len() as f64
+    };
+    Some(CpuLaneCost {
+        fixed_s,
+        bytes_per_s: bytes as f64 / slope,
+        row_cost,
+    })
 }
 
 /// Who computes the misses.
@@ -45,6 +116,10 @@ pub enum SplitRule {
     Cpu,
     /// The planner's split by the rates.
     Balanced(LaneRates),
+    /// The planner's split by rates that the offload refines as it runs ([`super::LaneCalibration`], these the
+    /// prior): what it costs each lane inside the pipeline, measured layer by layer. Planned from the rates given
+    /// here, as `Balanced`; the offload hands over its calibrated ones.
+    Calibrated(LaneRates),
     /// This share of the misses (rounded down), the fewest-row ones, goes to the CPU whatever the rates: for tests
     /// that must exercise both lanes.
     Share(f64),
@@ -75,9 +150,9 @@ pub fn plan_split(rule: SplitRule, misses: &[Miss], hits: usize, bytes: usize) -
             cpu: take(((order.len() as f64 * share.clamp(0.0, 1.0)) as usize).min(order.len())),
             ..Split::default()
         },
-        SplitRule::Balanced(rates) => {
+        SplitRule::Balanced(rates) | SplitRule::Calibrated(rates) => {
+            let one_row_s = bytes as f64 / rates.cpu.bytes_per_s;
             let bytes = bytes as f64;
-            let one_row_s = bytes / rates.cpu_bytes_per_s;
             let hits_s = hits as f64 * bytes / rates.gpu_bytes_per_s;
             let gpu_s = |copies: usize| {
                 if copies == 0 {
@@ -87,9 +162,9 @@ pub fn plan_split(rule: SplitRule, misses: &[Miss], hits: usize, bytes: usize) -
                 }
             };
             let (mut best, mut best_s): (usize, (f64, f64)) = (0, (0.0, gpu_s(order.len())));
-            let mut cpu_s = rates.cpu_fixed_s;
+            let mut cpu_s = rates.cpu.fixed_s;
             for (n, miss) in order.iter().enumerate() {
-                cpu_s += one_row_s * (1.0 + miss.rows.saturating_sub(1) as f64 * rates.cpu_row_cost);
+                cpu_s += one_row_s * (1.0 + miss.rows.saturating_sub(1) as f64 * rates.cpu.row_cost);
                 let times = (cpu_s, gpu_s(order.len() - n - 1));
                 if times.0.max(times.1) < best_s.0.max(best_s.1) {
                     (best, best_s) = (n + 1, times);
@@ -122,12 +197,16 @@ pub fn rows_per_expert(routed: &[u32]) -> Vec<Miss> {
 mod tests {
     use super::*;
 
-    /// q30 on the H200: 9.4 MB experts, a 55 GB/s link, a 68 GB/s lane, 700 GB/s over resident experts.
+    /// q30 on the H200 as `ferry doctor` measured it (docs/perf.md, "The CPU lane"): 9.4 MB experts, the link at
+    /// 46.6 GB/s and the lane at 75.7 GB/s at once, +9 % a row, and the lane's fixed cost of a layer found there
+    /// (0.2 ms); 700 GB/s over resident experts.
     const H200: LaneRates = LaneRates {
-        link_bytes_per_s: 55e9,
-        cpu_bytes_per_s: 68e9,
-        cpu_row_cost: 0.05,
-        cpu_fixed_s: 20e-6,
+        link_bytes_per_s: 46.6e9,
+        cpu: CpuLaneCost {
+            fixed_s: 200e-6,
+            bytes_per_s: 75.7e9,
+            row_cost: 0.09,
+        },
         gpu_bytes_per_s: 700e9,
     };
     const EXPERT: usize = 9_437_184;
@@ -137,6 +216,17 @@ mod tests {
             .enumerate()
             .map(|(e, &rows)| Miss { expert: e as u32, rows })
             .collect()
+    }
+
+    /// A seeded generator of integers below its argument.
+    fn random(seed: u64) -> impl FnMut(u64) -> u64 {
+        let mut state = seed;
+        move |n| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) % n
+        }
     }
 
     /// The best split found by trying every subset, for a handful of misses.
@@ -161,10 +251,10 @@ mod tests {
         let cpu_s = if on_cpu.is_empty() {
             0.0
         } else {
-            rates.cpu_fixed_s
+            rates.cpu.fixed_s
                 + on_cpu
                     .iter()
-                    .map(|m| b / rates.cpu_bytes_per_s * (1.0 + (m.rows - 1) as f64 * rates.cpu_row_cost))
+                    .map(|m| b / rates.cpu.bytes_per_s * (1.0 + (m.rows - 1) as f64 * rates.cpu.row_cost))
                     .sum::<f64>()
         };
         let hits_s = hits as f64 * b / rates.gpu_bytes_per_s;
@@ -178,21 +268,18 @@ mod tests {
 
     #[test]
     fn balanced_split_is_optimal_against_every_subset() {
-        let mut state = 7u64;
-        let mut next = |n: u64| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (state >> 33) % n
-        };
+        let mut next = random(7);
         for _ in 0..200 {
             let n = 1 + next(10) as usize;
             let rows: Vec<usize> = (0..n).map(|_| 1 + next(12) as usize).collect();
             let hits = next(8) as usize;
             let rates = LaneRates {
                 link_bytes_per_s: (10 + next(60)) as f64 * 1e9,
-                cpu_bytes_per_s: (10 + next(100)) as f64 * 1e9,
-                cpu_row_cost: next(40) as f64 / 100.0,
+                cpu: CpuLaneCost {
+                    fixed_s: next(400) as f64 * 1e-6,
+                    bytes_per_s: (10 + next(100)) as f64 * 1e9,
+                    row_cost: next(40) as f64 / 100.0,
+                },
                 ..H200
             };
             let misses = misses(&rows);
@@ -211,10 +298,15 @@ mod tests {
 
     #[test]
     fn decode_on_the_h200_splits_about_evenly_and_wide_experts_stay_on_the_link() {
-        // Batch 1, 8 misses of one row each: the lane's 68 GB/s against the link's 55 takes a bit over half.
+        // Batch 1, 8 misses of one row each: the lane's 75.7 GB/s against the link's 46.6 takes about half, less
+        // its fixed cost.
+        let link_only = lane_times(H200, &misses(&[1; 8]), &[], 0).1;
         let split = plan_split(SplitRule::Balanced(H200), &misses(&[1; 8]), 0, EXPERT);
-        assert_eq!(split.cpu.len(), 4, "{split:?}");
-        assert!(split.cpu_s.max(split.gpu_s) < 8.0 * EXPERT as f64 / 55e9 * 0.6);
+        assert!((3..=5).contains(&split.cpu.len()), "{split:?}");
+        assert!(
+            split.cpu_s.max(split.gpu_s) < 0.55 * link_only,
+            "{split:?} against {link_only}"
+        );
         // A prefill step: the few-row experts go to the CPU, the many-row ones over the link.
         let rows = [40, 1, 2, 60, 1, 3, 50, 45];
         let split = plan_split(SplitRule::Balanced(H200), &misses(&rows), 0, EXPERT);
@@ -222,22 +314,107 @@ mod tests {
     }
 
     #[test]
-    fn a_slow_lane_takes_nothing_and_a_slow_link_everything() {
-        let slow_cpu = LaneRates {
-            cpu_bytes_per_s: 1e9,
+    fn one_miss_under_locality_stays_on_the_link() {
+        // The locality trace leaves about one miss a layer beside 7 hits: the lane's fixed cost plus the expert
+        // (0.32 ms) would finish after the link's copy (0.2 ms), so the CPU gets nothing and the step is offload's.
+        for rows in 1..=4 {
+            let split = plan_split(SplitRule::Balanced(H200), &misses(&[rows]), 7, EXPERT);
+            assert!(split.cpu.is_empty(), "{rows} rows: {split:?}");
+            assert!(split.cpu_s <= split.gpu_s);
+        }
+        // Without the fixed cost (the first planner's 30 us) it took the miss, and lost to the link.
+        let cheap = LaneRates {
+            cpu: CpuLaneCost {
+                fixed_s: 30e-6,
+                ..H200.cpu
+            },
             ..H200
         };
-        let split = plan_split(SplitRule::Balanced(slow_cpu), &misses(&[1; 8]), 2, EXPERT);
-        assert!(split.cpu.is_empty(), "{split:?}");
-        let slow_link = LaneRates {
-            link_bytes_per_s: 1e9,
-            ..H200
+        let split = plan_split(SplitRule::Balanced(cheap), &misses(&[1]), 7, EXPERT);
+        assert_eq!(split.cpu, [0]);
+        let (real_cpu_s, _) = lane_times(H200, &misses(&[1]), &split.cpu, 7);
+        assert!(real_cpu_s > lane_times(H200, &misses(&[1]), &[], 7).1);
+    }
+
+    /// Item 5 of issue 13: a 75-token prompt under uniform routing (top 8 of 128 experts, q30), a layer whose 32 of
+    /// 128 cached experts (1536 slots over 48 layers) hit as chance has it. The model sends the experts few tokens
+    /// use to the CPU and streams the rest; its predicted prefill of 48 such layers is what TTFT's MoE part costs.
+    #[test]
+    fn a_short_prompt_sends_its_rarely_used_experts_to_the_cpu() {
+        let mut next = random(13);
+        let mut routed: Vec<u32> = Vec::new();
+        for _ in 0..75 {
+            let mut token: Vec<u32> = Vec::new();
+            while token.len() < 8 {
+                let e = next(128) as u32;
+                if !token.contains(&e) {
+                    token.push(e);
+                }
+            }
+            routed.extend(token);
+        }
+        let (misses, hits): (Vec<Miss>, Vec<Miss>) = rows_per_expert(&routed).into_iter().partition(|m| m.expert >= 32);
+        let split = plan_split(SplitRule::Balanced(H200), &misses, hits.len(), EXPERT);
+        let link_only = lane_times(H200, &misses, &[], hits.len()).1;
+        let planned = split.cpu_s.max(split.gpu_s);
+        let rows_of = |e: u32| misses.iter().find(|m| m.expert == e).map_or(0, |m| m.rows);
+        let cpu_most = split.cpu.iter().map(|&e| rows_of(e)).max().unwrap_or(0);
+        let link_least = misses
+            .iter()
+            .filter(|m| !split.cpu.contains(&m.expert))
+            .map(|m| m.rows)
+            .min()
+            .unwrap_or(usize::MAX);
+        eprintln!(
+            "75 tokens: {} misses ({} rows at most), {} hits; the CPU takes {} (<= {cpu_most} rows); a layer {:.2} ms \
+             against {:.2} ms over the link alone; 48 layers {:.3} s against {:.3} s",
+            misses.len(),
+            misses.iter().map(|m| m.rows).max().unwrap_or(0),
+            hits.len(),
+            split.cpu.len(),
+            planned * 1e3,
+            link_only * 1e3,
+            48.0 * planned,
+            48.0 * link_only
+        );
+        assert!(cpu_most <= link_least, "the CPU's experts are the fewest-row ones");
+        assert!(split.cpu.len() * 3 >= misses.len(), "{split:?}");
+        assert!(planned < 0.55 * link_only, "{planned} against {link_only}");
+    }
+
+    #[test]
+    fn the_fit_recovers_the_cost_it_was_timed_at() {
+        let cost = CpuLaneCost {
+            fixed_s: 180e-6,
+            bytes_per_s: 80e9,
+            row_cost: 0.08,
         };
-        let split = plan_split(SplitRule::Balanced(slow_link), &misses(&[1; 8]), 2, EXPERT);
-        assert_eq!(split.cpu.len(), 8);
-        // The hits alone take longer than the whole CPU share would: the lane still takes the misses.
-        let split = plan_split(SplitRule::Balanced(H200), &misses(&[1; 2]), 500, EXPERT);
-        assert_eq!(split.cpu.len(), 2);
+        let point = |experts: usize, rows: usize| LanePoint {
+            experts,
+            rows,
+            seconds: cost.seconds(EXPERT, std::iter::repeat_n(rows, experts)),
+        };
+        let mut points: Vec<LanePoint> = [1, 2, 4, 8, 16, 32].iter().map(|&e| point(e, 1)).collect();
+        points.extend([point(16, 8), point(8, 4)]);
+        let fitted = fit_cpu_lane(&points, EXPERT).unwrap();
+        assert!((fitted.fixed_s - cost.fixed_s).abs() < 1e-9, "{fitted:?}");
+        assert!((fitted.bytes_per_s / cost.bytes_per_s - 1.0).abs() < 1e-9, "{fitted:?}");
+        assert!((fitted.row_cost - cost.row_cost).abs() < 1e-9, "{fitted:?}");
+        // Noise of a few percent moves the fit a little, not the split's order of magnitude.
+        for (i, p) in points.iter_mut().enumerate() {
+            p.seconds *= if i % 2 == 0 { 1.03 } else { 0.97 };
+        }
+        let noisy = fit_cpu_lane(&points, EXPERT).unwrap();
+        assert!((noisy.fixed_s - cost.fixed_s).abs() < 60e-6, "{noisy:?}");
+        assert!((noisy.bytes_per_s / cost.bytes_per_s - 1.0).abs() < 0.1, "{noisy:?}");
+        // A call slower with more experts is needed at two sizes at least.
+        assert_eq!(fit_cpu_lane(&points[..1], EXPERT), None);
+        let flat = [1, 8].map(|experts| LanePoint {
+            experts,
+            rows: 1,
+            seconds: 1e-3,
+        });
+        assert_eq!(fit_cpu_lane(&flat, EXPERT), None);
     }
 
     #[test]
@@ -247,6 +424,10 @@ mod tests {
         assert_eq!(plan_split(SplitRule::Cpu, &m, 0, EXPERT).cpu, [1, 3, 2, 0]);
         assert_eq!(plan_split(SplitRule::Share(0.5), &m, 0, EXPERT).cpu, [1, 3]);
         assert_eq!(plan_split(SplitRule::Share(2.0), &m, 0, EXPERT).cpu.len(), 4);
+        assert_eq!(
+            plan_split(SplitRule::Calibrated(H200), &m, 0, EXPERT),
+            plan_split(SplitRule::Balanced(H200), &m, 0, EXPERT)
+        );
         assert_eq!(
             rows_per_expert(&[5, 2, 5, 7, 2, 5]),
             [

@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use super::cache::LayerCounts;
+use super::lane_calibration::CalibratedRates;
 
 /// What an expert offload holds and has done so far.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -44,6 +45,12 @@ pub struct OffloadStats {
     pub host_pairs: u64,
     pub host_bytes: u64,
     pub host_ns: u64,
+    /// What the CPU lane's jobs cost the pipeline, from each job's start until the stream was let go past its wait
+    /// (or the job was done, when the stream did not wait): against `host_ns`, what handing the jobs over and their
+    /// products back costs beyond their compute.
+    pub host_pipeline_ns: u64,
+    /// Under `--moe-strategy auto`, the planner's calibrated rates when read.
+    pub calibrated: Option<CalibratedRates>,
     /// The link's time over each layer's demand copies (from the first queued to the last landed; a guessed copy
     /// still in flight when they were queued counts in it).
     pub link_ns: u64,

@@ -1,6 +1,7 @@
 //! Attention on the GPU: qkv.cu's fused q/k norm, RoPE and KV append, then attention over the paged KV cache
 //! (attention.cu): how a call is laid out (warps per block, depth of the copy pipeline, how many splits of the
-//! keys) and the launches of `attention` and, when the keys are split, `attention_combine`.
+//! keys) and the launches of `attention` and, when the keys are split, `attention_combine`. Batches with a prefill
+//! slice go to flash_attention.rs instead.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{
@@ -8,6 +9,7 @@ use ferry_kernels::constants::{
     MAX_HEAD_DIM,
 };
 
+use super::flash_attention;
 use super::kv::{DeviceBatch, DeviceKv};
 use super::launch::{kernel, ptr, Ptr};
 use super::{cuda_err, CudaBackend, CudaRope, CudaTensor, CudaWeight};
@@ -207,11 +209,11 @@ pub(super) fn qkv_rope_kv_append(
         k_norm,
         norm_per_head: per_head,
         eps,
-        positions: ptr(&batch.positions),
+        positions: batch.positions,
         inv_freq: ptr(&rope.inv_freq),
         rotary_dim: rope.rotary_dim as i32,
         attention_factor: rope.attention_factor,
-        row_slot: ptr(&batch.row_slot),
+        row_slot: batch.row_slot,
         q_out: ptr(&q.data),
         k_pool: ptr(pools.0),
         v_pool: ptr(pools.1),
@@ -253,12 +255,17 @@ pub(super) fn attend(
         }
         None => Ptr::null(),
     };
+    // Batches with a prefill go to the tensor-core kernel (flash_attention.rs); without this `if`, to the split one.
+    if let Some(slices) = &batch.prefill {
+        let pools = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
+        return flash_attention::attend(cuda, q, sinks, pools, batch, slices, p);
+    }
     let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, cuda.max_shared_per_block)?;
     let threads = (shape.warps * 32) as u32;
     let per_multiprocessor = blocks_per_multiprocessor(cuda, threads, shape.shared_bytes)?;
     let max_keys = match p.sliding_window {
-        Some(window) if window > 0 => window.min(batch.max_len),
-        _ => batch.max_len,
+        Some(window) if window > 0 => window.min(batch.key_span),
+        _ => batch.key_span,
     };
     let splits = split_keys(
         q.rows * p.num_kv_heads,
@@ -281,9 +288,9 @@ pub(super) fn attend(
         out: ptr(&out.data),
         partial_out: ptr(&partial_out),
         partial_stats: ptr(&partial_stats),
-        row_pos: ptr(&batch.positions),
-        row_table: ptr(&batch.row_table),
-        block_tables: ptr(&batch.block_tables),
+        row_pos: batch.positions,
+        row_table: batch.row_table,
+        block_tables: batch.block_tables,
         sinks,
         num_heads: p.num_heads as i32,
         num_kv_heads: p.num_kv_heads as i32,

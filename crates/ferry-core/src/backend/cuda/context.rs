@@ -9,7 +9,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
 
 use super::memory::keep_freed_memory_pooled;
-use super::{gdn, libs, linear, CudaBackend};
+use super::{flash_attention, gdn, libs, linear, CudaBackend};
 use crate::{Error, Result};
 
 pub(super) fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -49,6 +49,7 @@ const KERNELS: &[(&str, &[&str])] = &[
         ],
     ),
     ("attention", &["attention", "attention_combine"]),
+    ("flash_attention", &flash_attention::FLASH_KERNELS),
     ("qkv", &["qkv_rope_kv_append"]),
     ("mla", &["mla_latent_append", "mla_attend"]),
     (
@@ -63,8 +64,13 @@ const KERNELS: &[(&str, &[&str])] = &[
             "moe_down_fp8",
             "moe_down_pairs_fp8",
             "dequantize_fp8_expert",
+            "moe_gate_up_mxfp4",
+            "moe_down_mxfp4",
+            "moe_down_pairs_mxfp4",
+            "dequantize_mxfp4_expert",
+            "moe_glu_grouped",
+            "moe_add_down_bias",
             "gather_rows",
-            "scatter_rows",
             "moe_combine",
         ],
     ),
@@ -107,7 +113,8 @@ fn allow_shared_bytes(functions: &HashMap<&str, CudaFunction>, name: &str, bytes
 }
 
 impl CudaBackend {
-    /// Opens GPU `ordinal`: loads the driver and cuBLAS, creates a context and a stream, loads the kernels.
+    /// Opens GPU `ordinal`: loads the driver and cuBLAS, creates a context and a stream, loads the kernels. Decode
+    /// steps run as CUDA graphs (graph.rs) unless [`super::CudaBackendBuilder::cuda_graphs`] turns them off.
     pub fn new(ordinal: usize) -> Result<Self> {
         if !ferry_kernels::available() {
             return Err(Error::Cuda(
@@ -129,6 +136,9 @@ impl CudaBackend {
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(blas_err)?;
         let functions = load_kernels(&ctx)?;
+        let block_counter = stream
+            .alloc_zeros::<u32>(1)
+            .map_err(cuda_err("allocating the block counter"))?;
         let attribute = |a, what| ctx.attribute(a).map(|v| v as usize).map_err(cuda_err(what));
         let multiprocessors = attribute(
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -139,6 +149,9 @@ impl CudaBackend {
             "shared memory per block",
         )?;
         allow_shared_bytes(&functions, "attention", max_shared_per_block)?;
+        for name in flash_attention::FLASH_KERNELS {
+            allow_shared_bytes(&functions, name, max_shared_per_block)?;
+        }
         allow_shared_bytes(&functions, "gated_delta_rule_chunked", gdn::CHUNKED_MAX_SHARED_BYTES)?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
         let device = format!(
@@ -157,13 +170,23 @@ impl CudaBackend {
             stream,
             blas,
             functions,
+            block_counter,
             offload: None,
+            graphs: Some(Mutex::new(Default::default())),
+            step_inputs: Mutex::new(None),
             device,
             multiprocessors,
             max_shared_per_block,
             attention_blocks_per_multiprocessor: Mutex::new(HashMap::new()),
             libraries,
         })
+    }
+
+    /// Decode steps captured as CUDA graphs so far (graph.rs).
+    pub fn captured_steps(&self) -> usize {
+        self.graphs
+            .as_ref()
+            .map_or(0, |g| g.lock().unwrap_or_else(|e| e.into_inner()).captures())
     }
 
     /// The GPU's name, architecture and memory, as the log shows it.

@@ -3,6 +3,7 @@
 //! gates and row selection.
 
 use cudarc::driver::CudaSlice;
+use ferry_kernels::constants::{GEMV_WARPS, MOE_WARPS};
 
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::{CudaBackend, CudaTensor, CudaWeight};
@@ -30,7 +31,8 @@ kernel! {
 }
 
 kernel! {
-    /// elementwise.cu's `add_rms_norm`: `x += y`, then `out = rms_norm(x) * weight`, one block per row.
+    /// elementwise.cu's `add_rms_norm`: `x += y`, then `out = rms_norm(x) * weight`, one block of 256 threads per
+    /// row.
     struct AddRmsNorm = "add_rms_norm" {
         x: Ptr<f32>,
         y: Ptr<f32>,
@@ -80,7 +82,7 @@ kernel! {
 
 kernel! {
     /// The row copies, one block per row i, `cols` values each: elementwise.cu's `select_rows` and moe.cu's
-    /// `gather_rows` (`out[i] = x[rows[i]]`), and moe.cu's `scatter_rows` (`out[rows[i]] = x[i]`).
+    /// `gather_rows` (`out[i] = x[rows[i]]`).
     struct RowCopy {
         x: Ptr<f32>,
         rows: Ptr<u32>,
@@ -88,6 +90,9 @@ kernel! {
         cols: i32,
     }
 }
+
+// add_rms_norm's block size is the fused residual epilogues' (gemv.cu's and moe.cu's blocks), for the same bits.
+const _: () = assert!(BLOCK_THREADS as usize == GEMV_WARPS * 32 && BLOCK_THREADS as usize == MOE_WARPS * 32);
 
 /// Threads of a block that takes a row of `cols` values: a warp per 32, at most 1024.
 fn row_threads(cols: usize) -> u32 {
@@ -106,16 +111,21 @@ fn same_shape(op: &str, x: &CudaTensor, y: &CudaTensor) -> Result<()> {
 }
 
 pub(super) fn embed(cuda: &CudaBackend, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
-    let table = table.matrix()?;
     let ids_dev = cuda.copy_to_device(ids)?;
-    let out = cuda.tensor(ids.len(), table.cols)?;
+    embed_from(cuda, table, ptr(&ids_dev), ids.len())
+}
+
+/// [`embed`] of `rows` ids already on the device.
+pub(super) fn embed_from(cuda: &CudaBackend, table: &CudaWeight, ids: Ptr<u32>, rows: usize) -> Result<CudaTensor> {
+    let table = table.matrix()?;
+    let out = cuda.tensor(rows, table.cols)?;
     let embed = EmbedBf16 {
         table: table.data,
-        ids: ptr(&ids_dev),
+        ids,
         out: ptr(&out.data),
         hidden: table.cols as i32,
     };
-    embed.launch(cuda, per_row(ids.len(), BLOCK_THREADS))?;
+    embed.launch(cuda, per_row(rows, BLOCK_THREADS))?;
     Ok(out)
 }
 
@@ -166,7 +176,9 @@ pub(super) fn add_rms_norm(
         cols: x.cols as i32,
         eps,
     };
-    norm.launch(cuda, per_row(x.rows, row_threads(x.cols)))?;
+    // BLOCK_THREADS (256) per row: the block size of the fused residual epilogues (gemv.cu, moe.cu), whose norm
+    // then sums in this kernel's order, so that fused and unfused give the same bits.
+    norm.launch(cuda, per_row(x.rows, BLOCK_THREADS))?;
     Ok(out)
 }
 

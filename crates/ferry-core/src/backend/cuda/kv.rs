@@ -9,6 +9,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::cuda_err;
+use super::flash_attention::PrefillSlices;
+use super::launch::{ptr, Ptr};
 use crate::backend::SeqSlice;
 use crate::kv::{BlockAllocator, KvCache, KvLayerSpec, KvSpec, RecurrentSpec, SeqId, BLOCK_SIZE};
 use crate::{Error, Result};
@@ -43,18 +45,73 @@ pub struct RecurrentBatch {
     pub(super) slice_state: CudaSlice<u64>,
 }
 
-/// A batch's per-row metadata on the device, made once per forward pass and read by every layer.
+/// A batch's per-row metadata on the device, read by every layer: pointers into one buffer of u32 words that a step
+/// uploads at once (see [`BatchWords`]).
 pub struct DeviceBatch {
-    pub(super) positions: CudaSlice<u32>,
+    /// The buffer the pointers point into when the batch owns it (an eager step); None when they point into a
+    /// captured step's persistent inputs (graph.rs).
+    _words: Option<CudaSlice<u32>>,
+    pub(super) positions: Ptr<u32>,
     /// The physical token slot each row's key and value go to.
-    pub(super) row_slot: CudaSlice<u32>,
+    pub(super) row_slot: Ptr<u32>,
     /// Where in `block_tables` each row's sequence's block table starts.
-    pub(super) row_table: CudaSlice<u32>,
+    pub(super) row_table: Ptr<u32>,
     /// The block tables of the batch's sequences, one after another.
-    pub(super) block_tables: CudaSlice<u32>,
-    /// The longest sequence of the batch, in tokens, after it.
-    pub(super) max_len: usize,
+    pub(super) block_tables: Ptr<u32>,
+    /// The keys attention sizes its splits for: the longest sequence of the batch rounded up by [`key_span`].
+    pub(super) key_span: usize,
     pub(super) recurrent: Option<RecurrentBatch>,
+    /// The slices of a batch with a prefill, for the prefill attention kernel.
+    pub(super) prefill: Option<PrefillSlices>,
+}
+
+/// A batch's per-row metadata on the host, laid out as the device reads it: positions, KV slots and block-table
+/// starts (a word per row each), then the block tables.
+pub(super) struct BatchWords {
+    pub(super) words: Vec<u32>,
+    pub(super) layout: BatchLayout,
+}
+
+/// Where a batch's words sit: what the device needs besides their address.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct BatchLayout {
+    pub(super) rows: usize,
+    pub(super) key_span: usize,
+}
+
+impl BatchLayout {
+    /// The batch on the device, its words at `base` (owned by `words` when the batch owns them).
+    pub(super) fn on_device(&self, base: Ptr<u32>, words: Option<CudaSlice<u32>>) -> DeviceBatch {
+        DeviceBatch {
+            _words: words,
+            positions: base,
+            row_slot: base.offset(self.rows),
+            row_table: base.offset(2 * self.rows),
+            block_tables: base.offset(3 * self.rows),
+            key_span: self.key_span,
+            recurrent: None,
+            prefill: None,
+        }
+    }
+
+    /// The most words a batch of these rows takes in a cache of `num_blocks` blocks (each sequence's table at most
+    /// every block).
+    pub(super) fn words_for(&self, num_blocks: usize) -> usize {
+        self.rows * (3 + num_blocks)
+    }
+}
+
+/// The keys decode attention sizes its splits for, given the batch's longest sequence: `max_len` rounded up to a
+/// multiple of an eighth of the power of two below it (at most 1/8 more; at least 256). A captured step's splits
+/// hold while its sequences grow within one span, and the eager path splits the same way, so both give the same
+/// bits.
+pub(super) fn key_span(max_len: usize) -> usize {
+    const MIN_SPAN: usize = 256;
+    if max_len <= MIN_SPAN {
+        return MIN_SPAN;
+    }
+    let below = 1usize << (usize::BITS - 1 - (max_len - 1).leading_zeros());
+    max_len.next_multiple_of(below / 8)
 }
 
 impl DeviceKv {
@@ -195,10 +252,11 @@ impl DeviceKv {
         }
     }
 
-    /// Takes the blocks the batch's new tokens need (all or none) and uploads the batch's metadata.
-    pub fn prepare(&mut self, stream: &Arc<CudaStream>, batch: &[SeqSlice]) -> Result<DeviceBatch> {
+    /// Takes the blocks the batch's new tokens need (all or none) and lays out the batch's metadata.
+    pub(super) fn batch_words(&mut self, batch: &[SeqSlice]) -> Result<BatchWords> {
         let slices: Vec<_> = batch.iter().map(|s| (s.seq, s.start_pos, s.len)).collect();
         self.blocks.extend(&slices)?;
+        let rows: usize = batch.iter().map(|s| s.len).sum();
         let (mut positions, mut row_slot, mut row_table, mut block_tables) = (vec![], vec![], vec![], vec![]);
         for s in batch {
             let table_start = block_tables.len() as u32;
@@ -209,15 +267,38 @@ impl DeviceKv {
                 row_table.push(table_start);
             }
         }
-        let upload = |v: &[u32]| stream.clone_htod(v).map_err(cuda_err("uploading batch metadata"));
-        Ok(DeviceBatch {
-            positions: upload(&positions)?,
-            row_slot: upload(&row_slot)?,
-            row_table: upload(&row_table)?,
-            block_tables: upload(&block_tables)?,
-            max_len: batch.iter().map(|s| s.start_pos + s.len).max().unwrap_or(0),
-            recurrent: self.recurrent_batch(stream, batch)?,
+        let mut words = positions;
+        words.reserve(2 * rows + block_tables.len());
+        words.extend(row_slot);
+        words.extend(row_table);
+        words.extend(block_tables);
+        Ok(BatchWords {
+            words,
+            layout: BatchLayout {
+                rows,
+                key_span: key_span(batch.iter().map(|s| s.start_pos + s.len).max().unwrap_or(0)),
+            },
         })
+    }
+
+    /// Takes the blocks the batch's new tokens need (all or none) and uploads the batch's metadata in one copy.
+    pub fn prepare(&mut self, stream: &Arc<CudaStream>, batch: &[SeqSlice]) -> Result<DeviceBatch> {
+        let words = self.batch_words(batch)?;
+        let device = stream
+            .clone_htod(&words.words)
+            .map_err(cuda_err("uploading batch metadata"))?;
+        let mut prepared = words.layout.on_device(ptr(&device), Some(device));
+        prepared.recurrent = self.recurrent_batch(stream, batch)?;
+        prepared.prefill = PrefillSlices::for_batch(stream, batch)?;
+        Ok(prepared)
+    }
+
+    /// An id of this cache's pools: a captured step baked their addresses in.
+    pub(super) fn pools_id(&self) -> (u64, usize) {
+        (
+            self.keys.first().map_or(0, |k| ptr(k).address()),
+            self.blocks.num_blocks(),
+        )
     }
 }
 
@@ -267,5 +348,26 @@ impl KvCache for DeviceKv {
 
     fn grow(&mut self, seq: SeqId, tokens: usize) -> bool {
         self.blocks.grow(seq, tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_span_covers_the_longest_sequence_by_at_most_an_eighth_more() {
+        assert_eq!(key_span(0), 256);
+        assert_eq!(key_span(256), 256);
+        assert_eq!(key_span(257), 288);
+        assert_eq!(key_span(4096), 4096);
+        assert_eq!(key_span(4097), 4608);
+        for max_len in 1..20_000 {
+            let span = key_span(max_len);
+            assert!(span >= max_len.max(256), "{max_len}: {span}");
+            assert!(span <= (max_len + max_len / 8).max(256), "{max_len}: {span}");
+            // A span holds for every length up to it, so a growing sequence keeps its graph until it passes it.
+            assert_eq!(key_span(span), span, "{max_len}: {span}");
+        }
     }
 }

@@ -46,19 +46,20 @@ impl CudaBackend {
         self.stream.clone_dtoh(&x.data).map_err(cuda_err("copy to host"))
     }
 
-    /// [`crate::backend::Backend::weight`]: a matrix stays bf16, a vector is widened to f32. A dense FP8 matrix is
-    /// dequantized to bf16 once, here: the dense GEMV and cuBLAS paths read bf16 only so far, and dense weights stay
-    /// on the GPU whatever the offload does, so only the routed experts (expert_format.rs) need FP8 kernels to
-    /// halve what offload copies.
+    /// [`crate::backend::Backend::weight`]: a matrix stays bf16, or FP8 with its f32 scales (read exactly by
+    /// linear.rs: an E4M3 value times its scale is not a bf16 number), a vector is widened to f32.
     pub(super) fn upload_weight(&self, tensor: TensorRef) -> Result<CudaWeight> {
         if tensor.dtype == DType::F8E4M3 && tensor.shape.len() == 2 {
-            let bf16: Vec<u8> = tensor
-                .to_f32_vec()
-                .into_iter()
-                .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
-                .collect();
-            let dequantized = TensorRef::from_bytes(&tensor.name, DType::BF16, tensor.shape.clone(), bf16)?;
-            return self.upload_weight(dequantized);
+            let scales = tensor
+                .scales()
+                .ok_or_else(|| Error::tensor(&tensor.name, "an FP8 matrix without scales"))?;
+            return Ok(CudaWeight::Fp8Matrix {
+                data: self.copy_to_device(tensor.bytes())?,
+                scales: self.copy_to_device(&scales.values.to_f32_vec())?,
+                rows: tensor.shape[0],
+                cols: tensor.shape[1],
+                block: scales.block,
+            });
         }
         match tensor.shape.len() {
             1 => Ok(CudaWeight::Vector(self.copy_to_device(&tensor.to_f32_vec())?)),

@@ -3,7 +3,9 @@
 //! space, attends over the latent rows and expands the head's values from the attended latent. The form is the CPU
 //! backend's (`cpu/mla.rs`), so the two agree to rounding. Simple rather than fast: each block reads its head's
 //! `kv_b_proj` rows and its sequence's latent rows by itself (FlashMLA's kind of kernel, many heads of a row sharing
-//! each key tile in shared memory and tensor-core products, is the step after).
+//! each key tile in shared memory and tensor-core products, is the step after). An FP8 `kv_b_proj` (DeepSeek-V3's
+//! checkpoints) is dequantized on each call into bf16 halves `hi + lo` (linear.rs), which the kernel sums: its
+//! weights keep 16 significant bits, where bf16 alone would round them to 8.
 
 use cudarc::driver::LaunchConfig;
 use ferry_kernels::constants::{MLA_ATTEND_WARPS, MLA_MAX_RANK};
@@ -37,6 +39,7 @@ kernel! {
     struct MlaAttend = "mla_attend" {
         q: Ptr<f32>,
         kv_b: Ptr<u16>,
+        kv_b_lo: Ptr<u16>,
         pool: Ptr<f32>,
         row_pos: Ptr<u32>,
         row_table: Ptr<u32>,
@@ -81,7 +84,11 @@ pub(super) fn mla_attention(
     p: &MlaParams,
 ) -> Result<CudaTensor> {
     let (rank, rope_dim) = (p.kv_lora_rank, p.qk_rope_head_dim);
-    let kv_b = kv_b.matrix()?;
+    let fp8_halves = kv_b.fp8_matrix().map(|w| cuda.dequantize_fp8(w)).transpose()?;
+    let (kv_b, kv_b_lo) = match &fp8_halves {
+        Some(halves) => (halves.hi(), halves.lo().data),
+        None => (kv_b.matrix()?, Ptr::null()),
+    };
     if q.cols != p.q_width()
         || compressed.cols != p.latent_width()
         || compressed.rows != q.rows
@@ -107,11 +114,11 @@ pub(super) fn mla_attention(
         rank: rank as i32,
         rope_dim: rope_dim as i32,
         eps: p.eps,
-        positions: ptr(&batch.positions),
+        positions: batch.positions,
         inv_freq: ptr(&rope.inv_freq),
         interleaved,
         rope_scale: rope.attention_factor,
-        row_slot: ptr(&batch.row_slot),
+        row_slot: batch.row_slot,
         pool: ptr(pool),
     }
     .launch(cuda, per_row(rows, APPEND_THREADS))?;
@@ -120,10 +127,11 @@ pub(super) fn mla_attention(
     MlaAttend {
         q: ptr(&q.data),
         kv_b: kv_b.data,
+        kv_b_lo,
         pool: ptr(pool),
-        row_pos: ptr(&batch.positions),
-        row_table: ptr(&batch.row_table),
-        block_tables: ptr(&batch.block_tables),
+        row_pos: batch.positions,
+        row_table: batch.row_table,
+        block_tables: batch.block_tables,
         inv_freq: ptr(&rope.inv_freq),
         interleaved,
         rope_scale: rope.attention_factor,

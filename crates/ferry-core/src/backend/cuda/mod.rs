@@ -10,7 +10,8 @@
 //! context.rs (opening the GPU, the kernel table), launch.rs (typed kernel launches), memory.rs (buffers and
 //! copies), linear.rs (GEMV and cuBLAS products), elementwise.rs, attention.rs, mla.rs (multi-head latent
 //! attention), gdn.rs (Gated DeltaNet), moe.rs
-//! (routing and the expert kernels), kv.rs (the paged KV cache), offload.rs and bank.rs (expert offload).
+//! (routing and the expert kernels), kv.rs (the paged KV cache), offload.rs and bank.rs (expert offload),
+//! offload_lane.rs (its CPU lane), lane_ceilings.rs (the lanes' rates measured).
 
 mod attention;
 mod bank;
@@ -18,8 +19,11 @@ mod ceilings;
 mod context;
 mod elementwise;
 mod expert_format;
+mod flash_attention;
 mod gdn;
+mod graph;
 mod kv;
+mod lane_ceilings;
 mod launch;
 mod libs;
 mod linear;
@@ -27,6 +31,7 @@ mod memory;
 mod mla;
 mod moe;
 mod offload;
+mod offload_lane;
 pub mod workspace;
 
 use std::collections::HashMap;
@@ -36,17 +41,18 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 
 use super::{
-    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, MlaParams, QkNormWeights, Rope, Router,
-    RouterKind, SeqSlice,
+    AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors, ForwardStep, MlaParams, QkNormWeights,
+    ResidualNorm, Rope, Router, RouterKind, SeqSlice,
 };
 use crate::kv::{KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::moe::OffloadStats;
 use crate::{Error, Result};
-pub use ceilings::{GpuCeilings, LaneCeilings};
+pub use ceilings::GpuCeilings;
 use context::{blas_err, cuda_err};
 pub use ferry_kernels::constants::GEMV_MAX_ROWS;
 pub use kv::{DeviceBatch, DeviceKv};
+pub use lane_ceilings::LaneCeilings;
 use launch::{ptr, Ptr};
 pub use libs::CudaLibraries;
 pub use offload::{CudaBackendBuilder, OffloadConfig};
@@ -65,6 +71,15 @@ pub enum CudaWeight {
         rows: usize,
         cols: usize,
     },
+    /// A dense FP8 matrix, kept as stored (linear.rs reads it exactly): E4M3 `[rows, cols]` and its f32 scales,
+    /// one per `block` of rows and columns.
+    Fp8Matrix {
+        data: CudaSlice<u8>,
+        scales: CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        block: [usize; 2],
+    },
     Vector(CudaSlice<f32>),
 }
 
@@ -77,7 +92,28 @@ impl CudaWeight {
                 rows: *rows,
                 cols: *cols,
             }),
+            CudaWeight::Fp8Matrix { .. } => Err(Error::Shape("an FP8 weight where bf16 is read".into())),
             CudaWeight::Vector(_) => Err(Error::Shape("a vector weight used as a matrix".into())),
+        }
+    }
+
+    /// The weight as an FP8 matrix, if it is one.
+    fn fp8_matrix(&self) -> Option<Fp8Matrix> {
+        match self {
+            CudaWeight::Fp8Matrix {
+                data,
+                scales,
+                rows,
+                cols,
+                block,
+            } => Some(Fp8Matrix {
+                data: ptr(data),
+                scales: ptr(scales),
+                rows: *rows,
+                cols: *cols,
+                block: *block,
+            }),
+            _ => None,
         }
     }
 
@@ -85,7 +121,9 @@ impl CudaWeight {
     fn vector(&self) -> Result<Ptr<f32>> {
         match self {
             CudaWeight::Vector(v) => Ok(ptr(v)),
-            CudaWeight::Matrix { .. } => Err(Error::Shape("a matrix weight used as a vector".into())),
+            CudaWeight::Matrix { .. } | CudaWeight::Fp8Matrix { .. } => {
+                Err(Error::Shape("a matrix weight used as a vector".into()))
+            }
         }
     }
 }
@@ -96,6 +134,17 @@ struct Bf16Matrix {
     data: Ptr<u16>,
     rows: usize,
     cols: usize,
+}
+
+/// A dense FP8 matrix `[rows, cols]` on the device, by address: E4M3 weights and their f32 scales, one per `block`
+/// of rows and columns, row-major.
+#[derive(Clone, Copy)]
+struct Fp8Matrix {
+    data: Ptr<u8>,
+    scales: Ptr<f32>,
+    rows: usize,
+    cols: usize,
+    block: [usize; 2],
 }
 
 /// One layer's routed experts, read by the expert kernels through a device table of block addresses indexed by
@@ -110,6 +159,7 @@ pub enum CudaExperts {
         hidden: usize,
         inter: usize,
         format: expert_format::ExpertFormat,
+        glu: expert_format::ExpertGlu,
     },
     Offloaded {
         layer: usize,
@@ -117,6 +167,7 @@ pub enum CudaExperts {
         hidden: usize,
         inter: usize,
         format: expert_format::ExpertFormat,
+        glu: expert_format::ExpertGlu,
     },
 }
 
@@ -132,6 +183,12 @@ impl CudaExperts {
     fn format(&self) -> expert_format::ExpertFormat {
         match self {
             CudaExperts::Resident { format, .. } | CudaExperts::Offloaded { format, .. } => *format,
+        }
+    }
+
+    fn glu(&self) -> expert_format::ExpertGlu {
+        match self {
+            CudaExperts::Resident { glu, .. } | CudaExperts::Offloaded { glu, .. } => *glu,
         }
     }
 }
@@ -159,8 +216,16 @@ pub struct CudaBackend {
     blas: CudaBlas,
     /// Every kernel of context.rs's table, by name.
     functions: HashMap<&'static str, CudaFunction>,
+    /// The block count of the kernels with a last-block epilogue (common.cuh's `last_block_done`: the fused
+    /// residual norm and router GEMVs, moe_down's residual epilogue); zero between launches, which run in order on
+    /// `stream`.
+    block_counter: CudaSlice<u32>,
     /// Built with the backend ([`CudaBackend::builder`]) when the routed experts are offloaded.
     offload: Option<Mutex<offload::Offload>>,
+    /// Captured decode steps (graph.rs); None when graphs are off (`--no-cuda-graphs`, or experts offloaded).
+    graphs: Option<Mutex<graph::StepGraphs>>,
+    /// While a step is captured: where its ops read the step's inputs (graph.rs).
+    step_inputs: Mutex<Option<graph::StepInputs>>,
     device: String,
     /// Streaming multiprocessors: decode attention splits its keys so as to fill them.
     multiprocessors: usize,
@@ -216,6 +281,10 @@ impl Backend for CudaBackend {
     }
 
     fn prepare_batch(&self, kv: &mut DeviceKv, batch: &[SeqSlice]) -> Result<DeviceBatch> {
+        // A captured step's blocks were taken and its batch uploaded before the capture began.
+        if let Some(inputs) = *self.step_inputs.lock().unwrap_or_else(|e| e.into_inner()) {
+            return Ok(inputs.batch());
+        }
         if let Some(offload) = &self.offload {
             offload.lock().unwrap_or_else(|e| e.into_inner()).start_batch(batch);
         }
@@ -228,6 +297,15 @@ impl Backend for CudaBackend {
 
     fn restore_state(&self, kv: &mut DeviceKv, seq: SeqId, slot: usize) -> Result<()> {
         kv.restore_state(&self.stream, seq, slot)
+    }
+
+    fn run_forward(
+        &self,
+        kv: &mut DeviceKv,
+        step: &ForwardStep<'_>,
+        forward: &mut dyn FnMut(&mut DeviceKv) -> Result<CudaTensor>,
+    ) -> Result<CudaTensor> {
+        graph::run_forward(self, kv, step, forward)
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
@@ -243,7 +321,12 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
-        elementwise::embed(self, table, ids)
+        let captured = *self.step_inputs.lock().unwrap_or_else(|e| e.into_inner());
+        match captured {
+            // The captured step's ids, uploaded with its batch (the same ids).
+            Some(inputs) => elementwise::embed_from(self, table, inputs.ids(ids)?, ids.len()),
+            None => elementwise::embed(self, table, ids),
+        }
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaWeight, group: usize, eps: f32) -> Result<CudaTensor> {
@@ -252,7 +335,26 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> Result<CudaTensor> {
         let bias = bias.map(|b| b.vector()).transpose()?;
-        self.matmul(x, w.matrix()?, bias)
+        match w.fp8_matrix() {
+            Some(fp8) => self.matmul_fp8(x, fp8, bias),
+            None => self.matmul(x, w.matrix()?, bias),
+        }
+    }
+
+    fn linear_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        into: ResidualNorm<'_, CudaTensor, CudaWeight>,
+    ) -> Result<CudaTensor> {
+        if matches!(w, CudaWeight::Matrix { .. }) && (1..=GEMV_MAX_ROWS).contains(&x.rows) {
+            let bias = bias.map(|b| b.vector()).transpose()?;
+            let norm = into.weight.vector()?;
+            return self.matmul_add_rms_norm(x, w.matrix()?, bias, into.residual, norm, into.eps);
+        }
+        let y = self.linear(x, w, bias)?;
+        self.add_rms_norm(into.residual, &y, into.weight, into.eps)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
@@ -334,6 +436,19 @@ impl Backend for CudaBackend {
         moe::route(self, logits, router)
     }
 
+    fn route_linear(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        router: Router<'_, CudaWeight>,
+    ) -> Result<CudaRouting> {
+        match moe::route_linear(self, x, w, bias, &router)? {
+            Some(routing) => Ok(routing),
+            None => self.route(&self.linear(x, w, bias)?, router),
+        }
+    }
+
     fn routing_to_host(&self, routing: &CudaRouting) -> Result<Vec<u32>> {
         moe::routing_to_host(self, routing)
     }
@@ -343,7 +458,39 @@ impl Backend for CudaBackend {
     }
 
     fn moe_experts(&self, x: &CudaTensor, routing: &CudaRouting, experts: &CudaExperts) -> Result<CudaTensor> {
-        moe::moe_experts(self, x, routing, experts)
+        moe::moe_experts(self, x, routing, experts, None).map(|(out, _)| out)
+    }
+
+    fn moe_experts_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        routing: &CudaRouting,
+        experts: &CudaExperts,
+        shared: Option<&CudaTensor>,
+        into: ResidualNorm<'_, CudaTensor, CudaWeight>,
+    ) -> Result<CudaTensor> {
+        let hidden = experts.shape().0;
+        let mismatch = |t: &CudaTensor| (t.rows, t.cols) != (x.rows, hidden);
+        if mismatch(into.residual) || shared.is_some_and(mismatch) {
+            return Err(Error::Shape(format!(
+                "moe_experts_add_rms_norm: a residual or shared expert output that is not [{}, {hidden}]",
+                x.rows
+            )));
+        }
+        let epilogue = moe::ResidualEpilogue {
+            shared: shared.map_or(Ptr::null(), |s| ptr(&s.data)),
+            residual: ptr(&into.residual.data),
+            norm: into.weight.vector()?,
+            eps: into.eps,
+        };
+        let (mut out, fused) = moe::moe_experts(self, x, routing, experts, Some(epilogue))?;
+        if fused {
+            return Ok(out);
+        }
+        if let Some(shared) = shared {
+            self.add_assign(&mut out, shared)?;
+        }
+        self.add_rms_norm(into.residual, &out, into.weight, into.eps)
     }
 
     fn wants_routing_guess(&self, rows: usize) -> bool {

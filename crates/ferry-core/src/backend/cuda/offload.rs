@@ -15,25 +15,30 @@
 //! copied when that layer routes are dropped.
 //!
 //! The CPU lane. With a [`SplitRule`] other than `Link`, the misses of each step are split ([`plan_split`]): the
-//! link's share is copied as above, the host's is computed by the CPU lane ([`HostLane`]) straight from the bank
-//! while the GPU runs the rest. The layer's input rows come to the host with the routed ids (the same wait), the
-//! lane's products go back on the compute stream and moe_combine sums them in router order with the GPU's.
+//! link's share is copied as above, the host's is computed by the CPU lane (offload_lane.rs) straight from the
+//! bank, bf16 or FP8, while the GPU runs the rest. The layer's input rows come to the host with the routed ids
+//! (the same wait); the compute stream waits for the lane only before the products' upload and moe_combine, which
+//! sums them in router order with the GPU's. A step whose split gives the lane nothing runs as offload's does.
+//! Under [`SplitRule::Calibrated`] the split's rates are refined as it runs ([`LaneCalibration`]): each lane job's
+//! cost to the pipeline (from its start to the stream's release past its wait, offload_lane.rs) and each layer's
+//! link time (the timed events around its copies, read one layer later) are fed back before the next split.
 //!
 //! The offload is part of the backend from its construction ([`CudaBackend::builder`]), with the eviction policy
 //! and the split rule its caller chose.
 
 use std::sync::{Arc, Mutex};
-
 use std::time::Instant;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use super::bank::HostBank;
+use super::expert_format::{ExpertFormat, ExpertGlu};
+use super::offload_lane::{host_pairs, OffloadLane};
 use super::{cuda_err, CudaBackend, CudaRouting, CudaTensor};
-use crate::backend::cpu::gemv::WeightDType;
-use crate::backend::cpu::lane::{HostLane, LaneExpert, LaneWork};
-use crate::backend::{ExpertActivation, ExpertTensors, SeqSlice};
-use crate::moe::{plan_split, rows_per_expert, EvictionPolicy, ExpertCache, OffloadStats, Plan, SplitRule};
+use crate::backend::{ExpertTensors, SeqSlice};
+use crate::moe::{
+    plan_split, rows_per_expert, EvictionPolicy, ExpertCache, LaneCalibration, OffloadStats, Plan, SplitRule,
+};
 use crate::{Error, Result};
 
 /// How experts are offloaded: the GPU cache's slots (each holds one expert of any MoE layer) and the policy that
@@ -51,6 +56,7 @@ pub struct CudaBackendBuilder {
     backend: CudaBackend,
     offload: Option<OffloadConfig>,
     split: SplitRule,
+    cuda_graphs: bool,
 }
 
 impl CudaBackend {
@@ -60,6 +66,7 @@ impl CudaBackend {
             backend: CudaBackend::new(ordinal)?,
             offload: None,
             split: SplitRule::Link,
+            cuda_graphs: true,
         })
     }
 }
@@ -75,8 +82,8 @@ impl CudaBackendBuilder {
     }
 
     /// [`CudaBackend::measure_lanes`] on the opened GPU, before a split rule is chosen.
-    pub fn measure_lanes(&self, experts: usize, copy_bytes: usize) -> Result<super::LaneCeilings> {
-        self.backend.measure_lanes(experts, copy_bytes)
+    pub fn measure_lanes(&self, experts: usize, rounds: usize) -> Result<super::LaneCeilings> {
+        self.backend.measure_lanes(experts, rounds)
     }
 
     /// Keeps the routed experts of the models the backend loads in a host bank, cached on the GPU as `config` says.
@@ -93,8 +100,19 @@ impl CudaBackendBuilder {
         CudaBackendBuilder { split, ..self }
     }
 
+    /// Whether all-resident decode steps run as CUDA graphs (the default; offloaded experts run eagerly).
+    pub fn cuda_graphs(self, on: bool) -> Self {
+        CudaBackendBuilder {
+            cuda_graphs: on,
+            ..self
+        }
+    }
+
     pub fn build(self) -> Result<CudaBackend> {
         let mut backend = self.backend;
+        if !self.cuda_graphs || self.offload.is_some() {
+            backend.graphs = None;
+        }
         if let Some(config) = self.offload {
             backend.offload = Some(Mutex::new(Offload::new(backend.ctx.clone(), config, self.split)?));
         }
@@ -110,6 +128,9 @@ const PREFETCH_SHARE: (usize, usize) = (7, 8);
 /// mirror the table is uploaded from).
 struct OffloadLayer {
     bank_blocks: Vec<usize>,
+    format: ExpertFormat,
+    /// What the layer's experts compute around their products, for the CPU lane.
+    glu: ExpertGlu,
     table_host: PinnedHostSlice<u64>,
 }
 
@@ -124,8 +145,11 @@ pub struct LayerCopies {
     pub resident_ready: CudaEvent,
     /// Each expert copied in for this layer, in plan order, with the event recorded after its copy.
     pub fetched: Vec<(u32, CudaEvent)>,
-    /// The misses the CPU lane computes ([`Offload::compute_on_host`]), in first-routed order: no slot holds them.
+    /// The misses the CPU lane computes, in first-routed order: no slot holds them. The lane has started on them.
     pub host: Vec<u32>,
+    /// Per (row, k) pair, its row among the lane's products, or -1 where the GPU computes it (empty when the lane
+    /// has nothing).
+    pub host_index: Vec<i32>,
 }
 
 impl LayerCopies {
@@ -150,6 +174,9 @@ struct NextLayerGuess {
 }
 
 pub struct Offload {
+    /// The CPU lane when the split rule may give it any miss. First, so that it is dropped (its thread joined)
+    /// before the bank it reads.
+    lane: Option<OffloadLane>,
     ctx: Arc<CudaContext>,
     copy_stream: Arc<CudaStream>,
     slots: usize,
@@ -170,21 +197,21 @@ pub struct Offload {
     /// Per row of the batch being run, whether it is a prefill chunk's (a slice of more than one token): what the
     /// cache tells its policy of each expert's use.
     prefill_rows: Vec<bool>,
-    /// Who computes the misses, and the CPU lane when it may take any.
+    /// Who computes the misses.
     split: SplitRule,
-    lane: Option<HostLane>,
-    /// The layer's input rows, read with its routed ids when the lane is on, and the lane's products.
-    rows_host: Option<PinnedHostSlice<f32>>,
-    products_host: Option<PinnedHostSlice<f32>>,
-    /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time).
-    link_timing: Option<(CudaEvent, CudaEvent)>,
+    /// Under [`SplitRule::Calibrated`], the rates refined by what each lane costs in the pipeline (made with the
+    /// first layer, when the experts' size is known).
+    calibration: Option<LaneCalibration>,
+    /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time), and
+    /// the bytes they copied.
+    link_timing: Option<(CudaEvent, CudaEvent, usize)>,
 }
 
 impl Offload {
     fn new(ctx: Arc<CudaContext>, config: OffloadConfig, split: SplitRule) -> Result<Self> {
         let lane = match split {
             SplitRule::Link => None,
-            _ => Some(HostLane::new(HostLane::default_threads())?),
+            _ => Some(OffloadLane::new()?),
         };
         let slots = u32::try_from(config.slots)
             .map_err(|_| Error::Cuda(format!("{} expert cache slots are too many", config.slots)))?;
@@ -204,9 +231,8 @@ impl Offload {
             counters: OffloadStats::default(),
             prefill_rows: Vec::new(),
             split,
+            calibration: None,
             lane,
-            rows_host: None,
-            products_host: None,
             link_timing: None,
         })
     }
@@ -225,15 +251,9 @@ impl Offload {
 
     /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
     /// returns the layer's index.
-    pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors]) -> Result<usize> {
-        let format = super::expert_format::ExpertFormat::of(experts)?;
-        // The lane reads a bank block as three bf16 matrices (compute_on_host); an FP8 block has another layout.
-        if self.lane.is_some() && format != super::expert_format::ExpertFormat::Bf16 {
-            return Err(Error::Config(
-                "the CPU lane computes bf16 experts only so far: use --moe-strategy offload with FP8 experts".into(),
-            ));
-        }
-        let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1]);
+    pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors], glu: ExpertGlu) -> Result<usize> {
+        let format = ExpertFormat::of(experts)?;
+        let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1], glu.biased());
         if self.slab.is_none() {
             if self.slots < experts.len() {
                 return Err(Error::Cuda(format!(
@@ -246,6 +266,9 @@ impl Offload {
                 .map_err(cuda_err(&format!("allocating {} expert cache slots", self.slots)))?;
             self.slab = Some(slab);
             self.bank = Some(HostBank::new(self.ctx.clone(), block_bytes));
+            if let SplitRule::Calibrated(prior) = self.split {
+                self.calibration = Some(LaneCalibration::new(prior, block_bytes));
+            }
         }
         let Some(bank) = self.bank.as_mut() else {
             return Err(Error::Cuda("no expert bank".into()));
@@ -262,6 +285,8 @@ impl Offload {
         table_host.as_mut_slice().map_err(cuda_err("slot table"))?.fill(0);
         self.layers.push(OffloadLayer {
             bank_blocks,
+            format,
+            glu,
             table_host,
         });
         Ok(self.layers.len() - 1)
@@ -329,22 +354,9 @@ impl Offload {
         rows: Option<&CudaTensor>,
     ) -> Result<Vec<i32>> {
         let len: usize = routings.iter().map(|r| r.rows * r.top_k).sum();
-        if let Some(x) = rows {
+        if let (Some(x), Some(lane)) = (rows, self.lane.as_mut()) {
             // The layer's input is complete before its router ran, so it arrives with the ids.
-            let values = x.rows * x.cols;
-            if self.rows_host.as_ref().is_none_or(|h| h.len() < values) {
-                self.rows_host = Some(
-                    unsafe { self.ctx.alloc_pinned_with_flags::<f32>(values.next_power_of_two(), 0) }
-                        .map_err(cuda_err("pinning the lane's rows"))?,
-                );
-            }
-            let Some(host) = self.rows_host.as_mut() else {
-                return Err(Error::Cuda("no buffer for the lane's rows".into()));
-            };
-            let dst = &mut host.as_mut_slice().map_err(cuda_err("lane rows"))?[..values];
-            let src = x.data.device_ptr(compute).0;
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, compute.cu_stream()) }
-                .map_err(cuda_err("the lane's rows to the host"))?;
+            lane.read_rows(&self.ctx, compute, x)?;
         }
         if self.routed_host.as_ref().is_none_or(|h| h.len() < len) {
             self.routed_host = Some(
@@ -432,16 +444,17 @@ impl Offload {
 
     /// Makes the routed experts of `layer` resident for this step, or leaves them to the CPU lane: reads the routed
     /// ids (and those of a guess handed over for the next layer, and with the lane on the rows of `x`), splits the
-    /// misses, plans, queues the copies of the link's misses, each with its event, and the slot table's upload on
-    /// `compute`. The caller makes `compute` wait for the returned events before the kernels that read the
-    /// experts, and has the lane compute [`LayerCopies::host`].
+    /// misses, plans, starts the CPU lane on its share ([`LayerCopies::host`], experts `inter` wide), queues the
+    /// copies of the link's misses, each with its event, and the slot table's upload on `compute`. The caller makes
+    /// `compute` wait for the returned events before the kernels that read the experts, and for the lane
+    /// ([`Offload::queue_host_products`]) before the products are summed.
     pub fn prepare_layer(
         &mut self,
         compute: &Arc<CudaStream>,
         layer: usize,
         routing: &CudaRouting,
         table: &CudaSlice<u64>,
-        x: &CudaTensor,
+        (x, inter): (&CudaTensor, usize),
     ) -> Result<LayerCopies> {
         let routed = routing.rows * routing.top_k;
         let guess = self.guess.take();
@@ -450,6 +463,17 @@ impl Offload {
         let rows = self.lane.is_some().then_some(x);
         let all_ids = self.read_ids(compute, &routings, rows)?;
         self.read_link_timing()?;
+        // The last layer's lane job is done: the stream passed its host function before this router.
+        if let Some(done) = self.lane.as_mut().map(OffloadLane::collect).transpose()?.flatten() {
+            self.counters.host_experts += done.experts as u64;
+            self.counters.host_pairs += done.pairs as u64;
+            self.counters.host_bytes += done.bytes as u64;
+            self.counters.host_ns += done.busy.as_nanos() as u64;
+            self.counters.host_pipeline_ns += done.pipeline.as_nanos() as u64;
+            if let Some(calibration) = self.calibration.as_mut() {
+                calibration.observe_cpu(&done.rows, done.pipeline.as_secs_f64());
+            }
+        }
         let ids: Vec<u32> = all_ids[..routed].iter().map(|&e| e as u32).collect();
         // Rows of a batch that was not started here (an op called on its own) all count as decode rows.
         let prefill_rows = if self.prefill_rows.len() == routing.rows {
@@ -461,6 +485,15 @@ impl Offload {
         let plan = self
             .cache
             .plan_batch_elsewhere(layer as u32, &ids, prefill_rows, |e| host.contains(&e))?;
+        // The lane first: nothing it reads waits for the copies or the slot table queued below.
+        let host_index = if plan.elsewhere.is_empty() {
+            Vec::new()
+        } else {
+            let experts = self.layers.get(layer).map_or(0, |l| l.bank_blocks.len());
+            let share = host_pairs(&all_ids[..routed], routing.top_k, &plan.elsewhere, experts)?;
+            self.start_on_host(layer, (x.rows, x.cols), inter, &plan.elsewhere, share.pairs)?;
+            share.index
+        };
         let routed_experts: Vec<u32> = plan.resident.iter().chain(&plan.fetch).map(|&(e, _)| e).collect();
         if let Some(scored) = self.next_guess.take().filter(|g| g.layer == layer) {
             let hits = scored.experts.iter().filter(|e| routed_experts.contains(e)).count();
@@ -492,7 +525,8 @@ impl Offload {
         )?;
         self.counters.copies += fetched.len() as u64;
         if let Some(start) = link_start {
-            self.link_timing = timed_event(&self.ctx, &self.copy_stream, true)?.map(|end| (start, end));
+            self.link_timing =
+                timed_event(&self.ctx, &self.copy_stream, true)?.map(|end| (start, end, fetched.len() * block_bytes));
         }
         let mirror = layer_state.table_host.as_mut_slice().map_err(cuda_err("slot table"))?;
         mirror.fill(0);
@@ -509,9 +543,11 @@ impl Offload {
         // A batch that routes to nearly all of this layer's experts (a prefill chunk) will route to nearly all of
         // the next layer's: copy those now, behind this layer's copies and while this layer computes, instead of
         // after the next router. The next layer's kernels wait for them (its `resident_ready`). Only this layer's
-        // experts are still read by a kernel (every earlier one has finished), and the prefetch spares them. Not
-        // with the CPU lane: the next layer's experts that few rows use are the lane's, not the link's.
-        if let (Some(next), None) = (self.layers.get(layer + 1), &self.lane) {
+        // experts are still read by a kernel (every earlier one has finished), and the prefetch spares them. Only
+        // where this step's split gave the CPU lane nothing (the next layer's experts that few rows use would be
+        // the lane's), and never when no expert may cross the link.
+        let link_alone = plan.elsewhere.is_empty() && self.split != SplitRule::Cpu;
+        if let (Some(next), true) = (self.layers.get(layer + 1), link_alone) {
             let next_experts = next.bank_blocks.len();
             if routed_experts.len() * PREFETCH_SHARE.1 >= layer_experts * PREFETCH_SHARE.0
                 && routed_experts.len() + next_experts <= self.slots
@@ -540,6 +576,7 @@ impl Offload {
             resident_ready,
             fetched,
             host: plan.elsewhere,
+            host_index,
         })
     }
 
@@ -552,97 +589,70 @@ impl Offload {
             .into_iter()
             .partition(|m| self.cache.slot_of((layer as u32, m.expert)).is_none());
         let bytes = self.bank.as_ref().map_or(0, |b| b.block_bytes());
-        plan_split(self.split, &misses, hits.len(), bytes).cpu
+        let rule = match &self.calibration {
+            Some(calibration) => SplitRule::Balanced(calibration.rates()),
+            None => self.split,
+        };
+        plan_split(rule, &misses, hits.len(), bytes).cpu
     }
 
     /// Adds the link's busy time over the last layer's demand copies, which have landed by the time the next
-    /// router's ids are read (the kernels that waited for them ran before that router).
+    /// router's ids are read (the kernels that waited for them ran before that router), and under calibration
+    /// feeds it to the link's rate.
     fn read_link_timing(&mut self) -> Result<()> {
-        if let Some((start, end)) = self.link_timing.take() {
+        if let Some((start, end, bytes)) = self.link_timing.take() {
             let ms = start.elapsed_ms(&end).map_err(cuda_err("timing the expert copies"))?;
             self.counters.link_ns += (ms as f64 * 1e6) as u64;
+            if let Some(calibration) = self.calibration.as_mut() {
+                calibration.observe_link(bytes, ms as f64 * 1e-3);
+            }
         }
         Ok(())
     }
 
-    /// Computes the `pairs` (row of the layer's input, index into `experts`) of `layer`'s host experts on the CPU
-    /// lane while the calling thread runs `during` (which queues the GPU's share), then queues the products' upload
-    /// into `products` (`[pairs, hidden]`) on `compute`. Returns what `during` returned.
-    #[allow(clippy::too_many_arguments)]
-    pub fn compute_on_host<R>(
+    /// Starts the CPU lane on `pairs` (row of the layer's input, index into `experts`) of `layer`'s host
+    /// `experts` and returns at once; [`Offload::queue_host_products`] queues the stream's wait for it.
+    fn start_on_host(
         &mut self,
-        compute: &Arc<CudaStream>,
         layer: usize,
         x_shape: (usize, usize),
         inter: usize,
         experts: &[u32],
-        pairs: &[(u32, u32)],
-        products: &CudaTensor,
-        during: impl FnOnce() -> R,
-    ) -> Result<R> {
-        let (rows, hidden) = x_shape;
-        let values = pairs.len() * hidden;
-        if self.products_host.as_ref().is_none_or(|h| h.len() < values) {
-            self.products_host = Some(
-                unsafe { self.ctx.alloc_pinned_with_flags::<f32>(values.next_power_of_two(), 0) }
-                    .map_err(cuda_err("pinning the lane's products"))?,
-            );
-        }
-        let (Some(lane), Some(bank), Some(rows_host), Some(products_host)) = (
-            self.lane.as_mut(),
-            self.bank.as_ref(),
-            self.rows_host.as_ref(),
-            self.products_host.as_mut(),
-        ) else {
-            return Err(Error::Cuda(
-                "the CPU lane has no buffers (no lane, or no layer loaded)".into(),
-            ));
+        pairs: Vec<(u32, u32)>,
+    ) -> Result<()> {
+        let (Some(lane), Some(bank)) = (self.lane.as_mut(), self.bank.as_ref()) else {
+            return Err(Error::Cuda("the CPU lane is off, or no layer is loaded".into()));
         };
-        let blocks = &self
+        let layer_state = self
             .layers
             .get(layer)
-            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?
-            .bank_blocks;
-        // An expert's block: gate, up, down, each inter * hidden bf16 values.
-        let matrix = inter * hidden * 2;
-        let lane_experts = experts
+            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
+        let blocks = experts
             .iter()
             .map(|&e| {
-                let block = blocks
+                let block = layer_state
+                    .bank_blocks
                     .get(e as usize)
                     .ok_or_else(|| Error::Cuda(format!("no expert {e} in MoE layer {layer}")))?;
-                let bytes = bank.block(*block)?;
-                Ok(LaneExpert {
-                    gate: &bytes[..matrix],
-                    up: &bytes[matrix..2 * matrix],
-                    down: &bytes[2 * matrix..3 * matrix],
-                    dtype: WeightDType::BF16,
-                    gate_bias: None,
-                    up_bias: None,
-                    down_bias: None,
-                })
+                bank.block(*block)
             })
             .collect::<Result<Vec<_>>>()?;
-        let work = LaneWork {
-            x: &rows_host.as_slice().map_err(cuda_err("lane rows"))?[..rows * hidden],
-            hidden,
+        lane.start(
+            &self.ctx,
+            x_shape,
             inter,
-            activation: ExpertActivation::SiluGlu,
-            experts: &lane_experts,
+            &blocks,
+            (layer_state.format, layer_state.glu),
             pairs,
-        };
-        let out = &mut products_host.as_mut_slice().map_err(cuda_err("lane products"))?[..values];
-        let (result, busy) = lane.compute(&work, out, during)?;
-        self.counters.host_experts += experts.len() as u64;
-        self.counters.host_pairs += pairs.len() as u64;
-        self.counters.host_bytes += (experts.len() * bank.block_bytes()) as u64;
-        self.counters.host_ns += busy.as_nanos() as u64;
-        // On the compute stream, ahead of the combine. The pinned buffer is next written by a later layer's lane,
-        // after the host has waited for that layer's router, so this upload is done by then.
-        let dst = products.data.device_ptr(compute).0;
-        unsafe { cudarc::driver::result::memcpy_htod_async(dst, &*out, compute.cu_stream()) }
-            .map_err(cuda_err("the lane's products to the GPU"))?;
-        Ok(result)
+        )
+    }
+
+    /// Queues on `compute` the wait for the lane's job and the upload of its products into `products`.
+    pub fn queue_host_products(&mut self, compute: &Arc<CudaStream>, products: &CudaTensor) -> Result<()> {
+        self.lane
+            .as_mut()
+            .ok_or_else(|| Error::Cuda("the CPU lane is off".into()))?
+            .queue_products(compute, products)
     }
 
     /// Keeps the guessed experts of `layer` (`ids`, as read) to copy while the host waits for that layer's router:
@@ -683,6 +693,7 @@ impl Offload {
             layer_misses: counts.iter().map(|c| c.misses).collect(),
             bytes_copied: self.counters.copies * bytes_per_expert as u64,
             prefetches_used: self.cache.prefetches_used(),
+            calibrated: self.calibration.as_ref().map(LaneCalibration::summary),
             ..self.counters.clone()
         }
     }

@@ -1,13 +1,18 @@
 //! The CPU lane: routed experts computed on the host straight from where their weights lie (the GPU offload's
-//! pinned bank, read in place), on a persistent pool of pinned threads, while the calling thread drives the GPU.
+//! pinned bank, read in place), on a persistent pool of pinned threads and the thread that hands it the job (under
+//! offload, the lane's own thread, so the thread driving the GPU goes on).
 //! f32 activations and accumulation through the CPU backend's GEMV kernels ([`matmul_serial`]) and the same
 //! activation and bias arithmetic as `cpu/moe.rs`, so each (row, expert) product equals the CPU backend's to the
-//! bit. What it returns is each pair's unweighted product; the caller weights and sums them in router order (on
-//! the GPU, moe_combine does). Not for the CPU backend's own MoE layers, which rayon runs.
+//! bit, for bf16 experts, FP8 ones (E4M3 with block scales, read in place like the bf16 ones) and MXFP4 ones
+//! (gpt-oss's, widened a tile of rows at a time into each worker's own buffer by cpu/mxfp4.rs's tile product, as
+//! the CPU backend widens them), with or without biases. What it returns is each pair's unweighted product; the
+//! caller weights and sums them in router order (on the GPU, moe_combine does). Not for the CPU backend's own MoE
+//! layers, which rayon runs.
 //!
 //! A job runs in three phases over all its experts, every worker taking items from a shared counter and waiting
 //! at the end of each phase for the others: gather each expert's rows of `x`; gate and up in chunks of output rows
-//! (each chunk a multiple of 16 rows, so the kernels meet the same 4-row blocks as over the whole matrix), with
+//! (each chunk a multiple of 16 rows, so the kernels meet the same 4-row blocks, and MXFP4 the same tiles, as over
+//! the whole matrix, and of an FP8 matrix's scale block rows, so each chunk reads whole rows of the scale grid), with
 //! the activation; down in chunks of output features. An expert used by one row is read once, spread over every
 //! thread; one used by many rows is read once too, each chunk serving all its rows.
 
@@ -18,28 +23,53 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use super::gemv::{matmul_serial, WeightDType};
+use super::gemv::{matmul_serial, BlockScales, WeightDType, WeightEncoding};
+use super::mxfp4::{tile_product, TILE_ROWS};
 use super::{sigmoid, silu};
 use crate::backend::ExpertActivation;
+use crate::loader::mxfp4::MXFP4_BLOCK;
+use crate::loader::DType;
 use crate::{Error, Result};
 use pool::WorkerPool;
+pub use pool::POLL_BEFORE_SLEEP;
 
 /// Bytes of weights one work item reads: small enough that a one-row expert spreads over every thread, large
 /// enough that the shared counter is not the bottleneck.
 const ITEM_BYTES: usize = 256 << 10;
-/// Output rows of a work item are a multiple of this (the GEMV kernels' row blocks divide it).
+/// Output rows of a work item are a multiple of this (the GEMV kernels' row blocks and the MXFP4 tiles divide it).
 const ITEM_ROWS_MULTIPLE: usize = 16;
+const _: () = assert!(ITEM_ROWS_MULTIPLE.is_multiple_of(TILE_ROWS));
 /// (row, expert) pairs one job takes at most; more are run in several jobs, bounding the lane's buffers.
 const MAX_JOB_PAIRS: usize = 4096;
 
+/// How an expert's matrices are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaneDType {
+    /// What the GEMV kernels read in place: bf16, or FP8 with its scales.
+    Gemv(WeightDType),
+    /// Packed as loader/mxfp4.rs packs a matrix: every row's e2m1 values, then every row's e8m0 scales.
+    Mxfp4,
+}
+
+impl LaneDType {
+    /// Bytes of a `[n, k]` matrix.
+    fn matrix_bytes(self, n: usize, k: usize) -> usize {
+        match self {
+            LaneDType::Gemv(dtype) => n * k * dtype.size_bytes(),
+            LaneDType::Mxfp4 => DType::Mxfp4.bytes_for(n * k),
+        }
+    }
+}
+
 /// One expert's weights as the lane reads them, in place: `gate` and `up` `[inter, hidden]`, `down` `[hidden,
-/// inter]`, all in `dtype`, and optional f32 biases.
+/// inter]`, all in `dtype` (FP8 with each matrix's scales, gate's, up's and down's), and optional f32 biases.
 #[derive(Clone, Copy)]
 pub struct LaneExpert<'a> {
     pub gate: &'a [u8],
     pub up: &'a [u8],
     pub down: &'a [u8],
-    pub dtype: WeightDType,
+    pub dtype: LaneDType,
+    pub scales: Option<[BlockScales<'a>; 3]>,
     pub gate_bias: Option<&'a [f32]>,
     pub up_bias: Option<&'a [f32]>,
     pub down_bias: Option<&'a [f32]>,
@@ -101,8 +131,9 @@ pub struct HostLane {
     pool: WorkerPool,
     layout: Layout,
     /// Gathered rows `[pairs, hidden]`, gate and up `[pairs, 2 * inter]`, activations `[pairs, inter]`, down
-    /// `[pairs, hidden]`, all in grouped order.
-    buffers: [Vec<f32>; 4],
+    /// `[pairs, hidden]`, all in grouped order; then each worker's MXFP4 tile buffer (`Layout::tile_values` each,
+    /// empty for other experts).
+    buffers: [Vec<f32>; 5],
 }
 
 /// What the workers of a job read: the pairs grouped by expert, the work items, the shared counters.
@@ -113,13 +144,16 @@ struct Layout {
     groups: Vec<Group>,
     gate_up_items: Vec<Item>,
     down_items: Vec<Item>,
+    /// Values of one worker's MXFP4 tile buffer: a tile's widened rows, then its products for a group's rows.
+    tile_values: usize,
     next: [AtomicUsize; 3],
     done: [AtomicUsize; 3],
     failed: AtomicBool,
 }
 
 impl HostLane {
-    /// A lane of `threads` workers; [`HostLane::default_threads`] leaves one core to the GPU-driving thread.
+    /// A lane of `threads` workers, the thread that calls [`HostLane::compute`] one of them;
+    /// [`HostLane::default_threads`] leaves one core to the GPU-driving thread.
     pub fn new(threads: usize) -> Result<Self> {
         Ok(HostLane {
             pool: WorkerPool::new(threads)?,
@@ -141,7 +175,7 @@ impl HostLane {
     }
 
     /// Computes `work`'s pairs into `out` (`[pairs, hidden]`, pair order) on the workers while the calling thread
-    /// runs `during`; returns what `during` returned and the lane's own time.
+    /// runs `during`, then on the calling thread too; returns what `during` returned and the lane's own time.
     pub fn compute<R>(
         &mut self,
         work: &LaneWork<'_>,
@@ -154,10 +188,10 @@ impl HostLane {
         for first in (0..work.pairs.len().max(1)).step_by(MAX_JOB_PAIRS) {
             let pairs = &work.pairs[first..(first + MAX_JOB_PAIRS).min(work.pairs.len())];
             let out = SharedMut::new(&mut out[first * work.hidden..(first + pairs.len()) * work.hidden]);
-            self.layout.lay_out(work, pairs, &mut self.buffers);
+            self.layout.lay_out(work, pairs, self.pool.threads(), &mut self.buffers);
             let buffers = self.buffers.each_mut().map(|b| SharedMut::new(b));
             let layout = &self.layout;
-            let job = |_worker: usize| layout.job(work, pairs, &buffers, out);
+            let job = |worker: usize| layout.job(work, pairs, worker, &buffers, out);
             match during.take() {
                 Some(during) => {
                     let (r, took) = self.pool.run_while(&job, during)?;
@@ -177,7 +211,7 @@ impl HostLane {
 impl Layout {
     /// Groups `pairs` of `work` by expert (stably, so each expert's rows keep their order) and sizes the buffers
     /// and work items for them.
-    fn lay_out(&mut self, work: &LaneWork<'_>, pairs: &[(u32, u32)], buffers: &mut [Vec<f32>; 4]) {
+    fn lay_out(&mut self, work: &LaneWork<'_>, pairs: &[(u32, u32)], threads: usize, buffers: &mut [Vec<f32>; 5]) {
         let (hidden, inter) = (work.hidden, work.inter);
         self.groups.clear();
         self.groups.resize(work.experts.len(), Group::default());
@@ -198,9 +232,17 @@ impl Layout {
             self.filled[e as usize] += 1;
         }
         self.groups.retain(|g| g.rows > 0);
-        let row_bytes = |k: usize| k * work.experts.first().map_or(2, |e| e.dtype.size_bytes());
-        let chunk = |rows_of_k: usize| (ITEM_BYTES / rows_of_k).next_multiple_of(ITEM_ROWS_MULTIPLE);
-        let (gate_up_chunk, down_chunk) = (chunk(2 * row_bytes(hidden)), chunk(row_bytes(inter)));
+        let first = work.experts.first();
+        let row_bytes = |k: usize| first.map_or(2 * k, |e| e.dtype.matrix_bytes(1, k));
+        // Chunks start on whole rows of the scale grid (every expert of a layer is stored alike).
+        let scale_rows = |m: usize| first.and_then(|e| e.scales).map_or(1, |s| s[m].block_rows);
+        let chunk = |rows_of_k: usize, scale_rows: usize| {
+            (ITEM_BYTES / rows_of_k).next_multiple_of(lcm(ITEM_ROWS_MULTIPLE, scale_rows))
+        };
+        let (gate_up_chunk, down_chunk) = (
+            chunk(2 * row_bytes(hidden), lcm(scale_rows(0), scale_rows(1))),
+            chunk(row_bytes(inter), scale_rows(2)),
+        );
         for (items, chunk, len) in [
             (&mut self.gate_up_items, gate_up_chunk, inter),
             (&mut self.down_items, down_chunk, hidden),
@@ -214,10 +256,18 @@ impl Layout {
             }
         }
         let n = pairs.len();
-        for (buffer, len) in buffers
-            .iter_mut()
-            .zip([n * hidden, 2 * n * inter, n * inter, n * hidden])
-        {
+        let most_rows = self.groups.iter().map(|g| g.rows).max().unwrap_or(0);
+        self.tile_values = match first.map(|e| e.dtype) {
+            Some(LaneDType::Mxfp4) => TILE_ROWS * (hidden.max(inter) + most_rows),
+            _ => 0,
+        };
+        for (buffer, len) in buffers.iter_mut().zip([
+            n * hidden,
+            2 * n * inter,
+            n * inter,
+            n * hidden,
+            threads * self.tile_values,
+        ]) {
             if buffer.len() < len {
                 buffer.resize(len, 0.0);
             }
@@ -229,7 +279,9 @@ impl Layout {
     }
 
     /// A worker's share of the job: the three phases, each item from the shared counter, a barrier after each.
-    fn job(&self, work: &LaneWork<'_>, pairs: &[(u32, u32)], buffers: &[SharedMut; 4], out: SharedMut) {
+    fn job(&self, work: &LaneWork<'_>, pairs: &[(u32, u32)], worker: usize, buffers: &[SharedMut; 5], out: SharedMut) {
+        // SAFETY: each worker's tile buffer is its own.
+        let tile = unsafe { buffers[4].slice(worker * self.tile_values..(worker + 1) * self.tile_values) };
         let counts = [pairs.len(), self.gate_up_items.len(), self.down_items.len()];
         for (phase, &count) in counts.iter().enumerate() {
             loop {
@@ -239,8 +291,8 @@ impl Layout {
                 }
                 let ran = catch_unwind(AssertUnwindSafe(|| match phase {
                     0 => self.gather(work, pairs, item, buffers),
-                    1 => self.gate_up_item(work, self.gate_up_items[item], buffers),
-                    _ => self.down_item(work, self.down_items[item], buffers, out),
+                    1 => self.gate_up_item(work, self.gate_up_items[item], buffers, tile),
+                    _ => self.down_item(work, self.down_items[item], buffers, out, tile),
                 }));
                 if ran.is_err() {
                     self.failed.store(true, Ordering::Relaxed);
@@ -254,7 +306,7 @@ impl Layout {
     }
 
     /// Phase 0: the row of grouped position `at` (pair `order[at]`) copied into `gathered`.
-    fn gather(&self, work: &LaneWork<'_>, pairs: &[(u32, u32)], at: usize, buffers: &[SharedMut; 4]) {
+    fn gather(&self, work: &LaneWork<'_>, pairs: &[(u32, u32)], at: usize, buffers: &[SharedMut; 5]) {
         let hidden = work.hidden;
         let row = pairs[self.order[at] as usize].0 as usize;
         // SAFETY: position `at`'s row is this item's alone.
@@ -263,12 +315,12 @@ impl Layout {
     }
 
     /// Phase 1: gate and up rows `a..b` of a group's expert for all its rows, then the activation into `act`.
-    fn gate_up_item(&self, work: &LaneWork<'_>, item: Item, buffers: &[SharedMut; 4]) {
+    fn gate_up_item(&self, work: &LaneWork<'_>, item: Item, buffers: &[SharedMut; 5], tile: &mut [f32]) {
         let Group { expert, start, rows } = self.groups[item.group];
         let e = &work.experts[expert as usize];
         let (hidden, inter) = (work.hidden, work.inter);
         let (a, b) = item.rows;
-        let (n, row_bytes) = (b - a, hidden * e.dtype.size_bytes());
+        let n = b - a;
         // SAFETY: phase 0 finished writing these rows; this phase only reads them.
         let x = unsafe { buffers[0].slice(start * hidden..(start + rows) * hidden) };
         // The group's gate/up scratch is `2 * rows * inter` values; this item's part is `2 * rows * n` of them.
@@ -276,8 +328,8 @@ impl Layout {
         // SAFETY: items of one group cover disjoint row ranges, so their scratch parts are disjoint.
         let scratch = unsafe { buffers[1].slice(scratch_at..scratch_at + 2 * rows * n) };
         let (gate, up) = scratch.split_at_mut(rows * n);
-        matmul_serial(x, rows, hidden, &e.gate[a * row_bytes..b * row_bytes], e.dtype, n, gate);
-        matmul_serial(x, rows, hidden, &e.up[a * row_bytes..b * row_bytes], e.dtype, n, up);
+        product(x, rows, e, 0, (inter, hidden), a..b, gate, tile);
+        product(x, rows, e, 1, (inter, hidden), a..b, up, tile);
         for (values, bias) in [(&mut *gate, e.gate_bias), (&mut *up, e.up_bias)] {
             add_bias(values, bias.map(|bias| &bias[a..b]));
         }
@@ -293,26 +345,18 @@ impl Layout {
     }
 
     /// Phase 2: down features `a..b` of a group's expert for all its rows, into their pairs' rows of `out`.
-    fn down_item(&self, work: &LaneWork<'_>, item: Item, buffers: &[SharedMut; 4], out: SharedMut) {
+    fn down_item(&self, work: &LaneWork<'_>, item: Item, buffers: &[SharedMut; 5], out: SharedMut, tile: &mut [f32]) {
         let Group { expert, start, rows } = self.groups[item.group];
         let e = &work.experts[expert as usize];
         let (hidden, inter) = (work.hidden, work.inter);
         let (a, b) = item.rows;
-        let (n, row_bytes) = (b - a, inter * e.dtype.size_bytes());
+        let n = b - a;
         // SAFETY: phase 1 finished writing the group's activations; this phase only reads them.
         let act = unsafe { buffers[2].slice(start * inter..(start + rows) * inter) };
         let scratch_at = hidden * start + rows * a;
         // SAFETY: disjoint per item, as in phase 1.
         let scratch = unsafe { buffers[3].slice(scratch_at..scratch_at + rows * n) };
-        matmul_serial(
-            act,
-            rows,
-            inter,
-            &e.down[a * row_bytes..b * row_bytes],
-            e.dtype,
-            n,
-            scratch,
-        );
+        product(act, rows, e, 2, (hidden, inter), a..b, scratch, tile);
         add_bias(scratch, e.down_bias.map(|bias| &bias[a..b]));
         for t in 0..rows {
             let pair = self.order[start + t] as usize;
@@ -321,6 +365,67 @@ impl Layout {
             dst.copy_from_slice(&scratch[t * n..(t + 1) * n]);
         }
     }
+}
+
+/// Rows `rows` of matrix `m` (gate, up, down; `[n, k]`) of `e` against the `tokens` rows of `x`, into `out`
+/// (`[tokens, rows.len()]`): in place through the GEMV kernels, or for MXFP4 tile by tile through `tile` (a
+/// worker's tile buffer), each tile's products then copied to their columns.
+#[allow(clippy::too_many_arguments)]
+fn product(
+    x: &[f32],
+    tokens: usize,
+    e: &LaneExpert<'_>,
+    m: usize,
+    (n, k): (usize, usize),
+    rows: Range<usize>,
+    out: &mut [f32],
+    tile: &mut [f32],
+) {
+    let w = [e.gate, e.up, e.down][m];
+    let width = rows.len();
+    match e.dtype {
+        LaneDType::Gemv(dtype) => {
+            let row_bytes = k * dtype.size_bytes();
+            let w = &w[rows.start * row_bytes..rows.end * row_bytes];
+            matmul_serial(x, tokens, k, w, encoding(e, dtype, m, rows, k), width, out);
+        }
+        LaneDType::Mxfp4 => {
+            let (widened, products) = tile.split_at_mut(TILE_ROWS * k);
+            for first in rows.clone().step_by(TILE_ROWS) {
+                let tile_rows = first..(first + TILE_ROWS).min(rows.end);
+                let products = &mut products[..tokens * tile_rows.len()];
+                tile_product(x, tokens, k, w, n, tile_rows.clone(), widened, products);
+                for (t, values) in products.chunks_exact(tile_rows.len()).enumerate() {
+                    out[t * width + first - rows.start..][..values.len()].copy_from_slice(values);
+                }
+            }
+        }
+    }
+}
+
+/// How rows `rows` of matrix `m` (gate, up, down) of `e`, each of `k` columns, are stored in `dtype`: for FP8 the
+/// scale grid's rows that cover them (`rows.start` is a multiple of the scale blocks' rows, as the chunks are).
+fn encoding<'a>(e: &LaneExpert<'a>, dtype: WeightDType, m: usize, rows: Range<usize>, k: usize) -> WeightEncoding<'a> {
+    let scales = e.scales.map(|all| {
+        let s = all[m];
+        let per_row = 4 * k.div_ceil(s.block_cols);
+        let grid_rows = rows.start / s.block_rows..rows.end.div_ceil(s.block_rows);
+        BlockScales {
+            bytes: &s.bytes[grid_rows.start * per_row..grid_rows.end * per_row],
+            ..s
+        }
+    });
+    WeightEncoding { dtype, scales }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
 }
 
 /// `values` (rows of `bias.len()` features) plus `bias` in every row, as `cpu/moe.rs`'s `with_bias` adds it.
@@ -368,15 +473,45 @@ fn check(work: &LaneWork<'_>, out: &[f32]) -> Result<()> {
             work.experts.len()
         ));
     }
+    let first = work.experts.first();
     for e in work.experts {
-        let size = e.dtype.size_bytes();
-        let matrices = [e.gate.len(), e.up.len(), e.down.len()] == [inter * hidden * size; 3];
+        let packs =
+            e.dtype != LaneDType::Mxfp4 || (hidden.is_multiple_of(MXFP4_BLOCK) && inter.is_multiple_of(MXFP4_BLOCK));
+        let matrices = packs
+            && [e.gate.len(), e.up.len(), e.down.len()]
+                == [
+                    e.dtype.matrix_bytes(inter, hidden),
+                    e.dtype.matrix_bytes(inter, hidden),
+                    e.dtype.matrix_bytes(hidden, inter),
+                ];
         let biases = [(e.gate_bias, inter), (e.up_bias, inter), (e.down_bias, hidden)]
             .iter()
             .all(|(b, len)| b.is_none_or(|b| b.len() == *len));
         if !matrices || !biases {
             return fail(format!(
-                "an expert that is not [{inter}, {hidden}] x 2 + [{hidden}, {inter}] with biases to match"
+                "an expert that is not [{inter}, {hidden}] x 2 + [{hidden}, {inter}] with biases to match (MXFP4: \
+                 both multiples of 32)"
+            ));
+        }
+        let blocks = |e: &LaneExpert| e.scales.map(|s| s.map(|s| (s.block_rows, s.block_cols)));
+        let scales = match e.scales {
+            None => e.dtype != LaneDType::Gemv(WeightDType::F8E4M3),
+            Some(s) => {
+                e.dtype == LaneDType::Gemv(WeightDType::F8E4M3)
+                    && blocks(e) == first.and_then(blocks)
+                    && s.iter()
+                        .zip([(inter, hidden), (inter, hidden), (hidden, inter)])
+                        .all(|(s, (n, k))| {
+                            s.block_rows > 0
+                                && s.block_cols > 0
+                                && s.bytes.len() == 4 * n.div_ceil(s.block_rows) * k.div_ceil(s.block_cols)
+                        })
+            }
+        };
+        if !scales || e.dtype != first.map_or(e.dtype, |f| f.dtype) {
+            return fail(format!(
+                "an expert stored unlike the first, or FP8 without its [{inter}, {hidden}] and [{hidden}, {inter}] \
+                 scale grids"
             ));
         }
     }

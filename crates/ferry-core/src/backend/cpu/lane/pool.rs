@@ -1,10 +1,11 @@
 //! The CPU lane's persistent worker threads: started once, pinned to cores where the OS allows, woken for each job
-//! and waited for, with nothing spawned or allocated per job. One job runs at a time, on every worker, while the
-//! calling thread does something else (drives the GPU) and then waits for it. Not a general task pool: a job is one
-//! function every worker calls with its index and shares out by itself.
+//! and waited for, with nothing spawned or allocated per job. One job runs at a time, on every worker and on the
+//! calling thread, which first does something else of its own, then takes its share of the job (the last worker's
+//! index), then waits for the others by polling, so that the end of a job wakes no sleeping thread. Not a general
+//! task pool: a job is one function every worker calls with its index and shares out by itself.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -22,21 +23,21 @@ unsafe impl Send for JobPtr {}
 struct State {
     generation: u64,
     job: Option<JobPtr>,
-    running: usize,
-    /// When the last worker of the current job finished.
-    finished_at: Option<Instant>,
-    panicked: bool,
     shutdown: bool,
 }
 
-/// How long an idle worker polls for the next job before it sleeps on the condition variable: decode runs a job per
-/// MoE layer about every half millisecond, and a wake-up through the kernel costs tens of microseconds each time.
-const POLL_BEFORE_SLEEP: Duration = Duration::from_millis(2);
+/// How long an idle thread polls for the next job (or the caller for the workers' end) before it sleeps on a
+/// condition variable: decode runs a job per MoE layer about every half millisecond, and a wake-up through the
+/// kernel costs tens of microseconds each time, more when every core is busy.
+pub const POLL_BEFORE_SLEEP: Duration = Duration::from_millis(2);
 
 #[derive(Default)]
 struct Shared {
     /// `State::generation`, readable without the lock, for polling workers.
     generation: AtomicU64,
+    /// Spawned workers still running the current job, and whether one of them panicked.
+    running: AtomicUsize,
+    panicked: AtomicBool,
     state: Mutex<State>,
     wake: Condvar,
     finished: Condvar,
@@ -54,12 +55,13 @@ pub struct WorkerPool {
 }
 
 impl WorkerPool {
-    /// Starts `threads` workers (at least one). Worker `i` is pinned to the `i + 1`-th core this process may run
-    /// on, so the first is left to the thread that drives the GPU; where pinning fails, the worker runs unpinned.
+    /// A pool of `threads` workers (at least one), the calling thread of each job included: `threads - 1` are
+    /// started. Worker `i` is pinned to the `i + 1`-th core this process may run on, so the first is left to the
+    /// thread that drives the GPU (and the last to the caller); where pinning fails, the worker runs unpinned.
     pub fn new(threads: usize) -> Result<Self> {
         let shared = Arc::new(Shared::default());
         let cores = allowed_cores();
-        let workers = (0..threads.max(1))
+        let workers = (0..threads.max(1) - 1)
             .map(|index| {
                 let shared = shared.clone();
                 let core = cores.get(index + 1).copied();
@@ -77,14 +79,17 @@ impl WorkerPool {
         Ok(WorkerPool { shared, workers })
     }
 
+    /// The workers a job runs on, the caller included.
     pub fn threads(&self) -> usize {
-        self.workers.len()
+        self.workers.len() + 1
     }
 
-    /// Runs `job(worker)` on every worker while the calling thread runs `during`, then waits for the workers, also
-    /// when `during` panics. Returns what `during` returned and the time from the start until the last worker
-    /// finished (the job's own time, whether `during` took longer or not); an error if a worker's call panicked.
+    /// Runs `job(worker)` on every started worker while the calling thread runs `during`, then on the calling
+    /// thread (as worker `threads() - 1`), then waits for the workers, also when `during` or the caller's share
+    /// panics. Returns what `during` returned and the time from the start until every worker was done; an error if
+    /// a call of the job panicked.
     pub fn run_while<R>(&mut self, job: &(dyn Fn(usize) + Sync), during: impl FnOnce() -> R) -> Result<(R, Duration)> {
+        let own = job;
         // SAFETY: only the lifetime is erased. Workers call the job between here and the wait below, which the
         // guard performs even when `during` unwinds, so the job outlives every call.
         let job: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(job) };
@@ -92,32 +97,35 @@ impl WorkerPool {
         {
             let mut state = self.shared.lock();
             state.job = Some(JobPtr(job));
-            state.finished_at = None;
             state.generation += 1;
+            self.shared.running.store(self.workers.len(), Ordering::Release);
+            self.shared.panicked.store(false, Ordering::Relaxed);
             self.shared.generation.store(state.generation, Ordering::Release);
-            state.running = self.workers.len();
-            state.panicked = false;
             self.shared.wake.notify_all();
         }
         let waiting = WaitOnDrop(&self.shared);
         let result = during();
+        let own_share = catch_unwind(AssertUnwindSafe(|| own(self.workers.len())));
         drop(waiting);
-        let state = self.shared.lock();
-        if state.panicked {
+        if own_share.is_err() || self.shared.panicked.load(Ordering::Acquire) {
             return Err(Error::Shape("a CPU lane thread panicked".into()));
         }
-        let busy = state.finished_at.map_or(Duration::ZERO, |at| at - started);
-        Ok((result, busy))
+        Ok((result, started.elapsed()))
     }
 }
 
-/// Waits for the running job's workers when dropped.
+/// Waits for the running job's started workers when dropped: polls, then sleeps.
 struct WaitOnDrop<'a>(&'a Shared);
 
 impl Drop for WaitOnDrop<'_> {
     fn drop(&mut self) {
+        let polling = Instant::now();
+        while self.0.running.load(Ordering::Acquire) > 0 && polling.elapsed() < POLL_BEFORE_SLEEP {
+            std::hint::spin_loop();
+        }
         let mut state = self.0.lock();
-        while state.running > 0 {
+        // The last worker notifies under the lock after its count reaches 0, so this wait cannot miss it.
+        while self.0.running.load(Ordering::Acquire) > 0 {
             state = self.0.finished.wait(state).unwrap_or_else(|e| e.into_inner());
         }
         state.job = None;
@@ -155,11 +163,11 @@ fn work(shared: &Shared, index: usize) {
         };
         // SAFETY: the job stays alive until `running` reaches 0 (see `run_while`).
         let ok = job.is_none_or(|job| catch_unwind(AssertUnwindSafe(|| unsafe { (*job.0)(index) })).is_ok());
-        let mut state = shared.lock();
-        state.panicked |= !ok;
-        state.running -= 1;
-        if state.running == 0 {
-            state.finished_at = Some(Instant::now());
+        if !ok {
+            shared.panicked.store(true, Ordering::Relaxed);
+        }
+        if shared.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _state = shared.lock();
             shared.finished.notify_all();
         }
     }
@@ -207,26 +215,44 @@ mod tests {
     #[test]
     fn every_worker_runs_each_job_while_the_caller_works_and_a_panic_is_an_error() {
         let mut pool = WorkerPool::new(3).unwrap();
-        let calls = AtomicUsize::new(0);
+        assert_eq!(pool.threads(), 3);
+        let calls: [AtomicUsize; 3] = Default::default();
+        let caller = std::thread::current().id();
         for round in 1..=5 {
-            let count = |_: usize| {
-                calls.fetch_add(1, Ordering::Relaxed);
+            let count = |worker: usize| {
+                calls[worker].fetch_add(1, Ordering::Relaxed);
+                // The last index is the caller's share, run on the calling thread.
+                assert_eq!(worker == 2, std::thread::current().id() == caller);
             };
             let (seen, _) = pool.run_while(&count, || round).unwrap();
             assert_eq!(seen, round);
-            // Every worker has finished once run_while returns.
-            assert_eq!(calls.load(Ordering::Relaxed), 3 * round);
+            // Every worker has finished, each once per job, once run_while returns.
+            assert!(calls.iter().all(|c| c.load(Ordering::Relaxed) == round));
         }
-        let failed = pool.run_while(
-            &|worker| {
-                if worker == 1 {
-                    panic!("a failing worker");
-                }
-            },
-            || (),
-        );
-        assert!(failed.is_err());
+        for failing in [1, 2] {
+            let failed = pool.run_while(
+                &|worker| {
+                    if worker == failing {
+                        panic!("a failing worker");
+                    }
+                },
+                || (),
+            );
+            assert!(failed.is_err(), "worker {failing}");
+        }
         // The pool still works after a panic.
         pool.run_while(&|_| (), || ()).unwrap();
+        // A pool of one is its caller.
+        let mut alone = WorkerPool::new(1).unwrap();
+        let ran = AtomicUsize::new(0);
+        alone
+            .run_while(
+                &|worker| {
+                    ran.fetch_add(worker + 1, Ordering::Relaxed);
+                },
+                || (),
+            )
+            .unwrap();
+        assert_eq!(ran.load(Ordering::Relaxed), 1);
     }
 }

@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use super::{linear, KERNELS};
+use super::{flash_attention, linear, KERNELS};
 
 fn crate_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -64,34 +64,37 @@ fn defined_kernels(code: &str) -> Result<Vec<String>, String> {
     Ok(names)
 }
 
-/// Every kernel a `.cu` source defines, those that a function-like macro defines (`#define M(P) ... __global__ ...
-/// name_##P(`) named once per line `M(arg)` that instantiates it.
+/// Every kernel a `.cu` source defines, those that a function-like macro defines (`#define M(P, Q) ... __global__
+/// ... name_##P##_##Q(`) named once per line `M(a, b)` that instantiates it.
 fn compiled_kernels(source: &str) -> Result<BTreeSet<String>, String> {
     let code = strip_c_comments(source).replace("\\\n", " ");
     let (defines, lines): (Vec<&str>, Vec<&str>) = code.lines().partition(|l| l.trim_start().starts_with("#define"));
     let body = lines.join("\n");
     let mut kernels: BTreeSet<String> = defined_kernels(&body)?.into_iter().collect();
+    let split = |list: &str| list.split(',').map(|p| p.trim().to_string()).collect::<Vec<_>>();
     for define in defines {
         let head = define.trim_start()["#define".len()..].trim_start();
         let macro_name = identifier_prefix(head);
         let Some(params) = head[macro_name.len()..].strip_prefix('(') else {
             continue;
         };
-        let param = params[..params.find(')').ok_or("unclosed macro parameters")?].trim();
+        let params = split(&params[..params.find(')').ok_or("unclosed macro parameters")?]);
         for template in defined_kernels(define)? {
             for line in &lines {
-                let Some(arg) = line.trim().strip_prefix(macro_name).and_then(|a| a.strip_prefix('(')) else {
+                let Some(args) = line.trim().strip_prefix(macro_name).and_then(|a| a.strip_prefix('(')) else {
                     continue;
                 };
-                let arg = arg
-                    .strip_suffix(')')
-                    .ok_or_else(|| format!("cannot read {line:?}"))?
-                    .trim();
-                kernels.insert(
-                    template
+                let args = split(args.strip_suffix(')').ok_or_else(|| format!("cannot read {line:?}"))?);
+                if args.len() != params.len() {
+                    return Err(format!("{line:?} gives {macro_name} {} arguments", args.len()));
+                }
+                let mut name = template.clone();
+                for (param, arg) in params.iter().zip(&args) {
+                    name = name
                         .replace(&format!("##{param}"), arg)
-                        .replace(&format!("{param}##"), arg),
-                );
+                        .replace(&format!("{param}##"), arg);
+                }
+                kernels.insert(name.replace("##", ""));
             }
         }
     }
@@ -104,15 +107,26 @@ fn literal_arguments(text: &str) -> Vec<String> {
     args.split('"').skip(1).step_by(2).map(str::to_string).collect()
 }
 
+/// The `.rs` files under `dir`, in its subdirectories too, test modules (`tests.rs`, this file) left out.
+fn rust_sources(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(rust_sources(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") && !path.ends_with("tests.rs") {
+            files.push(path);
+        }
+    }
+    files
+}
+
 /// The kernel names the backend's sources give a launch, comments skipped.
 fn launched_kernels() -> BTreeSet<String> {
-    let mut names: BTreeSet<String> = linear::GEMV_KERNELS.iter().map(|s| s.to_string()).collect();
-    let dir = crate_dir().join("src/backend/cuda");
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "rs") {
-            continue;
-        }
+    // Kernels picked by a name the launch site formats: each module lists them.
+    let listed = linear::GEMV_KERNELS.iter().chain(&flash_attention::FLASH_KERNELS);
+    let mut names: BTreeSet<String> = listed.map(|s| s.to_string()).collect();
+    for path in rust_sources(&crate_dir().join("src/backend/cuda")) {
         let source = std::fs::read_to_string(&path).unwrap();
         let code: String = source
             .lines()
