@@ -24,6 +24,7 @@ use crate::tools::history::{HistoryFormat, HistoryReasoning};
 use crate::{unix_seconds, AppState};
 use output::OutputItems;
 use request::ResponsesBody;
+use tools::Namespaces;
 
 /// The fields every response object of one request repeats.
 struct ResponseMeta {
@@ -34,6 +35,8 @@ struct ResponseMeta {
     echo: Map<String, Value>,
     /// Reasoning items carry `encrypted_content` (`include`).
     encrypted_reasoning: bool,
+    /// The functions of the request's namespaces: their calls name the namespace.
+    namespaces: Namespaces,
 }
 
 /// `usage`: the prompt (with the tokens the prefix cache held) and the output (with its reasoning).
@@ -105,7 +108,7 @@ fn in_responses_terms(mut error: ApiError) -> ApiError {
 }
 
 async fn respond_whole(meta: ResponseMeta, mut generation: Generation) -> Response {
-    let mut items = OutputItems::new(&meta.id, meta.encrypted_reasoning);
+    let mut items = OutputItems::new(&meta.id, meta.encrypted_reasoning, meta.namespaces.clone());
     // A plain response has no use for the events.
     let mut events = vec![];
     while let Some(output) = generation.next().await {
@@ -136,6 +139,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         chat,
         echo,
         encrypted_reasoning,
+        namespaces,
     } = ResponsesBody::parse(&body, keeps_reasoning)?;
     check_model_name(state, name.as_deref())?;
     let (request, parser) = chat
@@ -149,6 +153,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         model: state.0.config.served_model_name.clone(),
         echo,
         encrypted_reasoning,
+        namespaces,
     };
     Ok((meta, generation, chat.params.stream))
 }
@@ -201,6 +206,7 @@ mod tests {
             model: "m".into(),
             echo: Map::new(),
             encrypted_reasoning: false,
+            namespaces: Namespaces::default(),
         };
         let finish = |reason| Finish {
             reason,

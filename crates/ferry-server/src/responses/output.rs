@@ -15,6 +15,7 @@
 
 use serde_json::{json, Value};
 
+use super::tools::Namespaces;
 use crate::generation::Piece;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -30,8 +31,16 @@ struct Open {
     id: String,
     /// The text so far: reasoning, content or the call's arguments.
     text: String,
-    /// A call's `call_id` and function name (None for the other kinds).
-    call: Option<(String, String)>,
+    /// A call's ids and function (None for the other kinds).
+    call: Option<Call>,
+}
+
+/// A `function_call` item's `call_id`, `name` and `namespace` (for a namespace's function).
+#[derive(Clone, Debug, Default)]
+struct Call {
+    call_id: String,
+    name: String,
+    namespace: Option<String>,
 }
 
 /// What begins an `encrypted_content` this server wrote.
@@ -65,6 +74,8 @@ pub struct OutputItems {
     done: Vec<Value>,
     open: Option<Open>,
     pub reasoning_tokens: usize,
+    /// The functions of the request's namespaces: a call of one names its namespace.
+    namespaces: Namespaces,
 }
 
 /// A text part of an item: `reasoning_text` or `output_text`.
@@ -90,24 +101,29 @@ impl Open {
                 "type": "message", "id": self.id, "role": "assistant", "status": status, "content": content,
             }),
             Kind::Call => {
-                let (call_id, name) = self.call.clone().unwrap_or_default();
-                json!({
-                    "type": "function_call", "id": self.id, "call_id": call_id, "name": name,
+                let call = self.call.clone().unwrap_or_default();
+                let mut item = json!({
+                    "type": "function_call", "id": self.id, "call_id": call.call_id, "name": call.name,
                     "arguments": self.text, "status": status,
-                })
+                });
+                if let Some(namespace) = call.namespace {
+                    item["namespace"] = namespace.into();
+                }
+                item
             }
         }
     }
 }
 
 impl OutputItems {
-    pub fn new(response_id: &str, encrypted_reasoning: bool) -> Self {
+    pub fn new(response_id: &str, encrypted_reasoning: bool, namespaces: Namespaces) -> Self {
         OutputItems {
             response: response_id.trim_start_matches("resp_").to_string(),
             encrypted_reasoning,
             done: vec![],
             open: None,
             reasoning_tokens: 0,
+            namespaces,
         }
     }
 
@@ -137,7 +153,19 @@ impl OutputItems {
             Piece::Reasoning(text) => (Kind::Reasoning, text),
             Piece::Content(text) => (Kind::Message, text),
             Piece::ToolCallStart { index, name } => {
-                let call = (format!("call_{}{index:02x}", self.response), name.clone());
+                let call = Call {
+                    call_id: format!("call_{}{index:02x}", self.response),
+                    name: name.clone(),
+                    namespace: None,
+                };
+                let call = match self.namespaces.split(name) {
+                    Some((namespace, name)) => Call {
+                        name: name.into(),
+                        namespace: Some(namespace.into()),
+                        ..call
+                    },
+                    None => call,
+                };
                 self.open(Kind::Call, Some(call), events);
                 return;
             }
@@ -163,7 +191,7 @@ impl OutputItems {
     }
 
     /// Closes the open item and opens one of `kind`.
-    fn open(&mut self, kind: Kind, call: Option<(String, String)>, events: &mut Vec<Value>) {
+    fn open(&mut self, kind: Kind, call: Option<Call>, events: &mut Vec<Value>) {
         self.close("completed", events);
         let prefix = match kind {
             Kind::Reasoning => "rs",
@@ -235,8 +263,44 @@ mod tests {
     }
 
     #[test]
+    fn a_call_of_a_namespaces_function_names_its_namespace() {
+        let tools =
+            json!({"tools": [{"type": "namespace", "name": "crm", "tools": [{"type": "function", "name": "find"}]}]});
+        let body = crate::body::Body::new(tools.as_object().unwrap().clone());
+        let (_, _, namespaces) = super::super::tools::tool_request(&body).unwrap();
+        let mut items = OutputItems::new("resp_00ab", false, namespaces);
+        let mut events = vec![];
+        let call = |name: &str| {
+            [
+                Piece::ToolCallStart {
+                    index: 0,
+                    name: name.into(),
+                },
+                Piece::ToolCallArguments {
+                    index: 0,
+                    fragment: "{}".into(),
+                },
+            ]
+        };
+        items.pieces(&call("crm.find"), &mut events);
+        items.pieces(&call("find"), &mut events);
+        items.close("completed", &mut events);
+        let done = items.items();
+        assert_eq!(
+            (&done[0]["name"], &done[0]["namespace"]),
+            (&json!("find"), &json!("crm"))
+        );
+        assert_eq!(events[0]["item"]["namespace"], "crm", "the added item says it too");
+        assert!(
+            done[1].get("namespace").is_none(),
+            "a plain function has none: {}",
+            done[1]
+        );
+    }
+
+    #[test]
     fn pieces_make_items_opened_filled_and_closed_in_order() {
-        let mut items = OutputItems::new("resp_00ab", false);
+        let mut items = OutputItems::new("resp_00ab", false, Namespaces::default());
         let mut events = vec![];
         items.token(&[Piece::Reasoning("so".into())], &mut events);
         items.token(&[], &mut events);
@@ -297,7 +361,7 @@ mod tests {
 
     #[test]
     fn reasoning_items_carry_their_text_sealed_when_asked() {
-        let mut items = OutputItems::new("resp_00ab", true);
+        let mut items = OutputItems::new("resp_00ab", true, Namespaces::default());
         let mut events = vec![];
         items.pieces(
             &[Piece::Reasoning("ünïcode, then".into()), Piece::Content("hi".into())],
@@ -328,13 +392,13 @@ mod tests {
 
     #[test]
     fn an_output_cut_short_leaves_its_last_item_incomplete() {
-        let mut items = OutputItems::new("resp_1", false);
+        let mut items = OutputItems::new("resp_1", false, Namespaces::default());
         let mut events = vec![];
         items.token(&[Piece::Content("par".into())], &mut events);
         items.close("incomplete", &mut events);
         assert_eq!(items.items()[0]["status"], "incomplete");
         assert_eq!(items.reasoning_tokens, 0);
-        let mut empty = OutputItems::new("resp_2", false);
+        let mut empty = OutputItems::new("resp_2", false, Namespaces::default());
         empty.close("completed", &mut events);
         assert!(empty.items().is_empty());
     }

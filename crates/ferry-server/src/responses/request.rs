@@ -15,7 +15,7 @@ use ferry_core::engine::ResponseFormat;
 use ferry_core::loader::ChatMessage;
 use serde_json::{json, Map, Value};
 
-use super::tools::{function_call, tool_request};
+use super::tools::{function_call, tool_request, Namespaces};
 use crate::body::{wrong_type, Body};
 use crate::chat::{ChatRequest, GenerationParams};
 use crate::error::ApiError;
@@ -27,6 +27,8 @@ const NO_ACTION_FIELDS: &[&str] = &[
     // A hint that routes requests sharing a prefix to one cache; this server's prefix cache finds shared prefixes by
     // their tokens.
     "prompt_cache_key",
+    // The client's own bookkeeping (Codex sends its installation, session and turn ids), for its analytics.
+    "client_metadata",
 ];
 
 /// The efforts the templates that take one (gpt-oss's) know.
@@ -46,6 +48,8 @@ pub struct ResponsesBody {
     pub echo: Map<String, Value>,
     /// `include` asked for `reasoning.encrypted_content`.
     pub encrypted_reasoning: bool,
+    /// The functions of the request's `namespace` tools, which calls name with their namespace.
+    pub namespaces: Namespaces,
 }
 
 /// The one `include` value with a meaning here: reasoning items carrying their text for a later turn.
@@ -105,7 +109,7 @@ impl ResponsesBody {
             .map(|text| ChatMessage::text("system", text))
             .collect();
         messages.extend(input(body, keeps_reasoning)?);
-        let (tools, mut echo) = tool_request(body)?;
+        let (tools, mut echo, namespaces) = tool_request(body)?;
         let (response_format, text) = text_format(body)?;
         let (reasoning_effort, reasoning) = reasoning(body)?;
         let max_tokens = body.positive("max_output_tokens")?;
@@ -150,6 +154,7 @@ impl ResponsesBody {
             chat,
             echo,
             encrypted_reasoning,
+            namespaces,
         })
     }
 }

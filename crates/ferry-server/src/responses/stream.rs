@@ -65,7 +65,7 @@ pub fn respond(meta: ResponseMeta, generation: Generation) -> Response {
         sequence.event(json!({"type": "response.created", "response": in_progress})),
         sequence.event(json!({"type": "response.in_progress", "response": in_progress})),
     ];
-    let items = OutputItems::new(&meta.id, meta.encrypted_reasoning);
+    let items = OutputItems::new(&meta.id, meta.encrypted_reasoning, meta.namespaces.clone());
     let state = Streaming {
         meta,
         items,
