@@ -17,8 +17,13 @@ def moe_shape(config):
     text = config.get("text_config", config)
     dense = set(text.get("mlp_only_layers", []))
     step = text.get("decoder_sparse_step", 1)
-    layers = sum(1 for i in range(text["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
-    return layers, text.get("num_experts", text.get("num_local_experts")), text["num_experts_per_tok"]
+    # DeepSeek-V3 and GLM-4.5 keep their first layers dense.
+    first_moe = text.get("first_k_dense_replace", 0)
+    layers = sum(
+        1 for i in range(first_moe, text["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
+    )
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+    return layers, experts, text["num_experts_per_tok"]
 
 
 def main():

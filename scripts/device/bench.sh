@@ -2,8 +2,8 @@
 # Runs, on the GPU machine, the benchmarks docs/perf.md records, with the staged binary (scripts/device/stage.sh):
 #   scripts/device/bench.sh WORKLOAD...
 # WORKLOAD: q30-resident | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
-# q30-1536-lanes-uniform | q30-1536-lanes-locality (the same under each trace with --moe-strategy auto, offload and
-# hybrid, or those LANE_STRATEGIES names (cpu too), and a 75-token prompt) |
+# q30-1536-lanes (the same under the uniform and the locality trace with --moe-strategy auto, offload and hybrid, or
+# the comma-separated LANE_STRATEGIES (cpu too), and a 75-token prompt; -uniform or -locality: one trace) |
 # q30-1536-uniform (the same under a uniformly random routing trace) | q30-1536-locality (the same under
 # bench/locality_trace.py's trace, calibrated to Qwen3-30B-A3B's published locality) | q30-15.8 | q36-22.3 |
 # q36-15.8 (4K and 32K prompts) | q36-22.3-uniform | q36-22.3-locality (q36-22.3 under each trace) | serve-q30 |
@@ -11,11 +11,13 @@
 # agent-q36 (serve_bench.py's agent loop with prefix caching, then with --no-prefix-cache, whose greedy replies must
 # be identical) | dsv3-10 (DeepSeek-V3's shape cut to its 3 dense + 7 MoE layers, experts in FP8 as DeepSeek ships
 # them: 73.5 GiB of the full model's 650 GB bank, which does not fit the host's 128 GB) | glm45air-fp8 (GLM-4.5-Air's
-# shape, experts in FP8: 97 GiB) | q30-fp8 (issue 18: q30 with BF16 and with FP8 experts at 22.3 GiB under one uniform
-# trace, then both all resident) | gptoss120-22.3-uniform | gptoss120-22.3-locality | gptoss120-15.8-uniform |
-# gptoss120-15.8-locality (gpt-oss-120b's shape, MXFP4 experts, with --moe-strategy offload and cpu, or those
-# GPTOSS_STRATEGIES names). MOE_STRATEGY=S adds `--moe-strategy S` to every run (bench and serve) and `-S` to the result names,
-# except in the lanes workloads, which set it themselves. Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
+# shape, experts in FP8: 97 GiB), both under the uniform and the locality trace | q30-fp8 (issue 18: q30 with BF16
+# and with FP8 experts at 22.3 GiB under one uniform trace, then both all resident) | gptoss120-22.3 |
+# gptoss120-15.8 (gpt-oss-120b's shape, MXFP4 experts, under both traces with --moe-strategy offload and cpu, or the
+# comma-separated GPTOSS_STRATEGIES; -uniform or -locality: one trace). Where a workload names several traces or
+# strategies, `ferry bench` measures each in turn on one load (a large model's load costs minutes of device time).
+# MOE_STRATEGY=S adds `--moe-strategy S` to every run (bench and serve) and `-S` to the result names, except in the
+# lanes and gptoss120 workloads, which set it themselves. Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 scripts/device/unstage.sh
@@ -35,6 +37,16 @@ bench() {
     echo "== $name: ferry bench $*"
     "$ferry" bench "$@" --output "$out/$name.json" >"$out/$name.log" 2>&1 || echo "$name failed (rc $?)"
     grep -v INFO "$out/$name.log" | tail -25
+}
+# Writes the routing traces that ROUTING asks for ("-uniform", "-locality", or "" for both) for the model CONFIG into
+# $out as uniform.jsonl and locality.jsonl, and prints their --routing-trace arguments: each is a variant of one
+# load, its results named NAME-uniform and NAME-locality when there are both.
+traces() {
+    local config=$1 routings=${2#-} routing
+    for routing in ${routings:-uniform locality}; do
+        python3 "bench/${routing}_trace.py" --config "$config" --tokens 8192 --out "$out/$routing.jsonl" >&2
+        printf -- '--routing-trace %s ' "$out/$routing.jsonl"
+    done
 }
 # The agent loop on a server with prefix caching, then on one without, comparing their replies.
 agent() {
@@ -60,18 +72,14 @@ for workload in "$@"; do
             --kv-reserve-tokens 16384 --decode-tokens 32 --routing-trace "$out/q30-$routing.jsonl"
         rm -f "$out/q30-$routing.jsonl"
         ;;
-    q30-1536-lanes-uniform | q30-1536-lanes-locality)
-        # The CPU lane (issue 13) beside the link alone, under one trace: --moe-strategy auto (the split on rates
-        # calibrated as it runs), offload and hybrid (the startup rates alone), with a 75-token prompt (its time to
-        # first token is the issue's third target).
-        routing=${workload#q30-1536-lanes-}
-        python3 "bench/${routing}_trace.py" --config bench/q30.json --tokens 8192 --out "$out/q30-$routing.jsonl"
-        for strategy in ${LANE_STRATEGIES:-auto offload hybrid}; do
-            bench "q30-22.3GiB-1536-$routing-$strategy" $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 \
-                --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 75 --routing-trace "$out/q30-$routing.jsonl" \
-                --moe-strategy "$strategy"
-        done
-        rm -f "$out/q30-$routing.jsonl"
+    q30-1536-lanes | q30-1536-lanes-uniform | q30-1536-lanes-locality)
+        # The CPU lane (issue 13) beside the link alone: --moe-strategy auto (the split on rates calibrated as it
+        # runs), offload and hybrid (the startup rates alone), with a 75-token prompt (its time to first token is
+        # the issue's third target), each trace and strategy in turn on one load.
+        routing=${workload#q30-1536-lanes}
+        bench "q30-22.3GiB-1536$routing" $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 \
+            --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 75 $(traces bench/q30.json "$routing") \
+            --moe-strategy "${LANE_STRATEGIES:-auto,offload,hybrid}"
         ;;
     q30-fp8)
         python3 bench/uniform_trace.py --config bench/q30.json --tokens 8192 --out "$out/q30-uniform.jsonl"
@@ -83,17 +91,13 @@ for workload in "$@"; do
         bench q30-resident $q30 --decode-tokens 64
         bench q30-fp8-resident --synthetic bench/q30-fp8.json --device cuda --decode-tokens 64
         ;;
-    gptoss120-22.3-uniform | gptoss120-22.3-locality | gptoss120-15.8-uniform | gptoss120-15.8-locality)
+    gptoss120-22.3 | gptoss120-22.3-uniform | gptoss120-22.3-locality | gptoss120-15.8 | gptoss120-15.8-uniform | \
+        gptoss120-15.8-locality)
         spec=${workload#gptoss120-}
-        budget=${spec%-*}GiB routing=${spec#*-}
-        python3 "bench/${routing}_trace.py" --config bench/gptoss120.json --tokens 8192 \
-            --out "$out/gptoss120-$routing.jsonl"
-        for strategy in ${GPTOSS_STRATEGIES:-offload cpu}; do
-            bench "gptoss120-$budget-$routing-$strategy" --synthetic bench/gptoss120.json --device cuda \
-                --gpu-memory-budget "$budget" --kv-reserve-tokens 16384 --decode-tokens 32 \
-                --routing-trace "$out/gptoss120-$routing.jsonl" --moe-strategy "$strategy"
-        done
-        rm -f "$out/gptoss120-$routing.jsonl"
+        budget=${spec%%-*}GiB routing=${spec#"${spec%%-*}"}
+        bench "gptoss120-$budget$routing" --synthetic bench/gptoss120.json --device cuda --gpu-memory-budget "$budget" \
+            --kv-reserve-tokens 16384 --decode-tokens 32 $(traces bench/gptoss120.json "$routing") \
+            --moe-strategy "${GPTOSS_STRATEGIES:-offload,cpu}"
         ;;
     q30-15.8) bench q30-15.8GiB $q30 --gpu-memory-budget 15.8GiB --decode-tokens 64 ;;
     q36-22.3 | q36-15.8)
@@ -124,11 +128,13 @@ for workload in "$@"; do
             --gpu-memory-budget 15.8GiB --kv-reserve-tokens 16384 || status=1 ;;
     dsv3-10)
         bench dsv3-10layers-fp8-22.3GiB --synthetic bench/dsv3-10layers.json --expert-dtype fp8 --device cuda \
-            --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 4096
+            --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 4096 \
+            $(traces bench/dsv3-10layers.json "")
         ;;
     glm45air-fp8)
         bench glm45air-fp8-22.3GiB --synthetic bench/glm45air.json --expert-dtype fp8 --device cuda \
-            --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 4096
+            --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 4096 \
+            $(traces bench/glm45air.json "")
         ;;
     *)
         echo "unknown workload $workload" >&2

@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use ferry_core::backend::cpu::CpuBackend;
-use ferry_core::backend::cuda::{CudaBackend, OffloadConfig};
+use ferry_core::backend::cuda::{CudaBackend, LaneCeilings, OffloadConfig};
 use ferry_core::engine::plan::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode, MAX_BATCH_TOKENS};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, ModelInfo};
-use ferry_core::moe::PolicyChoice;
+use ferry_core::moe::{EvictionPolicy, PolicyChoice, SplitRule};
 
 use crate::doctor_lanes::{split_rule, MoeStrategy};
 
@@ -178,16 +178,14 @@ pub fn open_backend(
         plan.kv_tokens
     );
     let gpu = if plan.offload {
-        let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
-        let info = ModelInfo::new(&spec, checkpoint.weight_format());
-        let slots = u32::try_from(plan.slots).context("expert cache slots")?;
         tracing::info!("expert cache policy {}", offload.moe_cache_policy);
-        let split = split_rule(strategy, &gpu, info.bytes_per_expert as usize, info.experts_per_token)?;
+        let name = gpu.device_name().to_string();
+        let (policy, split) = offload_start(offload, strategy, checkpoint, plan.slots, &name, |experts, rounds| {
+            gpu.measure_lanes(experts, rounds)
+        })?;
         gpu.offload(OffloadConfig {
             slots: plan.slots,
-            policy: offload
-                .moe_cache_policy
-                .build(slots, info.num_moe_layers as u32, info.experts_per_token as u32),
+            policy,
             decode_prefetch: true,
         })
         .split(split)
@@ -199,6 +197,58 @@ pub fn open_backend(
     };
     let gpu = gpu.cuda_graphs(!offload.no_cuda_graphs);
     Ok((Backends::Cuda(Box::new(gpu.build()?)), Some(plan)))
+}
+
+/// The expert cache's eviction policy and the misses' split rule that the offload of `checkpoint` (over `slots`
+/// cache slots) starts with under `strategy`, on the GPU named `gpu` (`measure` times its lanes when this machine
+/// has no cached rates).
+fn offload_start(
+    offload: &OffloadArgs,
+    strategy: MoeStrategy,
+    checkpoint: &Checkpoint,
+    slots: usize,
+    gpu: &str,
+    measure: impl FnOnce(usize, usize) -> ferry_core::Result<LaneCeilings>,
+) -> Result<(Box<dyn EvictionPolicy>, SplitRule)> {
+    let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
+    let info = ModelInfo::new(&spec, checkpoint.weight_format());
+    let top_k = info.experts_per_token;
+    let policy = offload.moe_cache_policy.build(
+        u32::try_from(slots).context("expert cache slots")?,
+        info.num_moe_layers as u32,
+        top_k as u32,
+    );
+    let split = split_rule(strategy, gpu, measure, info.bytes_per_expert as usize, top_k)?;
+    Ok((policy, split))
+}
+
+/// Starts the expert offload of `backends` over, as [`open_backend`] would have started it under `strategy`, the
+/// loaded bank kept (`CudaBackend::restart_offload`): `ferry bench`'s later variants on one load. Nothing to do
+/// when every expert is resident (`plan` says), or on the CPU, which has `offload` only.
+pub fn restart_offload(
+    backends: &Backends,
+    plan: Option<&MemoryPlan>,
+    offload: &OffloadArgs,
+    strategy: MoeStrategy,
+    checkpoint: &Checkpoint,
+) -> Result<()> {
+    let cuda = match backends {
+        Backends::Cuda(cuda) if plan.is_some_and(|p| p.offload) => cuda,
+        _ if strategy == MoeStrategy::Offload => return Ok(()),
+        Backends::Cuda(_) => bail!("--moe-strategy {strategy:?} needs offloaded experts: every expert is resident"),
+        Backends::Cpu(_) => bail!("--moe-strategy {strategy:?} needs a GPU (this run is on the CPU)"),
+    };
+    let slots = plan.map_or(0, |p| p.slots);
+    let (policy, split) = offload_start(
+        offload,
+        strategy,
+        checkpoint,
+        slots,
+        cuda.device_name(),
+        |experts, rounds| cuda.measure_lanes(experts, rounds),
+    )?;
+    cuda.restart_offload(policy, split)?;
+    Ok(())
 }
 
 /// The share of the host memory left after the weights that the CPU backend's KV cache may fill by default.

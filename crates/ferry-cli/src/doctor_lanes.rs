@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
-use ferry_core::backend::cuda::{CudaBackendBuilder, LaneCeilings};
+use ferry_core::backend::cuda::LaneCeilings;
 use ferry_core::moe::{plan_split, LaneRates, Miss, SplitRule};
 
 /// Who computes the routed experts that are not in the GPU cache.
@@ -53,11 +53,13 @@ const BRIEF_ROUNDS: usize = 10;
 pub const DOCTOR_EXPERTS: usize = 224;
 pub const DOCTOR_ROUNDS: usize = 40;
 
-/// The split rule for `strategy` on the GPU `builder` opened, for a model whose experts are `bytes_per_expert`
-/// large and `top_k` to a token: the cached rates of this machine, else measured now.
+/// The split rule for `strategy` on the GPU named `gpu`, for a model whose experts are `bytes_per_expert` large
+/// and `top_k` to a token: the cached rates of this machine, else `measure(experts, rounds)` now (the GPU's
+/// `CudaBackendBuilder::measure_lanes` before a backend is built, or the backend's own after).
 pub fn split_rule(
     strategy: MoeStrategy,
-    builder: &CudaBackendBuilder,
+    gpu: &str,
+    measure: impl FnOnce(usize, usize) -> ferry_core::Result<LaneCeilings>,
     bytes_per_expert: usize,
     top_k: usize,
 ) -> Result<SplitRule> {
@@ -65,14 +67,11 @@ pub fn split_rule(
         MoeStrategy::Offload => return Ok(SplitRule::Link),
         MoeStrategy::Cpu => return Ok(SplitRule::Cpu),
         MoeStrategy::Hybrid | MoeStrategy::Auto => {
-            let gpu = builder.device_name().to_string();
-            let ceilings = match load(&gpu) {
+            let ceilings = match load(gpu) {
                 Some(c) => c,
                 None => {
                     tracing::info!("no cached lane rates for this machine (`ferry doctor` writes them): measuring");
-                    builder
-                        .measure_lanes(BRIEF_EXPERTS, BRIEF_ROUNDS)
-                        .context("measuring the offload lanes")?
+                    measure(BRIEF_EXPERTS, BRIEF_ROUNDS).context("measuring the offload lanes")?
                 }
             };
             rates(&ceilings)

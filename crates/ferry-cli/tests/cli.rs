@@ -428,6 +428,84 @@ fn bench_on_the_cpu_reports_speeds_and_the_bound() {
     assert!(report["peak_gpu_memory_bytes"].is_null());
 }
 
+/// Records the fixture's routing for the prompt `ids` into `trace`.
+fn record_routing(ids: &str, trace: &Path) {
+    let model = fixture(FIXTURE);
+    let out = ferry(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        ids,
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--record-routing",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn bench_measures_each_routing_trace_on_one_load() {
+    let model = fixture(FIXTURE);
+    let dir = tempfile::tempdir().unwrap();
+    let (near, far) = (dir.path().join("near.jsonl"), dir.path().join("far.jsonl"));
+    record_routing("1,2,3,4,5", &near);
+    record_routing("90,80,70", &far);
+    let output = dir.path().join("bench.json");
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--model",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--prompt-tokens",
+            "20",
+            "--decode-tokens",
+            "3",
+            "--concurrency",
+            "2",
+            "--routing-trace",
+            near.to_str().unwrap(),
+            "--routing-trace",
+            far.to_str().unwrap(),
+            "--output",
+            output.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        ferry(&args)
+    };
+    let out = bench(&[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        stderr.matches("loaded qwen3_moe").count(),
+        1,
+        "one load for both traces: {stderr}"
+    );
+    for trace in [&near, &far] {
+        let stem = trace.file_stem().unwrap().to_str().unwrap();
+        let path = dir.path().join(format!("bench-{stem}.json"));
+        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(
+            report["routing"],
+            format!("replayed from {}", trace.display()),
+            "{report}"
+        );
+        assert!(report["decode_tok_s_batch1"].as_f64().unwrap() > 0.0, "{report}");
+    }
+    assert!(!output.exists(), "with two traces each report is named after its trace");
+    // The CPU has no misses to split: a strategy other than offload is refused, whichever variant names it.
+    let out = bench(&["--moe-strategy", "offload,hybrid"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("--moe-strategy Hybrid needs a GPU"), "{stderr}");
+}
+
 #[test]
 fn synthetic_models_need_no_files() {
     let config = fixture(FIXTURE).join("config.json");

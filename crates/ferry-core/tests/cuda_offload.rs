@@ -47,7 +47,11 @@ struct Run {
 
 /// Greedy decode of `steps` tokens after `prompt`.
 fn run(backend: &CudaBackend, checkpoint: &Checkpoint, prompt: &[u32], steps: usize) -> Run {
-    let model = Model::load(backend, checkpoint).unwrap();
+    run_model(backend, &Model::load(backend, checkpoint).unwrap(), prompt, steps)
+}
+
+/// [`run`] of a loaded model.
+fn run_model(backend: &CudaBackend, model: &Model<CudaBackend>, prompt: &[u32], steps: usize) -> Run {
     let mut kv = backend.new_kv(model.kv_spec(prompt.len() + steps)).unwrap();
     let seq = kv.alloc_seq();
     let mut logits = Vec::new();
@@ -106,6 +110,19 @@ fn check_offload_is_exact(
 /// Logits of a run with the CPU lane agree with the all-resident run's to this (absolute).
 const LANE_LOGIT_TOLERANCE: f32 = 1e-3;
 
+/// Asserts that `offloaded`, its misses split by `split`, computed what `resident` did: bit for bit over the link
+/// alone, the same greedy tokens and logits within [`LANE_LOGIT_TOLERANCE`] with the CPU lane.
+fn assert_same_run(offloaded: &Run, resident: &Run, split: SplitRule, label: &str) {
+    assert_eq!(offloaded.tokens, resident.tokens, "{label}: tokens differ");
+    for (step, (a, b)) in offloaded.logits.iter().zip(&resident.logits).enumerate() {
+        let same = match split {
+            SplitRule::Link => a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            _ => a.iter().zip(b).all(|(x, y)| (x - y).abs() <= LANE_LOGIT_TOLERANCE),
+        };
+        assert!(same, "{label}: logits of step {step} differ");
+    }
+}
+
 /// Runs `prompt` and `steps` decode steps all-resident and offloaded as `config` says, with misses split by
 /// `split`: bit-identical to resident over the link alone, greedy tokens equal and logits within
 /// [`LANE_LOGIT_TOLERANCE`] with the CPU lane. Returns the offload's counters.
@@ -131,14 +148,7 @@ fn check_offload(
         stats.copies + stats.host_experts > 0,
         "{label}: nothing was missed: the cache is not smaller than the bank"
     );
-    assert_eq!(offloaded.tokens, resident.tokens, "{label}: tokens differ");
-    for (step, (a, b)) in offloaded.logits.iter().zip(&resident.logits).enumerate() {
-        let same = match split {
-            SplitRule::Link => a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-            _ => a.iter().zip(b).all(|(x, y)| (x - y).abs() <= LANE_LOGIT_TOLERANCE),
-        };
-        assert!(same, "{label}: logits of step {step} differ");
-    }
+    assert_same_run(&offloaded, &resident, split, label);
     let prefilled = offloaded.after_prefill.unwrap();
     let decoded = Decoded {
         hits: stats.hits() - prefilled.hits(),
@@ -325,6 +335,53 @@ fn the_calibrated_split_learns_the_lanes_pipeline_cost_and_keeps_parity() {
     );
     // A job's cost to the pipeline includes its own time.
     assert!(stats.host_pipeline_ns >= stats.host_ns, "{stats:?}");
+}
+
+/// `ferry bench`'s variants on one load: the offload started over on the loaded bank, with an empty cache and
+/// another split, computes what a fresh backend does (bit-identical to all-resident over the link, greedy parity
+/// with the CPU lane), run after run, and its cache starts empty.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn a_restarted_offload_computes_what_a_fresh_one_does() {
+    let checkpoint = Checkpoint::open(&fixtures().join("qwen3_moe")).unwrap();
+    let spec = spec_for(&checkpoint.model_type, &checkpoint.config).unwrap();
+    let experts = spec.moe.as_ref().unwrap().num_experts;
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 11 + 5) % spec.vocab_size as u32).collect();
+    let steps = 8;
+    let resident = run(&CudaBackend::new(0).unwrap(), &checkpoint, &prompt, steps);
+    let backend = CudaBackend::builder(0)
+        .unwrap()
+        .offload(lru(experts, true))
+        .split(SplitRule::Link)
+        .build()
+        .unwrap();
+    let model = Model::load(&backend, &checkpoint).unwrap();
+    for (i, split) in [SplitRule::Link, SplitRule::Share(0.5), SplitRule::Link]
+        .into_iter()
+        .enumerate()
+    {
+        let label = format!("qwen3_moe, run {i}, {split:?}");
+        let lane_before = backend.offload_stats().unwrap().host_experts;
+        if i > 0 {
+            backend.restart_offload(Box::new(Lru::new()), split).unwrap();
+            let fresh = backend.offload_stats().unwrap();
+            assert_eq!(
+                fresh.hits() + fresh.misses(),
+                0,
+                "{label}: the restarted cache is not empty"
+            );
+        }
+        let offloaded = run_model(&backend, &model, &prompt, steps);
+        assert_same_run(&offloaded, &resident, split, &label);
+        let stats = backend.offload_stats().unwrap();
+        assert!(stats.misses() > 0, "{label}: nothing was missed");
+        let lane_ran = stats.host_experts > lane_before;
+        assert_eq!(lane_ran, split != SplitRule::Link, "{label}: {stats:?}");
+        println!(
+            "{label}: {steps} tokens as all-resident; hit rate {:.2}",
+            stats.hit_rate()
+        );
+    }
 }
 
 #[test]

@@ -12,15 +12,15 @@ mod report;
 mod run;
 mod workload;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use ferry_core::backend::profiled::Profiled;
 
-use self::report::{print_report, MemoryCeiling};
+use self::report::{print_report, BenchReport, MemoryCeiling};
 use self::run::{bench_on, Machine};
-use crate::device::{open_backend, Backends, Device, ExpertDtypeArgs, ModelArgs, OffloadArgs};
-use crate::doctor_lanes::StrategyArgs;
+use crate::device::{open_backend, restart_offload, Backends, Device, ExpertDtypeArgs, ModelArgs, OffloadArgs};
+use crate::doctor_lanes::MoeStrategy;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -32,8 +32,10 @@ pub struct BenchArgs {
     device: Device,
     #[command(flatten)]
     offload: OffloadArgs,
-    #[command(flatten)]
-    strategy: StrategyArgs,
+    /// Who computes the expert cache's misses (as `ferry serve --moe-strategy`). Several, comma-separated, are
+    /// measured one after another on one load, the offload started over between them.
+    #[arg(long = "moe-strategy", value_enum, value_delimiter = ',', default_value = "offload")]
+    moe_strategies: Vec<MoeStrategy>,
     /// Tokens of the prefill prompt.
     #[arg(long, default_value_t = 4096)]
     prompt_tokens: usize,
@@ -48,13 +50,16 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
     /// Route as this trace did (token by token, round and round) instead of the router: real locality on
-    /// synthetic weights. Replayed routes are weighted uniformly.
+    /// synthetic weights. Replayed routes are weighted uniformly. Given again, each trace is measured in turn on
+    /// one load (with every `--moe-strategy`).
     #[arg(long, conflicts_with = "record_routing")]
-    routing_trace: Option<PathBuf>,
+    routing_trace: Vec<PathBuf>,
     /// Write the router's choices during the batch-1 decode as a routing trace (for `ferry cache-sim`).
     #[arg(long)]
     record_routing: Option<PathBuf>,
-    /// Write the results as JSON here (e.g. bench/results/q30-resident.json).
+    /// Write the results as JSON here (e.g. bench/results/q30-resident.json). With several traces or strategies,
+    /// one file each, named after this one: `NAME-TRACE-STRATEGY.json`, each part only where it varies (TRACE:
+    /// the trace file's stem).
     #[arg(long)]
     output: Option<PathBuf>,
     /// Wait for the device after every op and report where the time goes (slows everything down).
@@ -62,10 +67,57 @@ pub struct BenchArgs {
     profile: bool,
 }
 
+/// One measurement of a run: the routing trace replayed (None: the model's router) and the MoE strategy.
+pub(super) struct Variant {
+    pub(super) trace: Option<PathBuf>,
+    pub(super) strategy: MoeStrategy,
+}
+
+impl Variant {
+    /// Every trace with every strategy, trace by trace.
+    fn all(args: &BenchArgs) -> Vec<Variant> {
+        let traces: Vec<Option<PathBuf>> = if args.routing_trace.is_empty() {
+            vec![None]
+        } else {
+            args.routing_trace.iter().cloned().map(Some).collect()
+        };
+        traces
+            .into_iter()
+            .flat_map(|trace| {
+                args.moe_strategies.iter().map(move |&strategy| Variant {
+                    trace: trace.clone(),
+                    strategy,
+                })
+            })
+            .collect()
+    }
+
+    /// Where this variant's JSON goes: `output`, with the trace's stem and the strategy added to its name where
+    /// the run has several of them.
+    fn output(&self, output: &Path, args: &BenchArgs) -> PathBuf {
+        let mut name = output.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+        if let Some(trace) = self.trace.as_ref().filter(|_| args.routing_trace.len() > 1) {
+            name += &format!("-{}", trace.file_stem().unwrap_or_default().to_string_lossy());
+        }
+        if args.moe_strategies.len() > 1 {
+            name += &format!("-{}", strategy_name(self.strategy));
+        }
+        output.with_file_name(name + ".json")
+    }
+}
+
+fn strategy_name(strategy: MoeStrategy) -> String {
+    format!("{strategy:?}").to_lowercase()
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
+    let variants = Variant::all(&args);
+    if variants.len() > 1 && args.profile {
+        bail!("--profile measures one routing and one --moe-strategy at a time");
+    }
     let mut checkpoint = args.model.open()?;
     args.expert_dtype.apply(&mut checkpoint);
-    let (backends, plan) = open_backend(args.device, &args.offload, args.strategy.moe_strategy, &checkpoint)?;
+    let (backends, plan) = open_backend(args.device, &args.offload, variants[0].strategy, &checkpoint)?;
     let (ceiling, h2d_gb_s) = match &backends {
         Backends::Cuda(cuda) => {
             let c = cuda.measure_ceilings()?;
@@ -90,32 +142,35 @@ pub fn run(args: BenchArgs) -> Result<()> {
         backends: &backends,
         h2d_gb_s,
     };
-    let mut report = crate::with_backend!(backends, be => {
+    let restart =
+        |variant: &Variant| restart_offload(&backends, plan.as_ref(), &args.offload, variant.strategy, &checkpoint);
+    let offloaded = plan.as_ref().is_some_and(|p| p.offload);
+    // Each variant's report as soon as it is measured: a run cut short keeps the variants it finished.
+    let finish = |variant: &Variant, mut report: BenchReport| -> Result<()> {
+        report.moe_cache_policy = offloaded.then(|| args.offload.moe_cache_policy.to_string());
+        report.moe_strategy = offloaded.then(|| strategy_name(variant.strategy));
+        report.memory_plan = plan.clone();
+        print_report(&report);
+        if let Some(output) = &args.output {
+            let path = variant.output(output, &args);
+            std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    };
+    crate::with_backend!(backends, be => {
         if args.profile {
             let profiled = Profiled::new(be);
             let phases = std::cell::RefCell::new(Vec::new());
-            let mut report = bench_on(&profiled, &checkpoint, &args, &machine, &ceiling, |phase| {
-                phases.borrow_mut().push((phase, profiled.take_report()))
-            })?;
-            report.profile = phases.into_inner();
-            Ok::<_, anyhow::Error>(report)
+            let phase_done = |phase| phases.borrow_mut().push((phase, profiled.take_report()));
+            let finish = |variant: &Variant, mut report: BenchReport| {
+                report.profile = phases.take();
+                finish(variant, report)
+            };
+            bench_on(&profiled, &checkpoint, &args, &machine, &ceiling, &variants, restart, phase_done, finish)
         } else {
-            bench_on(be, &checkpoint, &args, &machine, &ceiling, |_| {})
+            bench_on(be, &checkpoint, &args, &machine, &ceiling, &variants, restart, |_| {}, finish)
         }
     })?;
-    report.moe_cache_policy = plan
-        .as_ref()
-        .filter(|p| p.offload)
-        .map(|_| args.offload.moe_cache_policy.to_string());
-    report.moe_strategy = plan
-        .as_ref()
-        .filter(|p| p.offload)
-        .map(|_| format!("{:?}", args.strategy.moe_strategy).to_lowercase());
-    report.memory_plan = plan;
-    print_report(&report);
-    if let Some(path) = &args.output {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
     Ok(())
 }

@@ -11,10 +11,11 @@ use ferry_core::backend::Backend;
 use ferry_core::engine::{Event, Executor, ModelExecutor, NoText, Request, RequestId, Scheduler, SchedulerConfig};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{Model, ModelInfo};
+use ferry_core::moe::RoutingTap;
 
-use super::report::{civil_date, offload_report, BenchReport, MemoryCeiling, Prefill};
+use super::report::{civil_date, offload_report, BenchReport, MemoryCeiling, OffloadReport, Prefill};
 use super::workload::{as_tap, BenchExecutor, Taps, Workload};
-use super::BenchArgs;
+use super::{BenchArgs, Variant};
 use crate::device::Backends;
 use crate::progress::LoadProgress;
 
@@ -112,16 +113,22 @@ fn prefill<E: Executor>(scheduler: &mut Scheduler<E>, prompt: &[u32], max_tokens
     Ok((phase, prefill))
 }
 
-/// Loads the model on `be` and runs the workload's phases; `phase_done` is called after each (the profiler takes
-/// its report there).
+/// Loads the model on `be` and runs the workload's phases once per variant (`restart` starts the offload over
+/// for each after the first; every variant replays its trace and chooses its random tokens from the start),
+/// handing each variant's report to `finish` as soon as it is measured; `phase_done` is called after each phase
+/// (the profiler takes its report there).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn bench_on<B: Backend>(
     be: &B,
     checkpoint: &Checkpoint,
     args: &BenchArgs,
     machine: &Machine,
     ceiling: &MemoryCeiling,
+    variants: &[Variant],
+    restart: impl Fn(&Variant) -> Result<()>,
     phase_done: impl Fn(&'static str),
-) -> Result<BenchReport> {
+    finish: impl Fn(&Variant, BenchReport) -> Result<()>,
+) -> Result<()> {
     let started = Instant::now();
     let mut progress = LoadProgress::new(&checkpoint.dir.display().to_string());
     let model = Model::load_with_progress(be, checkpoint, &mut |done, total| progress.update(done, total))?;
@@ -134,12 +141,10 @@ pub(super) fn bench_on<B: Backend>(
     );
     let mut peak = machine.gpu_memory_used();
     let workload = Workload::new(args, model.spec.vocab_size);
-    let mut taps = Taps::new(args, &info)?;
+    let mut taps = Taps::new(args, variants, &info)?;
     let kv_tokens = workload.kv_tokens();
     let kv = be.new_kv(model.kv_spec(kv_tokens))?;
-    let mut executor = ModelExecutor::new(be, model, kv);
-    executor.set_tap(taps.replay.as_mut().map(as_tap));
-    let recording = taps.recorder.as_mut().map(as_tap);
+    let executor = ModelExecutor::new(be, model, kv);
     let config = SchedulerConfig {
         max_running: args.concurrency.max(1),
         max_queued: 0,
@@ -149,11 +154,95 @@ pub(super) fn bench_on<B: Backend>(
     };
     let executor = BenchExecutor::new(executor, args.model.synthetic.is_some());
     let mut scheduler = Scheduler::new(config, executor, Arc::new(NoText))?;
+    let mut recording = taps.recorder.as_mut().map(as_tap);
+    for (i, (variant, replay)) in variants.iter().zip(taps.replays.iter_mut()).enumerate() {
+        if i > 0 {
+            restart(variant)?;
+            scheduler.executor_mut().restart_random_tokens();
+        }
+        tracing::info!(
+            "measuring {}, --moe-strategy {:?}",
+            Taps::routing(variant),
+            variant.strategy
+        );
+        scheduler.executor_mut().model.set_tap(replay.as_mut().map(as_tap));
+        let measured = measure(
+            &mut scheduler,
+            &workload,
+            args,
+            machine,
+            &mut peak,
+            recording.take(),
+            &phase_done,
+        )?;
+        let bytes_per_token = info.bytes_active_per_token();
+        let bound = ceiling.gb_s * 1e9 / bytes_per_token as f64;
+        let report = BenchReport {
+            ferry_commit: env!("FERRY_GIT_COMMIT"),
+            date: civil_date(),
+            backend: be.name(),
+            model: checkpoint.dir.display().to_string(),
+            model_info: info.clone(),
+            memory_plan: None,
+            moe_cache_policy: None,
+            moe_strategy: None,
+            routing: Taps::routing(variant),
+            load_seconds,
+            prompt_tokens: measured.prefill.prompt_tokens,
+            step_tokens: machine.step_tokens,
+            prefill_tok_s: measured.prefill.prefill_tok_s,
+            ttft_seconds: measured.prefill.ttft_seconds,
+            long_prefill: measured.long_prefill,
+            decode_tokens: workload.decode_tokens,
+            decode_tok_s_batch1: measured.decode_batch1,
+            decode_host_seconds_per_token: measured.host_seconds_per_token,
+            concurrency: args.concurrency,
+            decode_tok_s_aggregate: measured.decode_aggregate,
+            bytes_per_token,
+            decode_bound_tok_s: bound,
+            decode_achieved_over_bound: measured.decode_batch1 / bound,
+            memory_ceiling: ceiling.clone(),
+            offload: measured.offload,
+            offload_concurrent: measured.offload_concurrent,
+            peak_gpu_memory_bytes: peak,
+            profile: Vec::new(),
+        };
+        finish(variant, report)?;
+    }
+    drop(scheduler);
+    if let Some(recorder) = taps.recorder {
+        recorder.finish()?;
+    }
+    Ok(())
+}
+
+/// What one variant's phases measured.
+struct Measured {
+    prefill: Prefill,
+    decode_batch1: f64,
+    host_seconds_per_token: f64,
+    decode_aggregate: f64,
+    offload: Option<OffloadReport>,
+    offload_concurrent: Option<OffloadReport>,
+    long_prefill: Option<Prefill>,
+}
+
+/// The workload's phases on `scheduler` as it stands: a prompt prefilled and decoded alone (its batch-1 decode
+/// routed through `recording` when given), `--concurrency` short prompts decoded together, the long prompt.
+fn measure<'t, B: Backend>(
+    scheduler: &mut Scheduler<BenchExecutor<'t, B>>,
+    workload: &Workload,
+    args: &BenchArgs,
+    machine: &Machine,
+    peak: &mut Option<u64>,
+    recording: Option<&'t mut (dyn RoutingTap + Send)>,
+    phase_done: &impl Fn(&'static str),
+) -> Result<Measured> {
     let decode_tokens = workload.decode_tokens;
 
     // Prefill one long prompt in chunks; the first token comes with it.
-    let (mut phase, first_prefill) = prefill(&mut scheduler, &workload.prompt, decode_tokens + 1)?;
-    machine.track(&mut peak);
+    let (mut phase, prefill_measured) = prefill(scheduler, &workload.prompt, decode_tokens + 1)?;
+    machine.track(peak);
     phase_done("prefill");
 
     // Decode that sequence at batch 1.
@@ -164,7 +253,7 @@ pub(super) fn bench_on<B: Backend>(
     let before = scheduler.offload_stats();
     let issued_before = scheduler.executor().model.issue_time();
     let started = Instant::now();
-    phase.step_until(&mut scheduler, Phase::finished)?;
+    phase.step_until(scheduler, Phase::finished)?;
     let decode_seconds = started.elapsed().as_secs_f64();
     let host_seconds = (scheduler.executor().model.issue_time() - issued_before).as_secs_f64();
     let decode_batch1 = decode_tokens as f64 / decode_seconds;
@@ -179,15 +268,15 @@ pub(super) fn bench_on<B: Backend>(
     if recorded {
         scheduler.executor_mut().model.set_tap(None);
     }
-    machine.track(&mut peak);
+    machine.track(peak);
     phase_done("decode_batch1");
 
     // Decode `concurrency` sequences together, once their prompts are in.
-    let mut phase = Phase::submit(&mut scheduler, &workload.short_prompts, decode_tokens + 1)?;
-    phase.step_until(&mut scheduler, Phase::prefilled)?;
+    let mut phase = Phase::submit(scheduler, &workload.short_prompts, decode_tokens + 1)?;
+    phase.step_until(scheduler, Phase::prefilled)?;
     let before = scheduler.offload_stats();
     let started = Instant::now();
-    phase.step_until(&mut scheduler, Phase::finished)?;
+    phase.step_until(scheduler, Phase::finished)?;
     let concurrent_seconds = started.elapsed().as_secs_f64();
     let concurrent_tokens = decode_tokens * args.concurrency;
     let decode_aggregate = concurrent_tokens as f64 / concurrent_seconds;
@@ -199,53 +288,25 @@ pub(super) fn bench_on<B: Backend>(
         decode_aggregate,
         machine.h2d_gb_s,
     );
-    machine.track(&mut peak);
+    machine.track(peak);
     phase_done("decode_concurrent");
 
     let long_prefill = match &workload.long_prompt {
         Some(prompt) => {
-            let (_, long) = prefill(&mut scheduler, prompt, 1)?;
-            machine.track(&mut peak);
+            let (_, long) = prefill(scheduler, prompt, 1)?;
+            machine.track(peak);
             phase_done("long_prefill");
             Some(long)
         }
         None => None,
     };
-    drop(scheduler);
-    if let Some(recorder) = taps.recorder {
-        recorder.finish()?;
-    }
-
-    let bytes_per_token = info.bytes_active_per_token();
-    let bound = ceiling.gb_s * 1e9 / bytes_per_token as f64;
-    Ok(BenchReport {
-        ferry_commit: env!("FERRY_GIT_COMMIT"),
-        date: civil_date(),
-        backend: be.name(),
-        model: checkpoint.dir.display().to_string(),
-        model_info: info,
-        memory_plan: None,
-        moe_cache_policy: None,
-        moe_strategy: None,
-        routing: Taps::routing(args),
-        load_seconds,
-        prompt_tokens: first_prefill.prompt_tokens,
-        step_tokens: machine.step_tokens,
-        prefill_tok_s: first_prefill.prefill_tok_s,
-        ttft_seconds: first_prefill.ttft_seconds,
-        long_prefill,
-        decode_tokens,
-        decode_tok_s_batch1: decode_batch1,
-        decode_host_seconds_per_token: host_seconds / decode_tokens as f64,
-        concurrency: args.concurrency,
-        decode_tok_s_aggregate: decode_aggregate,
-        bytes_per_token,
-        decode_bound_tok_s: bound,
-        decode_achieved_over_bound: decode_batch1 / bound,
-        memory_ceiling: ceiling.clone(),
+    Ok(Measured {
+        prefill: prefill_measured,
+        decode_batch1,
+        host_seconds_per_token: host_seconds / decode_tokens as f64,
+        decode_aggregate,
         offload,
         offload_concurrent,
-        peak_gpu_memory_bytes: peak,
-        profile: Vec::new(),
+        long_prefill,
     })
 }

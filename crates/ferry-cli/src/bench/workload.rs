@@ -3,6 +3,9 @@
 //! fresh random token), and the routing taps (a trace replayed through every phase, or the batch-1 decode
 //! recorded). Not how it is timed (run.rs).
 
+use std::collections::HashMap;
+use std::path::Path;
+
 use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::{Executor, ModelExecutor};
 use ferry_core::kv::{KvCache, SeqId, BLOCK_SIZE};
@@ -10,7 +13,7 @@ use ferry_core::model::ModelInfo;
 use ferry_core::moe::{OffloadStats, RoutingTap, RoutingTrace, TraceHeader, TraceRecorder, TraceReplayer};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::BenchArgs;
+use super::{BenchArgs, Variant};
 
 /// Tokens of each prompt of the concurrent decode.
 const SHORT_PROMPT: usize = 16;
@@ -56,25 +59,36 @@ impl Workload {
 
 /// The routing taps `--routing-trace` and `--record-routing` ask for.
 pub(super) struct Taps {
-    /// Routes every phase as the trace did.
-    pub(super) replay: Option<TraceReplayer>,
+    /// Per variant, its trace's replay through every phase (None: the model's router), each from the trace's
+    /// start.
+    pub(super) replays: Vec<Option<TraceReplayer>>,
     /// Records the batch-1 decode.
     pub(super) recorder: Option<TraceRecorder>,
 }
 
 impl Taps {
-    pub(super) fn new(args: &BenchArgs, info: &ModelInfo) -> anyhow::Result<Self> {
+    pub(super) fn new(args: &BenchArgs, variants: &[Variant], info: &ModelInfo) -> anyhow::Result<Self> {
         let header = TraceHeader {
             num_layers: info.num_moe_layers as u32,
             num_experts: info.num_experts as u32,
             top_k: info.experts_per_token as u32,
         };
+        let mut traces: HashMap<&Path, RoutingTrace> = HashMap::new();
+        for path in variants.iter().filter_map(|v| v.trace.as_deref()) {
+            if !traces.contains_key(path) {
+                traces.insert(path, RoutingTrace::read(path)?);
+            }
+        }
         Ok(Taps {
-            replay: args
-                .routing_trace
-                .as_ref()
-                .map(|p| TraceReplayer::new(RoutingTrace::read(p)?))
-                .transpose()?,
+            replays: variants
+                .iter()
+                .map(|v| {
+                    v.trace
+                        .as_deref()
+                        .map(|path| TraceReplayer::new(traces[path].clone()))
+                        .transpose()
+                })
+                .collect::<ferry_core::Result<_>>()?,
             recorder: args
                 .record_routing
                 .as_ref()
@@ -83,8 +97,9 @@ impl Taps {
         })
     }
 
-    pub(super) fn routing(args: &BenchArgs) -> String {
-        match &args.routing_trace {
+    /// How `variant` routes, for its report.
+    pub(super) fn routing(variant: &Variant) -> String {
+        match &variant.trace {
             Some(p) => format!("replayed from {}", p.display()),
             None => "the model's router".into(),
         }
@@ -110,9 +125,21 @@ impl<'t, B: Backend> BenchExecutor<'t, B> {
     pub(super) fn new(model: ModelExecutor<'t, B, &'t B>, synthetic: bool) -> Self {
         BenchExecutor {
             model,
-            random_tokens: synthetic.then(|| StdRng::seed_from_u64(1)),
+            random_tokens: synthetic.then(random_tokens),
         }
     }
+
+    /// Chooses the same random tokens again as from the start, so that every variant of a run decodes the same.
+    pub(super) fn restart_random_tokens(&mut self) {
+        if let Some(rng) = &mut self.random_tokens {
+            *rng = random_tokens();
+        }
+    }
+}
+
+/// The generator of the tokens chosen on synthetic weights.
+fn random_tokens() -> StdRng {
+    StdRng::seed_from_u64(1)
 }
 
 impl<B: Backend> Executor for BenchExecutor<'_, B> {

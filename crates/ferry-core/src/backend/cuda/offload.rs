@@ -71,6 +71,27 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Starts the expert offload over as a fresh backend would start it, the loaded bank kept: an empty cache under
+    /// `policy`, the misses split by `split`, no guesses and no calibration. `ferry bench` measures several
+    /// strategies and routings on one load with it (a large model's load costs minutes). Waits for the device
+    /// first, so that nothing in flight reads a slot the new cache may give away.
+    pub fn restart_offload(&self, policy: Box<dyn EvictionPolicy>, split: SplitRule) -> Result<()> {
+        let Some(offload) = &self.offload else {
+            return Err(Error::Config(
+                "restarting the expert offload of a backend without one".into(),
+            ));
+        };
+        self.stream.synchronize().map_err(cuda_err("waiting for the device"))?;
+        let mut offload = offload.lock().unwrap_or_else(|e| e.into_inner());
+        offload
+            .copy_stream
+            .synchronize()
+            .map_err(cuda_err("waiting for the expert copies"))?;
+        offload.restart(policy, split)
+    }
+}
+
 impl CudaBackendBuilder {
     /// Bytes free and total on the device (cuMemGetInfo).
     pub fn memory_info(&self) -> Result<(usize, usize)> {
@@ -235,6 +256,31 @@ impl Offload {
             lane,
             link_timing: None,
         })
+    }
+
+    /// See [`CudaBackend::restart_offload`]; the device is idle.
+    fn restart(&mut self, policy: Box<dyn EvictionPolicy>, split: SplitRule) -> Result<()> {
+        let slots = u32::try_from(self.slots)
+            .map_err(|_| Error::Cuda(format!("{} expert cache slots are too many", self.slots)))?;
+        if let Some(lane) = self.lane.as_mut() {
+            lane.collect()?;
+        }
+        self.lane = match (split, self.lane.take()) {
+            (SplitRule::Link, _) => None,
+            (_, Some(lane)) => Some(lane),
+            (_, None) => Some(OffloadLane::new()?),
+        };
+        self.cache = ExpertCache::new(slots, policy);
+        self.guess = None;
+        self.next_guess = None;
+        self.last_copy = None;
+        self.link_timing = None;
+        self.calibration = match (split, &self.bank) {
+            (SplitRule::Calibrated(prior), Some(bank)) => Some(LaneCalibration::new(prior, bank.block_bytes())),
+            _ => None,
+        };
+        self.split = split;
+        Ok(())
     }
 
     /// Whether the MoE blocks of a step of `rows` rows should guess the next layer's routing: decode steps (at
