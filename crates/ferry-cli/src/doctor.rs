@@ -53,6 +53,10 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         println!("{:<36}{:.0} GB/s", "device copy (read + write)", c.d2d_copy_gb_s);
         println!("{:<36}{:.0} TFLOP/s", "bf16 GEMM 8192^3 (cuBLAS)", c.bf16_gemm_tflop_s);
         println!(
+            "{:<36}{:.1} GB/s",
+            "kernel reading pinned host memory", c.zero_copy_read_gb_s
+        );
+        println!(
             "{:<36}{:.1} GB/s link + CPU lane {:.0} us a call + {:.1} GB/s ({} threads; +{:.0} % a row)",
             "expert lanes at once",
             lanes.link_gb_s,

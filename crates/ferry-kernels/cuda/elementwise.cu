@@ -88,3 +88,18 @@ extern "C" __global__ void split_bf16(const float* __restrict__ x, uint16_t* __r
         lo[i] = float_to_bf16(x[i] - bf16_to_float(h));
     }
 }
+
+// Reads n 16-byte words of `src`, host memory the device maps (pinned memory, under unified addressing), and adds
+// their 32-bit lanes into *sink so that no read can be dropped: `ferry doctor`'s rate for a kernel that reads
+// expert weights straight from the host bank over the link, with no copy in between.
+extern "C" __global__ void read_mapped(const uint4* __restrict__ src, size_t n, unsigned int* sink) {
+    unsigned int sum = 0;
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const uint4 v = src[i];
+        sum += v.x + v.y + v.z + v.w;
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if ((threadIdx.x & 31) == 0) atomicAdd(sink, sum);
+}

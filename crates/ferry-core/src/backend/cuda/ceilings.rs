@@ -1,15 +1,15 @@
 //! The machine's data-movement and compute ceilings, measured on the GPU (`ferry doctor`; `ferry bench` uses
 //! them for its bounds): pinned host-to-device and device-to-host copy bandwidth, device-to-device copy
-//! bandwidth (bytes read plus written: what HBM moves), and cuBLAS bf16 GEMM throughput (the backend's own GEMM,
-//! as the prefill's products run it). The expert offload's two lanes are measured in lane_ceilings.rs.
+//! bandwidth (bytes read plus written: what HBM moves), cuBLAS bf16 GEMM throughput (the backend's own GEMM, as
+//! the prefill's products run it), and a kernel's rate reading pinned host memory in place (zero-copy). The expert offload's two lanes are measured in lane_ceilings.rs.
 
-use cudarc::driver::{sys, CudaSlice};
+use cudarc::driver::{sys, CudaSlice, LaunchConfig, PinnedHostSlice};
 use serde::Serialize;
 
-use super::launch::ptr;
+use super::launch::{kernel, ptr, Ptr};
 use super::memory::keep_freed_memory_pooled;
 use super::{cuda_err, Bf16Matrix, CudaBackend};
-use crate::Result;
+use crate::{Error, Result};
 
 #[derive(Clone, Debug, Serialize)]
 pub struct GpuCeilings {
@@ -18,7 +18,23 @@ pub struct GpuCeilings {
     /// Bytes read plus bytes written per second.
     pub d2d_copy_gb_s: f64,
     pub bf16_gemm_tflop_s: f64,
+    /// A kernel reading pinned host memory in place over the link (no copy): what expert kernels that read missed
+    /// experts straight from the host bank would get.
+    pub zero_copy_read_gb_s: f64,
 }
+
+kernel! {
+    /// elementwise.cu's `read_mapped`: adds the 32-bit lanes of `n` 16-byte words of mapped host memory into
+    /// `sink`.
+    struct ReadMapped = "read_mapped" {
+        src: Ptr<u8>,
+        n: usize,
+        sink: Ptr<u32>,
+    }
+}
+
+/// Blocks of the zero-copy read: enough requests in flight to fill the link.
+const ZERO_COPY_BLOCKS: u32 = 1024;
 
 const COPY_BYTES: usize = 1 << 30;
 const REPEATS: usize = 5;
@@ -53,6 +69,7 @@ impl CudaBackend {
         let h2d = self.time_ms(|| self.stream.memcpy_htod(&host, &mut device).map_err(cuda_err("H2D")))?;
         let d2h = self.time_ms(|| self.stream.memcpy_dtoh(&device, &mut host).map_err(cuda_err("D2H")))?;
         let d2d = self.time_ms(|| self.stream.memcpy_dtod(&device, &mut other).map_err(cuda_err("D2D")))?;
+        let zero_copy = self.time_zero_copy_read(&host)?;
 
         let n = 8192usize;
         let a: CudaSlice<u16> =
@@ -72,6 +89,42 @@ impl CudaBackend {
             d2h_pinned_gb_s: gb_s(COPY_BYTES, d2h),
             d2d_copy_gb_s: gb_s(2 * COPY_BYTES, d2d),
             bf16_gemm_tflop_s: 2.0 * (n as f64).powi(3) / (gemm * 1e-3) / 1e12,
+            zero_copy_read_gb_s: gb_s(COPY_BYTES, zero_copy),
         })
+    }
+
+    /// Milliseconds of `read_mapped` over all of `host` (pinned, every byte 1), its sum checked: a kernel that read
+    /// anything else (or nothing) is an error, not a rate.
+    fn time_zero_copy_read(&self, host: &PinnedHostSlice<u8>) -> Result<f64> {
+        let words = host.len() / 16;
+        let sink: CudaSlice<u32> = self.stream.alloc_zeros(1).map_err(cuda_err("zero-copy sum"))?;
+        let read = ReadMapped {
+            src: Ptr::at(host.as_ptr().map_err(cuda_err("pinned memory"))? as u64),
+            n: words,
+            sink: ptr(&sink),
+        };
+        let threads = 256;
+        let config = LaunchConfig {
+            grid_dim: (ZERO_COPY_BLOCKS, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launches = 0u64;
+        let ms = self.time_ms(|| {
+            launches += 1;
+            read.launch(self, config)
+        })?;
+        let sum = self.stream.clone_dtoh(&sink).map_err(cuda_err("zero-copy sum"))?[0];
+        // Each word adds four lanes of 0x01010101 in every launch (wrapping, as the kernel's sum does).
+        let expected = (launches
+            .wrapping_mul(words as u64)
+            .wrapping_mul(4)
+            .wrapping_mul(0x0101_0101)) as u32;
+        if sum != expected {
+            return Err(Error::Cuda(format!(
+                "a kernel reading pinned host memory in place summed {sum:#x}, not {expected:#x}"
+            )));
+        }
+        Ok(ms)
     }
 }

@@ -35,6 +35,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "sigmoid_gate",
             "select_rows",
             "split_bf16",
+            "read_mapped",
         ],
     ),
     ("gemv", &linear::GEMV_KERNELS),
