@@ -38,14 +38,17 @@ bench() {
     "$ferry" bench "$@" --output "$out/$name.json" >"$out/$name.log" 2>&1 || echo "$name failed (rc $?)"
     grep -v INFO "$out/$name.log" | tail -25
 }
-# Writes the routing traces that ROUTING asks for ("-uniform", "-locality", or "" for both) for the model CONFIG into
-# $out as uniform.jsonl and locality.jsonl, and prints their --routing-trace arguments: each is a variant of one
-# load, its results named NAME-uniform and NAME-locality when there are both.
+# Writes the routing traces that ROUTING asks for ("-uniform", "-locality", or "" for both) for the model CONFIG as
+# uniform.jsonl and locality.jsonl in $traces (not $out: the device tool brings back 8 files at most), and prints
+# their --routing-trace arguments: each is a variant of one load, its results named NAME-uniform and NAME-locality
+# when there are both.
+traces=$(mktemp -d)
+trap 'rm -rf "$traces"' EXIT
 traces() {
     local config=$1 routings=${2#-} routing
     for routing in ${routings:-uniform locality}; do
-        python3 "bench/${routing}_trace.py" --config "$config" --tokens 8192 --out "$out/$routing.jsonl" >&2
-        printf -- '--routing-trace %s ' "$out/$routing.jsonl"
+        python3 "bench/${routing}_trace.py" --config "$config" --tokens 8192 --out "$traces/$routing.jsonl" >&2
+        printf -- '--routing-trace %s ' "$traces/$routing.jsonl"
     done
 }
 # The agent loop on a server with prefix caching, then on one without, comparing their replies.
