@@ -30,6 +30,8 @@ pub enum MoeStrategy {
     /// The split step by step, planned from rates calibrated as the engine runs (what each lane costs inside
     /// the pipeline, the startup measurement the prior), where that prior gives the CPU lane a share of a batch-1
     /// decode or of a short prompt's prefill on this machine; else `offload`, without starting the lane's threads.
+    /// Decode steps run with the lane only while whole steps measure faster with it than without (the guard tries
+    /// the slower way again one step in 64).
     Auto,
 }
 

@@ -305,7 +305,13 @@ impl Backend for CudaBackend {
         step: &ForwardStep<'_>,
         forward: &mut dyn FnMut(&mut DeviceKv) -> Result<CudaTensor>,
     ) -> Result<CudaTensor> {
-        graph::run_forward(self, kv, step, forward)
+        let started = std::time::Instant::now();
+        let out = graph::run_forward(self, kv, step, forward);
+        if let Some(offload) = &self.offload {
+            let seconds = started.elapsed().as_secs_f64();
+            offload.lock().unwrap_or_else(|e| e.into_inner()).end_step(seconds);
+        }
+        out
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {

@@ -37,7 +37,8 @@ use super::offload_lane::{host_pairs, OffloadLane};
 use super::{cuda_err, CudaBackend, CudaRouting, CudaTensor};
 use crate::backend::{ExpertTensors, SeqSlice};
 use crate::moe::{
-    plan_split, rows_per_expert, EvictionPolicy, ExpertCache, LaneCalibration, OffloadStats, Plan, SplitRule,
+    plan_split, rows_per_expert, EvictionPolicy, ExpertCache, LaneCalibration, LaneGuard, OffloadStats, Plan, Regime,
+    SplitRule,
 };
 use crate::{Error, Result};
 
@@ -226,6 +227,11 @@ pub struct Offload {
     /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time), and
     /// the bytes they copied.
     link_timing: Option<(CudaEvent, CudaEvent, usize)>,
+    /// Under [`SplitRule::Calibrated`], whether decode steps give the lane anything at all, by what whole steps
+    /// took with and without it.
+    guard: Option<LaneGuard>,
+    /// The decode step being run under the guard: its rows and regime.
+    guarded_step: Option<(usize, Regime)>,
 }
 
 impl Offload {
@@ -255,6 +261,8 @@ impl Offload {
             calibration: None,
             lane,
             link_timing: None,
+            guard: matches!(split, SplitRule::Calibrated(_)).then(LaneGuard::default),
+            guarded_step: None,
         })
     }
 
@@ -279,8 +287,18 @@ impl Offload {
             (SplitRule::Calibrated(prior), Some(bank)) => Some(LaneCalibration::new(prior, bank.block_bytes())),
             _ => None,
         };
+        self.guard = matches!(split, SplitRule::Calibrated(_)).then(LaneGuard::default);
+        self.guarded_step = None;
         self.split = split;
         Ok(())
+    }
+
+    /// The step started by the last [`Offload::start_batch`] took `seconds` on the host, its forward pass from start
+    /// to end: what the guard weighs each regime by.
+    pub fn end_step(&mut self, seconds: f64) {
+        if let (Some(guard), Some((rows, regime))) = (self.guard.as_mut(), self.guarded_step.take()) {
+            guard.observe(rows, regime, seconds);
+        }
     }
 
     /// Whether the MoE blocks of a step of `rows` rows should guess the next layer's routing: decode steps (at
@@ -344,6 +362,13 @@ impl Offload {
         for slice in batch {
             self.prefill_rows.extend(std::iter::repeat_n(slice.len > 1, slice.len));
         }
+        // Decode steps only: a prompt's chunk gains from the lane whatever its cost per step (its rarely used
+        // experts), and a mixed step is measured by neither regime.
+        let decode = batch.iter().all(|slice| slice.len == 1);
+        self.guarded_step = match self.guard.as_mut() {
+            Some(guard) if decode && !batch.is_empty() => Some((batch.len(), guard.choose(batch.len()))),
+            _ => None,
+        };
     }
 
     /// The device address of `slot`, given the slab's base.
@@ -628,7 +653,7 @@ impl Offload {
 
     /// The misses of `layer` among `ids` that the CPU lane takes, by the split rule.
     fn split_misses(&self, layer: usize, ids: &[u32]) -> Vec<u32> {
-        if self.split == SplitRule::Link {
+        if self.split == SplitRule::Link || matches!(self.guarded_step, Some((_, Regime::LinkOnly))) {
             return Vec::new();
         }
         let (misses, hits): (Vec<_>, Vec<_>) = rows_per_expert(ids)
