@@ -30,8 +30,8 @@ pub enum MoeStrategy {
     /// The split step by step, planned from rates calibrated as the engine runs (what each lane costs inside
     /// the pipeline, the startup measurement the prior), where that prior gives the CPU lane a share of a batch-1
     /// decode or of a short prompt's prefill on this machine; else `offload`, without starting the lane's threads.
-    /// Decode steps run with the lane only while whole steps measure faster with it than without (the guard tries
-    /// the slower way again one step in 64).
+    /// Each decode step splits its misses on the calibrated rates, on the startup ones (as `hybrid`) or not at
+    /// all (as `offload`), whichever whole steps measure fastest (a guard that tries the others one step in 32).
     Auto,
 }
 

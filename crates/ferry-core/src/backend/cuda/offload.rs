@@ -227,8 +227,8 @@ pub struct Offload {
     /// Timed events around the last layer's demand copies, read once they have landed (the link's busy time), and
     /// the bytes they copied.
     link_timing: Option<(CudaEvent, CudaEvent, usize)>,
-    /// Under [`SplitRule::Calibrated`], whether decode steps give the lane anything at all, by what whole steps
-    /// took with and without it.
+    /// Under [`SplitRule::Calibrated`], how decode steps split their misses (on the calibrated rates, on the
+    /// startup ones, or not at all), by what whole steps took each way.
     guard: Option<LaneGuard>,
     /// The decode step being run under the guard: its rows and regime.
     guarded_step: Option<(usize, Regime)>,
@@ -660,9 +660,10 @@ impl Offload {
             .into_iter()
             .partition(|m| self.cache.slot_of((layer as u32, m.expert)).is_none());
         let bytes = self.bank.as_ref().map_or(0, |b| b.block_bytes());
-        let rule = match &self.calibration {
-            Some(calibration) => SplitRule::Balanced(calibration.rates()),
-            None => self.split,
+        let rule = match (self.guarded_step, self.split, &self.calibration) {
+            (Some((_, Regime::Startup)), SplitRule::Calibrated(prior), _) => SplitRule::Balanced(prior),
+            (_, _, Some(calibration)) => SplitRule::Balanced(calibration.rates()),
+            _ => self.split,
         };
         plan_split(rule, &misses, hits.len(), bytes).cpu
     }
