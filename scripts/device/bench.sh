@@ -79,9 +79,10 @@ for workload in "$@"; do
         # The CPU lane (issue 13) beside the link alone: --moe-strategy auto (the split on rates calibrated as it
         # runs), offload and hybrid (the startup rates alone), with a 75-token prompt (its time to first token is
         # the issue's third target), each trace and strategy in turn on one load.
+        # 128 decode steps: auto's guard spends its first 12 at each batch size measuring its three regimes.
         routing=${workload#q30-1536-lanes}
         bench "q30-22.3GiB-1536$routing" $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 \
-            --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 75 $(traces bench/q30.json "$routing") \
+            --kv-reserve-tokens 16384 --decode-tokens 128 --prompt-tokens 75 $(traces bench/q30.json "$routing") \
             --moe-strategy "${LANE_STRATEGIES:-auto,offload,hybrid}"
         ;;
     q30-fp8)
