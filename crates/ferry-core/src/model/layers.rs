@@ -4,7 +4,9 @@
 //! ends by adding its output to the residual stream and normalising it for what comes next ([`Residual`]), so that
 //! a backend can fuse the block's last product with both.
 
+use std::cell::Cell;
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use super::config::{
     ExpertLayout, ExpertNaming, FfnKind, GatedDeltaNetSpec, GdnProjections, ModelSpec, MoeSpec, QkNorm,
@@ -24,11 +26,30 @@ pub type Residual<'a, B> = ResidualNorm<'a, <B as Backend>::Tensor, <B as Backen
 pub struct WeightLoader<'a, B: Backend> {
     pub backend: &'a B,
     pub store: &'a WeightStore,
+    /// Time spent getting tensors from the store (mapping them, generating synthetic ones, quantizing experts at
+    /// load): of a load's time, what is not the backend's.
+    reading: Cell<Duration>,
 }
 
-impl<B: Backend> WeightLoader<'_, B> {
+impl<'a, B: Backend> WeightLoader<'a, B> {
+    pub fn new(backend: &'a B, store: &'a WeightStore) -> Self {
+        WeightLoader {
+            backend,
+            store,
+            reading: Cell::default(),
+        }
+    }
+
+    /// The time [`WeightLoader::tensor`] has spent so far.
+    pub fn reading_time(&self) -> Duration {
+        self.reading.get()
+    }
+
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<TensorRef> {
-        self.store.get_shaped(name, shape)
+        let started = Instant::now();
+        let tensor = self.store.get_shaped(name, shape);
+        self.reading.set(self.reading.get() + started.elapsed());
+        tensor
     }
 
     pub fn load(&self, name: &str, shape: &[usize]) -> Result<B::Weight> {

@@ -134,7 +134,8 @@ impl<B: Backend> Model<B> {
         store: &WeightStore,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
-        let w = WeightLoader { backend, store };
+        let started = std::time::Instant::now();
+        let w = WeightLoader::new(backend, store);
         let h = spec.hidden_size;
         let offset = spec.norm_weight_offset;
         let (mut kv_layers, mut state_layers) = (0, 0);
@@ -186,14 +187,26 @@ impl<B: Backend> Model<B> {
             true => None,
             false => Some(w.load("lm_head.weight", &[spec.vocab_size, h])?),
         };
-        Ok(Model {
+        let model = Model {
             embed_tokens: w.load("model.embed_tokens.weight", &[spec.vocab_size, h])?,
             layers,
             norm: w.norm("model.norm.weight", h, offset)?,
             lm_head,
             rope: backend.rope_table(&rope::rope_for(&spec))?,
             spec,
-        })
+        };
+        // Where a load's time goes: a slow one is either the store's (disk, generation, quantization) or the
+        // backend's (uploads, pinned host memory, repacking).
+        let (total, reading) = (started.elapsed(), w.reading_time());
+        tracing::info!(
+            "weights loaded in {:.1} s: {:.1} s getting them from the checkpoint (mapping, synthetic generation, \
+             quantization at load), {:.1} s in the backend ({})",
+            total.as_secs_f64(),
+            reading.as_secs_f64(),
+            total.saturating_sub(reading).as_secs_f64(),
+            backend.name()
+        );
+        Ok(model)
     }
 
     /// The KV cache shape for `capacity_tokens` tokens across all sequences: keys and values for the attention
