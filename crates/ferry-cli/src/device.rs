@@ -232,13 +232,14 @@ pub fn restart_offload(
     strategy: MoeStrategy,
     checkpoint: &Checkpoint,
 ) -> Result<()> {
-    let cuda = match backends {
-        Backends::Cuda(cuda) if plan.is_some_and(|p| p.offload) => cuda,
+    let (cuda, slots) = match (backends, plan) {
+        (Backends::Cuda(cuda), Some(plan)) if plan.offload => (cuda, plan.slots),
         _ if strategy == MoeStrategy::Offload => return Ok(()),
-        Backends::Cuda(_) => bail!("--moe-strategy {strategy:?} needs offloaded experts: every expert is resident"),
-        Backends::Cpu(_) => bail!("--moe-strategy {strategy:?} needs a GPU (this run is on the CPU)"),
+        (Backends::Cuda(_), _) => {
+            bail!("--moe-strategy {strategy:?} needs offloaded experts: every expert is resident")
+        }
+        (Backends::Cpu(_), _) => bail!("--moe-strategy {strategy:?} needs a GPU (this run is on the CPU)"),
     };
-    let slots = plan.map_or(0, |p| p.slots);
     let (policy, split) = offload_start(
         offload,
         strategy,

@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{MOE_DOWN_ROWS, MOE_WARPS};
 
-use super::{launch_combine_into, ResidualEpilogue};
+use super::{launch_combine, ResidualEpilogue};
 use crate::backend::cuda::expert_format::{ExpertFormat, ExpertGlu};
 use crate::backend::cuda::launch::{kernel, ptr, Ptr};
 use crate::backend::cuda::offload::LayerCopies;
@@ -302,7 +302,7 @@ pub(super) fn moe_decode_under_copies(
 ) -> Result<CudaTensor> {
     let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format, glu)?;
     let out = cuda.tensor(routing.rows, hidden)?;
-    launch_combine_into(cuda, &y, routing, 0..routing.rows, None, &out, epilogue)?;
+    launch_combine(cuda, &y, routing, 0..routing.rows, None, &out, epilogue)?;
     Ok(out)
 }
 

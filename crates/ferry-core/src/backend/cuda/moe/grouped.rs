@@ -90,7 +90,7 @@ pub(super) fn moe_experts_grouped(
             glu,
         };
         let y = group_products(cuda, x, routing, ids, addresses, &group, &|_| false)?;
-        launch_combine(cuda, &y, routing, first_row..first_row + group.rows, None, &out)?;
+        launch_combine(cuda, &y, routing, first_row..first_row + group.rows, None, &out, None)?;
     }
     Ok(out)
 }

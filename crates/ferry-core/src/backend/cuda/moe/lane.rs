@@ -41,7 +41,7 @@ pub(super) fn moe_with_host_lane(
     if x.rows <= MOE_DECODE_MAX_ROWS {
         let y = decode_products(cuda, x, routing, table, copies, hidden, inter, format, glu)?;
         offload.queue_host_products(&cuda.stream, &host.products)?;
-        launch_combine(cuda, &y, routing, 0..routing.rows, Some(&host), &out)?;
+        launch_combine(cuda, &y, routing, 0..routing.rows, Some(&host), &out, None)?;
         return Ok(out);
     }
     cuda.stream
@@ -62,7 +62,7 @@ pub(super) fn moe_with_host_lane(
         |group: &ExpertGroup| group_products(cuda, x, routing, &copies.ids, &copies.addresses, group, &on_host);
     let first = products(&groups[0])?;
     offload.queue_host_products(&cuda.stream, &host.products)?;
-    launch_combine(cuda, &first, routing, 0..groups[0].rows, Some(&host), &out)?;
+    launch_combine(cuda, &first, routing, 0..groups[0].rows, Some(&host), &out, None)?;
     drop(first);
     for group in &groups[1..] {
         let y = products(group)?;
@@ -73,6 +73,7 @@ pub(super) fn moe_with_host_lane(
             group.first_row..group.first_row + group.rows,
             Some(&host),
             &out,
+            None,
         )?;
     }
     Ok(out)

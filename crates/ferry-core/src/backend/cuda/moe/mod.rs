@@ -205,20 +205,9 @@ pub(super) fn moe_experts(
 }
 
 /// moe_combine over `rows` of the batch: `y` holds those rows' products (its first row is `rows.start`'s first
-/// pair), `host` the lane's products of the whole batch.
+/// pair), `host` the lane's products of the whole batch; with the residual epilogue when given (its pointers address
+/// the whole batch's rows).
 fn launch_combine(
-    cuda: &CudaBackend,
-    y: &CudaTensor,
-    routing: &CudaRouting,
-    rows: std::ops::Range<usize>,
-    host: Option<&HostProducts>,
-    out: &CudaTensor,
-) -> Result<()> {
-    launch_combine_into(cuda, y, routing, rows, host, out, None)
-}
-
-/// [`launch_combine`] with the residual epilogue when given (its pointers address the whole batch's rows).
-fn launch_combine_into(
     cuda: &CudaBackend,
     y: &CudaTensor,
     routing: &CudaRouting,
