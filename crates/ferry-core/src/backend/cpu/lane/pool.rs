@@ -27,9 +27,10 @@ struct State {
 }
 
 /// How long an idle thread polls for the next job (or the caller for the workers' end) before it sleeps on a
-/// condition variable: decode runs a job per MoE layer about every half millisecond, and a wake-up through the
-/// kernel costs tens of microseconds each time, more when every core is busy.
-pub const POLL_BEFORE_SLEEP: Duration = Duration::from_millis(2);
+/// condition variable: long enough to catch the workers' end and a job that follows at once, short enough that
+/// the workers sleep between decode's jobs (one per MoE layer, about every half millisecond) instead of taking
+/// their cores from the GPU-driving thread. Polling 2 ms kept every worker spinning through the whole step.
+pub const POLL_BEFORE_SLEEP: Duration = Duration::from_micros(50);
 
 #[derive(Default)]
 struct Shared {
