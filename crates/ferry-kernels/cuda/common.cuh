@@ -46,20 +46,39 @@ __device__ __forceinline__ float block_sum(float v) {
     return total;
 }
 
+// Columns a thread of a row-wide loop reads at once: a 2048-wide row at 256 threads read one value at a time
+// took 9.8 us to normalise (eight memory latencies a pass), against 4.0 us for 1024 threads.
+constexpr int ROW_LOADS = 8;
+
 // The RMSNorm of one row: out = x / sqrt(mean(x^2) + eps) * weight over its cols values, by the whole block (every
-// thread calls it). Thread i takes columns i, i + blockDim.x, ... and the block sums the squares with block_sum, so
-// wherever it runs with the same block size (add_rms_norm, and the fused residual epilogues below, all at 256
-// threads) the result is the same to the bit. x is read through L2 (ld.global.cg): in a fused epilogue other
-// blocks wrote it.
+// thread calls it). Thread i takes columns i, i + blockDim.x, ... (ROW_LOADS of them at once) and the block sums
+// the squares with block_sum, so wherever it runs with the same block size (add_rms_norm, and the fused residual
+// epilogues below, all at 256 threads) the result is the same to the bit. x is read through L2 (ld.global.cg): in
+// a fused epilogue other blocks wrote it.
 __device__ __forceinline__ void block_rms_norm_row(const float* x, const float* __restrict__ weight,
                                                    float* __restrict__ out, int cols, float eps) {
+    const int stride = blockDim.x;
     float sum = 0.0f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = __ldcg(x + i);
-        sum += v * v;
+    for (int first = threadIdx.x; first < cols; first += ROW_LOADS * stride) {
+        float v[ROW_LOADS];
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j) v[j] = first + j * stride < cols ? __ldcg(x + first + j * stride) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j) sum += v[j] * v[j];
     }
     const float inv = 1.0f / sqrtf(block_sum(sum) / cols + eps);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[i] = __ldcg(x + i) * inv * weight[i];
+    for (int first = threadIdx.x; first < cols; first += ROW_LOADS * stride) {
+        float v[ROW_LOADS], w[ROW_LOADS];
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j) {
+            const int i = first + j * stride;
+            v[j] = i < cols ? __ldcg(x + i) : 0.0f;
+            w[j] = i < cols ? weight[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j)
+            if (first + j * stride < cols) out[first + j * stride] = v[j] * inv * w[j];
+    }
 }
 
 // A product's output value y at index i: stored in out, or, in a fused residual epilogue (residual not null),

@@ -28,7 +28,18 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
     float* xr = x + static_cast<size_t>(blockIdx.x) * cols;
     const float* yr = y + static_cast<size_t>(blockIdx.x) * cols;
     // Each thread normalises the columns it added (block_rms_norm_row's), so it reads back only its own writes.
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) xr[i] += yr[i];
+    const int stride = blockDim.x;
+    for (int first = threadIdx.x; first < cols; first += ROW_LOADS * stride) {
+        float sum[ROW_LOADS];
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j) {
+            const int i = first + j * stride;
+            sum[j] = i < cols ? xr[i] + yr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j)
+            if (first + j * stride < cols) xr[first + j * stride] = sum[j];
+    }
     block_rms_norm_row(xr, weight, out + static_cast<size_t>(blockIdx.x) * cols, cols, eps);
 }
 
