@@ -258,6 +258,20 @@ fn with_item(mut event: Value, item_id: &str, output_index: usize) -> Value {
 mod tests {
     use super::*;
 
+    /// A call of `name` with `{}` for arguments, as the tool parser gives it.
+    fn call(name: &str) -> [Piece; 2] {
+        [
+            Piece::ToolCallStart {
+                index: 0,
+                name: name.into(),
+            },
+            Piece::ToolCallArguments {
+                index: 0,
+                fragment: "{}".into(),
+            },
+        ]
+    }
+
     fn types(events: &[Value]) -> Vec<&str> {
         events.iter().map(|e| e["type"].as_str().unwrap()).collect()
     }
@@ -270,18 +284,6 @@ mod tests {
         let (_, _, namespaces) = super::super::tools::tool_request(&body).unwrap();
         let mut items = OutputItems::new("resp_00ab", false, namespaces);
         let mut events = vec![];
-        let call = |name: &str| {
-            [
-                Piece::ToolCallStart {
-                    index: 0,
-                    name: name.into(),
-                },
-                Piece::ToolCallArguments {
-                    index: 0,
-                    fragment: "{}".into(),
-                },
-            ]
-        };
         items.pieces(&call("crm.find"), &mut events);
         items.pieces(&call("find"), &mut events);
         items.close("completed", &mut events);
@@ -306,17 +308,7 @@ mod tests {
         items.token(&[], &mut events);
         items.token(&[Piece::Content("hi".into())], &mut events);
         items.token(&[Piece::Content("!".into())], &mut events);
-        let call = [
-            Piece::ToolCallStart {
-                index: 0,
-                name: "f".into(),
-            },
-            Piece::ToolCallArguments {
-                index: 0,
-                fragment: "{}".into(),
-            },
-        ];
-        items.pieces(&call, &mut events);
+        items.pieces(&call("f"), &mut events);
         items.close("completed", &mut events);
         assert_eq!(
             items.reasoning_tokens, 2,
