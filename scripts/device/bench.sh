@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs, on the GPU machine, the benchmarks docs/perf.md records, with the staged binary (scripts/device/stage.sh):
 #   scripts/device/bench.sh WORKLOAD...
-# WORKLOAD: q30-resident | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
+# WORKLOAD: q30-resident | q30x12-resident and q30x12-lanes (q30 cut to 12 layers, bench/q30-12layers.json: a 7 s
+# load, for A/B runs and kernel profiles; the lanes at a 10 GiB budget, 384 slots, both traces, auto, offload and
+# hybrid) | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
 # q30-1536-lanes (the same under the uniform and the locality trace with --moe-strategy auto, offload and hybrid, or
 # the comma-separated LANE_STRATEGIES (cpu too), and a 75-token prompt; -uniform or -locality: one trace) |
 # q30-1536-uniform (the same under a uniformly random routing trace) | q30-1536-locality (the same under
@@ -64,6 +66,12 @@ status=0
 for workload in "$@"; do
     case $workload in
     q30-resident) bench q30-resident $q30 --decode-tokens 64 ;;
+    q30x12-resident) bench q30x12-resident --synthetic bench/q30-12layers.json --device cuda --decode-tokens 64 ;;
+    q30x12-lanes)
+        bench q30x12-10GiB-384 --synthetic bench/q30-12layers.json --device cuda --gpu-memory-budget 10GiB \
+            --moe-cache-slots 384 --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 75 \
+            $(traces bench/q30-12layers.json "") --moe-strategy "${LANE_STRATEGIES:-auto,offload,hybrid}"
+        ;;
     q30-1536)
         bench q30-22.3GiB-1536 $q30 --gpu-memory-budget 22.3GiB --moe-cache-slots 1536 --kv-reserve-tokens 16384 \
             --decode-tokens 64
