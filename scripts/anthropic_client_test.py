@@ -2,7 +2,8 @@
 """The official `anthropic` Python package as a real client of `ferry serve`'s Messages API on the bundled tiny
 checkpoint: `messages.create` and `messages.stream` give the same message at temperature 0, `count_tokens` counts the
 prompt that generation consumes (as many tokens as the tokenizer, the `tokenizers` package, makes of the rendered
-prompt), stop sequences end with `stop_sequence`, and errors come back as the SDK's typed errors (so their status and
+prompt), stop sequences end with `stop_sequence`, `messages.parse` with an `output_format` type gets an answer of that
+type (structured outputs, after the model's thinking), and errors come back as the SDK's typed errors (so their status and
 Anthropic shape are right). On the scripted XML checkpoint (Qwen3.5-style), `tool_use` blocks plain and streamed,
 under `tool_choice` auto, any and a named tool, and the history of calls and results counted and answered.
 Run by scripts/test.sh after the Rust tests: python scripts/anthropic_client_test.py path/to/ferry
@@ -10,7 +11,10 @@ Run by scripts/test.sh after the Rust tests: python scripts/anthropic_client_tes
 
 import os
 
+from typing import Literal
+
 import anthropic
+import pydantic
 import tokenizers
 
 from openai_client_test import FIXTURE, KEY, MODEL, XML_FIXTURE, Server, run_tests
@@ -78,6 +82,22 @@ def test_a_stop_sequence_ends_the_message(server):
     cut = client(server).messages.create(stop_sequences=[stop], **kwargs)
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop, cut
     assert cut.usage.output_tokens < 24
+
+
+class Reply(pydantic.BaseModel):
+    answer: Literal["yes", "no"]
+    sure: bool
+
+
+def test_parse_gets_the_output_format_s_type(server):
+    # A thinking budget ends the random model's thinking; the JSON follows it.
+    parsed = client(server).messages.parse(
+        model=MODEL, max_tokens=80, messages=user("Yes or no, and are you sure?"), output_format=Reply,
+        thinking={"type": "enabled", "budget_tokens": 8}, **GREEDY,
+    )
+    assert parsed.stop_reason == "end_turn", parsed
+    assert [kind for kind, _ in blocks(parsed)] == ["thinking", "text"], parsed
+    assert isinstance(parsed.parsed_output, Reply), parsed
 
 
 def expect(error_type, call):

@@ -257,6 +257,37 @@ fn errors_on_the_anthropic_routes_are_in_anthropic_shape() {
     assert!(!server.log().contains("panicked"));
 }
 
+/// Structured outputs: `output_config.format`'s schema holds for the answer, which follows the model's thinking
+/// (here ended by its budget), plain and streamed; a schema that cannot be compiled is a 400 naming
+/// `output_config.format`.
+#[test]
+fn an_output_format_constrains_the_answer_plain_and_streamed() {
+    let server = Server::start(&[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["answer", "count"],
+        "additionalProperties": false,
+    });
+    let format = |schema: Value| json!({"output_config": {"format": {"type": "json_schema", "schema": schema}}});
+    let mut request = message(format(schema));
+    request["max_tokens"] = json!(80);
+    request["thinking"] = json!({"type": "enabled", "budget_tokens": 8});
+    let whole = message_plain_and_streamed(&server, &request);
+    assert_eq!(whole["stop_reason"], "end_turn", "{whole}");
+    assert!(!block_text(&whole, "thinking").is_empty(), "{whole}");
+    let text = block_text(&whole, "text");
+    let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(["yes", "no"].contains(&value["answer"].as_str().unwrap()), "{value}");
+    assert!((1..=9).contains(&value["count"].as_i64().unwrap()), "{value}");
+    assert_eq!(value.as_object().unwrap().len(), 2, "{value}");
+
+    let (status, error) = post_json(&server, "/v1/messages", &message(format(json!({"type": "nonsense"}))));
+    assert_eq!(status, 400, "{error}");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("`output_config.format`"), "{message}");
+}
+
 /// The calls of a message: (name, input) of its tool_use blocks, each id checked.
 fn tool_uses(message: &Value) -> Vec<(String, Value)> {
     let blocks = message["content"].as_array().unwrap();

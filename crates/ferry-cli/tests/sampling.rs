@@ -132,11 +132,16 @@ fn json_schema_output_validates_and_json_object_output_is_an_object() {
         "required": ["answer", "count"],
         "additionalProperties": false,
     });
-    // The schema is enforced whether `strict` is true or false (as vLLM does).
+    // The schema is enforced whether `strict` is true or false (as vLLM does). Thinking off: the random model,
+    // let think first (a_structured_output_comes_after_the_thinking), would not stop within max_tokens.
+    let no_thinking = json!({"enable_thinking": false});
     for (temperature, strict) in [(0.0, true), (1.0, false)] {
         let format =
             json!({"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": strict}});
-        let body = chat(json!({"response_format": format, "max_tokens": 60, "temperature": temperature, "seed": 3}));
+        let body = chat(
+            json!({"response_format": format, "max_tokens": 60, "temperature": temperature, "seed": 3,
+            "chat_template_kwargs": no_thinking}),
+        );
         let response = ok(&server, "/v1/chat/completions", &body);
         assert_eq!(response["choices"][0]["finish_reason"], "stop", "{response}");
         let text = response["choices"][0]["message"]["content"].as_str().unwrap();
@@ -145,13 +150,44 @@ fn json_schema_output_validates_and_json_object_output_is_an_object() {
         assert!((1..=9).contains(&value["count"].as_i64().unwrap()), "{value}");
         assert_eq!(value.as_object().unwrap().len(), 2, "{value}");
     }
-    let body = chat(json!({"response_format": {"type": "json_object"}, "max_tokens": 100}));
+    let body = chat(json!({"response_format": {"type": "json_object"}, "max_tokens": 100,
+        "chat_template_kwargs": no_thinking}));
     let response = ok(&server, "/v1/chat/completions", &body);
     let text = response["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(text.starts_with('{'), "{text:?}");
     if response["choices"][0]["finish_reason"] == "stop" {
         assert!(serde_json::from_str::<Value>(text).unwrap().is_object(), "{text:?}");
     }
+}
+
+/// A model that reasons may think before the JSON a structured output asks for: the grammar lets its thinking come
+/// first (here a bias toward `<think>`, and a larger one toward `</think>`, makes it open and close it at once), and
+/// what follows is the schema's.
+#[test]
+fn a_structured_output_comes_after_the_thinking() {
+    let server = Server::start(&[]);
+    let id = |text: &str| ok(&server, "/tokenize", &json!({"prompt": text}))["tokens"][0].to_string();
+    let bias = json!({ id("<think>"): 50, id("</think>"): 100 });
+    let schema = json!({
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": false,
+    });
+    let format = json!({"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}});
+    let body = chat(json!({"response_format": format, "max_tokens": 30, "logit_bias": bias, "logprobs": true}));
+    let response = ok(&server, "/v1/chat/completions", &body);
+    let choice = &response["choices"][0];
+    let tokens: Vec<&str> = choice["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(tokens[..2], ["<think>", "</think>"], "{response}");
+    let text = choice["message"]["content"].as_str().unwrap();
+    let value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(["yes", "no"].contains(&value["answer"].as_str().unwrap()), "{value}");
 }
 
 #[test]

@@ -93,6 +93,8 @@ pub struct PreparedPrompt {
     /// The grammar of the forced tool calls (llguidance's Lark), when `tool_choice` forces calls.
     pub tool_grammar: Option<String>,
     pub thinking_budget: Option<ThinkingBudget>,
+    /// Where the output starts with respect to the model's thinking: a structured output comes after it.
+    pub thinking: Thinking,
 }
 
 /// A 404 when the request names a model other than the one served (a request naming none gets it).
@@ -164,7 +166,9 @@ impl ChatRequest {
             (false, _, _) => Thinking::Off,
             (true, true, _) => Thinking::Inside,
             (true, false, true) => Thinking::Off,
-            (true, false, false) => Thinking::Optional,
+            (true, false, false) => Thinking::Optional {
+                open: model.tokenizer.token_id("<think>"),
+            },
         };
         let tool_grammar = match (self.tools.choice.forces_calls(), model.tool_call_format) {
             (false, _) => None,
@@ -190,10 +194,11 @@ impl ChatRequest {
             }),
             _ => None,
         };
-        // Under a grammar, thinking can only come first: a `<think>` inside a forced call is the call's text.
-        let reasoning = match tool_grammar {
-            Some(_) => reasoning.map(|parser| parser.leading_only(thinking == Thinking::Optional)),
-            None => reasoning,
+        // Under a grammar, thinking can only come first: a `<think>` inside a forced call or a structured output
+        // is its text.
+        let reasoning = match tool_grammar.is_some() || self.params.response_format.is_some() {
+            true => reasoning.map(|parser| parser.leading_only(matches!(thinking, Thinking::Optional { .. }))),
+            false => reasoning,
         };
         let calls = self.tools.parser(model.tool_call_format);
         let parser = match model.tool_call_format {
@@ -208,6 +213,7 @@ impl ChatRequest {
             parser,
             tool_grammar,
             thinking_budget,
+            thinking,
         })
     }
 }
@@ -232,7 +238,12 @@ impl PreparedPrompt {
                     "a forced `tool_choice` and `response_format` cannot both constrain the output",
                 ))
             }
-            (Some(format), None) => Some(sampling::constraint(compiler, model, format, "response_format")?),
+            (Some(format), None) => Some(sampling::constraint(
+                compiler,
+                model,
+                &forced::after_thinking(format, self.thinking),
+                "response_format",
+            )?),
             (None, Some(grammar)) => Some(sampling::constraint(
                 compiler,
                 model,
@@ -260,6 +271,8 @@ impl Prompt {
             parser: PieceParser::new(None, None),
             tool_grammar: None,
             thinking_budget: None,
+            // A completion's text is the model's own: a structured output constrains it from its first token.
+            thinking: Thinking::Off,
         })
     }
 }

@@ -189,6 +189,16 @@ async fn respond_whole(meta: MessageMeta, mut generation: Generation) -> Respons
     ApiError::internal("generation failed: no output").into_response()
 }
 
+/// An error of the neutral layer named in this API's terms: the structured output is `output_config.format`.
+fn in_anthropic_terms(mut error: ApiError) -> ApiError {
+    const FORMAT: &str = "output_config.format";
+    if error.param.as_deref() == Some("response_format") {
+        error.message = error.message.replace("response_format", FORMAT);
+        error.param = Some(FORMAT.into());
+    }
+    error
+}
+
 /// A request read, admitted and submitted: how to render it, its prompt's length, its output, whether to stream it.
 type Started = (MessageMeta, usize, Generation, bool);
 
@@ -197,7 +207,9 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let chat = &messages.chat;
     let prompt = chat.prepare(&model)?;
     let input_tokens = prompt.ids.len();
-    let (request, parser) = prompt.start(state, &model, &chat.params, "messages")?;
+    let (request, parser) = prompt
+        .start(state, &model, &chat.params, "messages")
+        .map_err(in_anthropic_terms)?;
     let generation = Generation::start(state, &model, request, parser)?;
     let meta = MessageMeta {
         id: format!("msg_{:016x}", response_id()),

@@ -6,9 +6,11 @@
 //! chat.rs for a model that does not think); thinking blocks in the history go back to the template as the
 //! message's reasoning, in the form it reads (tools/history.rs: gpt-oss's `thinking` field, or the `<think>` text the
 //! model wrote, which templates strip from earlier turns as they do for their own output), and for a model whose
-//! template renders no reasoning they are dropped, as Anthropic drops earlier turns' thinking.
+//! template renders no reasoning they are dropped, as Anthropic drops earlier turns' thinking. `output_config.format`
+//! (structured outputs: `{"type": "json_schema", "schema"}`) constrains the answer as OpenAI's `response_format`
+//! does, after the model's thinking.
 
-use ferry_core::engine::validate_stop_strings;
+use ferry_core::engine::{validate_stop_strings, ResponseFormat};
 use ferry_core::loader::ChatMessage;
 use serde_json::Value;
 
@@ -44,14 +46,6 @@ impl MessagesBody {
                 return Err(ApiError::invalid_param(
                     name,
                     format!("`{name}` is not supported by this server"),
-                ));
-            }
-        }
-        if let Some(config) = body.object("output_config")? {
-            if config.get("format").is_some_and(|format| !format.is_null()) {
-                return Err(ApiError::invalid_param(
-                    "output_config.format",
-                    "`output_config.format` (structured outputs) is not supported by this server",
                 ));
             }
         }
@@ -97,11 +91,42 @@ impl MessagesBody {
                 top_k,
                 stop,
                 stream: body.boolean("stream")?,
+                response_format: output_format(body)?,
                 ..GenerationParams::default()
             },
         };
         Ok(MessagesBody { model, chat })
     }
+}
+
+/// `output_config.format`: `{"type": "json_schema", "schema": {...}}`, the answer's JSON Schema; null or absent:
+/// free text.
+fn output_format(body: &Body) -> Result<Option<ResponseFormat>, ApiError> {
+    let Some(config) = body.object("output_config")? else {
+        return Ok(None);
+    };
+    let format = match config.get("format") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(format) => tools::nested("output_config.format", format)?,
+    };
+    if format.string("type")?.as_deref() != Some("json_schema") {
+        return Err(ApiError::invalid_param(
+            "output_config.format.type",
+            "`output_config.format.type` must be \"json_schema\"",
+        ));
+    }
+    let schema = match format.get("schema") {
+        Some(schema @ Value::Object(_)) => schema.clone(),
+        Some(other) => return Err(wrong_type("output_config.format.schema", "a JSON Schema object", other)),
+        None => {
+            return Err(ApiError::invalid_param(
+                "output_config.format.schema",
+                "`output_config.format.schema` is required",
+            ))
+        }
+    };
+    format.refuse_unread(&[])?;
+    Ok(Some(ResponseFormat::JsonSchema(schema)))
 }
 
 /// `system`: a string or a list of text blocks, as the conversation's first message.
@@ -429,12 +454,28 @@ mod tests {
                 "thinking.display",
             ),
             (
+                with("output_config", json!({"format": {"type": "json_object"}})),
+                "output_config.format.type",
+            ),
+            (
+                with("output_config", json!({"format": {"type": "json_schema"}})),
+                "output_config.format.schema",
+            ),
+            (
                 with(
                     "output_config",
-                    json!({"format": {"type": "json_schema", "schema": {}}}),
+                    json!({"format": {"type": "json_schema", "schema": "{}"}}),
                 ),
-                "output_config.format",
+                "output_config.format.schema",
             ),
+            (
+                with(
+                    "output_config",
+                    json!({"format": {"type": "json_schema", "schema": {}, "strict": true}}),
+                ),
+                "output_config.format.strict",
+            ),
+            (with("output_config", json!({"format": []})), "output_config.format"),
             (with("tools", json!([{"name": "f"}])), "tools[0].input_schema"),
             (
                 with("tools", json!([{"type": "web_search_20250305", "name": "web_search"}])),
@@ -456,6 +497,20 @@ mod tests {
             (with("mcp_servers", json!([])), "mcp_servers"),
         ] {
             assert_eq!(param_of(body.clone()), Some(param.to_string()), "{body}");
+        }
+    }
+
+    #[test]
+    fn an_output_format_is_a_json_schema_response_format() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}}});
+        let body = json!({"model": "m", "max_tokens": 5, "messages": user,
+            "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": schema}}});
+        let format = parse(body, true).unwrap().chat.params.response_format;
+        assert_eq!(format, Some(ResponseFormat::JsonSchema(schema)));
+        for config in [json!({"format": null}), json!({"effort": "high"})] {
+            let body = json!({"model": "m", "max_tokens": 5, "messages": user, "output_config": config});
+            assert_eq!(parse(body, true).unwrap().chat.params.response_format, None);
         }
     }
 

@@ -132,7 +132,8 @@ impl ResponsesBody {
         echo.insert("user".into(), user.into());
         let chat = ChatRequest {
             messages,
-            template_kwargs: Map::new(),
+            // vLLM's extension, as on the chat route (e.g. Qwen3's `enable_thinking`).
+            template_kwargs: crate::params::template_kwargs(body)?,
             thinking: None,
             thinking_budget: None,
             reasoning_effort,
@@ -464,6 +465,7 @@ mod tests {
                 "top_p": 0.9, "stream": true, "store": false, "metadata": {"k": "v"}, "user": "u",
                 "prompt_cache_key": "p", "reasoning": {"effort": "low", "summary": "auto"},
                 "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": true}},
+                "chat_template_kwargs": {"enable_thinking": false},
                 "input": [
                     {"role": "developer", "content": "rules"},
                     {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
@@ -495,6 +497,7 @@ mod tests {
             Some(ResponseFormat::JsonSchema(json!({"type": "object"})))
         );
         assert_eq!(body.chat.reasoning_effort.as_deref(), Some("low"));
+        assert_eq!(body.chat.template_kwargs["enable_thinking"], false);
         assert_eq!(body.echo["store"], false);
         assert_eq!(body.echo["metadata"], json!({"k": "v"}));
         assert_eq!(body.echo["instructions"], "be brief");

@@ -1,7 +1,9 @@
 //! Forced tool calls (OpenAI's `tool_choice` "required" or a named function, Anthropic's `any` or `tool`): a
 //! grammar in llguidance's Lark syntax under which the model can write nothing but calls of the allowed tools, in
 //! the chat template's format, each call's arguments valid under its tool's schema, then end its turn. The tool call
-//! parser (mod.rs) reads the calls back exactly as it reads calls the model chose to make.
+//! parser (mod.rs) reads the calls back exactly as it reads calls the model chose to make. A structured output
+//! (`response_format`, `text.format`, `output_config.format`) of a model that reasons is let reason the same way
+//! before its JSON ([`after_thinking`]).
 //!
 //! Thinking comes first, as the template's switch says. A model that reasons is let reason before it calls (vLLM
 //! likewise constrains only the text after the reasoning): forcing the call at once would take away the thinking
@@ -17,6 +19,7 @@
 //! the schema lists (the required ones always, in the schema's order), non-string values by their schema, string
 //! values as free text (an `enum` or `const` of strings enforced, `pattern` and `format` not).
 
+use ferry_core::engine::ResponseFormat;
 use serde_json::{json, Value};
 
 use super::named_json::{CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEPARATOR};
@@ -27,8 +30,10 @@ use super::{ToolCallFormat, ToolRequest, ToolSpec, CLOSE, OPEN};
 pub enum Thinking {
     /// The prompt ends inside `<think>`: the output starts with the thinking's text.
     Inside,
-    /// The model may open a `<think>` block before its calls.
-    Optional,
+    /// The model may open a `<think>` block before its calls; `open` is the `<think>` token, where the vocabulary
+    /// has one. The grammar then opens the thinking with that token alone: the thinking budget counts from it, and
+    /// would not see the same text spelled in several tokens.
+    Optional { open: Option<u32> },
     /// No thinking: the output starts with a call.
     Off,
 }
@@ -104,17 +109,7 @@ fn tagged_calls(format: ToolCallFormat, bodies: &str, parallel: bool, thinking: 
         ToolCallFormat::Glm45 => "\"\\n\"? ",
         _ => "",
     };
-    let start = match thinking {
-        Thinking::Inside => "start: think_text gap calls".to_string(),
-        Thinking::Optional => format!("start: ({lead}\"<think>\" think_text gap)? calls"),
-        Thinking::Off => "start: calls".to_string(),
-    };
-    let mut grammar = vec![start];
-    if thinking != Thinking::Off {
-        // The thinking ends at its first `</think>`; the template puts a blank line before the answer.
-        grammar.push("think_text[suffix=\"</think>\"]: /(?s:.*)/".into());
-        grammar.push("gap: (\"\\n\" | \"\\n\\n\")?".into());
-    }
+    let mut grammar = thinking_then(thinking, lead, "calls");
     let (open, close) = match format {
         ToolCallFormat::DeepSeekV31 => (CALL_BEGIN.to_string(), CALL_END.to_string()),
         ToolCallFormat::Glm45 => (OPEN.to_string(), format!("\n{CLOSE}")),
@@ -135,6 +130,39 @@ fn tagged_calls(format: ToolCallFormat, bodies: &str, parallel: bool, thinking: 
         format!("call: {} ({bodies}) {}", literal(&open), literal(&close)),
     ]);
     grammar
+}
+
+/// The start of a grammar whose `rule` comes after the thinking `thinking` allows (`lead` before an opened
+/// `<think>`), and the thinking's rules.
+fn thinking_then(thinking: Thinking, lead: &str, rule: &str) -> Vec<String> {
+    let start = match thinking {
+        Thinking::Inside => format!("start: think_text gap {rule}"),
+        Thinking::Optional { open } => {
+            let open = open.map_or_else(|| literal("<think>"), |id| format!("<[{id}]>"));
+            format!("start: ({lead}{open} think_text gap)? {rule}")
+        }
+        Thinking::Off => format!("start: {rule}"),
+    };
+    let mut grammar = vec![start];
+    if thinking != Thinking::Off {
+        // The thinking ends at its first `</think>`; the template puts a blank line before the answer.
+        grammar.push("think_text[suffix=\"</think>\"]: /(?s:.*)/".into());
+        grammar.push("gap: (\"\\n\" | \"\\n\\n\")?".into());
+    }
+    grammar
+}
+
+/// A structured output for a model whose thinking `thinking` allows: the format itself where there is none, else a
+/// grammar of the thinking, then the JSON (as vLLM constrains only what follows the reasoning).
+pub fn after_thinking(format: &ResponseFormat, thinking: Thinking) -> ResponseFormat {
+    let schema = match (format, thinking) {
+        (_, Thinking::Off) | (ResponseFormat::Lark(_), _) => return format.clone(),
+        (ResponseFormat::JsonObject, _) => json!({"type": "object"}),
+        (ResponseFormat::JsonSchema(schema), _) => schema.clone(),
+    };
+    let mut grammar = thinking_then(thinking, "", "answer");
+    grammar.push(format!("answer: {}", json_rule(&schema)));
+    ResponseFormat::Lark(grammar.join("\n"))
 }
 
 /// Harmony's: an `analysis` message may come first, then one call (the end of a call ends gpt-oss's turn, so a
