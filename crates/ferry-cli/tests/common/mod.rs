@@ -13,6 +13,24 @@ use serde_json::{json, Value};
 
 pub const KEY: &str = "test-key";
 
+/// The bundled fixture most tests run on.
+pub const FIXTURE: &str = "qwen3_moe";
+
+/// A fixture's directory under tests/fixtures.
+pub fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// The `ferry` binary run to its end with `args`.
+pub fn ferry(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(args)
+        .output()
+        .expect("run ferry")
+}
+
 /// A `ferry serve` process on a free port; killed when dropped.
 pub struct Server {
     pub child: Child,
