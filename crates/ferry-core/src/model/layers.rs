@@ -470,14 +470,13 @@ impl<B: Backend> MoeBlock<B> {
         be: &B,
         x: &B::Tensor,
         moe_layer: usize,
-        tap: Option<&mut (dyn RoutingTap + '_)>,
+        mut tap: Option<&mut (dyn RoutingTap + '_)>,
         next: Option<&MoeBlock<B>>,
         into: Residual<'_, B>,
     ) -> Result<B::Tensor> {
         let mut routing = be.route_linear(x, &self.router, self.router_bias.as_ref(), self.router())?;
         let mut replayed = false;
         let rows = be.shape(x).0;
-        let mut tap = tap;
         if let Some(tap) = tap.as_deref_mut() {
             let routed = match tap.wants_router_choice() {
                 true => Some(be.routing_to_host(&routing)?),

@@ -117,21 +117,28 @@ impl TraceReplayer {
         });
         Ok(self)
     }
+}
 
-    /// The trace's experts for `layer` of this step's `rows` rows, or an error naming a trace of another shape.
-    fn true_routes(&self, layer: usize, rows: usize, top_k: usize) -> Result<Vec<&[u32]>> {
-        let header = self.trace.header();
-        if header.top_k as usize != top_k || layer >= header.num_layers as usize {
-            return Err(Error::Cache(format!(
-                "the routing trace is for {} MoE layers of top-{}, not this model's layer {layer} of top-{top_k}",
-                header.num_layers, header.top_k
-            )));
-        }
-        let tokens = self.trace.num_tokens();
-        Ok((0..rows)
-            .map(|r| self.trace.routed((self.next_token + r) % tokens, layer as u32))
-            .collect())
+/// `trace`'s experts for `layer` of the `rows` rows from token `next_token` on, or an error naming a trace of
+/// another shape.
+fn true_routes(
+    trace: &RoutingTrace,
+    next_token: usize,
+    layer: usize,
+    rows: usize,
+    top_k: usize,
+) -> Result<Vec<&[u32]>> {
+    let header = trace.header();
+    if header.top_k as usize != top_k || layer >= header.num_layers as usize {
+        return Err(Error::Cache(format!(
+            "the routing trace is for {} MoE layers of top-{}, not this model's layer {layer} of top-{top_k}",
+            header.num_layers, header.top_k
+        )));
     }
+    let tokens = trace.num_tokens();
+    Ok((0..rows)
+        .map(|r| trace.routed((next_token + r) % tokens, layer as u32))
+        .collect())
 }
 
 impl RoutingTap for TraceReplayer {
@@ -140,7 +147,7 @@ impl RoutingTap for TraceReplayer {
     }
 
     fn routed(&mut self, layer: usize, rows: usize, top_k: usize, _: Option<&[u32]>) -> Result<Option<Vec<u32>>> {
-        let ids = self.true_routes(layer, rows, top_k)?.concat();
+        let ids = true_routes(&self.trace, self.next_token, layer, rows, top_k)?.concat();
         if layer + 1 == self.trace.header().num_layers as usize {
             self.next_token = (self.next_token + rows) % self.trace.num_tokens();
         }
@@ -148,20 +155,13 @@ impl RoutingTap for TraceReplayer {
     }
 
     fn guess(&mut self, layer: usize, rows: usize, top_k: usize) -> Result<Option<Vec<u32>>> {
-        if self.guesses.is_none() {
-            return Ok(None);
-        }
-        let experts = self.trace.header().num_experts;
-        let truth: Vec<Vec<u32>> = self
-            .true_routes(layer, rows, top_k)?
-            .into_iter()
-            .map(<[u32]>::to_vec)
-            .collect();
         let Some(Guesses { precision, rng }) = self.guesses.as_mut() else {
             return Ok(None);
         };
+        let truth = true_routes(&self.trace, self.next_token, layer, rows, top_k)?;
+        let experts = self.trace.header().num_experts;
         let mut ids = Vec::with_capacity(rows * top_k);
-        for row in &truth {
+        for row in truth {
             let wrong: Vec<bool> = row.iter().map(|_| !rng.random_bool(*precision)).collect();
             let others: Vec<u32> = (0..experts).filter(|e| !row.contains(e)).collect();
             let mut replacements = others.choose_multiple(rng, wrong.iter().filter(|&&w| w).count());
