@@ -218,17 +218,27 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
                                        const int* __restrict__ host_index, float* __restrict__ out,
                                        const float* __restrict__ shared, float* residual,
                                        const float* __restrict__ norm, float eps) {
-    const int r = blockIdx.x;
-    for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
-        float sum = 0.0f;
+    // A thread sums ROW_LOADS features at once (its features h, h + blockDim.x, ..., as block_rms_norm_row takes
+    // them), so each pair's products arrive in one round of loads: one feature at a time, a 1-row decode step's
+    // block waited a memory latency per (feature, pair).
+    const int r = blockIdx.x, stride = blockDim.x;
+    for (int first = threadIdx.x; first < hidden; first += ROW_LOADS * stride) {
+        float sum[ROW_LOADS] = {};
+#pragma unroll 4
         for (int k = 0; k < top_k; ++k) {
             const int pair = r * top_k + k;
             const int host = host_index != nullptr ? host_index[pair] : -1;
-            const float product = host >= 0 ? host_y[static_cast<size_t>(host) * hidden + h]
-                                             : y[static_cast<size_t>(pair) * hidden + h];
-            sum += weights[pair] * product;
+            const float* products = host >= 0 ? host_y + static_cast<size_t>(host) * hidden
+                                              : y + static_cast<size_t>(pair) * hidden;
+            const float weight = weights[pair];
+#pragma unroll
+            for (int j = 0; j < ROW_LOADS; ++j)
+                if (first + j * stride < hidden) sum[j] += weight * products[first + j * stride];
         }
-        store_or_add(sum, static_cast<size_t>(r) * hidden + h, shared, residual, out);
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j)
+            if (first + j * stride < hidden)
+                store_or_add(sum[j], static_cast<size_t>(r) * hidden + first + j * stride, shared, residual, out);
     }
     // Each thread normalises the features it added (block_rms_norm_row's), so it reads back only its own writes.
     if (residual != nullptr)
