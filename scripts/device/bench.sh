@@ -19,7 +19,9 @@
 # comma-separated GPTOSS_STRATEGIES; -uniform or -locality: one trace). Where a workload names several traces or
 # strategies, `ferry bench` measures each in turn on one load (a large model's load costs minutes of device time).
 # MOE_STRATEGY=S adds `--moe-strategy S` to every run (bench and serve) and `-S` to the result names, except in the
-# lanes and gptoss120 workloads, which set it themselves. Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
+# lanes and gptoss120 workloads, which set it themselves. GUESS_PRECISION=P adds `--routing-guess-precision P` to
+# every run that replays a trace (the offload's next-layer prefetch, guessed P right as a real model's router would)
+# and `-guessP` to its result names. Results (JSON and logs) go to $OUT, or /tmp/ferry-bench.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 scripts/device/unstage.sh
@@ -36,6 +38,12 @@ bench() {
     local name=$1$suffix
     shift
     case " $* " in *" --moe-strategy "*) ;; *) set -- "$@" "${strategy_args[@]}" ;; esac
+    case " $* " in *" --routing-trace "*)
+        if [ -n "${GUESS_PRECISION:-}" ]; then
+            set -- "$@" --routing-guess-precision "$GUESS_PRECISION"
+            name+=-guess$GUESS_PRECISION
+        fi ;;
+    esac
     echo "== $name: ferry bench $*"
     "$ferry" bench "$@" --output "$out/$name.json" >"$out/$name.log" 2>&1 || echo "$name failed (rc $?)"
     grep -v INFO "$out/$name.log" | tail -25

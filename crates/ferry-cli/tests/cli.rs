@@ -504,6 +504,20 @@ fn bench_measures_each_routing_trace_on_one_load() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && !stderr.contains("panicked"), "{stderr}");
     assert!(stderr.contains("--moe-strategy Hybrid needs a GPU"), "{stderr}");
+    // Next layers guessed from the trace (for the GPU offload's prefetch; the CPU asks for none): the report says
+    // how well, and a precision outside 0 to 1 is refused cleanly.
+    let out = bench(&["--routing-guess-precision", "0.9"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("bench-near.json")).unwrap()).unwrap();
+    assert_eq!(
+        report["routing"],
+        format!("replayed from {}, each next layer guessed 90 % right", near.display())
+    );
+    let out = bench(&["--routing-guess-precision", "1.5"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("guess precision of 1.5"), "{stderr}");
 }
 
 #[test]

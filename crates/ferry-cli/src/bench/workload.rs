@@ -85,7 +85,14 @@ impl Taps {
                 .map(|v| {
                     v.trace
                         .as_deref()
-                        .map(|path| TraceReplayer::new(traces[path].clone()))
+                        .map(|path| {
+                            let replayer = TraceReplayer::new(traces[path].clone())?;
+                            match v.guess_precision {
+                                // One seed: every variant and run guesses alike.
+                                Some(precision) => replayer.with_guesses(precision, 0),
+                                None => Ok(replayer),
+                            }
+                        })
                         .transpose()
                 })
                 .collect::<ferry_core::Result<_>>()?,
@@ -99,9 +106,14 @@ impl Taps {
 
     /// How `variant` routes, for its report.
     pub(super) fn routing(variant: &Variant) -> String {
-        match &variant.trace {
-            Some(p) => format!("replayed from {}", p.display()),
-            None => "the model's router".into(),
+        match (&variant.trace, variant.guess_precision) {
+            (Some(p), None) => format!("replayed from {}", p.display()),
+            (Some(p), Some(precision)) => format!(
+                "replayed from {}, each next layer guessed {:.0} % right",
+                p.display(),
+                100.0 * precision
+            ),
+            (None, _) => "the model's router".into(),
         }
     }
 }

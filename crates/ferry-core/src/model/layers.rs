@@ -462,8 +462,8 @@ impl<B: Backend> MoeBlock<B> {
     /// decode), its router is applied to this block's input `x`, available before this block's experts run, so
     /// the guess reaches the host with this block's own routing and its experts can be copied while this block
     /// computes. The input of the next block differs by one layer's residual update and that block's norm; the
-    /// guess is only ever a prefetch, never a result. Not when a tap replays routes: the router's guess would
-    /// not predict replayed choices. Adds the block's output to `into`'s residual and returns the normalised
+    /// guess is only ever a prefetch, never a result. When a tap replays routes the router's guess would not
+    /// predict them: the tap guesses instead ([`RoutingTap::guess`]), or nothing is guessed. Adds the block's output to `into`'s residual and returns the normalised
     /// residual.
     pub fn forward(
         &self,
@@ -476,12 +476,13 @@ impl<B: Backend> MoeBlock<B> {
     ) -> Result<B::Tensor> {
         let mut routing = be.route_linear(x, &self.router, self.router_bias.as_ref(), self.router())?;
         let mut replayed = false;
-        if let Some(tap) = tap {
+        let rows = be.shape(x).0;
+        let mut tap = tap;
+        if let Some(tap) = tap.as_deref_mut() {
             let routed = match tap.wants_router_choice() {
                 true => Some(be.routing_to_host(&routing)?),
                 false => None,
             };
-            let rows = be.shape(x).0;
             if let Some(ids) = tap.routed(moe_layer, rows, self.top_k, routed.as_deref())? {
                 if let Some(&bad) = ids.iter().find(|&&e| e as usize >= self.num_experts) {
                     return Err(Error::Cache(format!(
@@ -495,9 +496,22 @@ impl<B: Backend> MoeBlock<B> {
                 replayed = true;
             }
         }
-        if let Some(next) = next.filter(|_| !replayed && be.wants_routing_guess(be.shape(x).0)) {
-            let guess = be.route_linear(x, &next.router, next.router_bias.as_ref(), next.router())?;
-            be.guess_routing(&next.experts, guess)?;
+        if let Some(next) = next.filter(|_| be.wants_routing_guess(rows)) {
+            // Replayed routes are guessed by the tap, if at all.
+            let guess = match (replayed, tap) {
+                (false, _) => Some(be.route_linear(x, &next.router, next.router_bias.as_ref(), next.router())?),
+                (true, Some(tap)) => match tap.guess(moe_layer + 1, rows, next.top_k)? {
+                    Some(ids) => {
+                        let weights = vec![1.0 / next.top_k as f32; ids.len()];
+                        Some(be.routing_from_host(&ids, &weights, next.top_k)?)
+                    }
+                    None => None,
+                },
+                (true, None) => None,
+            };
+            if let Some(guess) = guess {
+                be.guess_routing(&next.experts, guess)?;
+            }
         }
         let shared = match &self.shared {
             Some(shared) => {

@@ -1,8 +1,14 @@
 //! Watching and steering a model's routing: [`RoutingTap`] sees every MoE layer's choice during a forward pass.
 //! [`TraceRecorder`] writes it to a routing trace (`--record-routing`); [`TraceReplayer`] replaces the router's
-//! choice with a recorded one (`--routing-trace`), so benchmarks on synthetic weights see real locality.
+//! choice with a recorded one (`--routing-trace`), so benchmarks on synthetic weights see real locality, and can
+//! guess each next layer's choice for the offload's prefetch as a predictor of a given precision would
+//! (`--routing-guess-precision`).
 
 use std::path::PathBuf;
+
+use rand::rngs::StdRng;
+use rand::seq::IndexedRandom;
+use rand::{Rng, SeedableRng};
 
 use super::trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};
 use crate::{Error, Result};
@@ -13,6 +19,11 @@ pub trait RoutingTap {
     /// MoE layer `layer` routed `rows` rows to `top_k` experts each (`routed`, `[rows * top_k]`, when asked for).
     /// Returning ids replaces the router's choice for this layer.
     fn routed(&mut self, layer: usize, rows: usize, top_k: usize, routed: Option<&[u32]>) -> Result<Option<Vec<u32>>>;
+    /// A guess of how MoE layer `layer` will route the `rows` rows now at the layer before it, for the offload to
+    /// copy ahead (the router's own guess when a tap replaces its choices would not predict them). None: no guess.
+    fn guess(&mut self, _layer: usize, _rows: usize, _top_k: usize) -> Result<Option<Vec<u32>>> {
+        Ok(None)
+    }
 }
 
 /// Writes each row of each forward pass as one token of a routing trace (rows in batch order: use it with one
@@ -65,10 +76,20 @@ impl RoutingTap for TraceRecorder {
     }
 }
 
-/// Routes each row as the trace's next token did, going round to the trace's start when it runs out.
+/// Routes each row as the trace's next token did, going round to the trace's start when it runs out; with
+/// [`TraceReplayer::with_guesses`], also guesses each next layer's routing as a predictor of a given precision would.
 pub struct TraceReplayer {
     trace: RoutingTrace,
     next_token: usize,
+    guesses: Option<Guesses>,
+}
+
+/// Next-layer guesses drawn from the trace: each of a row's true experts kept with probability `precision`, the
+/// others replaced by experts the row does not use in that layer, drawn uniformly. A real model's router applied
+/// one layer early makes such guesses; on synthetic weights under a replayed trace nothing else can.
+struct Guesses {
+    precision: f64,
+    rng: StdRng,
 }
 
 impl TraceReplayer {
@@ -76,7 +97,40 @@ impl TraceReplayer {
         if trace.num_tokens() == 0 {
             return Err(Error::Cache("the routing trace has no tokens".into()));
         }
-        Ok(TraceReplayer { trace, next_token: 0 })
+        Ok(TraceReplayer {
+            trace,
+            next_token: 0,
+            guesses: None,
+        })
+    }
+
+    /// Guesses each next layer's experts with `precision` (0 to 1) of them right, drawn from `seed`.
+    pub fn with_guesses(mut self, precision: f64, seed: u64) -> Result<Self> {
+        if !(0.0..=1.0).contains(&precision) {
+            return Err(Error::Cache(format!(
+                "a guess precision of {precision} is not between 0 and 1"
+            )));
+        }
+        self.guesses = Some(Guesses {
+            precision,
+            rng: StdRng::seed_from_u64(seed),
+        });
+        Ok(self)
+    }
+
+    /// The trace's experts for `layer` of this step's `rows` rows, or an error naming a trace of another shape.
+    fn true_routes(&self, layer: usize, rows: usize, top_k: usize) -> Result<Vec<&[u32]>> {
+        let header = self.trace.header();
+        if header.top_k as usize != top_k || layer >= header.num_layers as usize {
+            return Err(Error::Cache(format!(
+                "the routing trace is for {} MoE layers of top-{}, not this model's layer {layer} of top-{top_k}",
+                header.num_layers, header.top_k
+            )));
+        }
+        let tokens = self.trace.num_tokens();
+        Ok((0..rows)
+            .map(|r| self.trace.routed((self.next_token + r) % tokens, layer as u32))
+            .collect())
     }
 }
 
@@ -86,24 +140,39 @@ impl RoutingTap for TraceReplayer {
     }
 
     fn routed(&mut self, layer: usize, rows: usize, top_k: usize, _: Option<&[u32]>) -> Result<Option<Vec<u32>>> {
-        let header = self.trace.header();
-        if header.top_k as usize != top_k || layer >= header.num_layers as usize {
-            return Err(Error::Cache(format!(
-                "the routing trace is for {} MoE layers of top-{}, not this model's layer {layer} of top-{top_k}",
-                header.num_layers, header.top_k
-            )));
+        let ids = self.true_routes(layer, rows, top_k)?.concat();
+        if layer + 1 == self.trace.header().num_layers as usize {
+            self.next_token = (self.next_token + rows) % self.trace.num_tokens();
         }
-        let tokens = self.trace.num_tokens();
-        let ids = (0..rows)
-            .flat_map(|r| {
-                self.trace
-                    .routed((self.next_token + r) % tokens, layer as u32)
-                    .iter()
-                    .copied()
-            })
+        Ok(Some(ids))
+    }
+
+    fn guess(&mut self, layer: usize, rows: usize, top_k: usize) -> Result<Option<Vec<u32>>> {
+        if self.guesses.is_none() {
+            return Ok(None);
+        }
+        let experts = self.trace.header().num_experts;
+        let truth: Vec<Vec<u32>> = self
+            .true_routes(layer, rows, top_k)?
+            .into_iter()
+            .map(<[u32]>::to_vec)
             .collect();
-        if layer + 1 == header.num_layers as usize {
-            self.next_token = (self.next_token + rows) % tokens;
+        let Some(Guesses { precision, rng }) = self.guesses.as_mut() else {
+            return Ok(None);
+        };
+        let mut ids = Vec::with_capacity(rows * top_k);
+        for row in &truth {
+            let wrong: Vec<bool> = row.iter().map(|_| !rng.random_bool(*precision)).collect();
+            let others: Vec<u32> = (0..experts).filter(|e| !row.contains(e)).collect();
+            let mut replacements = others.choose_multiple(rng, wrong.iter().filter(|&&w| w).count());
+            // Where the layer has too few other experts to replace them all, the rest stay right.
+            ids.extend(row.iter().zip(&wrong).map(|(&e, &w)| {
+                if w {
+                    replacements.next().copied().unwrap_or(e)
+                } else {
+                    e
+                }
+            }));
         }
         Ok(Some(ids))
     }
@@ -139,5 +208,56 @@ mod tests {
         // The trace ran out: it starts again.
         assert_eq!(replayer.routed(0, 1, 2, None).unwrap(), Some(vec![1, 2]));
         assert!(replayer.routed(0, 1, 3, None).is_err(), "a trace of another top-k");
+    }
+
+    #[test]
+    fn guesses_keep_the_true_experts_at_the_precision_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.jsonl");
+        let header = TraceHeader {
+            num_layers: 2,
+            num_experts: 64,
+            top_k: 4,
+        };
+        let mut recorder = TraceRecorder::create(&path, header).unwrap();
+        let tokens = 500;
+        for t in 0..tokens {
+            let ids: Vec<u32> = (0..2 * 4).map(|i| ((t * 7 + i * 11) % 64) as u32).collect();
+            recorder.routed(0, 1, 4, Some(&ids[..4])).unwrap();
+            recorder.routed(1, 1, 4, Some(&ids[4..])).unwrap();
+        }
+        recorder.finish().unwrap();
+        let trace = RoutingTrace::read(&path).unwrap();
+        let mut plain = TraceReplayer::new(trace.clone()).unwrap();
+        assert_eq!(plain.guess(1, 1, 4).unwrap(), None, "no guesses unless asked");
+        assert!(TraceReplayer::new(trace.clone()).unwrap().with_guesses(1.5, 0).is_err());
+        for precision in [0.0, 0.9, 1.0] {
+            let mut replayer = TraceReplayer::new(trace.clone())
+                .unwrap()
+                .with_guesses(precision, 7)
+                .unwrap();
+            let (mut right, mut guessed) = (0, 0);
+            for _ in 0..tokens {
+                replayer.routed(0, 1, 4, None).unwrap();
+                // Layer 1's guess, made while layer 0 computes, against what layer 1 then routes.
+                let guess = replayer.guess(1, 1, 4).unwrap().unwrap();
+                let truth = replayer.routed(1, 1, 4, None).unwrap().unwrap();
+                assert_eq!(guess.len(), 4);
+                let mut distinct = guess.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                assert_eq!(distinct.len(), 4, "{guess:?} repeats an expert");
+                right += guess.iter().filter(|e| truth.contains(e)).count();
+                guessed += guess.len();
+            }
+            let measured = right as f64 / guessed as f64;
+            assert!(
+                (measured - precision).abs() < 0.03,
+                "precision {precision}: measured {measured}"
+            );
+        }
+        assert!(plain.guess(2, 1, 4).is_ok(), "no guesses: nothing to check");
+        let mut guessing = TraceReplayer::new(trace).unwrap().with_guesses(0.5, 0).unwrap();
+        assert!(guessing.guess(2, 1, 4).is_err(), "a layer past the trace's");
     }
 }
