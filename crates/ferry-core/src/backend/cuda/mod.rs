@@ -220,7 +220,8 @@ pub struct CudaBackend {
     /// residual norm and router GEMVs, moe_down's residual epilogue); zero between launches, which run in order on
     /// `stream`.
     block_counter: CudaSlice<u32>,
-    /// Whether kernels launch as programmatic dependents of the kernel before them (sm_90 on: launch.rs).
+    /// Whether kernels launch as programmatic dependents of the kernel before them (sm_90 on, unless
+    /// [`CudaBackendBuilder::dependent_launch`] turns it off: launch.rs).
     dependent_launch: bool,
     /// Built with the backend ([`CudaBackend::builder`]) when the routed experts are offloaded.
     offload: Option<Mutex<offload::Offload>>,

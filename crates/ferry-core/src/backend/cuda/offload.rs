@@ -130,6 +130,13 @@ impl CudaBackendBuilder {
         }
     }
 
+    /// Whether kernels launch as programmatic dependents of the kernel before them (launch.rs: the default where
+    /// the GPU has it, sm_90 on); off, each launches after the one before it has finished.
+    pub fn dependent_launch(mut self, on: bool) -> Self {
+        self.backend.dependent_launch &= on;
+        self
+    }
+
     pub fn build(self) -> Result<CudaBackend> {
         let mut backend = self.backend;
         if !self.cuda_graphs || self.offload.is_some() {
