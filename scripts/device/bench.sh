@@ -3,7 +3,7 @@
 #   scripts/device/bench.sh WORKLOAD...
 # WORKLOAD: q30-resident | q30x12-resident and q30x12-lanes (q30 cut to 12 layers, bench/q30-12layers.json: a 7 s
 # load, for A/B runs and kernel profiles; the lanes at a 10 GiB budget, 384 slots, both traces, auto, offload and
-# hybrid) | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
+# hybrid) | q30x12-launch (q30x12-resident with and without --no-dependent-launch, twice) | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
 # q30-1536-lanes (the same under the uniform and the locality trace with --moe-strategy auto, offload and hybrid, or
 # the comma-separated LANE_STRATEGIES (cpu too), and a 75-token prompt; -uniform or -locality: one trace) |
 # q30-1536-uniform (the same under a uniformly random routing trace) | q30-1536-locality (the same under
@@ -75,6 +75,15 @@ for workload in "$@"; do
     case $workload in
     q30-resident) bench q30-resident $q30 --decode-tokens 64 ;;
     q30x12-resident) bench q30x12-resident --synthetic bench/q30-12layers.json --device cuda --decode-tokens 64 ;;
+    q30x12-launch)
+        # Dependent launches against plain ones, alternated twice on one machine (one run's decode speed moves by
+        # up to 10 %).
+        for run in 1 2; do
+            bench "q30x12-resident-$run" --synthetic bench/q30-12layers.json --device cuda --decode-tokens 64
+            bench "q30x12-resident-plain-launch-$run" --synthetic bench/q30-12layers.json --device cuda \
+                --decode-tokens 64 --no-dependent-launch
+        done
+        ;;
     q30x12-lanes)
         bench q30x12-10GiB-384 --synthetic bench/q30-12layers.json --device cuda --gpu-memory-budget 10GiB \
             --moe-cache-slots 384 --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 75 \

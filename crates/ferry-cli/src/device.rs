@@ -68,6 +68,11 @@ pub struct OffloadArgs {
     /// per row count and context span (the eager path is the reference they are held to).
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Launch each kernel only once the one before it has finished: from sm_90 on, kernels otherwise launch as
+    /// programmatic dependents, their launch overlapping the previous kernel's tail (each still waits for it
+    /// before it reads).
+    #[arg(long)]
+    pub no_dependent_launch: bool,
     /// Not a flag: recurrent-state snapshots the plan keeps room for (`serve` sets it unless --no-prefix-cache).
     #[arg(skip)]
     pub snapshot_slots: usize,
@@ -195,7 +200,9 @@ pub fn open_backend(
         }
         gpu
     };
-    let gpu = gpu.cuda_graphs(!offload.no_cuda_graphs);
+    let gpu = gpu
+        .cuda_graphs(!offload.no_cuda_graphs)
+        .dependent_launch(!offload.no_dependent_launch);
     Ok((Backends::Cuda(Box::new(gpu.build()?)), Some(plan)))
 }
 

@@ -267,6 +267,7 @@ extern "C" __global__ void __launch_bounds__(ATTENTION_MAX_WARPS * 32)
               const uint32_t* __restrict__ row_pos, const uint32_t* __restrict__ row_table,
               const uint32_t* __restrict__ block_tables, const float* __restrict__ sinks, int num_heads,
               int num_kv_heads, int head_dim, float scale, int window, int split_len, int heads_per_warp, int stages) {
+    wait_for_previous_kernel();
     const AttentionArgs a{q,         k_pool,       v_pool, out,       partial_out,  partial_stats,
                           row_pos,   row_table,    block_tables, sinks,     num_heads,    num_kv_heads,
                           head_dim,  scale,        window, split_len, stages};
@@ -284,6 +285,7 @@ extern "C" __global__ void __launch_bounds__(ATTENTION_COMBINE_THREADS)
     attention_combine(const float* __restrict__ partial_out, const float* __restrict__ partial_stats,
                       const float* __restrict__ sinks, float* __restrict__ out, int num_heads, int head_dim,
                       int splits) {
+    wait_for_previous_kernel();
     __shared__ float weight[ATTENTION_MAX_SPLITS];
     __shared__ float denominator;
     __shared__ float4 shares[ATTENTION_COMBINE_THREADS];

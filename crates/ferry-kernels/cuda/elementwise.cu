@@ -3,6 +3,7 @@
 
 extern "C" __global__ void embed_bf16(const uint16_t* __restrict__ table, const uint32_t* __restrict__ ids,
                                       float* __restrict__ out, int hidden) {
+    wait_for_previous_kernel();
     const uint16_t* row = table + static_cast<size_t>(ids[blockIdx.x]) * hidden;
     float* o = out + static_cast<size_t>(blockIdx.x) * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = bf16_to_float(row[i]);
@@ -11,6 +12,7 @@ extern "C" __global__ void embed_bf16(const uint16_t* __restrict__ table, const 
 // One block per `group`-wide chunk: out = x / sqrt(mean(x^2) + eps) * weight.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
                                     float* __restrict__ out, int group, float eps) {
+    wait_for_previous_kernel();
     const float* xg = x + static_cast<size_t>(blockIdx.x) * group;
     float* og = out + static_cast<size_t>(blockIdx.x) * group;
     float sum = 0.0f;
@@ -25,6 +27,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y,
                                         const float* __restrict__ weight, float* __restrict__ out, int cols,
                                         float eps) {
+    wait_for_previous_kernel();
     float* xr = x + static_cast<size_t>(blockIdx.x) * cols;
     const float* yr = y + static_cast<size_t>(blockIdx.x) * cols;
     // Each thread normalises the columns it added (block_rms_norm_row's), so it reads back only its own writes.
@@ -44,12 +47,14 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, size_t n) {
+    wait_for_previous_kernel();
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x)
         x[i] += y[i];
 }
 
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ bias, size_t n, int cols) {
+    wait_for_previous_kernel();
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x)
         x[i] += bias[i % cols];
@@ -59,6 +64,7 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
 extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float* __restrict__ up,
                                     float* __restrict__ out, size_t n) {
+    wait_for_previous_kernel();
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x)
         out[i] = silu(gate[i]) * up[i];
@@ -67,6 +73,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
 // out[r, i] = silu(x[r, i]) * x[r, half + i] for rows of [gate | up] (a fused gate/up product), out [rows, half].
 extern "C" __global__ void silu_mul_halves(const float* __restrict__ x, int half, float* __restrict__ out,
                                            size_t n) {
+    wait_for_previous_kernel();
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x) {
         const size_t r = i / half, c = i % half;
@@ -76,6 +83,7 @@ extern "C" __global__ void silu_mul_halves(const float* __restrict__ x, int half
 
 // x[r, :] *= sigmoid(gate[r]); one block per row.
 extern "C" __global__ void sigmoid_gate(float* __restrict__ x, const float* __restrict__ gate, int cols) {
+    wait_for_previous_kernel();
     const float s = 1.0f / (1.0f + expf(-gate[blockIdx.x]));
     float* row = x + static_cast<size_t>(blockIdx.x) * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) row[i] *= s;
@@ -83,6 +91,7 @@ extern "C" __global__ void sigmoid_gate(float* __restrict__ x, const float* __re
 
 extern "C" __global__ void select_rows(const float* __restrict__ x, const uint32_t* __restrict__ rows,
                                        float* __restrict__ out, int cols) {
+    wait_for_previous_kernel();
     const float* src = x + static_cast<size_t>(rows[blockIdx.x]) * cols;
     float* dst = out + static_cast<size_t>(blockIdx.x) * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
@@ -92,6 +101,7 @@ extern "C" __global__ void select_rows(const float* __restrict__ x, const uint32
 // f32-accurate results on the tensor cores.
 extern "C" __global__ void split_bf16(const float* __restrict__ x, uint16_t* __restrict__ hi,
                                       uint16_t* __restrict__ lo, size_t n) {
+    wait_for_previous_kernel();
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x) {
         const uint16_t h = float_to_bf16(x[i]);
@@ -104,6 +114,7 @@ extern "C" __global__ void split_bf16(const float* __restrict__ x, uint16_t* __r
 // their 32-bit lanes into *sink so that no read can be dropped: `ferry doctor`'s rate for a kernel that reads
 // expert weights straight from the host bank over the link, with no copy in between.
 extern "C" __global__ void read_mapped(const uint4* __restrict__ src, size_t n, unsigned int* sink) {
+    wait_for_previous_kernel();
     unsigned int sum = 0;
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x) {

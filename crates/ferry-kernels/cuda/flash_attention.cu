@@ -316,6 +316,7 @@ __host__ __device__ constexpr int flash_keys_per_tile(int d) {
         const uint32_t* __restrict__ block_tables, const uint32_t* __restrict__ slice_start_row,                 \
         const uint32_t* __restrict__ slice_len, int slices, const float* __restrict__ sinks, int num_heads,      \
         int num_kv_heads, int head_dim, float scale, int window) {                                               \
+        wait_for_previous_kernel();                                                                              \
         const FlashArgs a{q,         k_pool,          v_pool,    out,    row_pos,   row_table,                   \
                           block_tables, slice_start_row, slice_len, slices, sinks,     num_heads,                 \
                           num_kv_heads, head_dim,        scale,     window};                                      \

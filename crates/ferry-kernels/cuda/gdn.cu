@@ -14,6 +14,7 @@ extern "C" __global__ void causal_conv1d(const float* __restrict__ x, const uint
                                          const uint32_t* __restrict__ slice_start_row,
                                          const uint64_t* __restrict__ slice_state, size_t conv_offset, int channels,
                                          int kernel) {
+    wait_for_previous_kernel();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int r = blockIdx.y;
     if (c >= channels) return;
@@ -37,6 +38,7 @@ extern "C" __global__ void conv_state_update(const float* __restrict__ x, const 
                                              const uint32_t* __restrict__ slice_len,
                                              const uint64_t* __restrict__ slice_state, size_t conv_offset,
                                              int channels, int kernel) {
+    wait_for_previous_kernel();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
     if (c >= channels) return;
@@ -79,6 +81,7 @@ extern "C" __global__ void gated_delta_rule(const float* __restrict__ qkv, const
                                             const uint32_t* __restrict__ slice_len,
                                             const uint64_t* __restrict__ slice_state, size_t delta_offset,
                                             int num_k_heads, int num_v_heads, int dk, int dv, int chunked_from) {
+    wait_for_previous_kernel();
     __shared__ float q_s[MAX_K_HEAD_DIM], k_s[MAX_K_HEAD_DIM];
     __shared__ float decay_s, beta_s;
     const int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
@@ -191,6 +194,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_CHUNK_THREADS)
                              const uint32_t* __restrict__ slice_len, const uint64_t* __restrict__ slice_state,
                              size_t delta_offset, int num_k_heads, int num_v_heads, int dk, int dv,
                              int chunked_from) {
+    wait_for_previous_kernel();
     constexpr int C = DELTA_CHUNK;
     static_assert(DELTA_CHUNK_COLUMNS == 32 && DELTA_CHUNK_COLUMNS == 4 * CHUNK_WARPS,
                   "a lane per state column; the solve gives each warp 4 columns");
@@ -336,6 +340,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_CHUNK_THREADS)
 
 // x[i] *= sigmoid(gate[i]): gated attention's per-element output gate.
 extern "C" __global__ void sigmoid_gate_elementwise(float* __restrict__ x, const float* __restrict__ gate, size_t n) {
+    wait_for_previous_kernel();
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x)
         x[i] *= 1.0f / (1.0f + expf(-gate[i]));

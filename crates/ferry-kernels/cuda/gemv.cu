@@ -65,6 +65,7 @@ __device__ __forceinline__ void gemv(const float* __restrict__ x, int k, const u
         gemv_bf16_##TOKENS(const float* __restrict__ x, int k, const uint16_t* __restrict__ w, int n,             \
                            int k_slices, const float* __restrict__ bias, float* __restrict__ out, float* residual, \
                            const float* __restrict__ norm, float eps, unsigned int* counter) {                     \
+        wait_for_previous_kernel();                                                                                \
         __shared__ WarpStaging staging[GEMV_WARPS];                                                                 \
         gemv<TOKENS>(x, k, w, n, k_slices, bias, staging, residual, out);                                           \
         if (residual != nullptr) last_block_rms_norm(residual, norm, eps, counter, TOKENS, n, out);                 \
@@ -90,6 +91,7 @@ GEMV_KERNEL(8)
                             int top_k, int renormalize, int grouped, const float* __restrict__ correction,         \
                             int n_group, int topk_group, float scaling, int* __restrict__ ids,                     \
                             float* __restrict__ weights) {                                                         \
+        wait_for_previous_kernel();                                                                                \
         __shared__ WarpStaging staging[GEMV_WARPS];                                                                 \
         gemv<TOKENS>(x, k, w, n, k_slices, bias, staging, nullptr, logits);                                         \
         const int warp = threadIdx.x >> 5;                                                                          \
@@ -142,6 +144,7 @@ __device__ __forceinline__ void gemv_fp8(const float* __restrict__ x, int k, con
         gemv_fp8_##TOKENS(const float* __restrict__ x, int k, const uint8_t* __restrict__ w,                      \
                           const float* __restrict__ scales, int block_rows, int block_cols, int n,                 \
                           const float* __restrict__ bias, float* __restrict__ out) {                               \
+        wait_for_previous_kernel();                                                                                \
         gemv_fp8<TOKENS>(x, k, w, scales, block_rows, block_cols, n, bias, out);                                    \
     }
 
@@ -159,6 +162,7 @@ GEMV_FP8_KERNEL(8)
 extern "C" __global__ void dequantize_fp8(const uint8_t* __restrict__ w, const float* __restrict__ scales,
                                           int block_rows, int block_cols, int n, int k, uint16_t* __restrict__ hi,
                                           uint16_t* __restrict__ lo) {
+    wait_for_previous_kernel();
     const int scales_per_row = (k + block_cols - 1) / block_cols;
     const size_t total = static_cast<size_t>(n) * k;
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;

@@ -33,6 +33,7 @@ extern "C" __global__ void mla_latent_append(const float* __restrict__ compresse
                                              int rank, int rope_dim, float eps, const uint32_t* __restrict__ positions,
                                              const float* __restrict__ inv_freq, int interleaved, float rope_scale,
                                              const uint32_t* __restrict__ row_slot, float* __restrict__ pool) {
+    wait_for_previous_kernel();
     const int row = blockIdx.x, width = rank + rope_dim;
     const float* in = compressed + static_cast<size_t>(row) * width;
     float* out = pool + static_cast<size_t>(row_slot[row]) * width;
@@ -65,6 +66,7 @@ extern "C" __global__ void mla_attend(const float* __restrict__ q, const uint16_
                                       const float* __restrict__ inv_freq, int interleaved, float rope_scale,
                                       int heads, int rank, int nope, int rope_dim, int v_dim, float scale,
                                       float* __restrict__ out) {
+    wait_for_previous_kernel();
     extern __shared__ float shared[];
     const int row = blockIdx.x, head = blockIdx.y, width = rank + rope_dim;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

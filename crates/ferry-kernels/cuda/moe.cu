@@ -37,6 +37,7 @@ __device__ __forceinline__ float with_down_bias(const float* biases, int inter, 
 // One warp per row (route.cuh's routers, which the router GEMV's fused epilogue in gemv.cu also runs).
 extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, int num_experts, int top_k,
                                               int renormalize, int* __restrict__ ids, float* __restrict__ weights) {
+    wait_for_previous_kernel();
     const int r = blockIdx.x;
     route_row_softmax_topk(logits + static_cast<size_t>(r) * num_experts, num_experts, top_k, renormalize,
                            ids + r * top_k, weights + r * top_k);
@@ -46,6 +47,7 @@ extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ 
                                                       int num_experts, int n_group, int topk_group, int top_k,
                                                       int renormalize, float scaling, int* __restrict__ ids,
                                                       float* __restrict__ weights) {
+    wait_for_previous_kernel();
     __shared__ float scratch[router_scratch_floats(ROUTER_MAX_EXPERTS, ROUTER_MAX_EXPERTS / 2)];
     const int r = blockIdx.x;
     route_row_sigmoid_grouped(logits + static_cast<size_t>(r) * num_experts, bias, num_experts, n_group, topk_group,
@@ -60,6 +62,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_gate_up(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
                 const int* __restrict__ order, const uint16_t* const* __restrict__ experts, long long bias_at,
                 int clamped, float alpha, float limit, float* __restrict__ act) {
+    wait_for_previous_kernel();
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
     const int i = blockIdx.x * MOE_WARPS + warp;
@@ -107,6 +110,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
              const float* __restrict__ weights, const uint16_t* const* __restrict__ experts, long long bias_at,
              int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
              const float* __restrict__ norm, float eps, unsigned int* counter) {
+    wait_for_previous_kernel();
     __shared__ WarpStaging staging[MOE_WARPS];
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -147,6 +151,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
                    const int* __restrict__ order, const uint16_t* const* __restrict__ experts, long long bias_at,
                    float* __restrict__ y) {
+    wait_for_previous_kernel();
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
     const int pair = order[blockIdx.y];
@@ -176,6 +181,7 @@ extern "C" __global__ void moe_glu_grouped(const float* __restrict__ gate_up, in
                                            const uint8_t* const* __restrict__ pair_blocks, long long bias_at,
                                            int clamped, float alpha, float limit, float* __restrict__ act,
                                            size_t n) {
+    wait_for_previous_kernel();
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x) {
         const size_t p = i / inter;
@@ -191,6 +197,7 @@ extern "C" __global__ void moe_glu_grouped(const float* __restrict__ gate_up, in
 extern "C" __global__ void moe_add_down_bias(float* __restrict__ y, int hidden, int inter,
                                              const uint8_t* const* __restrict__ pair_blocks, long long bias_at,
                                              size_t n) {
+    wait_for_previous_kernel();
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x) {
         const size_t p = i / hidden;
@@ -202,6 +209,7 @@ extern "C" __global__ void moe_add_down_bias(float* __restrict__ y, int hidden, 
 // back into router order).
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const uint32_t* __restrict__ rows,
                                        float* __restrict__ out, int cols) {
+    wait_for_previous_kernel();
     const float* src = x + static_cast<size_t>(rows[blockIdx.x]) * cols;
     float* dst = out + static_cast<size_t>(blockIdx.x) * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
@@ -218,17 +226,28 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
                                        const int* __restrict__ host_index, float* __restrict__ out,
                                        const float* __restrict__ shared, float* residual,
                                        const float* __restrict__ norm, float eps) {
-    const int r = blockIdx.x;
-    for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
-        float sum = 0.0f;
+    wait_for_previous_kernel();
+    // A thread sums ROW_LOADS features at once (its features h, h + blockDim.x, ..., as block_rms_norm_row takes
+    // them), so each pair's products arrive in one round of loads: one feature at a time, a 1-row decode step's
+    // block waited a memory latency per (feature, pair).
+    const int r = blockIdx.x, stride = blockDim.x;
+    for (int first = threadIdx.x; first < hidden; first += ROW_LOADS * stride) {
+        float sum[ROW_LOADS] = {};
+#pragma unroll 4
         for (int k = 0; k < top_k; ++k) {
             const int pair = r * top_k + k;
             const int host = host_index != nullptr ? host_index[pair] : -1;
-            const float product = host >= 0 ? host_y[static_cast<size_t>(host) * hidden + h]
-                                             : y[static_cast<size_t>(pair) * hidden + h];
-            sum += weights[pair] * product;
+            const float* products = host >= 0 ? host_y + static_cast<size_t>(host) * hidden
+                                              : y + static_cast<size_t>(pair) * hidden;
+            const float weight = weights[pair];
+#pragma unroll
+            for (int j = 0; j < ROW_LOADS; ++j)
+                if (first + j * stride < hidden) sum[j] += weight * products[first + j * stride];
         }
-        store_or_add(sum, static_cast<size_t>(r) * hidden + h, shared, residual, out);
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j)
+            if (first + j * stride < hidden)
+                store_or_add(sum[j], static_cast<size_t>(r) * hidden + first + j * stride, shared, residual, out);
     }
     // Each thread normalises the features it added (block_rms_norm_row's), so it reads back only its own writes.
     if (residual != nullptr)
@@ -290,6 +309,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_gate_up_fp8(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
                     const int* __restrict__ order, const uint8_t* const* __restrict__ experts, int gate_up_block_rows,
                     int gate_up_block_cols, int down_block_rows, int down_block_cols, float* __restrict__ act) {
+    wait_for_previous_kernel();
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
     const int warp = threadIdx.x >> 5;
     const int i = blockIdx.x * MOE_WARPS + warp;
@@ -325,6 +345,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
                  int gate_up_block_rows, int gate_up_block_cols, int down_block_rows, int down_block_cols,
                  int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
              const float* __restrict__ norm, float eps, unsigned int* counter) {
+    wait_for_previous_kernel();
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -349,6 +370,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
                        const int* __restrict__ order, const uint8_t* const* __restrict__ experts,
                        int gate_up_block_rows, int gate_up_block_cols, int down_block_rows, int down_block_cols,
                        float* __restrict__ y) {
+    wait_for_previous_kernel();
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
     const int warp = threadIdx.x >> 5;
     const int pair = order[blockIdx.y];
@@ -370,6 +392,7 @@ extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ blo
                                                  int down_block_rows, int down_block_cols,
                                                  int first, int count, uint16_t* __restrict__ hi,
                                                  uint16_t* __restrict__ lo) {
+    wait_for_previous_kernel();
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
     const size_t per_matrix = static_cast<size_t>(inter) * hidden;
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < per_matrix * count;
@@ -460,6 +483,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_gate_up_mxfp4(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
                       const int* __restrict__ order, const uint8_t* const* __restrict__ experts, long long bias_at,
                       int clamped, float alpha, float limit, float* __restrict__ act) {
+    wait_for_previous_kernel();
     const Mxfp4Layout layout{inter, hidden};
     const int warp = threadIdx.x >> 5;
     const int i = blockIdx.x * MOE_WARPS + warp;
@@ -498,6 +522,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
                    const float* __restrict__ weights, const uint8_t* const* __restrict__ experts, long long bias_at,
                    int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
              const float* __restrict__ norm, float eps, unsigned int* counter) {
+    wait_for_previous_kernel();
     const Mxfp4Layout layout{inter, hidden};
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -521,6 +546,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs_mxfp4(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
                          const int* __restrict__ order, const uint8_t* const* __restrict__ experts,
                          long long bias_at, float* __restrict__ y) {
+    wait_for_previous_kernel();
     const Mxfp4Layout layout{inter, hidden};
     const int warp = threadIdx.x >> 5;
     const int pair = order[blockIdx.y];
@@ -539,6 +565,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // inter * hidden * count values.
 extern "C" __global__ void dequantize_mxfp4_expert(const uint8_t* __restrict__ block, int hidden, int inter,
                                                    int first, int count, uint16_t* __restrict__ out) {
+    wait_for_previous_kernel();
     const Mxfp4Layout layout{inter, hidden};
     const size_t per_matrix = static_cast<size_t>(inter) * hidden;
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < per_matrix * count;

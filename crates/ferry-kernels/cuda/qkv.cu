@@ -18,6 +18,7 @@ extern "C" __global__ void qkv_rope_kv_append(const float* __restrict__ qkv, int
                                               float attention_factor,
                                               const uint32_t* __restrict__ row_slot, float* __restrict__ q_out,
                                               float* __restrict__ k_pool, float* __restrict__ v_pool) {
+    wait_for_previous_kernel();
     __shared__ float head_values[MAX_HEAD_DIM];
     const int r = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     const int q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;

@@ -23,3 +23,51 @@ pub fn module(name: &str) -> Option<&'static [u8]> {
 pub fn available() -> bool {
     !MODULES.is_empty()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// The CUDA backend launches every kernel as a programmatic dependent of the one before it (sm_90 on), which
+    /// keeps the stream's order only if each kernel waits for its predecessor before anything else
+    /// (common.cuh's `wait_for_previous_kernel`): a kernel without it could read what the one before has not yet
+    /// written.
+    #[test]
+    fn every_kernel_first_waits_for_the_one_before_it() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
+        let mut kernels = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "cu") {
+                continue;
+            }
+            let source = std::fs::read_to_string(&path).unwrap();
+            for (at, _) in source.match_indices("extern \"C\" __global__") {
+                // The body opens at the first brace outside the signature's parentheses.
+                let mut depth = 0;
+                let body = source[at..]
+                    .char_indices()
+                    .find_map(|(i, c)| {
+                        match c {
+                            '(' => depth += 1,
+                            ')' => depth -= 1,
+                            '{' if depth == 0 => return Some(at + i + 1),
+                            _ => {}
+                        }
+                        None
+                    })
+                    .unwrap();
+                let first = source[body..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+                let name = source[at..body].split('(').next().unwrap_or_default();
+                assert!(
+                    first.starts_with("wait_for_previous_kernel();"),
+                    "{}: `{}` does not start with wait_for_previous_kernel()",
+                    path.display(),
+                    name.trim()
+                );
+                kernels += 1;
+            }
+        }
+        assert!(kernels >= 40, "found {kernels} kernels");
+    }
+}

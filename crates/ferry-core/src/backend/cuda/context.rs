@@ -172,6 +172,7 @@ impl CudaBackend {
             blas,
             functions,
             block_counter,
+            dependent_launch: major >= 9,
             offload: None,
             graphs: Some(Mutex::new(Default::default())),
             step_inputs: Mutex::new(None),

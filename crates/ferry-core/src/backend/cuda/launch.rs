@@ -2,9 +2,11 @@
 //! one launch helper per kernel (a struct of its parameters, named and typed as in its C signature, pushed in that
 //! order); and the grid shapes most launches use. The helpers themselves sit next to the code that launches them.
 
+use std::ffi::c_void;
 use std::marker::PhantomData;
+use std::ptr::null_mut;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig};
+use cudarc::driver::{sys, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::{cuda_err, CudaBackend};
 use crate::Result;
@@ -94,12 +96,10 @@ macro_rules! kernel {
                 kernel: &str,
                 cfg: ::cudarc::driver::LaunchConfig,
             ) -> $crate::Result<()> {
-                // SAFETY: the fields are the kernel's parameters, in order and of the types its signature names.
-                unsafe {
-                    backend.launch(kernel, cfg, |args| {
-                        $(::cudarc::driver::PushKernelArg::arg(args, &self.$param);)*
-                    })
-                }
+                let mut params = [$(&self.$param as *const $ty as *mut ::std::ffi::c_void),*];
+                // SAFETY: the fields are the kernel's parameters, in order and of the types its signature names,
+                // and outlive the launch (the driver copies them before it returns).
+                unsafe { backend.launch(kernel, cfg, &mut params) }
             }
         }
     };
@@ -107,21 +107,39 @@ macro_rules! kernel {
 pub(super) use kernel;
 
 impl CudaBackend {
-    /// Launches kernel `name` with `cfg` on the compute stream, its parameters pushed by `args`.
+    /// Launches kernel `name` with `cfg` on the compute stream, `params` pointing at its parameters. From sm_90
+    /// on, as a programmatic dependent of the kernel before it (common.cuh's `wait_for_previous_kernel`, which
+    /// every kernel starts with): it may launch while that kernel finishes, and waits for it before it reads.
     ///
     /// # Safety
-    /// `args` pushes the kernel's parameters in order, each of the type the kernel's signature names: only
+    /// `params` points at the kernel's parameters in order, each of the type the kernel's signature names: only
     /// [`kernel!`]'s helpers call this.
-    pub(super) unsafe fn launch<'a>(
-        &'a self,
-        name: &str,
-        cfg: LaunchConfig,
-        args: impl FnOnce(&mut LaunchArgs<'a>),
-    ) -> Result<()> {
-        let mut builder = self.stream.launch_builder(self.function(name)?);
-        args(&mut builder);
-        unsafe { builder.launch(cfg) }.map_err(cuda_err(name))?;
-        Ok(())
+    pub(super) unsafe fn launch(&self, name: &str, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<()> {
+        let function = self.function(name)?;
+        self.ctx.bind_to_thread().map_err(cuda_err(name))?;
+        let mut dependent = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut dependent,
+            numAttrs: u32::from(self.dependent_launch),
+        };
+        // SAFETY: the caller's contract for `params`; `config` and its attribute outlive the call.
+        unsafe { sys::cuLaunchKernelEx(&config, function.cu_function(), params.as_mut_ptr(), null_mut()) }
+            .result()
+            .map_err(cuda_err(name))
     }
 }
 

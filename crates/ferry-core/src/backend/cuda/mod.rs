@@ -15,6 +15,7 @@
 
 mod attention;
 mod bank;
+mod builder;
 mod ceilings;
 mod context;
 mod elementwise;
@@ -48,6 +49,7 @@ use crate::kv::{KvSpec, SeqId};
 use crate::loader::TensorRef;
 use crate::moe::OffloadStats;
 use crate::{Error, Result};
+pub use builder::CudaBackendBuilder;
 pub use ceilings::GpuCeilings;
 use context::{blas_err, cuda_err};
 pub use ferry_kernels::constants::GEMV_MAX_ROWS;
@@ -55,7 +57,7 @@ pub use kv::{DeviceBatch, DeviceKv};
 pub use lane_ceilings::LaneCeilings;
 use launch::{ptr, Ptr};
 pub use libs::CudaLibraries;
-pub use offload::{CudaBackendBuilder, OffloadConfig};
+pub use offload::OffloadConfig;
 
 /// A `[rows, cols]` f32 tensor in device memory.
 pub struct CudaTensor {
@@ -220,6 +222,9 @@ pub struct CudaBackend {
     /// residual norm and router GEMVs, moe_down's residual epilogue); zero between launches, which run in order on
     /// `stream`.
     block_counter: CudaSlice<u32>,
+    /// Whether kernels launch as programmatic dependents of the kernel before them (sm_90 on, unless
+    /// [`CudaBackendBuilder::dependent_launch`] turns it off: launch.rs).
+    dependent_launch: bool,
     /// Built with the backend ([`CudaBackend::builder`]) when the routed experts are offloaded.
     offload: Option<Mutex<offload::Offload>>,
     /// Captured decode steps (graph.rs); None when graphs are off (`--no-cuda-graphs`, or experts offloaded).

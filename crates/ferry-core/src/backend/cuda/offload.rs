@@ -26,7 +26,7 @@
 //! The offload is part of the backend from its construction ([`CudaBackend::builder`]), with the eviction policy
 //! and the split rule its caller chose.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
@@ -51,27 +51,6 @@ pub struct OffloadConfig {
     pub decode_prefetch: bool,
 }
 
-/// A GPU opened (context, kernels, cuBLAS) but not yet a backend: its memory can be measured to plan a budget, and
-/// expert offload chosen, before any model is loaded.
-pub struct CudaBackendBuilder {
-    backend: CudaBackend,
-    offload: Option<OffloadConfig>,
-    split: SplitRule,
-    cuda_graphs: bool,
-}
-
-impl CudaBackend {
-    /// Opens GPU `ordinal`; [`CudaBackendBuilder::build`] makes it a backend, all resident unless offload was asked.
-    pub fn builder(ordinal: usize) -> Result<CudaBackendBuilder> {
-        Ok(CudaBackendBuilder {
-            backend: CudaBackend::new(ordinal)?,
-            offload: None,
-            split: SplitRule::Link,
-            cuda_graphs: true,
-        })
-    }
-}
-
 impl CudaBackend {
     /// Starts the expert offload over as a fresh backend would start it, the loaded bank kept: an empty cache under
     /// `policy`, the misses split by `split`, no guesses and no calibration. `ferry bench` measures several
@@ -90,55 +69,6 @@ impl CudaBackend {
             .synchronize()
             .map_err(cuda_err("waiting for the expert copies"))?;
         offload.restart(policy, split)
-    }
-}
-
-impl CudaBackendBuilder {
-    /// Bytes free and total on the device (cuMemGetInfo).
-    pub fn memory_info(&self) -> Result<(usize, usize)> {
-        self.backend.memory_info()
-    }
-
-    pub fn device_name(&self) -> &str {
-        self.backend.device_name()
-    }
-
-    /// [`CudaBackend::measure_lanes`] on the opened GPU, before a split rule is chosen.
-    pub fn measure_lanes(&self, experts: usize, rounds: usize) -> Result<super::LaneCeilings> {
-        self.backend.measure_lanes(experts, rounds)
-    }
-
-    /// Keeps the routed experts of the models the backend loads in a host bank, cached on the GPU as `config` says.
-    pub fn offload(self, config: OffloadConfig) -> Self {
-        CudaBackendBuilder {
-            offload: Some(config),
-            ..self
-        }
-    }
-
-    /// Who computes the misses under offload (`--moe-strategy`): the link alone (the default), the CPU lane
-    /// alone, or the two split by the planner. Nothing without offload.
-    pub fn split(self, split: SplitRule) -> Self {
-        CudaBackendBuilder { split, ..self }
-    }
-
-    /// Whether all-resident decode steps run as CUDA graphs (the default; offloaded experts run eagerly).
-    pub fn cuda_graphs(self, on: bool) -> Self {
-        CudaBackendBuilder {
-            cuda_graphs: on,
-            ..self
-        }
-    }
-
-    pub fn build(self) -> Result<CudaBackend> {
-        let mut backend = self.backend;
-        if !self.cuda_graphs || self.offload.is_some() {
-            backend.graphs = None;
-        }
-        if let Some(config) = self.offload {
-            backend.offload = Some(Mutex::new(Offload::new(backend.ctx.clone(), config, self.split)?));
-        }
-        Ok(backend)
     }
 }
 
@@ -235,7 +165,7 @@ pub struct Offload {
 }
 
 impl Offload {
-    fn new(ctx: Arc<CudaContext>, config: OffloadConfig, split: SplitRule) -> Result<Self> {
+    pub(super) fn new(ctx: Arc<CudaContext>, config: OffloadConfig, split: SplitRule) -> Result<Self> {
         let lane = match split {
             SplitRule::Link => None,
             _ => Some(OffloadLane::new()?),
