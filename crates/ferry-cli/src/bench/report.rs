@@ -23,9 +23,10 @@ pub(super) struct OffloadReport {
     bytes_missed_per_token: f64,
     achieved_pcie_gb_s: f64,
     measured_h2d_gb_s: f64,
-    /// Measured host-to-device bandwidth over the bytes missed per token.
-    pcie_bound_tok_s: f64,
-    achieved_over_pcie_bound: f64,
+    /// Measured host-to-device bandwidth over the bytes missed per token; none when nothing crossed the link
+    /// (`--moe-strategy cpu`), which then bounds nothing.
+    pcie_bound_tok_s: Option<f64>,
+    achieved_over_pcie_bound: Option<f64>,
     layer_hit_rates: Vec<f64>,
     bank_pinned: bool,
     /// (row, k) pairs routed per distinct expert a layer's step needed: above 1 when a batch's sequences share
@@ -142,7 +143,7 @@ pub(super) fn offload_report(
     let guessed_routed = after.guessed_routed - before.guessed_routed;
     let ratio = |part: u64, whole: u64| if whole == 0 { 0.0 } else { part as f64 / whole as f64 };
     let bytes_missed_per_token = bytes / tokens as f64;
-    let pcie_bound = h2d * 1e9 / bytes_missed_per_token.max(1.0);
+    let pcie_bound = (bytes > 0.0).then(|| h2d * 1e9 / bytes_missed_per_token);
     Some(OffloadReport {
         slots: after.slots,
         hit_rate: if all == 0 { 0.0 } else { all_hits as f64 / all as f64 },
@@ -150,7 +151,7 @@ pub(super) fn offload_report(
         achieved_pcie_gb_s: bytes / seconds / 1e9,
         measured_h2d_gb_s: h2d,
         pcie_bound_tok_s: pcie_bound,
-        achieved_over_pcie_bound: tok_s / pcie_bound,
+        achieved_over_pcie_bound: pcie_bound.map(|bound| tok_s / bound),
         layer_hit_rates: hits
             .iter()
             .zip(&misses)
@@ -279,11 +280,10 @@ pub(super) fn print_report(r: &BenchReport) {
         ));
         rows.push((
             "PCIe bound, batch 1",
-            format!(
-                "{:.1} tok/s ({:.1} % achieved)",
-                o.pcie_bound_tok_s,
-                100.0 * o.achieved_over_pcie_bound
-            ),
+            match (o.pcie_bound_tok_s, o.achieved_over_pcie_bound) {
+                (Some(bound), Some(achieved)) => format!("{bound:.1} tok/s ({:.1} % achieved)", 100.0 * achieved),
+                _ => "none (nothing crossed the link)".into(),
+            },
         ));
         rows.push((
             "lanes per token",
@@ -328,5 +328,41 @@ pub(super) fn print_report(r: &BenchReport) {
         for op in ops {
             println!("  {:<24}{:>8} calls {:>10.3} ms", op.op, op.calls, op.seconds * 1e3);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(bytes_copied: u64, host_experts: u64) -> OffloadStats {
+        OffloadStats {
+            layer_hits: vec![3],
+            layer_misses: vec![5],
+            bytes_copied,
+            host_experts,
+            ..OffloadStats::default()
+        }
+    }
+
+    #[test]
+    fn the_pcie_bound_is_the_link_rate_over_the_bytes_copied_and_none_when_nothing_crossed() {
+        let before = OffloadStats::default();
+        let copied = offload_report(
+            Some(before.clone()),
+            Some(stats(40e9 as u64, 0)),
+            10,
+            2.0,
+            5.0,
+            Some(50.0),
+        );
+        let copied = copied.unwrap();
+        // 4 GB a token at 50 GB/s: 12.5 tok/s, of which 5 is 40 %.
+        assert_eq!(copied.pcie_bound_tok_s, Some(12.5));
+        assert_eq!(copied.achieved_over_pcie_bound, Some(0.4));
+        let on_the_cpu = offload_report(Some(before), Some(stats(0, 50)), 10, 2.0, 5.0, Some(50.0)).unwrap();
+        assert_eq!(on_the_cpu.pcie_bound_tok_s, None);
+        assert_eq!(on_the_cpu.achieved_over_pcie_bound, None);
+        assert_eq!(on_the_cpu.host_experts_per_token, 5.0);
     }
 }

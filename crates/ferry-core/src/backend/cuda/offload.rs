@@ -497,10 +497,12 @@ impl Offload {
         };
         let routed_experts: Vec<u32> = plan.resident.iter().chain(&plan.fetch).map(|&(e, _)| e).collect();
         if let Some(scored) = self.next_guess.take().filter(|g| g.layer == layer) {
-            let hits = scored.experts.iter().filter(|e| routed_experts.contains(e)).count();
+            // A guess is right when its layer routed the expert, whichever lane then computed it.
+            let routed_anywhere = |e: &u32| routed_experts.contains(e) || plan.elsewhere.contains(e);
+            let hits = scored.experts.iter().filter(|e| routed_anywhere(e)).count();
             self.counters.guessed += scored.experts.len() as u64;
             self.counters.guessed_routed += hits as u64;
-            self.counters.routed_after_guess += routed_experts.len() as u64;
+            self.counters.routed_after_guess += (routed_experts.len() + plan.elsewhere.len()) as u64;
         }
         self.counters.routed_pairs += routed as u64;
         let (Some(bank), Some(slab)) = (self.bank.as_mut(), self.slab.as_ref()) else {
