@@ -214,6 +214,13 @@ fn a_multimodal_checkpoint_ties_its_head_as_its_top_level_config_says() {
         head,
         "a tied model has no separate lm_head"
     );
+    // A token reads the head whole and one embedding row: the same bytes tied or not, but for that row.
+    let active = |info: &serde_json::Value| info["bytes_active_per_token"].as_u64().unwrap();
+    assert_eq!(
+        active(&untied) - active(&tied),
+        untied["hidden_size"].as_u64().unwrap() * 2,
+        "a token looks up one embedding row"
+    );
 }
 
 #[test]

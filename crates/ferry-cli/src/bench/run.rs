@@ -175,7 +175,7 @@ pub(super) fn bench_on<B: Backend>(
             recording.take(),
             &phase_done,
         )?;
-        let bytes_per_token = info.bytes_active_per_token();
+        let bytes_per_token = info.bytes_active_per_token;
         let bound = ceiling.gb_s * 1e9 / bytes_per_token as f64;
         let report = BenchReport {
             ferry_commit: env!("FERRY_GIT_COMMIT"),

@@ -34,6 +34,9 @@ pub struct ModelInfo {
     /// Everything else (embeddings, attention, norms, routers, dense MLPs, shared experts): always on the GPU,
     /// counted in the unquantized dtype (the GPU holds dense FP8 weights dequantized to bf16).
     pub dense_bytes: u64,
+    /// Weight bytes one decoded token reads: the dense part less the input embedding rows it does not look up
+    /// (all but one; a head tied to the embeddings reads them all), and its routed experts in real bytes.
+    pub bytes_active_per_token: u64,
     /// Keys and values of one token over all attention layers, stored as bf16 (for latent attention, the latent and
     /// the shared rope key).
     pub kv_bytes_per_token_bf16: u64,
@@ -123,6 +126,11 @@ impl ModelInfo {
             Some(_) => expert_weight_bytes + 4 * (2 * moe_inter + h),
             None => expert_weight_bytes,
         };
+        let unread_embedding_rows = if spec.tie_word_embeddings {
+            0
+        } else {
+            spec.vocab_size.saturating_sub(1) as u64
+        };
         ModelInfo {
             model_type: spec.model_type.to_string(),
             num_layers: spec.layers.len(),
@@ -144,13 +152,9 @@ impl ModelInfo {
             bytes_per_expert,
             expert_bank_bytes: moe_layers * num_experts * bytes_per_expert,
             dense_bytes: dense * bytes,
+            bytes_active_per_token: (dense - unread_embedding_rows * h) * bytes + moe_layers * top_k * bytes_per_expert,
             kv_bytes_per_token_bf16: spec.num_attention_layers() as u64 * kv_per_layer * 2,
             recurrent_state_bytes_per_seq: recurrent_spec(spec).map_or(0, |r| r.bytes_per_seq() as u64),
         }
-    }
-
-    /// Weight bytes one token reads: the dense part and its routed experts, in real bytes.
-    pub fn bytes_active_per_token(&self) -> u64 {
-        self.dense_bytes + (self.num_moe_layers * self.experts_per_token) as u64 * self.bytes_per_expert
     }
 }

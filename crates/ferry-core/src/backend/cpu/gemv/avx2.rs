@@ -41,7 +41,7 @@ unsafe fn e4m3_to_f32(bytes: __m256i) -> __m256 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum256(v: __m256) -> f32 {
+pub(super) unsafe fn hsum256(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<0x55>(s, s)))

@@ -4,8 +4,8 @@
 //! f32 activations and accumulation through the CPU backend's GEMV kernels ([`matmul_serial`]) and the same
 //! activation and bias arithmetic as `cpu/moe.rs`, so each (row, expert) product equals the CPU backend's to the
 //! bit, for bf16 experts, FP8 ones (E4M3 with block scales, read in place like the bf16 ones) and MXFP4 ones
-//! (gpt-oss's, widened a tile of rows at a time into each worker's own buffer by cpu/mxfp4.rs's tile product, as
-//! the CPU backend widens them), with or without biases. What it returns is each pair's unweighted product; the
+//! (gpt-oss's, through cpu/mxfp4.rs's tile product as the CPU backend's: read packed for a few rows, else widened
+//! a tile of rows at a time into each worker's own buffer), with or without biases. What it returns is each pair's unweighted product; the
 //! caller weights and sums them in router order (on the GPU, moe_combine does). Not for the CPU backend's own MoE
 //! layers, which rayon runs.
 //!
@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use super::gemv::{matmul_serial, BlockScales, WeightDType, WeightEncoding};
-use super::mxfp4::{tile_product, TILE_ROWS};
+use super::mxfp4::{product_rows, tile_len, TILE_ROWS};
 use super::{sigmoid, silu};
 use crate::backend::ExpertActivation;
 use crate::loader::mxfp4::MXFP4_BLOCK;
@@ -144,7 +144,7 @@ struct Layout {
     groups: Vec<Group>,
     gate_up_items: Vec<Item>,
     down_items: Vec<Item>,
-    /// Values of one worker's MXFP4 tile buffer: a tile's widened rows, then its products for a group's rows.
+    /// Values of one worker's MXFP4 tile buffer (cpu/mxfp4.rs's `tile_len` for the job's largest group).
     tile_values: usize,
     next: [AtomicUsize; 3],
     done: [AtomicUsize; 3],
@@ -259,7 +259,7 @@ impl Layout {
         let n = pairs.len();
         let most_rows = self.groups.iter().map(|g| g.rows).max().unwrap_or(0);
         self.tile_values = match first.map(|e| e.dtype) {
-            Some(LaneDType::Mxfp4) => TILE_ROWS * (hidden.max(inter) + most_rows),
+            Some(LaneDType::Mxfp4) => tile_len(most_rows, hidden.max(inter)),
             _ => 0,
         };
         for (buffer, len) in buffers.iter_mut().zip([
@@ -369,8 +369,8 @@ impl Layout {
 }
 
 /// Rows `rows` of matrix `m` (gate, up, down; `[n, k]`) of `e` against the `tokens` rows of `x`, into `out`
-/// (`[tokens, rows.len()]`): in place through the GEMV kernels, or for MXFP4 tile by tile through `tile` (a
-/// worker's tile buffer), each tile's products then copied to their columns.
+/// (`[tokens, rows.len()]`): in place through the GEMV kernels, or for MXFP4 through cpu/mxfp4.rs with `tile` (a
+/// worker's tile buffer).
 #[allow(clippy::too_many_arguments)]
 fn product(
     x: &[f32],
@@ -390,17 +390,7 @@ fn product(
             let w = &w[rows.start * row_bytes..rows.end * row_bytes];
             matmul_serial(x, tokens, k, w, encoding(e, dtype, m, rows, k), width, out);
         }
-        LaneDType::Mxfp4 => {
-            let (widened, products) = tile.split_at_mut(TILE_ROWS * k);
-            for first in rows.clone().step_by(TILE_ROWS) {
-                let tile_rows = first..(first + TILE_ROWS).min(rows.end);
-                let products = &mut products[..tokens * tile_rows.len()];
-                tile_product(x, tokens, k, w, n, tile_rows.clone(), widened, products);
-                for (t, values) in products.chunks_exact(tile_rows.len()).enumerate() {
-                    out[t * width + first - rows.start..][..values.len()].copy_from_slice(values);
-                }
-            }
-        }
+        LaneDType::Mxfp4 => product_rows(x, tokens, k, w, n, rows, out, tile),
     }
 }
 
