@@ -265,16 +265,29 @@ pub fn f32_to_fp8_e4m3(x: f32) -> u8 {
     }
     let sign = if x.is_sign_negative() { 0x80 } else { 0 };
     let a = x.abs().min(FP8_E4M3_MAX);
-    let magnitude = if a < f32::powi(2.0, -6) {
+    let magnitude = if a < power_of_two(-6) {
         // Subnormals are multiples of 2^-9; 8 × 2^-9 is the smallest normal, code 8.
-        (a * 512.0).round_ties_even() as u32
+        round_ties_even_small(a * 512.0)
     } else {
         let exponent = (a.to_bits() >> 23) as i32 - 127;
         // Eight steps per binade; a mantissa rounding up to 16 carries into the next exponent by itself.
-        let steps = (a / f32::powi(2.0, exponent - 3)).round_ties_even() as u32;
+        let steps = round_ties_even_small(a * power_of_two(3 - exponent));
         (((exponent + 7) as u32) << 3) + steps - 8
     };
     sign | magnitude as u8
+}
+
+/// 2^`exponent`, exactly, for a normal f32's exponents (-126 to 127).
+fn power_of_two(exponent: i32) -> f32 {
+    f32::from_bits(((127 + exponent) as u32) << 23)
+}
+
+/// `x` rounded to the nearest integer, ties to even, for 0 <= x < 2^22: adding 2^23 leaves that integer in the
+/// sum's mantissa (the addition rounds so, and 2^23..2^24 has unit steps). A conversion runs it per weight: the
+/// library rounding is a call.
+fn round_ties_even_small(x: f32) -> u32 {
+    const TWO_TO_23: f32 = 8_388_608.0;
+    (x + TWO_TO_23).to_bits() - TWO_TO_23.to_bits()
 }
 
 /// `weight` (a `[rows, cols]` matrix, or `[n, rows, cols]` of them) quantized to FP8 in `scheme`: each block's
@@ -315,14 +328,12 @@ pub fn quantize_fp8(weight: &TensorRef, scheme: Fp8Scheme) -> Result<TensorRef> 
                     }
                 })
                 .collect();
-            let bytes = row_range
-                .flat_map(|r| {
-                    row(r)
-                        .iter()
-                        .enumerate()
-                        .map(|(c, &v)| f32_to_fp8_e4m3(v / scales[c / bc]))
-                })
-                .collect();
+            let mut bytes = Vec::with_capacity(row_range.len() * cols);
+            for r in row_range {
+                for (block, &scale) in row(r).chunks(bc).zip(&scales) {
+                    bytes.extend(block.iter().map(|&v| f32_to_fp8_e4m3(v / scale)));
+                }
+            }
             (scales, bytes)
         })
         .collect();
@@ -366,6 +377,32 @@ mod tests {
         assert_eq!(fp8_e4m3_to_f32(f32_to_fp8_e4m3(-1e6)), -448.0);
         assert_eq!(fp8_e4m3_to_f32(f32_to_fp8_e4m3(15.5)), 16.0);
         assert_eq!(f32_to_fp8_e4m3(1e-4), 0);
+    }
+
+    /// Against the nearest E4M3 value found by search (ties to the even code), at every value, every midpoint
+    /// between two neighbours and just either side of it, and a sweep of 2^-12 .. 2^10.
+    #[test]
+    fn conversion_is_the_nearest_value_ties_to_even() {
+        let nearest = |x: f32| -> u8 {
+            let a = x.abs().min(FP8_E4M3_MAX);
+            let best = (0..=0x7eu8)
+                .min_by(|&p, &q| {
+                    let (dp, dq) = ((fp8_e4m3_to_f32(p) - a).abs(), (fp8_e4m3_to_f32(q) - a).abs());
+                    dp.total_cmp(&dq).then((p % 2).cmp(&(q % 2)))
+                })
+                .unwrap();
+            best | if x.is_sign_negative() { 0x80 } else { 0 }
+        };
+        let mut values: Vec<f32> = Vec::new();
+        for code in 0..0x7eu8 {
+            let (low, high) = (fp8_e4m3_to_f32(code), fp8_e4m3_to_f32(code + 1));
+            let middle = (low + high) / 2.0;
+            values.extend([low, middle, middle.next_down(), middle.next_up()]);
+        }
+        values.extend((0..2000).map(|i| 2f32.powf(-12.0 + 22.0 * i as f32 / 2000.0)));
+        for x in values.iter().flat_map(|&v| [v, -v]) {
+            assert_eq!(f32_to_fp8_e4m3(x), nearest(x), "{x}");
+        }
     }
 
     #[test]
