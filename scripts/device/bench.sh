@@ -15,7 +15,7 @@
 # them: 73.5 GiB of the full model's 650 GB bank, which does not fit the host's 128 GB) | glm45air-fp8 (GLM-4.5-Air's
 # shape, experts in FP8: 97 GiB), both under the uniform and the locality trace | q30-fp8 (issue 18: q30 with BF16
 # and with FP8 experts at 22.3 GiB under one uniform trace, then both all resident) | gptoss120-22.3 |
-# gptoss120-15.8 (gpt-oss-120b's shape, MXFP4 experts, under both traces with --moe-strategy offload and cpu, or the
+# gptoss120-15.8 (gpt-oss-120b's shape, MXFP4 experts, under both traces with --moe-strategy offload, auto and cpu, or the
 # comma-separated GPTOSS_STRATEGIES; -uniform or -locality: one trace). Where a workload names several traces or
 # strategies, `ferry bench` measures each in turn on one load (a large model's load costs minutes of device time).
 # MOE_STRATEGY=S adds `--moe-strategy S` to every run (bench and serve) and `-S` to the result names, except in the
@@ -126,7 +126,7 @@ for workload in "$@"; do
         budget=${spec%%-*}GiB routing=${spec#"${spec%%-*}"}
         bench "gptoss120-$budget$routing" --synthetic bench/gptoss120.json --device cuda --gpu-memory-budget "$budget" \
             --kv-reserve-tokens 16384 --decode-tokens 32 $(traces bench/gptoss120.json "$routing") \
-            --moe-strategy "${GPTOSS_STRATEGIES:-offload,cpu}"
+            --moe-strategy "${GPTOSS_STRATEGIES:-offload,auto,cpu}"
         ;;
     q30-15.8) bench q30-15.8GiB $q30 --gpu-memory-budget 15.8GiB --decode-tokens 64 ;;
     q36-22.3 | q36-15.8)
