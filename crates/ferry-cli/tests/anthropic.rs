@@ -485,3 +485,26 @@ fn a_spent_thinking_budget_ends_the_thinking_and_the_answer_follows() {
         assert!(["Paris", "Oslo"].contains(&input["city"].as_str().unwrap()), "{input}");
     }
 }
+
+/// `output_config.effort` reaches gpt-oss's template as its reasoning effort (its system message names it, so the
+/// prompt's length follows it; none is the template's own medium, and max is high), and a model whose template
+/// takes none serves the request as if it were not there.
+#[test]
+fn an_effort_reaches_a_template_that_takes_one_and_the_others_go_without() {
+    let count = |server: &Server, effort: Option<&str>| -> u64 {
+        let mut request = message(json!({}));
+        if let Some(effort) = effort {
+            request["output_config"] = json!({"effort": effort});
+        }
+        let (status, counted) = post_json(server, "/v1/messages/count_tokens", &request);
+        assert_eq!(status, 200, "{effort:?}: {counted}");
+        counted["input_tokens"].as_u64().unwrap()
+    };
+    let harmony = Server::start_serving(&["--model", &tool_fixture("tool_calls_harmony"), "--api-key", KEY]);
+    let [low, medium, high, max, none] =
+        [Some("low"), Some("medium"), Some("high"), Some("max"), None].map(|effort| count(&harmony, effort));
+    assert_ne!(low, medium, "the effort changed nothing in the prompt");
+    assert_eq!((none, max), (medium, high));
+    let plain = Server::start(&[]);
+    assert_eq!(count(&plain, Some("max")), count(&plain, None));
+}

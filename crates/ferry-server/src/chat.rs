@@ -57,21 +57,38 @@ pub struct ChatRequest {
     pub thinking: Option<bool>,
     /// Most tokens of thinking before the end of thinking is forced (Anthropic's `budget_tokens`).
     pub thinking_budget: Option<usize>,
-    /// How hard the model reasons (OpenAI's `reasoning_effort`), for templates that take it (gpt-oss's); it wins
-    /// over the kwargs.
-    pub reasoning_effort: Option<String>,
+    /// How hard the model reasons, for templates that take it (gpt-oss's); it wins over the kwargs.
+    pub reasoning_effort: Option<ReasoningEffort>,
     /// The tools offered, what the model may do with them, and so how its output is parsed for calls.
     pub tools: ToolRequest,
     pub params: GenerationParams,
 }
 
+/// A reasoning effort, and what a template that takes none makes of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReasoningEffort {
+    /// `low`, `medium` or `high`: the efforts gpt-oss's template knows.
+    pub level: String,
+    /// Whether a template that takes no effort refuses the request (OpenAI's `reasoning_effort`, asked of this
+    /// model) or renders without it (Anthropic's `output_config.effort`, which clients such as Claude Code send
+    /// to every model).
+    pub required: bool,
+}
+
+impl ReasoningEffort {
+    /// An effort the template must take.
+    pub fn required(level: String) -> Self {
+        ReasoningEffort { level, required: true }
+    }
+}
+
 const REASONING_EFFORT: &str = "reasoning_effort";
 
 /// `reasoning_effort`: `low`, `medium` or `high`, the efforts gpt-oss's template knows.
-pub fn reasoning_effort(body: &Body) -> Result<Option<String>, ApiError> {
+pub fn reasoning_effort(body: &Body) -> Result<Option<ReasoningEffort>, ApiError> {
     let effort = body.string(REASONING_EFFORT)?;
     match effort.as_deref() {
-        None | Some("low" | "medium" | "high") => Ok(effort),
+        None | Some("low" | "medium" | "high") => Ok(effort.map(ReasoningEffort::required)),
         Some(other) => Err(ApiError::invalid_param(
             REASONING_EFFORT,
             format!("`reasoning_effort` is \"{other}\"; expected \"low\", \"medium\" or \"high\""),
@@ -132,13 +149,14 @@ impl ChatRequest {
             kwargs.insert("enable_thinking".into(), thinking.into());
         }
         if let Some(effort) = &self.reasoning_effort {
-            if !tokenizer.chat_template_mentions(REASONING_EFFORT) {
+            if tokenizer.chat_template_mentions(REASONING_EFFORT) {
+                kwargs.insert(REASONING_EFFORT.into(), effort.level.clone().into());
+            } else if effort.required {
                 return Err(ApiError::invalid_param(
                     REASONING_EFFORT,
                     "this model's chat template takes no reasoning effort",
                 ));
             }
-            kwargs.insert(REASONING_EFFORT.into(), effort.clone().into());
         }
         let messages = HistoryFormat::of(model).adapt(&self.messages)?;
         tokenizer

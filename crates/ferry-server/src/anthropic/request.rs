@@ -8,7 +8,8 @@
 //! model wrote, which templates strip from earlier turns as they do for their own output), and for a model whose
 //! template renders no reasoning they are dropped, as Anthropic drops earlier turns' thinking. `output_config.format`
 //! (structured outputs: `{"type": "json_schema", "schema"}`) constrains the answer as OpenAI's `response_format`
-//! does, after the model's thinking.
+//! does, after the model's thinking; `output_config.effort` is the reasoning effort of a template that takes one
+//! (gpt-oss's), and left out by the others, to which clients send it too.
 
 use ferry_core::engine::{validate_stop_strings, ResponseFormat};
 use ferry_core::loader::ChatMessage;
@@ -16,7 +17,7 @@ use serde_json::Value;
 
 use super::tools;
 use crate::body::{wrong_type, Body};
-use crate::chat::{ChatRequest, GenerationParams};
+use crate::chat::{ChatRequest, GenerationParams, ReasoningEffort};
 use crate::error::ApiError;
 use ferry_core::loader::ToolCall;
 
@@ -77,12 +78,13 @@ impl MessagesBody {
             return Err(ApiError::invalid_param("top_p", "`top_p` must be greater than 0"));
         }
         let (thinking, thinking_budget) = thinking(body, max_tokens)?;
+        let reasoning_effort = effort(body)?;
         let chat = ChatRequest {
             messages,
             template_kwargs: Default::default(),
             thinking,
             thinking_budget,
-            reasoning_effort: None,
+            reasoning_effort,
             tools: tools::tool_request(body)?,
             params: GenerationParams {
                 max_tokens,
@@ -97,6 +99,30 @@ impl MessagesBody {
         };
         Ok(MessagesBody { model, chat })
     }
+}
+
+/// `output_config.effort` (`low`, `medium`, `high`, `xhigh`, `max`) as the reasoning effort of a template that
+/// takes one (gpt-oss's `low`, `medium`, `high`: the two above `high` are `high`), and left out by the others, as
+/// clients send it to every model.
+fn effort(body: &Body) -> Result<Option<ReasoningEffort>, ApiError> {
+    let Some(config) = body.object("output_config")? else {
+        return Ok(None);
+    };
+    let config = Body::nested(config.clone(), "output_config.".into());
+    let level = match config.string("effort")?.as_deref() {
+        None => return Ok(None),
+        Some(level @ ("low" | "medium" | "high")) => level.to_string(),
+        Some("xhigh" | "max") => "high".to_string(),
+        Some(other) => {
+            return Err(ApiError::invalid_param(
+                "output_config.effort",
+                format!(
+                "`output_config.effort` is \"{other}\"; expected \"low\", \"medium\", \"high\", \"xhigh\" or \"max\""
+            ),
+            ))
+        }
+    };
+    Ok(Some(ReasoningEffort { level, required: false }))
 }
 
 /// `output_config.format`: `{"type": "json_schema", "schema": {...}}`, the answer's JSON Schema; null or absent:
@@ -394,6 +420,38 @@ mod tests {
         let adaptive = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
             "thinking": {"type": "adaptive"}, "output_config": {"effort": "low"}});
         assert_eq!(parse(adaptive, true).unwrap().chat.thinking, Some(true));
+    }
+
+    #[test]
+    fn an_effort_is_the_templates_reasoning_effort_where_it_takes_one() {
+        let with = |effort: Value| {
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                "output_config": {"effort": effort}})
+        };
+        for (sent, level) in [
+            ("low", "low"),
+            ("medium", "medium"),
+            ("high", "high"),
+            ("xhigh", "high"),
+            ("max", "high"),
+        ] {
+            let effort = parse(with(sent.into()), true).unwrap().chat.reasoning_effort;
+            let wanted = ReasoningEffort {
+                level: level.into(),
+                required: false,
+            };
+            assert_eq!(effort, Some(wanted), "{sent}");
+        }
+        assert_eq!(parse(with(Value::Null), true).unwrap().chat.reasoning_effort, None);
+        for bad in [json!("extreme"), json!(3)] {
+            let error = parse(with(bad), true).unwrap_err();
+            assert_eq!(
+                error.param.as_deref(),
+                Some("output_config.effort"),
+                "{}",
+                error.message
+            );
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ use serde_json::{json, Map, Value};
 
 use super::tools::{function_call, tool_request, Namespaces};
 use crate::body::{wrong_type, Body};
-use crate::chat::{ChatRequest, GenerationParams};
+use crate::chat::{ChatRequest, GenerationParams, ReasoningEffort};
 use crate::error::ApiError;
 
 /// Fields accepted although nothing reads them, because by their nature they ask nothing of this server.
@@ -186,7 +186,7 @@ fn metadata(body: &Body) -> Result<Value, ApiError> {
 
 /// `reasoning`: `effort` for templates that take one (chat.rs checks), and `summary`, of which only `auto` is
 /// served: the model has no summarizer, so the reasoning item's summary is empty and its text is given whole.
-fn reasoning(body: &Body) -> Result<(Option<String>, Value), ApiError> {
+fn reasoning(body: &Body) -> Result<(Option<ReasoningEffort>, Value), ApiError> {
     let Some(fields) = body.object("reasoning")? else {
         return Ok((None, json!({"effort": null, "summary": null})));
     };
@@ -206,7 +206,8 @@ fn reasoning(body: &Body) -> Result<(Option<String>, Value), ApiError> {
         ));
     }
     reasoning.refuse_unread(&[])?;
-    Ok((effort.clone(), json!({"effort": effort, "summary": summary})))
+    let echo = json!({"effort": effort, "summary": summary});
+    Ok((effort.map(ReasoningEffort::required), echo))
 }
 
 /// `text.format`: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "name", "schema",
@@ -496,7 +497,10 @@ mod tests {
             p.response_format,
             Some(ResponseFormat::JsonSchema(json!({"type": "object"})))
         );
-        assert_eq!(body.chat.reasoning_effort.as_deref(), Some("low"));
+        assert_eq!(
+            body.chat.reasoning_effort,
+            Some(ReasoningEffort::required("low".into()))
+        );
         assert_eq!(body.chat.template_kwargs["enable_thinking"], false);
         assert_eq!(body.echo["store"], false);
         assert_eq!(body.echo["metadata"], json!({"k": "v"}));
