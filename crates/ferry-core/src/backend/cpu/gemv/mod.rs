@@ -24,7 +24,7 @@
 //! each block's dot product times its scale (f32 accumulation throughout; per channel, one block per row).
 //!
 //! MXFP4 weights (gpt-oss's experts) are multiplied by cpu/mxfp4.rs: with up to four tokens every path but
-//! `scalar` reads them packed ([`mxfp4_fused`]: a nibble lookup in a scaled 16-entry table in registers, no f32
+//! `scalar` reads them packed (`mxfp4_fused`: a nibble lookup in a block-scaled table in registers, no f32
 //! copy of the rows, 7.6x the widening product's rate for one token on one core of the development machine);
 //! otherwise rows are widened to f32 and go through the F32 kernels.
 //!
@@ -62,8 +62,8 @@
 //! This file holds the entry points, the choice of path and the contract of a block kernel ([`BlockFn`],
 //! [`Kernels`]); `driver` runs a path's kernels over a matrix (shape checks, threads, tiles), `bf16_split` lays
 //! out the activations for `vdpbf16ps`, and `scalar`, `avx2`, `avx512`, `avx512bf16` hold each path's kernels
-//! (`prefetch` the software prefetch the x86 kernels share; `mxfp4_fused` the packed MXFP4 products); `kernel_tests` checks every path the CPU has against
-//! an f64 reference.
+//! (`prefetch` the software prefetch the x86 kernels share; `mxfp4_fused` the packed MXFP4 products);
+//! `kernel_tests` checks every path the CPU has against an f64 reference.
 
 use std::sync::OnceLock;
 

@@ -4,10 +4,10 @@
 //! f32 activations and accumulation through the CPU backend's GEMV kernels ([`matmul_serial`]) and the same
 //! activation and bias arithmetic as `cpu/moe.rs`, so each (row, expert) product equals the CPU backend's to the
 //! bit, for bf16 experts, FP8 ones (E4M3 with block scales, read in place like the bf16 ones) and MXFP4 ones
-//! (gpt-oss's, through cpu/mxfp4.rs's tile product as the CPU backend's: read packed for a few rows, else widened
-//! a tile of rows at a time into each worker's own buffer), with or without biases. What it returns is each pair's unweighted product; the
-//! caller weights and sums them in router order (on the GPU, moe_combine does). Not for the CPU backend's own MoE
-//! layers, which rayon runs.
+//! (gpt-oss's, through cpu/mxfp4.rs's `product_rows` as the CPU backend's: read packed for a few rows, else
+//! widened a tile of rows at a time into each worker's own buffer), with or without biases. What it returns is
+//! each pair's unweighted product; the caller weights and sums them in router order (on the GPU, moe_combine
+//! does). Not for the CPU backend's own MoE layers, which rayon runs.
 //!
 //! A job runs in three phases over all its experts, every worker taking items from a shared counter and waiting
 //! at the end of each phase for the others: gather each expert's rows of `x`; gate and up in chunks of output rows
