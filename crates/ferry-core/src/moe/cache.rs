@@ -76,7 +76,8 @@ pub struct ExpertCache {
     /// is planned, so they must not be victims of it.
     step_layer: u32,
     step_experts: HashSet<u32>,
-    /// Keys copied in by a prefetch and not yet used by a step: their first use counts as the miss it replaced.
+    /// Keys copied in by a prefetch and not yet used by a step of their layer: their first use counts as the miss it
+    /// replaced. A step of the layer makes the ones it did not use plain keys.
     prefetched: HashSet<ExpertKey>,
     /// Prefetched keys a step used.
     prefetches_used: u64,
@@ -174,9 +175,10 @@ impl ExpertCache {
     }
 
     /// Plans copying `experts` of `layer` in before its step routes (a prefetch: the caller expects that step to
-    /// use them), while the experts of the last committed step are still in use: victims come from neither. An
-    /// error if the two together outnumber the slots. Prefetched keys are not counted when committed; the step that
-    /// first uses one counts a miss, as it would have without the prefetch.
+    /// use them), while the experts of the last committed step are still in use and earlier prefetches of `layer`
+    /// wait for that step: victims come from none of them (prefetches copied one by one must not evict each
+    /// other). An error if they all together outnumber the slots. Prefetched keys are not counted when committed;
+    /// the step that first uses one counts a miss, as it would have without the prefetch.
     pub fn plan_prefetch(&mut self, layer: u32, experts: &[u32]) -> Result<Plan> {
         let mut plan = Plan::default();
         // A prefetch is not yet a use by a decode step: it is admitted as a prefill's keys are.
@@ -189,10 +191,15 @@ impl ExpertCache {
         } else {
             self.step_experts.len()
         };
-        if plan.experts.len() + busy_outside > self.num_slots as usize {
+        let waiting = self
+            .prefetched
+            .iter()
+            .filter(|&&(l, expert)| l == layer && !self.in_plan.contains(&expert))
+            .count();
+        if plan.experts.len() + busy_outside + waiting > self.num_slots as usize {
             return Err(Error::Cache(format!(
-                "prefetching {} experts of MoE layer {layer} while {busy_outside} of layer {} are in use needs \
-                 more than the cache's {} slots",
+                "prefetching {} experts of MoE layer {layer} while {busy_outside} of layer {} are in use and \
+                 {waiting} prefetched ones wait for their step needs more than the cache's {} slots",
                 plan.experts.len(),
                 self.step_layer,
                 self.num_slots
@@ -200,6 +207,13 @@ impl ExpertCache {
         }
         self.place(layer, Placement::Prefetch, &|_| false, &mut plan)?;
         Ok(plan)
+    }
+
+    /// How many more experts of `layer` a prefetch may copy in now: the slots outside the last step's experts and
+    /// the prefetches of `layer` waiting for their step.
+    pub fn prefetch_room(&self, layer: u32) -> usize {
+        let waiting = self.prefetched.iter().filter(|key| key.0 == layer).count();
+        (self.num_slots as usize).saturating_sub(self.step_experts.len() + waiting)
     }
 
     /// Uses one key by a decode step, as a committed plan of that key alone would: true on a hit. The simulator
@@ -265,6 +279,9 @@ impl ExpertCache {
             self.clock += 1;
         }
         if step {
+            // The prefetches of this layer the step did not use are plain keys from now on: spared by no later
+            // prefetch, and a hit when used.
+            self.prefetched.retain(|key| key.0 != layer);
             self.step_layer = layer;
             self.step_experts.clear();
             self.step_experts.extend(&plan.experts);
@@ -335,7 +352,7 @@ impl ExpertCache {
 
     /// Decides the slots of `plan.experts` of `layer`, changing nothing in the cache. Victims are chosen in the
     /// order the fetches need them and are never keys of this plan, victims already chosen, nor (for a prefetch)
-    /// the last step's experts.
+    /// the last step's experts and the waiting prefetches of `layer`.
     fn place(
         &mut self,
         layer: u32,
@@ -362,6 +379,7 @@ impl ExpertCache {
             victims,
             step_layer,
             step_experts,
+            prefetched,
             ..
         } = self;
         victims.clear();
@@ -383,7 +401,9 @@ impl ExpertCache {
                 // finds none, or offers a pinned or absent key, breaks its contract.
                 let pinned = |key: ExpertKey| {
                     (key.0 == layer && in_plan.contains(&key.1))
-                        || (placement == Placement::Prefetch && key.0 == *step_layer && step_experts.contains(&key.1))
+                        || (placement == Placement::Prefetch
+                            && ((key.0 == *step_layer && step_experts.contains(&key.1))
+                                || (key.0 == layer && prefetched.contains(&key))))
                         || victims.contains(&key)
                 };
                 let victim = policy.choose_victim(&pinned).filter(|&victim| !pinned(victim));

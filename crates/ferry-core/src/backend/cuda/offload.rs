@@ -571,7 +571,7 @@ impl Offload {
         }
         self.last_copy = Some(self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?);
         if let Some(guess) = guess {
-            self.keep_guess(guess.layer, &all_ids[routed..], routed_experts.len());
+            self.keep_guess(guess.layer, &all_ids[routed..]);
         }
         Ok(LayerCopies {
             addresses,
@@ -660,9 +660,9 @@ impl Offload {
     }
 
     /// Keeps the guessed experts of `layer` (`ids`, as read) to copy while the host waits for that layer's router:
-    /// the misses among them, as many as fit beside the `in_use` experts of the layer computing, which a prefetch
-    /// must spare.
-    fn keep_guess(&mut self, layer: usize, ids: &[i32], in_use: usize) {
+    /// the misses among them, as many as the cache has room for beside the experts of the layer computing (those
+    /// it runs from slots and those the CPU lane computes alike), which a prefetch must spare.
+    fn keep_guess(&mut self, layer: usize, ids: &[i32]) {
         let mut experts: Vec<u32> = Vec::new();
         for &e in ids {
             if !experts.contains(&(e as u32)) {
@@ -674,7 +674,7 @@ impl Offload {
             .copied()
             .filter(|&e| self.cache.slot_of((layer as u32, e)).is_none())
             .collect();
-        to_copy.truncate(self.slots.saturating_sub(in_use + 1));
+        to_copy.truncate(self.cache.prefetch_room(layer as u32));
         // Copied from the end: the first guessed (the most likely) first.
         to_copy.reverse();
         self.next_guess = Some(NextLayerGuess {

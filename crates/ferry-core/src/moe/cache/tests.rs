@@ -461,3 +461,26 @@ fn a_prefill_between_decode_steps_keeps_the_decode_working_set_under_prefill_awa
         assert_eq!(decode_misses(&mut cache), misses_after_prefill);
     }
 }
+
+#[test]
+fn a_prefetch_spares_the_unused_prefetches_of_its_own_layer() {
+    let mut cache = lru_cache(4);
+    step(&mut cache, 2, &[3]);
+    step(&mut cache, 0, &[0, 1]);
+    prefetch(&mut cache, 1, &[5]);
+    step(&mut cache, 2, &[3]);
+    step(&mut cache, 0, &[0, 1]);
+    // LRU order is (1, 5), (2, 3), (0, 0), (0, 1), and layer 0's experts are in use: a second guess for layer 1,
+    // copied on its own, takes (2, 3)'s slot, not the first guess's.
+    assert_eq!(cache.prefetch_room(1), 1);
+    let second = prefetch(&mut cache, 1, &[6]);
+    assert_eq!(second.evicted, vec![(2, 3)]);
+    assert_eq!(cache.prefetch_room(1), 0);
+    let error = cache.plan_prefetch(1, &[7]).unwrap_err().to_string();
+    assert!(error.contains("2 of layer 0 are in use and 2 prefetched"), "{error}");
+    // Layer 1's step uses one guess; the other is a plain key from then on, which a step may evict.
+    let used = step(&mut cache, 1, &[6, 7]);
+    assert_eq!(used.evicted, vec![(1, 5)]);
+    assert_eq!(cache.prefetches_used(), 1);
+    assert_eq!(cache.prefetch_room(1), 2);
+}
