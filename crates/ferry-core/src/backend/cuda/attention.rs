@@ -91,70 +91,45 @@ struct BlockShape {
 }
 
 impl BlockShape {
-    /// The block for `group` query heads per kv head of `head_dim` with a copy pipeline of `stages` tiles, or an
-    /// error if it needs more than `max_shared_bytes`.
-    fn new(group: usize, head_dim: usize, stages: usize, max_shared_bytes: usize) -> Result<Self> {
-        // As many warps as the block may have, each with the fewest heads: a warp's heads are a chain of dependent
-        // shared-memory reads and multiply-adds per key, and decode has too few blocks to hide that latency
-        // otherwise. Every warp reads each tile from shared memory once for all its heads.
-        let heads_per_warp = group.div_ceil(ATTENTION_MAX_WARPS).next_power_of_two();
+    /// The block for `group` query heads per kv head of `head_dim`, with the deepest copy pipeline that fits in
+    /// `max_shared_bytes`.
+    fn new(group: usize, head_dim: usize, max_shared_bytes: usize) -> Result<Self> {
+        // A warp reads each tile from shared memory once for all its heads: four heads per warp read it a quarter
+        // as often as one; eight where four would need more than ATTENTION_MAX_WARPS warps.
+        let heads_per_warp = match group {
+            0..=4 => group.next_power_of_two(),
+            5..=16 => 4,
+            _ => 8,
+        };
         let warps = group.div_ceil(heads_per_warp);
-        if group == 0 || heads_per_warp > 8 || !head_dim.is_multiple_of(4) || head_dim > MAX_HEAD_DIM {
+        if group == 0 || warps > ATTENTION_MAX_WARPS || !head_dim.is_multiple_of(4) || head_dim > MAX_HEAD_DIM {
             return Err(Error::Cuda(format!(
                 "attention with {group} query heads per kv head of dim {head_dim} is outside the kernel's limits \
                  (1 to {} heads per kv head, head_dim a multiple of 4 up to {MAX_HEAD_DIM})",
                 ATTENTION_MAX_WARPS * 8
             )));
         }
-        let shared_bytes = 4
-            * (stages * 2 * KEYS_PER_TILE * (head_dim + 4) + group * head_dim + warps * heads_per_warp * KEYS_PER_TILE);
-        if shared_bytes > max_shared_bytes {
-            return Err(Error::Cuda(format!(
-                "attention with {group} query heads per kv head of dim {head_dim} needs {shared_bytes} bytes of \
-                 shared memory per block; this GPU has {max_shared_bytes}"
-            )));
-        }
+        let shared_bytes = |stages: usize| {
+            4 * (stages * 2 * KEYS_PER_TILE * (head_dim + 4)
+                + group * head_dim
+                + warps * heads_per_warp * KEYS_PER_TILE)
+        };
+        let stages = (2..=ATTENTION_MAX_STAGES)
+            .rev()
+            .find(|&s| shared_bytes(s) <= max_shared_bytes)
+            .ok_or_else(|| {
+                Error::Cuda(format!(
+                    "attention with {group} query heads per kv head of dim {head_dim} needs {} bytes of shared \
+                     memory per block; this GPU has {max_shared_bytes}",
+                    shared_bytes(2)
+                ))
+            })?;
         Ok(BlockShape {
             warps,
             heads_per_warp,
             stages,
-            shared_bytes,
+            shared_bytes: shared_bytes(stages),
         })
-    }
-}
-
-/// The blocks and splits of one call over `row_blocks` (rows x kv heads) rows of up to `max_keys` keys, given what
-/// a multiprocessor holds of a shape (`per_multiprocessor`) and how many there are. First with a two-tile pipeline,
-/// which leaves room for the most blocks on a multiprocessor: decode's splits are two tiles, one copying while the
-/// other is computed. Where a split still spans more tiles (many rows, so few splits each), the deepest pipeline
-/// that fits, so that a block keeps more than one tile in flight.
-fn layout(
-    (group, head_dim, max_shared_bytes): (usize, usize, usize),
-    (row_blocks, max_keys): (usize, usize),
-    multiprocessors: usize,
-    per_multiprocessor: impl Fn(&BlockShape) -> Result<usize>,
-) -> Result<(BlockShape, Splits)> {
-    let splits_for = |shape: &BlockShape| -> Result<Splits> {
-        Ok(split_keys(
-            row_blocks,
-            max_keys,
-            per_multiprocessor(shape)?.max(1) * multiprocessors,
-        ))
-    };
-    let shallow = BlockShape::new(group, head_dim, 2, max_shared_bytes)?;
-    let splits = splits_for(&shallow)?;
-    if splits.len <= MIN_TILES_PER_SPLIT * KEYS_PER_TILE {
-        return Ok((shallow, splits));
-    }
-    match (3..=ATTENTION_MAX_STAGES)
-        .rev()
-        .find_map(|stages| BlockShape::new(group, head_dim, stages, max_shared_bytes).ok())
-    {
-        Some(deep) => {
-            let splits = splits_for(&deep)?;
-            Ok((deep, splits))
-        }
-        None => Ok((shallow, splits)),
     }
 }
 
@@ -285,17 +260,18 @@ pub(super) fn attend(
         let pools = kv.layer_pools(layer, p.num_kv_heads * p.head_dim)?;
         return flash_attention::attend(cuda, q, sinks, pools, batch, slices, p);
     }
+    let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, cuda.max_shared_per_block)?;
+    let threads = (shape.warps * 32) as u32;
+    let per_multiprocessor = blocks_per_multiprocessor(cuda, threads, shape.shared_bytes)?;
     let max_keys = match p.sliding_window {
         Some(window) if window > 0 => window.min(batch.key_span),
         _ => batch.key_span,
     };
-    let (shape, splits) = layout(
-        (p.num_heads / p.num_kv_heads, p.head_dim, cuda.max_shared_per_block),
-        (q.rows * p.num_kv_heads, max_keys),
-        cuda.multiprocessors,
-        |shape| blocks_per_multiprocessor(cuda, (shape.warps * 32) as u32, shape.shared_bytes),
-    )?;
-    let threads = (shape.warps * 32) as u32;
+    let splits = split_keys(
+        q.rows * p.num_kv_heads,
+        max_keys,
+        per_multiprocessor.max(1) * cuda.multiprocessors,
+    );
     let out = cuda.tensor(q.rows, q.cols)?;
     let partials = if splits.count > 1 {
         q.rows * p.num_heads * splits.count
@@ -362,7 +338,7 @@ mod tests {
     #[test]
     fn every_head_of_a_group_has_a_warp_and_every_warp_a_head() {
         for group in 1..=32 {
-            let shape = BlockShape::new(group, 128, 2, HOPPER_SHARED).unwrap();
+            let shape = BlockShape::new(group, 128, HOPPER_SHARED).unwrap();
             assert!([1, 2, 4, 8].contains(&shape.heads_per_warp), "group {group}: {shape:?}");
             assert!(shape.warps <= ATTENTION_MAX_WARPS, "group {group}: {shape:?}");
             assert!(shape.warps * shape.heads_per_warp >= group, "group {group}: {shape:?}");
@@ -370,64 +346,32 @@ mod tests {
                 (shape.warps - 1) * shape.heads_per_warp < group,
                 "group {group}: {shape:?}"
             );
-            // The fewest heads a warp that the warps allowed can take.
-            assert!(
-                shape.heads_per_warp == 1 || (shape.heads_per_warp / 2) * ATTENTION_MAX_WARPS < group,
-                "group {group}: {shape:?}"
-            );
         }
-        assert!(BlockShape::new(33, 128, 2, HOPPER_SHARED).is_err());
-        assert!(BlockShape::new(0, 128, 2, HOPPER_SHARED).is_err());
-        assert!(BlockShape::new(8, 130, 2, HOPPER_SHARED).is_err());
-        assert!(BlockShape::new(8, 260, 2, HOPPER_SHARED).is_err());
-    }
-
-    /// What an H200 holds of a shape: as many blocks as fit its 228 KiB of shared memory, at most 16 (the
-    /// occupancy query, by its shared-memory limit alone).
-    fn hopper_blocks(shape: &BlockShape) -> Result<usize> {
-        Ok((228 * 1024 / (shape.shared_bytes + 1024)).min(16))
+        assert!(BlockShape::new(33, 128, HOPPER_SHARED).is_err());
+        assert!(BlockShape::new(0, 128, HOPPER_SHARED).is_err());
+        assert!(BlockShape::new(8, 130, HOPPER_SHARED).is_err());
+        assert!(BlockShape::new(8, 260, HOPPER_SHARED).is_err());
     }
 
     #[test]
-    fn decode_takes_the_shallow_pipeline_and_more_blocks_and_long_splits_the_deepest_that_fits() {
-        // Qwen3-30B-A3B (8 heads of 128 per kv head) at batch 1 and a 4K context: four warps of two heads, two
-        // stages, three blocks a multiprocessor; 72 splits of 2 tiles.
-        let qwen3 = (8, 128, HOPPER_SHARED);
-        let (shape, splits) = layout(qwen3, (4, 4608), 132, hopper_blocks).unwrap();
+    fn the_pipeline_is_as_deep_as_shared_memory_allows() {
+        // Qwen3-30B-A3B: three stages, two blocks per multiprocessor on an H200.
+        let qwen3 = BlockShape::new(8, 128, HOPPER_SHARED).unwrap();
         assert_eq!(
-            shape,
+            qwen3,
             BlockShape {
-                warps: 4,
-                heads_per_warp: 2,
-                stages: 2,
-                shared_bytes: 4 * (2 * 64 * 132 + 8 * 128 + 8 * 32),
+                warps: 2,
+                heads_per_warp: 4,
+                stages: 3,
+                shared_bytes: 4 * (3 * 64 * 132 + 8 * 128 + 8 * 32),
             }
         );
-        assert_eq!(hopper_blocks(&shape).unwrap(), 3);
-        assert_eq!(splits, Splits { count: 72, len: 64 });
-        // Eight sequences: splits of more tiles, so three stages (two blocks a multiprocessor).
-        let (shape, splits) = layout(qwen3, (32, 4608), 132, hopper_blocks).unwrap();
-        assert_eq!(shape.stages, 3);
-        assert_eq!(hopper_blocks(&shape).unwrap(), 2);
-        assert_eq!(splits, Splits { count: 9, len: 512 });
+        assert!(2 * qwen3.shared_bytes <= 228 * 1024);
         // 32 heads of 256 per kv head (in the GPU tests): only two stages fit, even on an H200.
-        let wide = layout((32, 256, HOPPER_SHARED), (32, 4608), 132, hopper_blocks).unwrap();
-        assert_eq!(wide.0.stages, 2);
-        assert_eq!(
-            layout((8, 256, HOPPER_SHARED), (32, 4608), 132, hopper_blocks)
-                .unwrap()
-                .0
-                .stages,
-            3
-        );
-        assert_eq!(
-            layout((8, 128, SMALL_SHARED), (32, 4608), 84, hopper_blocks)
-                .unwrap()
-                .0
-                .stages,
-            2
-        );
-        assert!(layout((8, 256, SMALL_SHARED), (4, 4608), 84, hopper_blocks).is_err());
+        assert_eq!(BlockShape::new(32, 256, HOPPER_SHARED).unwrap().stages, 2);
+        assert_eq!(BlockShape::new(8, 256, HOPPER_SHARED).unwrap().stages, 3);
+        assert_eq!(BlockShape::new(8, 128, SMALL_SHARED).unwrap().stages, 2);
+        assert!(BlockShape::new(8, 256, SMALL_SHARED).is_err());
     }
 
     #[test]
