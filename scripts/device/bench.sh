@@ -3,7 +3,8 @@
 #   scripts/device/bench.sh WORKLOAD...
 # WORKLOAD: q30-resident | q30x12-resident and q30x12-lanes (q30 cut to 12 layers, bench/q30-12layers.json: a 7 s
 # load, for A/B runs and kernel profiles; the lanes at a 10 GiB budget, 384 slots, both traces, auto, offload and
-# hybrid) | q30x12-launch (q30x12-resident with and without --no-dependent-launch, twice) | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
+# hybrid) | q30x12-launch (q30x12-resident with and without --no-dependent-launch, twice) | q30x12-profile (ncu's
+# time of every kernel of a resident decode step; NCU_KERNEL=REGEX adds ncu's sections for those kernels) | q30-1536 (the model's routing; 1536 slots, KV for 16384 tokens, FreeToken's setting) |
 # q30-1536-lanes (the same under the uniform and the locality trace with --moe-strategy auto, offload and hybrid, or
 # the comma-separated LANE_STRATEGIES (cpu too), and a 75-token prompt; -uniform or -locality: one trace) |
 # q30-1536-uniform (the same under a uniformly random routing trace) | q30-1536-locality (the same under
@@ -83,6 +84,24 @@ for workload in "$@"; do
             bench "q30x12-resident-plain-launch-$run" --synthetic bench/q30-12layers.json --device cuda \
                 --decode-tokens 64 --no-dependent-launch
         done
+        ;;
+    q30x12-profile)
+        # Where a resident decode step's time goes: every kernel of a 12-layer q30 decoding 6 tokens at a 4K
+        # context under ncu (clocks and caches as the GPU has them), summarised per kernel by bench/ncu_summary.py
+        # (each decode kernel 72 times: its median is one layer's cost). With NCU_KERNEL=REGEX, ncu's stall,
+        # memory and occupancy sections for the first 3 decode launches of the kernels it matches, after.
+        ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
+            --launch-count 1500 "$ferry" bench --synthetic bench/q30-12layers.json --device cuda --decode-tokens 6 \
+            --concurrency 2 >"$out/q30x12-profile.csv" 2>"$out/q30x12-profile.log" || echo "q30x12-profile failed"
+        python3 bench/ncu_summary.py "$out/q30x12-profile.csv" --min-launches 70 | tee "$out/q30x12-profile.txt"
+        if [ -n "${NCU_KERNEL:-}" ]; then
+            ncu --clock-control none --cache-control none --kernel-name "regex:$NCU_KERNEL" --launch-count 3 \
+                --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
+                --section Occupancy --section LaunchStats --section SchedulerStats \
+                "$ferry" bench --synthetic bench/q30-12layers.json --device cuda --decode-tokens 6 --concurrency 2 \
+                >"$out/q30x12-profile-sections.txt" 2>>"$out/q30x12-profile.log" || echo "q30x12-profile sections failed"
+            grep -v '^==PROF==' "$out/q30x12-profile-sections.txt" | head -400
+        fi
         ;;
     q30x12-lanes)
         bench q30x12-10GiB-384 --synthetic bench/q30-12layers.json --device cuda --gpu-memory-budget 10GiB \
