@@ -211,6 +211,19 @@ def test_a_seed_repeats_a_sampled_answer(server):
     assert first == again
 
 
+def test_n_choices_plain_and_streamed(server):
+    kwargs = dict(model=MODEL, messages=chat("Surprise me."), max_tokens=8, temperature=1.0, seed=11, n=3)
+    whole = server.client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    alone = server.client.chat.completions.create(**{**kwargs, "n": 1, "seed": 12})
+    assert whole.choices[1].message.content == alone.choices[0].message.content
+    contents = ["", "", ""]
+    for chunk in server.client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            contents[choice.index] += choice.delta.content or ""
+    assert contents == [c.message.content for c in whole.choices]
+
+
 def test_penalties_and_template_kwargs_are_accepted(server):
     r = server.client.chat.completions.create(
         model=MODEL,
@@ -242,7 +255,7 @@ def expect_error(status, call, param=None, code=None):
 def test_every_bad_request_is_an_openai_error(server):
     c = server.client.chat.completions
     ok = dict(model=MODEL, messages=chat("hi"))
-    expect_error(400, lambda: c.create(n=2, **ok), param="n")
+    expect_error(400, lambda: c.create(n=0, **ok), param="n")
     expect_error(400, lambda: c.create(max_tokens=-1, **ok), param="max_tokens")
     expect_error(400, lambda: c.create(max_completion_tokens=0, **ok), param="max_completion_tokens")
     expect_error(400, lambda: c.create(temperature=-0.5, **ok), param="temperature")

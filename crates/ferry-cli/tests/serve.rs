@@ -109,6 +109,125 @@ fn a_repeated_prompt_is_answered_from_the_prefix_cache_unless_it_is_off() {
 }
 
 #[test]
+fn n_choices_are_the_answers_of_their_seeds_share_the_prompt_and_stream_by_index() {
+    let server = Server::start(&[]);
+    let prompt = "Tell me about ferries. ".repeat(8);
+    let sampled = |extra: Value| {
+        let mut params = json!({"max_tokens": 8, "temperature": 1.0});
+        params
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        chat(&prompt, params)
+    };
+    let request = sampled(json!({"seed": 7, "n": 3}));
+    let (status, whole) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{whole}");
+    let choices = whole["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{whole}");
+    // The first choice computed the prompt; the other two started from its blocks in the prefix cache.
+    let prompt_tokens = whole["usage"]["prompt_tokens"].as_u64().unwrap();
+    let reusable = (prompt_tokens - 1) / 16 * 16;
+    assert!(reusable > 0);
+    assert_eq!(
+        server.metric("ferry_prefix_cache_hit_tokens_total"),
+        (2 * reusable) as f64
+    );
+    // Choice i is the answer of a one-choice request with seed 7 + i.
+    let mut completion_tokens = 0;
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        let (_, single) = server.post("/v1/chat/completions", &sampled(json!({"seed": 7 + i})));
+        assert_eq!(choice["message"], single["choices"][0]["message"], "choice {i}");
+        assert_eq!(
+            choice["finish_reason"], single["choices"][0]["finish_reason"],
+            "choice {i}"
+        );
+        assert_eq!(single["usage"]["prompt_tokens"], prompt_tokens);
+        completion_tokens += single["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert_ne!(
+        choices[0]["message"], choices[1]["message"],
+        "other seeds, other answers"
+    );
+    assert_eq!(whole["usage"]["completion_tokens"], completion_tokens);
+    assert_eq!(whole["usage"]["total_tokens"], prompt_tokens + completion_tokens);
+
+    // Streamed, each choice's deltas join into its answer, each choice ends once, and one usage chunk ends it all.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = server.post_stream("/v1/chat/completions", &streamed);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    for (i, choice) in choices.iter().enumerate() {
+        let of_choice = || {
+            chunks
+                .iter()
+                .flat_map(|c| c["choices"].as_array().unwrap())
+                .filter(|c| c["index"] == i)
+        };
+        let content: String = of_choice().filter_map(|c| c["delta"]["content"].as_str()).collect();
+        let reasoning: String = of_choice()
+            .filter_map(|c| c["delta"]["reasoning_content"].as_str())
+            .collect();
+        assert_eq!(
+            content,
+            choice["message"]["content"].as_str().unwrap_or(""),
+            "choice {i}"
+        );
+        assert_eq!(
+            reasoning,
+            choice["message"]["reasoning_content"].as_str().unwrap_or(""),
+            "choice {i}"
+        );
+        let finishes: Vec<&Value> = of_choice()
+            .map(|c| &c["finish_reason"])
+            .filter(|r| !r.is_null())
+            .collect();
+        assert_eq!(finishes, vec![&choice["finish_reason"]], "choice {i}");
+    }
+    let usage: Vec<&Value> = chunks.iter().map(|c| &c["usage"]).filter(|u| !u.is_null()).collect();
+    assert_eq!(usage.len(), 1);
+    for field in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(usage[0][field], whole["usage"][field], "{field}");
+    }
+
+    // Text completions: each choice's logprobs count their text offsets from its own start.
+    let text = json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 1.0,
+                      "seed": 3, "n": 2, "logprobs": 1});
+    let (status, whole) = server.post("/v1/completions", &text);
+    assert_eq!(status, 200, "{whole}");
+    for (i, choice) in whole["choices"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["logprobs"]["text_offset"][0], 0, "{choice}");
+        let mut single = text.clone();
+        single["n"] = json!(1);
+        single["seed"] = json!(3 + i);
+        let (_, single) = server.post("/v1/completions", &single);
+        assert_eq!(choice["text"], single["choices"][0]["text"], "choice {i}");
+    }
+}
+
+#[test]
+fn more_choices_than_the_server_runs_at_once_is_a_400_naming_n() {
+    let server = Server::start(&["--max-running-requests", "1", "--max-queued-requests", "1"]);
+    let (status, error) = server.post("/v1/chat/completions", &chat("hi", json!({"n": 3})));
+    assert_eq!(status, 400, "{error}");
+    assert_eq!(error["error"]["param"], "n");
+    assert!(
+        error["error"]["message"].as_str().unwrap().contains("more than the 2"),
+        "{error}"
+    );
+    let (status, answer) = server.post("/v1/chat/completions", &chat("hi", json!({"n": 2, "max_tokens": 2})));
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"].as_array().unwrap().len(), 2);
+}
+
+#[test]
 fn bad_requests_get_openai_errors_naming_the_field() {
     let server = Server::start(&["--max-model-len", "64"]);
     let (status, body) = server.request("POST", "/v1/chat/completions", Some("{\"messages\": ["), Some(KEY));
@@ -126,7 +245,7 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         (json!({"messages": user, "max_tokens": "ten"}), "max_tokens"),
         (json!({"messages": user, "temperature": -1}), "temperature"),
         (json!({"messages": user, "top_p": 2}), "top_p"),
-        (json!({"messages": user, "n": 2}), "n"),
+        (json!({"messages": user, "n": 0}), "n"),
         (json!({"messages": user, "presence_penalty": 9}), "presence_penalty"),
         (json!({"messages": user, "stop": 7}), "stop"),
         (json!({"messages": user, "stop": vec!["x"; 17]}), "stop"),

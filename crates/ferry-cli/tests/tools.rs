@@ -130,6 +130,34 @@ fn forced_choices_give_the_calls_the_scripted_model_makes_unforced_plain_and_str
     assert_eq!((calls, finish.as_str()), (expected[..1].to_vec(), "tool_calls"));
     let (_, calls, _) = streamed_answer(&server, &named);
     assert_eq!(calls, expected[..1].to_vec());
+
+    // Two choices: each makes the scripted calls, with ids of its own.
+    let (status, whole) = server.post("/v1/chat/completions", &body(json!({"n": 2})));
+    assert_eq!(status, 200, "{whole}");
+    let mut ids = vec![];
+    for (i, choice) in whole["choices"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(
+            (choice["index"].clone(), &choice["finish_reason"]),
+            (json!(i), &json!("tool_calls"))
+        );
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        let named: Vec<(String, Value)> = calls
+            .iter()
+            .map(|c| {
+                let arguments = c["function"]["arguments"].as_str().unwrap();
+                (
+                    c["function"]["name"].as_str().unwrap().to_string(),
+                    serde_json::from_str(arguments).unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(named, expected, "choice {i}");
+        ids.extend(calls.iter().map(|c| c["id"].as_str().unwrap().to_string()));
+    }
+    assert_eq!(ids.len(), 4);
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 4, "every call has an id of its own: {whole}");
 }
 
 /// Checks calls against the tools [`clock`] and [`weather`] with `cities`.

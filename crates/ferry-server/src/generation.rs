@@ -68,6 +68,7 @@ pub enum Output {
 
 /// Turns the engine's text into pieces: reasoning split from content, then tool calls out of the content, so that
 /// a call written while reasoning stays reasoning; or, for Harmony's channels, all three by one parser.
+#[derive(Clone)]
 pub struct PieceParser {
     reasoning: Option<ReasoningParser>,
     tools: Option<ToolCallParser>,
@@ -180,9 +181,35 @@ fn pieces(split: Split, ends_in_reasoning: bool) -> Vec<Piece> {
     }
 }
 
-/// A request admitted to the engine, until its last event. Dropping it before the engine finished cancels it.
+/// A place among the requests the server runs or queues at once ([`admit`]), given back when dropped.
+pub struct Slot {
+    state: AppState,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.state.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Admits `n` requests at once (the choices of one response), or none: a 503 when fewer than `n` places are free.
+pub fn admit(state: &AppState, n: usize) -> Result<Vec<Slot>, ApiError> {
+    let limit = state.0.config.max_in_flight;
+    if state.0.in_flight.fetch_add(n, Ordering::AcqRel) + n > limit {
+        state.0.in_flight.fetch_sub(n, Ordering::AcqRel);
+        return Err(ApiError::unavailable(
+            format!("the server is busy: {limit} requests are running or queued; retry later"),
+            QUEUE_FULL,
+        ));
+    }
+    Ok((0..n).map(|_| Slot { state: state.clone() }).collect())
+}
+
+/// A request admitted to the engine, until its last event. Dropping it before the engine finished cancels it
+/// (and then gives its place back).
 struct InFlight {
     state: AppState,
+    _slot: Slot,
     model: Arc<LoadedModel>,
     id: RequestId,
     prompt_tokens: usize,
@@ -221,7 +248,6 @@ impl Drop for InFlight {
             self.model.engine.cancel(self.id);
             self.finish("cancelled");
         }
-        self.state.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -258,14 +284,12 @@ impl Generation {
         request: Request,
         parser: PieceParser,
     ) -> Result<Generation, ApiError> {
-        let limit = state.0.config.max_in_flight;
-        if state.0.in_flight.fetch_add(1, Ordering::AcqRel) >= limit {
-            state.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Err(ApiError::unavailable(
-                format!("the server is busy: {limit} requests are running or queued; retry later"),
-                QUEUE_FULL,
-            ));
-        }
+        let slot = admit(state, 1)?.pop().expect("one slot admitted");
+        Ok(Generation::submit(slot, model, request, parser))
+    }
+
+    /// Hands a request admitted to `slot` to the engine.
+    pub fn submit(slot: Slot, model: &Arc<LoadedModel>, request: Request, parser: PieceParser) -> Generation {
         let (sender, events) = unbounded_channel();
         let prompt_tokens = request.prompt_ids.len();
         let stop_strings = request.stop_strings.clone();
@@ -273,7 +297,8 @@ impl Generation {
             .engine
             .submit(request, Box::new(move |event| sender.send(event).is_ok()));
         let in_flight = InFlight {
-            state: state.clone(),
+            state: slot.state.clone(),
+            _slot: slot,
             model: model.clone(),
             id,
             prompt_tokens,
@@ -282,14 +307,14 @@ impl Generation {
             submitted: Instant::now(),
             last_token: None,
         };
-        Ok(Generation {
+        Generation {
             in_flight,
             events,
             parser,
             stop_strings,
             logprobs: vec![],
             ended: false,
-        })
+        }
     }
 
     /// The next output; None once it finished or failed.

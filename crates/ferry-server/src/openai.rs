@@ -1,7 +1,8 @@
 //! The OpenAI renderer: chat completions (reasoning in `reasoning_content`, tool calls in `tool_calls`) and text
-//! completions over the
-//! protocol-neutral layer (chat.rs, generation.rs), each as one JSON object or as server-sent events ending with
-//! `data: [DONE]`; logprobs ride with the text of the tokens they are about (sampling.rs renders them).
+//! completions over the protocol-neutral layer (chat.rs, generation.rs), each as one JSON object or as server-sent
+//! events ending with `data: [DONE]`; logprobs ride with the text of the tokens they are about (sampling.rs renders
+//! them). A request for `n` choices runs them as `n` generations of one prompt ([`Choices`]), merged into one
+//! response by their `index`.
 
 use std::cell::Cell;
 use std::convert::Infallible;
@@ -13,17 +14,17 @@ use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream::{self, StreamExt};
+use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use serde_json::{json, Map, Value};
 
 use crate::body::Body;
 use crate::chat::check_model_name;
 use crate::error::ApiError;
-use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output, Piece};
+use crate::generation::{admit, record_refusal, Finish, FinishReason, Generation, Output, Piece, PieceParser, Slot};
 use crate::params::{ChatBody, CompletionBody, OpenAiOptions};
 use crate::sampling;
 use crate::{unix_seconds, AppState, LoadedModel};
-use ferry_core::engine::TokenLogprobs;
+use ferry_core::engine::{Request, TokenLogprobs};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
@@ -42,8 +43,8 @@ struct Renderer {
     splits_reasoning: bool,
     /// The model whose tokens logprobs name, when the request asked for logprobs.
     logprobs_of: Option<Arc<LoadedModel>>,
-    /// Where the next token starts in a text completion's output (its logprobs' `text_offset`).
-    text_offset: Cell<usize>,
+    /// Per choice, where its next token starts in a text completion's output (its logprobs' `text_offset`).
+    text_offsets: Vec<Cell<usize>>,
 }
 
 /// New output: reasoning and content joined in order, and tool calls in OpenAI's shape: whole calls in a plain
@@ -57,14 +58,15 @@ struct Text {
 }
 
 impl Text {
-    fn add(&mut self, renderer: &Renderer, pieces: &[Piece], streamed: bool) {
+    /// Adds choice `choice`'s new pieces.
+    fn add(&mut self, renderer: &Renderer, choice: usize, pieces: &[Piece], streamed: bool) {
         for piece in pieces {
             match piece {
                 Piece::Reasoning(text) => self.reasoning += text,
                 Piece::Content(text) => self.content += text,
                 Piece::ToolCallStart { index, name } => {
                     let mut call = json!({
-                        "id": renderer.tool_call_id(*index), "type": "function",
+                        "id": renderer.tool_call_id(choice, *index), "type": "function",
                         "function": {"name": name, "arguments": ""},
                     });
                     if streamed {
@@ -93,10 +95,10 @@ impl Text {
         }
     }
 
-    /// One streamed chunk's output.
-    fn of(renderer: &Renderer, pieces: &[Piece]) -> Text {
+    /// One streamed chunk's output of choice `choice`.
+    fn of(renderer: &Renderer, choice: usize, pieces: &[Piece]) -> Text {
         let mut text = Text::default();
-        text.add(renderer, pieces, true);
+        text.add(renderer, choice, pieces, true);
         text
     }
 
@@ -113,12 +115,16 @@ fn finish_reason(reason: &FinishReason) -> &'static str {
     }
 }
 
-fn usage(finish: &Finish) -> Value {
+/// The usage of a response whose choices ended so: the prompt once (as the first choice computed it, the others
+/// reusing its blocks), the completions of all.
+fn usage(finishes: &[Finish]) -> Value {
+    let (prompt, cached) = finishes.first().map_or((0, 0), |f| (f.prompt_tokens, f.cached_tokens));
+    let completion: usize = finishes.iter().map(|f| f.completion_tokens).sum();
     json!({
-        "prompt_tokens": finish.prompt_tokens,
-        "prompt_tokens_details": {"cached_tokens": finish.cached_tokens},
-        "completion_tokens": finish.completion_tokens,
-        "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+        "prompt_tokens": prompt,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     })
 }
 
@@ -130,6 +136,7 @@ impl Renderer {
         splits_reasoning: bool,
         logprobs_of: Option<Arc<LoadedModel>>,
     ) -> Self {
+        let choices = options.choices;
         let prefix = match endpoint {
             Endpoint::Chat => "chatcmpl",
             Endpoint::Text => "cmpl",
@@ -142,30 +149,32 @@ impl Renderer {
             include_usage: options.include_usage,
             splits_reasoning,
             logprobs_of,
-            text_offset: Cell::new(0),
+            text_offsets: (0..choices).map(|_| Cell::new(0)).collect(),
         }
     }
 
-    /// The `logprobs` field of a choice holding these tokens: null unless the request asked for logprobs.
-    fn logprobs(&self, tokens: &[(u32, TokenLogprobs)]) -> Value {
+    /// The `logprobs` field of choice `choice` holding these tokens: null unless the request asked for logprobs.
+    fn logprobs(&self, choice: usize, tokens: &[(u32, TokenLogprobs)]) -> Value {
         let Some(model) = &self.logprobs_of else {
             return Value::Null;
         };
         match self.endpoint {
             Endpoint::Chat => sampling::chat_json(model, tokens),
             Endpoint::Text => {
-                let mut offset = self.text_offset.get();
+                let text_offset = &self.text_offsets[choice];
+                let mut offset = text_offset.get();
                 let rendered = sampling::completion_json(model, tokens, &mut offset);
-                self.text_offset.set(offset);
+                text_offset.set(offset);
                 rendered
             }
         }
     }
 
-    /// A tool call's id, unique within the response (whose id it carries) and so within the process.
-    fn tool_call_id(&self, index: usize) -> String {
+    /// The id of choice `choice`'s call `index`, unique within the response (whose id it carries) and so within
+    /// the process.
+    fn tool_call_id(&self, choice: usize, index: usize) -> String {
         let response = self.id.rsplit('-').next().unwrap_or_default();
-        format!("call_{response}{index:02x}")
+        format!("call_{response}{choice:02x}{index:02x}")
     }
 
     fn object(&self, streamed: bool) -> &'static str {
@@ -176,19 +185,20 @@ impl Renderer {
         }
     }
 
-    /// One choice's worth of new output (with the logprobs of its tokens), as a chat delta or message, or a text
+    /// Choice `index`'s new output (with the logprobs of its tokens), as a chat delta or message, or a text
     /// fragment.
     fn choice(
         &self,
+        index: usize,
         text: &Text,
         tokens: &[(u32, TokenLogprobs)],
         finish_reason: Option<&str>,
         streamed: bool,
     ) -> Value {
-        let logprobs = self.logprobs(tokens);
+        let logprobs = self.logprobs(index, tokens);
         match self.endpoint {
             Endpoint::Text => json!({
-                "index": 0, "text": text.content, "logprobs": logprobs, "finish_reason": finish_reason,
+                "index": index, "text": text.content, "logprobs": logprobs, "finish_reason": finish_reason,
             }),
             Endpoint::Chat => {
                 let mut message = Map::new();
@@ -210,7 +220,7 @@ impl Renderer {
                     message.insert("tool_calls".into(), text.tool_calls.clone().into());
                 }
                 let key = if streamed { "delta" } else { "message" };
-                json!({"index": 0, key: message, "logprobs": logprobs, "finish_reason": finish_reason})
+                json!({"index": index, key: message, "logprobs": logprobs, "finish_reason": finish_reason})
             }
         }
     }
@@ -234,44 +244,17 @@ impl Renderer {
         SseEvent::default().data(Value::Object(body).to_string())
     }
 
-    /// The SSE events for the next output: a chunk of new text, or the last ones. Logprobs of tokens whose text
-    /// is held back wait in `generation` for the chunk that carries it.
-    fn events(&self, output: Output, generation: &mut Generation) -> Vec<SseEvent> {
-        match output {
-            Output::Pieces(pieces) => {
-                let text = Text::of(self, &pieces);
-                match text.is_empty() {
-                    true => vec![],
-                    false => vec![self.chunk(self.choice(&text, &generation.take_logprobs(), None, true))],
-                }
-            }
-            Output::Finished(pieces, finish) => {
-                let text = Text::of(self, &pieces);
-                let tokens = generation.take_logprobs();
-                let mut out = vec![];
-                if !text.is_empty() || !tokens.is_empty() {
-                    out.push(self.chunk(self.choice(&text, &tokens, None, true)));
-                }
-                let reason = finish_reason(&finish.reason);
-                out.push(self.chunk(self.choice(&Text::default(), &[], Some(reason), true)));
-                if self.include_usage {
-                    let mut body = self.envelope(vec![], true);
-                    body.insert("usage".into(), usage(&finish));
-                    out.push(SseEvent::default().data(Value::Object(body).to_string()));
-                }
-                out.push(done());
-                out
-            }
-            Output::Failed(error) => vec![SseEvent::default().data(error.body().to_string()), done()],
-        }
-    }
-
-    /// The chunk that opens a streamed chat answer.
+    /// The chunks that open a streamed chat answer, one a choice.
     fn opening(&self) -> Vec<SseEvent> {
         match self.endpoint {
-            Endpoint::Chat => vec![self.chunk(json!({
-                "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null,
-            }))],
+            Endpoint::Chat => (0..self.text_offsets.len())
+                .map(|index| {
+                    self.chunk(json!({
+                        "index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null,
+                        "finish_reason": null,
+                    }))
+                })
+                .collect(),
             Endpoint::Text => vec![],
         }
     }
@@ -296,33 +279,191 @@ fn done() -> SseEvent {
     SseEvent::default().data("[DONE]")
 }
 
-/// Waits for the whole generation and answers with one JSON object.
-async fn respond_whole(renderer: Renderer, mut generation: Generation) -> Response {
-    let mut text = Text::default();
-    while let Some(output) = generation.next().await {
+/// One choice's next output and the logprobs of the tokens it generated since its last one.
+type ChoiceOutput = (usize, Output, Vec<(u32, TokenLogprobs)>);
+
+/// The `n` choices of one response, their outputs in the order they come. The first choice is submitted at once,
+/// the others once it has produced its first output: its prompt's blocks are in the prefix cache by then, so they
+/// start from them rather than each computing the prompt again. All are admitted together.
+struct Choices {
+    outputs: SelectAll<BoxStream<'static, ChoiceOutput>>,
+    /// The choices not submitted yet: index, place, request and parser.
+    waiting: Vec<(usize, Slot, Request, PieceParser)>,
+    model: Arc<LoadedModel>,
+    count: usize,
+}
+
+impl Choices {
+    /// Admits `count` generations of `request` (a 503 when the server has no room for all) and submits the first.
+    /// With a seed, choice i samples from seed + i: the response is reproducible and its choices differ.
+    fn start(
+        state: &AppState,
+        model: &Arc<LoadedModel>,
+        count: usize,
+        request: Request,
+        parser: PieceParser,
+    ) -> Result<Choices, ApiError> {
+        let limit = state.0.config.max_in_flight;
+        if count > limit {
+            return Err(ApiError::invalid_param(
+                "n",
+                format!("`n` is {count}, more than the {limit} requests this server runs or queues at once"),
+            ));
+        }
+        let mut slots = admit(state, count)?.into_iter();
+        let first = slots.next().expect("at least one choice");
+        let waiting = slots
+            .enumerate()
+            .map(|(i, slot)| {
+                let index = i + 1;
+                let mut request = request.clone();
+                request.sampling.seed = request.sampling.seed.map(|seed| seed.wrapping_add(index as u64));
+                (index, slot, request, parser.clone())
+            })
+            .collect();
+        let mut outputs = SelectAll::new();
+        outputs.push(outputs_of(0, Generation::submit(first, model, request, parser)));
+        Ok(Choices {
+            outputs,
+            waiting,
+            model: model.clone(),
+            count,
+        })
+    }
+
+    /// The next output of any choice; None once every choice ended.
+    async fn next(&mut self) -> Option<ChoiceOutput> {
+        let next = self.outputs.next().await;
+        if !matches!(next, None | Some((_, Output::Failed(_), _))) {
+            for (index, slot, request, parser) in self.waiting.drain(..) {
+                let generation = Generation::submit(slot, &self.model, request, parser);
+                self.outputs.push(outputs_of(index, generation));
+            }
+        }
+        next
+    }
+}
+
+/// Generation `index`'s outputs, each with the logprobs of its new tokens.
+fn outputs_of(index: usize, generation: Generation) -> BoxStream<'static, ChoiceOutput> {
+    stream::unfold(generation, move |mut generation| async move {
+        let output = generation.next().await?;
+        let logprobs = generation.take_logprobs();
+        Some(((index, output, logprobs), generation))
+    })
+    .boxed()
+}
+
+/// Waits for every choice and answers with one JSON object.
+async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
+    let count = choices.count;
+    let mut texts: Vec<Text> = (0..count).map(|_| Text::default()).collect();
+    let mut tokens: Vec<Vec<(u32, TokenLogprobs)>> = vec![vec![]; count];
+    let mut finishes: Vec<Option<Finish>> = vec![None; count];
+    while let Some((index, output, logprobs)) = choices.next().await {
+        tokens[index].extend(logprobs);
         match output {
-            Output::Pieces(pieces) => text.add(&renderer, &pieces, false),
+            Output::Pieces(pieces) => texts[index].add(&renderer, index, &pieces, false),
             Output::Finished(pieces, finish) => {
-                text.add(&renderer, &pieces, false);
-                let tokens = generation.take_logprobs();
-                let choice = renderer.choice(&text, &tokens, Some(finish_reason(&finish.reason)), false);
-                let mut body = renderer.envelope(vec![choice], false);
-                body.insert("usage".into(), usage(&finish));
-                return Json(Value::Object(body)).into_response();
+                texts[index].add(&renderer, index, &pieces, false);
+                finishes[index] = Some(finish);
             }
             Output::Failed(error) => return error.into_response(),
         }
     }
-    ApiError::internal("generation failed: no output").into_response()
+    let Some(finishes) = finishes.into_iter().collect::<Option<Vec<Finish>>>() else {
+        return ApiError::internal("generation failed: a choice ended without finishing").into_response();
+    };
+    let rendered = (0..count)
+        .map(|i| {
+            renderer.choice(
+                i,
+                &texts[i],
+                &tokens[i],
+                Some(finish_reason(&finishes[i].reason)),
+                false,
+            )
+        })
+        .collect();
+    let mut body = renderer.envelope(rendered, false);
+    body.insert("usage".into(), usage(&finishes));
+    Json(Value::Object(body)).into_response()
 }
 
-/// Streams the generation as server-sent events ending with `data: [DONE]`.
-fn respond_streamed(renderer: Renderer, generation: Generation) -> Response {
+/// A streamed response as it goes: the logprobs of each choice's tokens whose text is held back (they wait for
+/// the chunk that carries it), and how each choice ended.
+struct Streaming {
+    renderer: Renderer,
+    choices: Choices,
+    held: Vec<Vec<(u32, TokenLogprobs)>>,
+    finishes: Vec<Option<Finish>>,
+    ended: bool,
+}
+
+impl Streaming {
+    /// The SSE events for a choice's next output: a chunk of new text, or its last ones, and after the last
+    /// choice's the usage (when asked for) and `[DONE]`.
+    fn events(&mut self, (index, output, logprobs): ChoiceOutput) -> Vec<SseEvent> {
+        let renderer = &self.renderer;
+        self.held[index].extend(logprobs);
+        match output {
+            Output::Pieces(pieces) => {
+                let text = Text::of(renderer, index, &pieces);
+                match text.is_empty() {
+                    true => vec![],
+                    false => {
+                        let tokens = std::mem::take(&mut self.held[index]);
+                        vec![renderer.chunk(renderer.choice(index, &text, &tokens, None, true))]
+                    }
+                }
+            }
+            Output::Finished(pieces, finish) => {
+                let text = Text::of(renderer, index, &pieces);
+                let tokens = std::mem::take(&mut self.held[index]);
+                let mut out = vec![];
+                if !text.is_empty() || !tokens.is_empty() {
+                    out.push(renderer.chunk(renderer.choice(index, &text, &tokens, None, true)));
+                }
+                let reason = finish_reason(&finish.reason);
+                out.push(renderer.chunk(renderer.choice(index, &Text::default(), &[], Some(reason), true)));
+                self.finishes[index] = Some(finish);
+                if let Some(finishes) = self.finishes.iter().cloned().collect::<Option<Vec<Finish>>>() {
+                    if renderer.include_usage {
+                        let mut body = renderer.envelope(vec![], true);
+                        body.insert("usage".into(), usage(&finishes));
+                        out.push(SseEvent::default().data(Value::Object(body).to_string()));
+                    }
+                    out.push(done());
+                    self.ended = true;
+                }
+                out
+            }
+            Output::Failed(error) => {
+                self.ended = true;
+                vec![SseEvent::default().data(error.body().to_string()), done()]
+            }
+        }
+    }
+}
+
+/// Streams the choices as server-sent events ending with `data: [DONE]`.
+fn respond_streamed(renderer: Renderer, choices: Choices) -> Response {
     let opening = renderer.opening();
-    let rest = stream::unfold((renderer, generation), |(renderer, mut generation)| async move {
-        let output = generation.next().await?;
-        let events = renderer.events(output, &mut generation);
-        Some((events, (renderer, generation)))
+    let count = choices.count;
+    let streaming = Streaming {
+        renderer,
+        choices,
+        held: vec![vec![]; count],
+        finishes: vec![None; count],
+        ended: false,
+    };
+    let rest = stream::unfold(streaming, |mut streaming| async move {
+        if streaming.ended {
+            return None;
+        }
+        let output = streaming.choices.next().await?;
+        let events = streaming.events(output);
+        Some((events, streaming))
     });
     let all = stream::iter([opening])
         .chain(rest)
@@ -331,13 +472,13 @@ fn respond_streamed(renderer: Renderer, generation: Generation) -> Response {
     Sse::new(all).keep_alive(KeepAlive::default()).into_response()
 }
 
-/// A request read, admitted and submitted: how to render it, its output, and whether to stream it.
-type Started = (Renderer, Generation, bool);
+/// A request read, admitted and submitted: how to render it, its choices, and whether to stream it.
+type Started = (Renderer, Choices, bool);
 
 async fn respond(state: AppState, started: Result<Started, ApiError>) -> Response {
     match started {
-        Ok((renderer, generation, true)) => respond_streamed(renderer, generation),
-        Ok((renderer, generation, false)) => respond_whole(renderer, generation).await,
+        Ok((renderer, choices, true)) => respond_streamed(renderer, choices),
+        Ok((renderer, choices, false)) => respond_whole(renderer, choices).await,
         Err(error) => {
             record_refusal(&state, &error);
             error.into_response()
@@ -352,8 +493,8 @@ fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let (request, parser) = chat.prepare(&model)?.start(state, &model, &chat.params, "messages")?;
     let logprobs_of = chat.params.logprobs.map(|_| model.clone());
     let renderer = Renderer::new(state, Endpoint::Chat, &options, parser.splits_reasoning(), logprobs_of);
-    let generation = Generation::start(state, &model, request, parser)?;
-    Ok((renderer, generation, chat.params.stream))
+    let choices = Choices::start(state, &model, options.choices, request, parser)?;
+    Ok((renderer, choices, chat.params.stream))
 }
 
 fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
@@ -367,8 +508,8 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let (request, parser) = prompt.prepare(&model)?.start(state, &model, &params, "prompt")?;
     let logprobs_of = params.logprobs.map(|_| model.clone());
     let renderer = Renderer::new(state, Endpoint::Text, &options, false, logprobs_of);
-    let generation = Generation::start(state, &model, request, parser)?;
-    Ok((renderer, generation, params.stream))
+    let choices = Choices::start(state, &model, options.choices, request, parser)?;
+    Ok((renderer, choices, params.stream))
 }
 
 pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {

@@ -21,11 +21,13 @@ pub const NO_ACTION_FIELDS: &[&str] = &[
 ];
 
 /// What an OpenAI body says besides the neutral request.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct OpenAiOptions {
     pub model: Option<String>,
     /// `stream_options.include_usage`: a last chunk with the usage.
     pub include_usage: bool,
+    /// `n`: how many choices to generate for the prompt (1 when not given).
+    pub choices: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -44,14 +46,6 @@ pub struct CompletionBody {
 /// The fields chat and text completions share. `max_tokens_fields` are the names that set the output limit, in
 /// order of preference.
 fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<GenerationParams, ApiError> {
-    if let Some(n) = body.integer("n")? {
-        if n != 1 {
-            return Err(ApiError::invalid_param(
-                "n",
-                format!("only one choice per request is supported (`n` = 1), got {n}"),
-            ));
-        }
-    }
     let mut max_tokens = None;
     for name in max_tokens_fields {
         max_tokens = max_tokens.or(body.positive(name)?);
@@ -117,6 +111,7 @@ fn options(body: &Body) -> Result<OpenAiOptions, ApiError> {
     Ok(OpenAiOptions {
         model: body.string("model")?,
         include_usage,
+        choices: body.positive("n")?.unwrap_or(1),
     })
 }
 
@@ -314,7 +309,7 @@ mod tests {
                 {"role": "assistant", "content": null}
             ],
             "max_completion_tokens": 5, "max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": -1,
-            "seed": 3, "stop": "x", "presence_penalty": 1, "frequency_penalty": -1, "n": 1,
+            "seed": 3, "stop": "x", "presence_penalty": 1, "frequency_penalty": -1, "n": 3,
             "stream": true, "stream_options": {"include_usage": true},
             "chat_template_kwargs": {"enable_thinking": false}
         }))
@@ -329,6 +324,14 @@ mod tests {
         );
         assert_eq!(p.stop, vec!["x".to_string()]);
         assert!(p.stream && body.options.include_usage);
+        assert_eq!(body.options.choices, 3);
+        assert_eq!(
+            chat(json!({"messages": [{"role": "user", "content": "hi"}]}))
+                .unwrap()
+                .options
+                .choices,
+            1
+        );
         assert_eq!(body.chat.template_kwargs["enable_thinking"], json!(false));
     }
 
@@ -355,7 +358,8 @@ mod tests {
             ("top_p", json!(1.5)),
             ("top_p", json!(0)),
             ("top_k", json!(-2)),
-            ("n", json!(2)),
+            ("n", json!(0)),
+            ("n", json!(1.5)),
             ("stop", json!([1])),
             ("presence_penalty", json!(2.5)),
             ("frequency_penalty", json!(-3)),

@@ -12,7 +12,7 @@ pub struct Split {
     pub content: String,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ReasoningParser {
     in_reasoning: bool,
     /// At the start and just after `</think>`: the newlines the model puts before its answer (or, GLM-4.5, before

@@ -13,7 +13,7 @@ const KEY_END: &str = "</arg_key>";
 const VALUE: &str = "<arg_value>";
 const VALUE_END: &str = "</arg_value>";
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct GlmCall {
     buffer: String,
     /// The function, once its name was read and is a known tool's.
@@ -74,6 +74,10 @@ impl GlmCall {
 }
 
 impl CallBody for GlmCall {
+    fn boxed_clone(&self) -> Box<dyn CallBody + Send> {
+        Box::new(self.clone())
+    }
+
     fn feed(&mut self, text: &str, tools: &[ToolSpec], index: usize, out: &mut Vec<ToolEvent>) {
         if self.invalid {
             return;

@@ -33,6 +33,7 @@ enum Body {
     Call,
 }
 
+#[derive(Clone)]
 pub struct HarmonyParser {
     /// The markup tokens' ids.
     markers: Vec<(u32, &'static str)>,

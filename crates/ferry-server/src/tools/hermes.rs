@@ -5,9 +5,14 @@ use serde_json::{Map, Value};
 
 use super::{tool, CallBody, ToolEvent, ToolSpec};
 
+#[derive(Clone)]
 pub struct HermesCall;
 
 impl CallBody for HermesCall {
+    fn boxed_clone(&self) -> Box<dyn CallBody + Send> {
+        Box::new(self.clone())
+    }
+
     fn feed(&mut self, _text: &str, _tools: &[ToolSpec], _index: usize, _out: &mut Vec<ToolEvent>) {}
 
     fn close(&mut self, raw: &str, tools: &[ToolSpec], index: usize, out: &mut Vec<ToolEvent>) -> bool {

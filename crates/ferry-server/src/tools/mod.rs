@@ -49,6 +49,7 @@ pub enum ToolCallFormat {
 }
 
 /// The tags around one call, and those around a group of calls (never content).
+#[derive(Clone)]
 struct Markup {
     open: &'static str,
     close: &'static str,
@@ -149,6 +150,8 @@ pub enum ToolEvent {
 
 /// The inside of one `<tool_call>` in a given format.
 trait CallBody {
+    /// A copy in the same state: the parser of another output of the same request continues from it.
+    fn boxed_clone(&self) -> Box<dyn CallBody + Send>;
     /// Body text that is certainly before the closing tag; may emit the call's start and argument pieces.
     fn feed(&mut self, text: &str, tools: &[ToolSpec], index: usize, out: &mut Vec<ToolEvent>);
     /// The call ended (closing tag, or the end of generation) with `raw` its whole body. True when it was a call of
@@ -204,8 +207,19 @@ struct OpenCall {
     raw: String,
 }
 
+impl Clone for OpenCall {
+    fn clone(&self) -> Self {
+        OpenCall {
+            body: self.body.boxed_clone(),
+            lead: self.lead.clone(),
+            raw: self.raw.clone(),
+        }
+    }
+}
+
 /// Splits streamed text into content and tool calls. Whitespace around calls is not content (it separates the
 /// calls from the text); a `<tool_call>` that holds no call of a known tool goes out as the text it was.
+#[derive(Clone)]
 pub struct ToolCallParser {
     format: ToolCallFormat,
     markup: Markup,

@@ -11,7 +11,7 @@ pub const SEPARATOR: &str = "<｜tool▁sep｜>";
 pub const CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
 pub const CALLS_END: &str = "<｜tool▁calls▁end｜>";
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct NamedJsonCall {
     /// The name as far as it was written, until the separator.
     name: String,
@@ -38,6 +38,10 @@ impl NamedJsonCall {
 }
 
 impl CallBody for NamedJsonCall {
+    fn boxed_clone(&self) -> Box<dyn CallBody + Send> {
+        Box::new(self.clone())
+    }
+
     fn feed(&mut self, text: &str, tools: &[ToolSpec], index: usize, out: &mut Vec<ToolEvent>) {
         if self.invalid {
             return;

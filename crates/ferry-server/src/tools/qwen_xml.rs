@@ -13,7 +13,7 @@ const FUNCTION_END: &str = "</function>";
 const PARAMETER: &str = "<parameter=";
 const PARAMETER_END: &str = "</parameter>";
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct XmlCall {
     buffer: String,
     /// The function, once `<function=NAME>` named a known one.
@@ -85,6 +85,10 @@ impl XmlCall {
 }
 
 impl CallBody for XmlCall {
+    fn boxed_clone(&self) -> Box<dyn CallBody + Send> {
+        Box::new(self.clone())
+    }
+
     fn feed(&mut self, text: &str, tools: &[ToolSpec], index: usize, out: &mut Vec<ToolEvent>) {
         if self.done || self.invalid {
             return;
