@@ -364,4 +364,27 @@ fn every_request_is_logged_once_without_colour_codes() {
         .collect();
     assert_eq!((refused.len(), generated.len()), (1, 1), "{log}");
     assert!(!log.contains('\x1b'), "colour codes in a piped log:\n{log}");
+
+    // Three choices are one request: one line, with the completions of all three.
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "ferries", "max_tokens": 3, "n": 3}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    let accepted = "POST /v1/completions 200";
+    let counts = format!("prompt_tokens={prompt_tokens} completion_tokens=9 outcome=length");
+    let deadline = Instant::now() + PATIENCE;
+    while !server.log().contains(&counts) {
+        assert!(
+            Instant::now() < deadline,
+            "no access line for the choices:\n{}",
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = server.log();
+    let lines: Vec<_> = log.lines().filter(|l| l.contains(accepted)).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(lines[0].contains(&counts), "{log}");
 }

@@ -33,13 +33,16 @@ tokio::task_local! {
     static RECORD: Record;
 }
 
-/// Notes how the current request's generation ended (stop, length, cancelled, error) and its token counts.
+/// Notes how the current request's generation ended (stop, length, cancelled, error) and its token counts. The
+/// choices of one response (OpenAI's `n`) add up: the prompt once, every choice's completion, the last outcome.
 pub(crate) fn record_generation(outcome: &'static str, prompt_tokens: usize, completion_tokens: usize) {
     let _ = RECORD.try_with(|record| {
-        *record.lock().unwrap_or_else(|e| e.into_inner()) = Some(Generation {
+        let mut record = record.lock().unwrap_or_else(|e| e.into_inner());
+        let earlier = record.unwrap_or_default();
+        *record = Some(Generation {
             outcome,
             prompt_tokens,
-            completion_tokens,
+            completion_tokens: earlier.completion_tokens + completion_tokens,
         });
     });
 }
