@@ -120,6 +120,7 @@ fn generate_on<B: Backend>(
         stop: StopRules {
             eos_token_ids: checkpoint.eos_token_ids(),
             ignore_eos: args.ignore_eos,
+            ..StopRules::default()
         },
         ..Request::new(prompt_ids.clone(), args.max_tokens)
     };

@@ -191,6 +191,52 @@ fn a_structured_output_comes_after_the_thinking() {
 }
 
 #[test]
+fn stop_token_ids_end_the_output_and_min_tokens_holds_them_back() {
+    let server = Server::start(&[]);
+    // Sampled with a seed (the random model's greedy output repeats itself): the same tokens every time.
+    let body = json!({"prompt": "Once upon", "max_tokens": 8, "temperature": 1, "seed": 2, "ignore_eos": true,
+                      "logprobs": 0});
+    let free = ok(&server, "/v1/completions", &body);
+    let tokens: Vec<String> = serde_json::from_value(free["choices"][0]["logprobs"]["tokens"].clone()).unwrap();
+    // A token from the third on that is one token alone and new to the output: it will end it.
+    let id_of = |text: &str| -> Vec<u64> {
+        serde_json::from_value(
+            ok(
+                &server,
+                "/tokenize",
+                &json!({"prompt": text, "add_special_tokens": false}),
+            )["tokens"]
+                .clone(),
+        )
+        .unwrap()
+    };
+    let (at, id) = (2..tokens.len())
+        .find_map(|k| match id_of(&tokens[k])[..] {
+            [id] if !tokens[..k].contains(&tokens[k]) => Some((k, id)),
+            _ => None,
+        })
+        .expect("a token that is one token alone");
+    let mut stopped = body.clone();
+    stopped["stop_token_ids"] = json!([id]);
+    let answer = ok(&server, "/v1/completions", &stopped);
+    let choice = &answer["choices"][0];
+    assert_eq!(choice["finish_reason"], "stop", "{answer}");
+    assert_eq!(
+        choice["text"],
+        tokens[..at].concat(),
+        "the stop token's text is not output"
+    );
+    assert_eq!(answer["usage"]["completion_tokens"], at + 1);
+    // With min_tokens past it, the stop token is out of the running at that position: the output goes on.
+    stopped["min_tokens"] = json!(at + 1);
+    let answer = ok(&server, "/v1/completions", &stopped);
+    let later: Vec<String> = serde_json::from_value(answer["choices"][0]["logprobs"]["tokens"].clone()).unwrap();
+    assert!(later.len() > at + 1, "{answer}");
+    assert_eq!(later[..at], tokens[..at]);
+    assert_ne!(later[at], tokens[at]);
+}
+
+#[test]
 fn bad_sampling_values_are_400s_naming_the_field() {
     let server = Server::start(&[]);
     let schema_of = |schema: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});
@@ -201,6 +247,11 @@ fn bad_sampling_values_are_400s_naming_the_field() {
         ("top_logprobs", json!(21), "top_logprobs"),
         ("min_p", json!(1.5), "min_p"),
         ("repetition_penalty", json!(0), "repetition_penalty"),
+        ("stop_token_ids", json!([1, -2]), "stop_token_ids"),
+        ("stop_token_ids", json!(5), "stop_token_ids"),
+        ("stop_token_ids", json!([100000]), "stop_token_ids"),
+        ("min_tokens", json!(-1), "min_tokens"),
+        ("min_tokens", json!(7), "min_tokens"),
         ("response_format", json!({"type": "yaml"}), "response_format.type"),
         (
             "response_format",
@@ -227,6 +278,14 @@ fn bad_sampling_values_are_400s_naming_the_field() {
         assert_eq!(status, 400, "{field}: {error}");
         assert_eq!(error["error"]["param"], param, "{error}");
     }
+    // A grammar may allow nothing but the end, which min_tokens would hold back.
+    let constrained = chat(json!({"min_tokens": 2, "response_format": {"type": "json_object"}}));
+    let (status, error) = server.post("/v1/chat/completions", &constrained);
+    assert_eq!(
+        (status, &error["error"]["param"]),
+        (400, &json!("min_tokens")),
+        "{error}"
+    );
     let (status, error) = server.post("/v1/chat/completions", &chat(json!({"top_logprobs": 2})));
     assert_eq!((status, error["error"]["param"].clone()), (400, json!("top_logprobs")));
     let text = json!({"prompt": "hi", "max_tokens": 2, "logprobs": 6});

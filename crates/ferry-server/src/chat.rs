@@ -43,6 +43,10 @@ pub struct GenerationParams {
     pub response_format: Option<ResponseFormat>,
     /// Generate past end-of-sequence tokens (vLLM's extension; benchmarks use it to fix the output length).
     pub ignore_eos: bool,
+    /// More tokens that end the output (vLLM's `stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
+    /// No end before this many tokens (vLLM's `min_tokens`; see [`StopRules::min_tokens`]).
+    pub min_tokens: usize,
     /// Answer as a stream of events rather than one object.
     pub stream: bool,
 }
@@ -270,6 +274,13 @@ impl PreparedPrompt {
             )?),
             (None, None) => None,
         };
+        if request.constraint.is_some() && params.min_tokens > 0 {
+            // The grammar may allow nothing but the end of the output, which min_tokens would hold back too.
+            return Err(ApiError::invalid_param(
+                "min_tokens",
+                "`min_tokens` cannot be combined with `response_format` or a forced `tool_choice`",
+            ));
+        }
         request.thinking_budget = self.thinking_budget;
         Ok((request, self.parser))
     }
@@ -323,18 +334,22 @@ fn engine_request(
         )
         .with_code("context_length_exceeded"));
     }
-    if let Some((id, _)) = params
-        .logit_bias
-        .iter()
-        .find(|(id, _)| *id as usize >= model.vocab_size)
-    {
-        return Err(ApiError::invalid_param(
+    for (field, ids) in [
+        (
             "logit_bias",
-            format!(
-                "`logit_bias`: token id {id} is outside the vocabulary (size {})",
-                model.vocab_size
-            ),
-        ));
+            params.logit_bias.iter().map(|&(id, _)| id).collect::<Vec<u32>>(),
+        ),
+        ("stop_token_ids", params.stop_token_ids.clone()),
+    ] {
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= model.vocab_size) {
+            return Err(ApiError::invalid_param(
+                field,
+                format!(
+                    "`{field}`: token id {id} is outside the vocabulary (size {})",
+                    model.vocab_size
+                ),
+            ));
+        }
     }
     let room = window - prompt_ids.len();
     let defaults = model.defaults;
@@ -357,6 +372,8 @@ fn engine_request(
         stop: StopRules {
             eos_token_ids: model.eos_token_ids.clone(),
             ignore_eos: params.ignore_eos,
+            stop_token_ids: params.stop_token_ids.clone(),
+            min_tokens: params.min_tokens,
         },
         thinking_budget: None,
         prompt_ids,

@@ -83,8 +83,47 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         logprobs: None,
         response_format: sampling::response_format(body)?,
         ignore_eos: body.boolean("ignore_eos")?,
+        stop_token_ids: token_ids(body, "stop_token_ids")?,
+        min_tokens: min_tokens(body, max_tokens)?,
         stream: body.boolean("stream")?,
     })
+}
+
+/// A list of token ids (vLLM's `stop_token_ids`); their range is checked against the model's vocabulary later.
+fn token_ids(body: &Body, name: &str) -> Result<Vec<u32>, ApiError> {
+    let Some(value) = body.raw(name) else {
+        return Ok(vec![]);
+    };
+    let bad = || ApiError::invalid_param(name, format!("`{name}` must be an array of token ids"));
+    match value {
+        Value::Null => Ok(vec![]),
+        Value::Array(items) => items
+            .iter()
+            .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(bad))
+            .collect(),
+        _ => Err(bad()),
+    }
+}
+
+/// vLLM's `min_tokens`: at least 0, and no more than the output limit when there is one.
+fn min_tokens(body: &Body, max_tokens: Option<usize>) -> Result<usize, ApiError> {
+    let min = match body.integer("min_tokens")? {
+        None => return Ok(0),
+        Some(n) if n < 0 => {
+            return Err(ApiError::invalid_param(
+                "min_tokens",
+                format!("`min_tokens` must be at least 0, got {n}"),
+            ))
+        }
+        Some(n) => n as usize,
+    };
+    match max_tokens {
+        Some(max) if min > max => Err(ApiError::invalid_param(
+            "min_tokens",
+            format!("`min_tokens` ({min}) is more than the output limit ({max})"),
+        )),
+        _ => Ok(min),
+    }
 }
 
 /// transformers' `repetition_penalty` (vLLM's extension): greater than 0, 1 for none.

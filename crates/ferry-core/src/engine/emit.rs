@@ -96,7 +96,8 @@ impl Emitter {
         decoder: &dyn TextDecoder,
         max_model_len: usize,
     ) -> Result<Emitted> {
-        let logits = self.shaped_logits(request, logits)?;
+        let generated = tokens.len() - request.prompt_ids.len();
+        let logits = self.shaped_logits(request, logits, generated)?;
         let forced = self.thinking.as_ref().and_then(Thinking::forced);
         let id = forced.unwrap_or_else(|| self.sampler.sample(&logits));
         if let Some(thinking) = &mut self.thinking {
@@ -112,12 +113,16 @@ impl Emitter {
         if request.repetition_penalty != 1.0 {
             self.seen.insert(id);
         }
-        let eos = !request.stop.ignore_eos && request.stop.eos_token_ids.contains(&id);
-        let generated = tokens.len() - request.prompt_ids.len();
+        let rules = &request.stop;
+        let eos = (!rules.ignore_eos && rules.eos_token_ids.contains(&id)) || rules.stop_token_ids.contains(&id);
+        let generated = generated + 1;
         let out_of_room = generated >= request.max_tokens || tokens.len() >= max_model_len;
         let ending = eos || grammar_complete || out_of_room;
         let piece = self.released_text(decoder, id, eos, ending)?;
-        let (mut text, stopped) = self.stop_strings.push(&piece);
+        let (mut text, stopped) = match generated >= rules.min_tokens {
+            true => self.stop_strings.push(&piece),
+            false => (self.stop_strings.pass(&piece), None),
+        };
         if ending && stopped.is_none() {
             text += &self.stop_strings.flush();
         }
@@ -135,9 +140,10 @@ impl Emitter {
         })
     }
 
-    /// The logits the sampler and logprobs see: after the penalties, the bias and the grammar's mask, in that order.
-    /// Copied (a vocabulary's worth) only when one of them applies.
-    fn shaped_logits<'a>(&mut self, request: &Request, logits: &'a [f32]) -> Result<Cow<'a, [f32]>> {
+    /// The logits the sampler and logprobs see, `generated` tokens into the output: after the penalties, the bias,
+    /// the ends that min_tokens holds back and the grammar's mask, in that order. Copied (a vocabulary's worth) only
+    /// when one of them applies.
+    fn shaped_logits<'a>(&mut self, request: &Request, logits: &'a [f32], generated: usize) -> Result<Cow<'a, [f32]>> {
         let mut logits = Cow::Borrowed(logits);
         if request.repetition_penalty != 1.0 {
             apply_repetition_penalty(logits.to_mut(), &self.seen, request.repetition_penalty);
@@ -152,6 +158,16 @@ impl Emitter {
         }
         if !request.logit_bias.is_empty() {
             apply_logit_bias(logits.to_mut(), &request.logit_bias);
+        }
+        let rules = &request.stop;
+        if generated < rules.min_tokens {
+            let eos = rules.eos_token_ids.iter().filter(|_| !rules.ignore_eos);
+            let logits = logits.to_mut();
+            for &id in eos.chain(&rules.stop_token_ids) {
+                if let Some(logit) = logits.get_mut(id as usize) {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
         }
         if let Some(constraint) = &mut self.constraint {
             constraint.mask(logits.to_mut())?;
@@ -268,6 +284,41 @@ pub(super) mod tests {
         );
         eos.stop.ignore_eos = true;
         assert_eq!(emit_all(&eos, &bcei, 16).0, "bceid", "eos ignored");
+    }
+
+    #[test]
+    fn stop_tokens_end_generation_whatever_ignore_eos_and_min_tokens_holds_every_end_back() {
+        let bcei = steps(&[1, 2, 4, 8, 3]);
+        let mut stop_token = request(6);
+        stop_token.stop.stop_token_ids = vec![4];
+        stop_token.stop.ignore_eos = true;
+        assert_eq!(
+            emit_all(&stop_token, &bcei, 16),
+            ("bc".into(), vec![1, 2, 4], Some(FinishReason::Stop))
+        );
+        // eos (4) is the greedy choice from the second token on, 5 close behind: min_tokens 3 keeps 4 out of the
+        // first three tokens, so the fourth is the first that can end the output.
+        let eager = [favouring(1, 0), favouring(4, 5), favouring(4, 5), favouring(4, 5)];
+        let mut patient = request(6);
+        patient.stop.eos_token_ids = vec![4];
+        assert_eq!(emit_all(&patient, &eager, 16).1, vec![1, 4]);
+        patient.stop.min_tokens = 3;
+        assert_eq!(
+            emit_all(&patient, &eager, 16),
+            ("bff".into(), vec![1, 5, 5, 4], Some(FinishReason::Stop))
+        );
+        // Stop strings are looked for from the min_tokens-th token on: with 3, "bc" (tokens 1 and 2) is text, and
+        // "ei", begun at the third token, ends the output; with 2, "bc" ends it at its second token.
+        let mut strings = request(6);
+        strings.stop_strings = vec!["bc".into(), "ei".into()];
+        assert_eq!(emit_all(&strings, &bcei, 16).2, Some(FinishReason::StopString(0)));
+        strings.stop.min_tokens = 2;
+        assert_eq!(emit_all(&strings, &bcei, 16).1, vec![1, 2]);
+        strings.stop.min_tokens = 3;
+        assert_eq!(
+            emit_all(&strings, &bcei, 16),
+            ("bc".into(), vec![1, 2, 4, 8], Some(FinishReason::StopString(1)))
+        );
     }
 
     #[test]

@@ -16,6 +16,13 @@ pub struct StopRules {
     pub eos_token_ids: Vec<u32>,
     /// Keep going past eos tokens (benchmarks and parity tests).
     pub ignore_eos: bool,
+    /// More tokens that end the output as an eos token does, ignore_eos or not (vLLM's `stop_token_ids`); like an
+    /// eos token, one releases no text.
+    pub stop_token_ids: Vec<u32>,
+    /// Nothing ends the output before this many tokens but max_tokens and the context window (vLLM's
+    /// `min_tokens`): eos and stop tokens are masked out of the logits until then, and stop strings are not looked
+    /// for.
+    pub min_tokens: usize,
 }
 
 /// A bound on a reasoning model's thinking: once `max_tokens` tokens have been generated inside its thinking, the
@@ -122,6 +129,23 @@ impl Request {
                 )));
             }
         }
+        if let Some(bad) = self.stop.stop_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(Error::Request(format!(
+                "stop_token_ids: token id {bad} is outside the vocabulary (size {vocab_size})"
+            )));
+        }
+        if self.stop.min_tokens > self.max_tokens {
+            return Err(Error::Request(format!(
+                "min_tokens ({}) is more than max_tokens ({})",
+                self.stop.min_tokens, self.max_tokens
+            )));
+        }
+        if self.stop.min_tokens > 0 && self.constraint.is_some() {
+            // The grammar may allow nothing but the end of the output, which min_tokens would mask out too.
+            return Err(Error::Request(
+                "min_tokens cannot be combined with a structured output or forced tool calls".into(),
+            ));
+        }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(Error::Request(format!(
                 "logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token, got {n}"
@@ -219,5 +243,13 @@ mod tests {
         let mut stopped_everywhere = request(&[1]);
         stopped_everywhere.stop_strings = (0..190_000).map(|i| i.to_string()).collect();
         assert!(refusal(stopped_everywhere).contains("`stop`"));
+        let mut stop_token = request(&[1]);
+        stop_token.stop.stop_token_ids = vec![3, 16];
+        assert!(refusal(stop_token).contains("stop_token_ids: token id 16"));
+        let mut long = request(&[1]);
+        long.stop.min_tokens = 2;
+        assert!(refusal(long.clone()).contains("min_tokens (2) is more than max_tokens (1)"));
+        long.max_tokens = 2;
+        long.validate(16, 16).unwrap();
     }
 }

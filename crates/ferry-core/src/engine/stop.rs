@@ -153,6 +153,18 @@ impl StopStrings {
         (self.pending.drain(..released).collect(), None)
     }
 
+    /// Adds a piece of text before stop strings may end the output (vLLM's `min_tokens`): none is looked for, and
+    /// the text is released as it stops being a possible start of one, so a stop string that begins here and ends
+    /// in a later piece still ends the output there.
+    pub fn pass(&mut self, piece: &str) -> String {
+        self.pending.push_str(piece);
+        for &byte in piece.as_bytes() {
+            self.state = Self::step(&self.nodes, self.state, byte);
+        }
+        let released = self.pending.len() - self.nodes[self.state].depth;
+        self.pending.drain(..released).collect()
+    }
+
     /// The text held back, released when generation ends for another reason.
     pub fn flush(&mut self) -> String {
         self.state = ROOT;
@@ -186,6 +198,19 @@ mod tests {
         }
         out.push_str(&s.flush());
         (out, None)
+    }
+
+    #[test]
+    fn before_stop_strings_may_end_the_output_they_are_text_and_one_begun_then_still_ends_it() {
+        let mut s = StopStrings::new(vec!["END".into()]);
+        assert_eq!(s.pass("a END b E"), "a END b ");
+        assert_eq!(s.push("ND c"), ("".into(), Some(0)));
+        let mut s = StopStrings::new(vec!["END".into()]);
+        assert_eq!(s.pass("x EN"), "x ");
+        assert_eq!(s.push("Dless"), ("".into(), Some(0)));
+        let mut s = StopStrings::new(vec!["END".into()]);
+        assert_eq!(s.pass("END"), "");
+        assert_eq!(s.push("ing"), ("ENDing".into(), None));
     }
 
     #[test]
