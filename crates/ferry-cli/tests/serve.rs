@@ -213,6 +213,47 @@ fn n_choices_are_the_answers_of_their_seeds_share_the_prompt_and_stream_by_index
 }
 
 #[test]
+fn a_batch_of_prompts_gets_n_choices_each_in_prompt_order() {
+    let server = Server::start(&[]);
+    let prompts = ["The quick brown fox", "Ferries cross"];
+    let batch = json!({"model": "tiny", "prompt": prompts, "max_tokens": 5, "temperature": 1.0, "seed": 9, "n": 2});
+    let (status, whole) = server.post("/v1/completions", &batch);
+    assert_eq!(status, 200, "{whole}");
+    let choices = whole["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4, "{whole}");
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for (index, choice) in choices.iter().enumerate() {
+        let (p, j) = (index / 2, index % 2);
+        assert_eq!(choice["index"], index);
+        let one = json!({"model": "tiny", "prompt": prompts[p], "max_tokens": 5, "temperature": 1.0, "seed": 9 + j});
+        let (_, alone) = server.post("/v1/completions", &one);
+        assert_eq!(choice["text"], alone["choices"][0]["text"], "prompt {p}, choice {j}");
+        if j == 0 {
+            prompt_tokens += alone["usage"]["prompt_tokens"].as_u64().unwrap();
+        }
+        completion_tokens += alone["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert_eq!(whole["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(whole["usage"]["completion_tokens"], completion_tokens);
+
+    let mut streamed = batch.clone();
+    streamed["stream"] = json!(true);
+    let events = server.post_stream("/v1/completions", &streamed);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let mut texts = vec![String::new(); 4];
+    for event in &events[..events.len() - 1] {
+        for choice in serde_json::from_str::<Value>(event).unwrap()["choices"]
+            .as_array()
+            .unwrap()
+        {
+            texts[choice["index"].as_u64().unwrap() as usize] += choice["text"].as_str().unwrap();
+        }
+    }
+    let whole_texts: Vec<&str> = choices.iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, whole_texts);
+}
+
+#[test]
 fn more_choices_than_the_server_runs_at_once_is_a_400_naming_n() {
     let server = Server::start(&["--max-running-requests", "1", "--max-queued-requests", "1"]);
     let (status, error) = server.post("/v1/chat/completions", &chat("hi", json!({"n": 3})));

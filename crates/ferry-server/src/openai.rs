@@ -1,8 +1,8 @@
 //! The OpenAI renderer: chat completions (reasoning in `reasoning_content`, tool calls in `tool_calls`) and text
 //! completions over the protocol-neutral layer (chat.rs, generation.rs), each as one JSON object or as server-sent
 //! events ending with `data: [DONE]`; logprobs ride with the text of the tokens they are about (sampling.rs renders
-//! them). A request for `n` choices runs them as `n` generations of one prompt ([`Choices`]), merged into one
-//! response by their `index`.
+//! them). A request for `n` choices runs them as `n` generations of its prompt (of each prompt of a batch of text
+//! completions: [`Choices`]), merged into one response by their `index`.
 
 use std::cell::Cell;
 use std::convert::Infallible;
@@ -115,10 +115,12 @@ fn finish_reason(reason: &FinishReason) -> &'static str {
     }
 }
 
-/// The usage of a response whose choices ended so: the prompt once (as the first choice computed it, the others
-/// reusing its blocks), the completions of all.
-fn usage(finishes: &[Finish]) -> Value {
-    let (prompt, cached) = finishes.first().map_or((0, 0), |f| (f.prompt_tokens, f.cached_tokens));
+/// The usage of a response whose choices ended so, `per_prompt` a prompt: each prompt once (as its first choice
+/// computed it, the others reusing its blocks), the completions of all.
+fn usage(finishes: &[Finish], per_prompt: usize) -> Value {
+    let firsts = || finishes.iter().step_by(per_prompt.max(1));
+    let prompt: usize = firsts().map(|f| f.prompt_tokens).sum();
+    let cached: usize = firsts().map(|f| f.cached_tokens).sum();
     let completion: usize = finishes.iter().map(|f| f.completion_tokens).sum();
     json!({
         "prompt_tokens": prompt,
@@ -129,14 +131,14 @@ fn usage(finishes: &[Finish]) -> Value {
 }
 
 impl Renderer {
+    /// The renderer of a response of `choices` choices.
     fn new(
         state: &AppState,
         endpoint: Endpoint,
-        options: &OpenAiOptions,
+        (options, choices): (&OpenAiOptions, usize),
         splits_reasoning: bool,
         logprobs_of: Option<Arc<LoadedModel>>,
     ) -> Self {
-        let choices = options.choices;
         let prefix = match endpoint {
             Endpoint::Chat => "chatcmpl",
             Endpoint::Text => "cmpl",
@@ -282,51 +284,65 @@ fn done() -> SseEvent {
 /// One choice's next output and the logprobs of the tokens it generated since its last one.
 type ChoiceOutput = (usize, Output, Vec<(u32, TokenLogprobs)>);
 
-/// The `n` choices of one response, their outputs in the order they come. The first choice is submitted at once,
-/// the others once it has produced its first output: its prompt's blocks are in the prefix cache by then, so they
-/// start from them rather than each computing the prompt again. All are admitted together.
+/// The choices of one response, `per_prompt` for each of its prompts (choice `p * per_prompt + j` is prompt p's
+/// j-th), their outputs in the order they come. A prompt's first choice is submitted at once, the others once it
+/// has produced its first output: its prompt's blocks are in the prefix cache by then, so they start from them
+/// rather than each computing the prompt again. All are admitted together.
 struct Choices {
     outputs: SelectAll<BoxStream<'static, ChoiceOutput>>,
-    /// The choices not submitted yet: index, place, request and parser.
-    waiting: Vec<(usize, Slot, Request, PieceParser)>,
+    /// Per prompt, the choices not submitted yet: index, place, request and parser.
+    waiting: Vec<Vec<(usize, Slot, Request, PieceParser)>>,
     model: Arc<LoadedModel>,
+    per_prompt: usize,
     count: usize,
 }
 
 impl Choices {
-    /// Admits `count` generations of `request` (a 503 when the server has no room for all) and submits the first.
-    /// With a seed, choice i samples from seed + i: the response is reproducible and its choices differ.
+    /// Admits `per_prompt` generations of each of `prompts` (a 503 when the server has no room for all) and
+    /// submits each prompt's first. With a seed, a prompt's choice j samples from seed + j: the response is
+    /// reproducible and a prompt's choices differ.
     fn start(
         state: &AppState,
         model: &Arc<LoadedModel>,
-        count: usize,
-        request: Request,
-        parser: PieceParser,
+        per_prompt: usize,
+        prompts: Vec<(Request, PieceParser)>,
     ) -> Result<Choices, ApiError> {
+        let count = per_prompt * prompts.len();
         let limit = state.0.config.max_in_flight;
         if count > limit {
             return Err(ApiError::invalid_param(
                 "n",
-                format!("`n` is {count}, more than the {limit} requests this server runs or queues at once"),
+                format!(
+                    "{count} choices ({} prompts, `n` {per_prompt}) are more than the {limit} requests this server \
+                     runs or queues at once",
+                    prompts.len()
+                ),
             ));
         }
         let mut slots = admit(state, count)?.into_iter();
-        let first = slots.next().expect("at least one choice");
-        let waiting = slots
-            .enumerate()
-            .map(|(i, slot)| {
-                let index = i + 1;
-                let mut request = request.clone();
-                request.sampling.seed = request.sampling.seed.map(|seed| seed.wrapping_add(index as u64));
-                (index, slot, request, parser.clone())
-            })
-            .collect();
         let mut outputs = SelectAll::new();
-        outputs.push(outputs_of(0, Generation::submit(first, model, request, parser)));
+        let mut waiting = Vec::with_capacity(prompts.len());
+        for (p, (request, parser)) in prompts.into_iter().enumerate() {
+            let mut slot = || slots.next().expect("a slot admitted for every choice");
+            let first = slot();
+            let rest = (1..per_prompt)
+                .map(|j| {
+                    let mut request = request.clone();
+                    request.sampling.seed = request.sampling.seed.map(|seed| seed.wrapping_add(j as u64));
+                    (p * per_prompt + j, slot(), request, parser.clone())
+                })
+                .collect();
+            outputs.push(outputs_of(
+                p * per_prompt,
+                Generation::submit(first, model, request, parser),
+            ));
+            waiting.push(rest);
+        }
         Ok(Choices {
             outputs,
             waiting,
             model: model.clone(),
+            per_prompt,
             count,
         })
     }
@@ -334,10 +350,12 @@ impl Choices {
     /// The next output of any choice; None once every choice ended.
     async fn next(&mut self) -> Option<ChoiceOutput> {
         let next = self.outputs.next().await;
-        if !matches!(next, None | Some((_, Output::Failed(_), _))) {
-            for (index, slot, request, parser) in self.waiting.drain(..) {
-                let generation = Generation::submit(slot, &self.model, request, parser);
-                self.outputs.push(outputs_of(index, generation));
+        if let Some((index, output, _)) = &next {
+            if !matches!(output, Output::Failed(_)) {
+                for (index, slot, request, parser) in self.waiting[index / self.per_prompt].drain(..) {
+                    let generation = Generation::submit(slot, &self.model, request, parser);
+                    self.outputs.push(outputs_of(index, generation));
+                }
             }
         }
         next
@@ -386,7 +404,7 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
         })
         .collect();
     let mut body = renderer.envelope(rendered, false);
-    body.insert("usage".into(), usage(&finishes));
+    body.insert("usage".into(), usage(&finishes, choices.per_prompt));
     Json(Value::Object(body)).into_response()
 }
 
@@ -430,7 +448,7 @@ impl Streaming {
                 if let Some(finishes) = self.finishes.iter().cloned().collect::<Option<Vec<Finish>>>() {
                     if renderer.include_usage {
                         let mut body = renderer.envelope(vec![], true);
-                        body.insert("usage".into(), usage(&finishes));
+                        body.insert("usage".into(), usage(&finishes, self.choices.per_prompt));
                         out.push(SseEvent::default().data(Value::Object(body).to_string()));
                     }
                     out.push(done());
@@ -492,23 +510,33 @@ fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let model = state.model()?;
     let (request, parser) = chat.prepare(&model)?.start(state, &model, &chat.params, "messages")?;
     let logprobs_of = chat.params.logprobs.map(|_| model.clone());
-    let renderer = Renderer::new(state, Endpoint::Chat, &options, parser.splits_reasoning(), logprobs_of);
-    let choices = Choices::start(state, &model, options.choices, request, parser)?;
+    let renderer = Renderer::new(
+        state,
+        Endpoint::Chat,
+        (&options, options.choices),
+        parser.splits_reasoning(),
+        logprobs_of,
+    );
+    let choices = Choices::start(state, &model, options.choices, vec![(request, parser)])?;
     Ok((renderer, choices, chat.params.stream))
 }
 
 fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let CompletionBody {
-        prompt,
+        prompts,
         params,
         options,
     } = CompletionBody::parse(&Body::parse(body)?)?;
     check_model_name(state, options.model.as_deref())?;
     let model = state.model()?;
-    let (request, parser) = prompt.prepare(&model)?.start(state, &model, &params, "prompt")?;
+    let prompts = prompts
+        .into_iter()
+        .map(|prompt| prompt.prepare(&model)?.start(state, &model, &params, "prompt"))
+        .collect::<Result<Vec<_>, _>>()?;
     let logprobs_of = params.logprobs.map(|_| model.clone());
-    let renderer = Renderer::new(state, Endpoint::Text, &options, false, logprobs_of);
-    let choices = Choices::start(state, &model, options.choices, request, parser)?;
+    let count = options.choices * prompts.len();
+    let renderer = Renderer::new(state, Endpoint::Text, (&options, count), false, logprobs_of);
+    let choices = Choices::start(state, &model, options.choices, prompts)?;
     Ok((renderer, choices, params.stream))
 }
 

@@ -38,7 +38,8 @@ pub struct ChatBody {
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct CompletionBody {
-    pub prompt: Prompt,
+    /// One prompt or several (a batch: each gets `n` choices, in prompt order).
+    pub prompts: Vec<Prompt>,
     pub params: GenerationParams,
     pub options: OpenAiOptions,
 }
@@ -83,14 +84,14 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         logprobs: None,
         response_format: sampling::response_format(body)?,
         ignore_eos: body.boolean("ignore_eos")?,
-        stop_token_ids: token_ids(body, "stop_token_ids")?,
+        stop_token_ids: token_id_list(body, "stop_token_ids")?,
         min_tokens: min_tokens(body, max_tokens)?,
         stream: body.boolean("stream")?,
     })
 }
 
 /// A list of token ids (vLLM's `stop_token_ids`); their range is checked against the model's vocabulary later.
-fn token_ids(body: &Body, name: &str) -> Result<Vec<u32>, ApiError> {
+fn token_id_list(body: &Body, name: &str) -> Result<Vec<u32>, ApiError> {
     let Some(value) = body.raw(name) else {
         return Ok(vec![]);
     };
@@ -283,7 +284,7 @@ impl CompletionBody {
         let bad_prompt = || {
             ApiError::invalid_param(
                 "prompt",
-                "`prompt` must be a string, an array of token ids, or an array holding one of those",
+                "`prompt` must be a string, an array of token ids, or an array of those (a batch of prompts)",
             )
         };
         let token_ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
@@ -292,20 +293,19 @@ impl CompletionBody {
                 .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(bad_prompt))
                 .collect()
         };
-        let prompt = match body.raw("prompt") {
+        let prompts = match body.raw("prompt") {
             None | Some(Value::Null) => return Err(ApiError::invalid_param("prompt", "`prompt` is required")),
-            Some(Value::String(s)) => Prompt::Text(s.clone()),
-            Some(Value::Array(items)) => match items.as_slice() {
-                [Value::String(s)] => Prompt::Text(s.clone()),
-                [Value::Array(ids)] => Prompt::TokenIds(token_ids(ids)?),
-                ids if !ids.is_empty() && ids.iter().all(Value::is_number) => Prompt::TokenIds(token_ids(ids)?),
-                _ => {
-                    return Err(ApiError::invalid_param(
-                        "prompt",
-                        "one prompt per request is supported: a string or an array of token ids",
-                    ))
-                }
-            },
+            Some(Value::String(s)) => vec![Prompt::Text(s.clone())],
+            Some(Value::Array(items)) if items.is_empty() => return Err(bad_prompt()),
+            Some(Value::Array(ids)) if ids.iter().all(Value::is_number) => vec![Prompt::TokenIds(token_ids(ids)?)],
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|item| match item {
+                    Value::String(s) => Ok(Prompt::Text(s.clone())),
+                    Value::Array(ids) if !ids.is_empty() => Ok(Prompt::TokenIds(token_ids(ids)?)),
+                    _ => Err(bad_prompt()),
+                })
+                .collect::<Result<_, _>>()?,
             Some(_) => return Err(bad_prompt()),
         };
         if body.boolean("echo")? {
@@ -318,7 +318,7 @@ impl CompletionBody {
         let options = options(body)?;
         body.refuse_unread(NO_ACTION_FIELDS)?;
         Ok(CompletionBody {
-            prompt,
+            prompts,
             params,
             options,
         })
@@ -489,31 +489,33 @@ mod tests {
     }
 
     #[test]
-    fn completion_prompts_are_text_or_token_ids() {
+    fn completion_prompts_are_text_or_token_ids_one_or_a_batch() {
         let parse = |v: Value| CompletionBody::parse(&Body::new(v.as_object().unwrap().clone()));
+        let text = |t: &str| Prompt::Text(t.into());
+        assert_eq!(parse(json!({"prompt": "hi"})).unwrap().prompts, vec![text("hi")]);
+        assert_eq!(parse(json!({"prompt": ["hi"]})).unwrap().prompts, vec![text("hi")]);
         assert_eq!(
-            parse(json!({"prompt": "hi"})).unwrap().prompt,
-            Prompt::Text("hi".into())
+            parse(json!({"prompt": [1, 2]})).unwrap().prompts,
+            vec![Prompt::TokenIds(vec![1, 2])]
         );
         assert_eq!(
-            parse(json!({"prompt": ["hi"]})).unwrap().prompt,
-            Prompt::Text("hi".into())
+            parse(json!({"prompt": [[3]]})).unwrap().prompts,
+            vec![Prompt::TokenIds(vec![3])]
         );
         assert_eq!(
-            parse(json!({"prompt": [1, 2]})).unwrap().prompt,
-            Prompt::TokenIds(vec![1, 2])
-        );
-        assert_eq!(
-            parse(json!({"prompt": [[3]]})).unwrap().prompt,
-            Prompt::TokenIds(vec![3])
+            parse(json!({"prompt": ["a", [4, 5], "b"]})).unwrap().prompts,
+            vec![text("a"), Prompt::TokenIds(vec![4, 5]), text("b")]
         );
         for bad in [
             json!({}),
             json!({"prompt": 3}),
-            json!({"prompt": ["a", "b"]}),
+            json!({"prompt": []}),
+            json!({"prompt": ["a", []]}),
+            json!({"prompt": ["a", 5]}),
             json!({"prompt": [-1]}),
+            json!({"prompt": [[1], [-1]]}),
         ] {
-            assert_eq!(parse(bad).unwrap_err().param, Some("prompt".into()));
+            assert_eq!(parse(bad.clone()).unwrap_err().param, Some("prompt".into()), "{bad}");
         }
         assert_eq!(
             parse(json!({"prompt": "x", "echo": true})).unwrap_err().param,
