@@ -148,6 +148,60 @@ fn a_message_and_its_stream_agree_and_count_tokens_counts_the_prompt() {
 }
 
 /// The prompt's tokens as Anthropic's usage splits them: those read from the cache apart from the rest.
+#[test]
+fn a_last_assistant_message_is_continued_here_and_with_openais_continue_final_message() {
+    let server = Server::start(&[]);
+    let conversation = json!([
+        {"role": "user", "content": "Tell me about ferries."},
+        {"role": "assistant", "content": "Ferries are"},
+    ]);
+    // The prompt ends inside the assistant's message: the template's end of the turn is not there.
+    let continuing = json!({"messages": conversation, "add_generation_prompt": false, "continue_final_message": true});
+    let (status, tokenized) = server.post("/tokenize", &continuing);
+    assert_eq!(status, 200, "{tokenized}");
+    let ids = tokenized["tokens"].clone();
+    let (_, text) = server.post("/detokenize", &json!({"tokens": ids}));
+    assert!(text["prompt"].as_str().unwrap().ends_with("\nFerries are"), "{text}");
+    let (_, whole) = server.post(
+        "/tokenize",
+        &json!({"messages": conversation, "add_generation_prompt": false}),
+    );
+    assert!(whole["count"].as_u64() > tokenized["count"].as_u64(), "{whole}");
+    // Both APIs continue it as a completion of those ids does.
+    let (_, completion) = server.post(
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 8, "temperature": 0}),
+    );
+    let continuation = completion["choices"][0]["text"].as_str().unwrap();
+    assert!(!continuation.is_empty());
+    let (status, anthropic) = post_json(
+        &server,
+        "/v1/messages",
+        &message(json!({"messages": conversation, "max_tokens": 8})),
+    );
+    assert_eq!(status, 200, "{anthropic}");
+    assert_eq!(block_text(&anthropic, "text"), continuation, "{anthropic}");
+    let mut openai = continuing.clone();
+    openai["max_tokens"] = json!(8);
+    openai["temperature"] = json!(0);
+    let (status, chat) = server.post("/v1/chat/completions", &openai);
+    assert_eq!(status, 200, "{chat}");
+    assert_eq!(chat["choices"][0]["message"]["content"], continuation);
+    // Only an assistant's last message can be continued, and not in a new turn too.
+    let mut user_last = openai.clone();
+    user_last["messages"] = json!([{"role": "user", "content": "hi"}]);
+    let (status, error) = server.post("/v1/chat/completions", &user_last);
+    assert_eq!((status, &error["error"]["param"]), (400, &json!("messages")), "{error}");
+    let mut both = openai.clone();
+    both["add_generation_prompt"] = json!(true);
+    let (status, error) = server.post("/v1/chat/completions", &both);
+    assert_eq!(
+        (status, &error["error"]["param"]),
+        (400, &json!("continue_final_message")),
+        "{error}"
+    );
+}
+
 fn prompt_tokens(usage: &Value) -> Value {
     json!(usage["input_tokens"].as_u64().unwrap() + usage["cache_read_input_tokens"].as_u64().unwrap())
 }

@@ -9,7 +9,7 @@
 //! Not here: reading a protocol's JSON (params.rs, anthropic/), admission and output (generation.rs).
 
 use ferry_core::engine::{Request, ResponseFormat, SamplingParams, StopRules, ThinkingBudget};
-use ferry_core::loader::{ChatMessage, ChatPrompt};
+use ferry_core::loader::{ChatEnding, ChatMessage, ChatPrompt};
 use serde_json::{Map, Value};
 
 use crate::body::Body;
@@ -66,6 +66,8 @@ pub struct ChatRequest {
     /// The tools offered, what the model may do with them, and so how its output is parsed for calls.
     pub tools: ToolRequest,
     pub params: GenerationParams,
+    /// Whether the model answers in a new turn (the default) or continues the last message, an assistant's.
+    pub ending: ChatEnding,
 }
 
 /// A reasoning effort, and what a template that takes none makes of it.
@@ -128,10 +130,28 @@ pub fn check_model_name(state: &AppState, requested: Option<&str>) -> Result<(),
 }
 
 impl ChatRequest {
-    /// The chat template's output for this conversation and its token ids, ending with the assistant's generation
-    /// prompt when `add_generation_prompt` is set. Prompt text that cannot fit the context is refused by its bytes
-    /// before anything is rendered; special-token text inside contents is tokenized as the operator chose.
-    pub fn encode(&self, model: &LoadedModel, add_generation_prompt: bool) -> Result<ChatPrompt, ApiError> {
+    /// The chat template's output for this conversation and its token ids, ending as `ending` says. Prompt text
+    /// that cannot fit the context is refused by its bytes before anything is rendered; special-token text inside
+    /// contents is tokenized as the operator chose. A message to continue must be the assistant's last, without tool
+    /// calls.
+    pub fn encode(&self, model: &LoadedModel, ending: ChatEnding) -> Result<ChatPrompt, ApiError> {
+        if ending == ChatEnding::ContinueLastMessage {
+            match self.messages.last() {
+                Some(last) if last.role == "assistant" && last.tool_calls.is_empty() => {}
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        "messages",
+                        "only a last message from the assistant, without tool calls, can be continued",
+                    ))
+                }
+            }
+            if model.tool_call_format == Some(ToolCallFormat::Harmony) {
+                return Err(ApiError::invalid_param(
+                    "messages",
+                    "this model writes in Harmony's channels, whose messages cannot be continued",
+                ));
+            }
+        }
         let content_bytes = self.messages.iter().map(|m| m.content.len()).sum();
         crate::prompt_work::check_prompt_bytes(model, content_bytes, "messages")?;
         let tokenizer = &model.tokenizer;
@@ -164,13 +184,7 @@ impl ChatRequest {
         }
         let messages = HistoryFormat::of(model).adapt(&self.messages)?;
         tokenizer
-            .encode_chat(
-                &messages,
-                &tools,
-                add_generation_prompt,
-                &kwargs,
-                model.special_tokens_in_content,
-            )
+            .encode_chat(&messages, &tools, ending, &kwargs, model.special_tokens_in_content)
             .map_err(|e| match e {
                 ferry_core::Error::ChatTemplate(_) => ApiError::invalid_param("messages", e.to_string()),
                 _ => ApiError::internal(e.to_string()),
@@ -179,7 +193,7 @@ impl ChatRequest {
 
     /// Rendered with the generation prompt and tokenized.
     pub fn prepare(&self, model: &LoadedModel) -> Result<PreparedPrompt, ApiError> {
-        let ChatPrompt { text, ids } = self.encode(model, true)?;
+        let ChatPrompt { text, ids } = self.encode(model, self.ending)?;
         let reasoning = model.splits_reasoning().then(|| ReasoningParser::new(&text));
         let starts_inside = reasoning.as_ref().is_some_and(ReasoningParser::in_reasoning);
         let switched_off = self.thinking == Some(false)

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use crate::body::{wrong_type, Body};
 use crate::chat::{check_model_name, tokenize, ChatRequest};
 use crate::error::ApiError;
-use crate::params::{messages, template_kwargs, NO_ACTION_FIELDS};
+use crate::params::{chat_ending, messages, template_kwargs, NO_ACTION_FIELDS};
 use crate::AppState;
 
 /// The served model as OpenAI describes a model (with vLLM's `max_model_len`, null while it loads).
@@ -38,7 +38,8 @@ pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Res
 }
 
 /// `{"prompt", "add_special_tokens" (default true)}` or `{"messages", "add_generation_prompt" (default true),
-/// "add_special_tokens" (default false), "chat_template_kwargs"}` -> `{"count", "max_model_len", "tokens"}`.
+/// "continue_final_message" (default false), "add_special_tokens" (default false), "chat_template_kwargs"}` ->
+/// `{"count", "max_model_len", "tokens"}`.
 fn tokenized(state: &AppState, body: &[u8]) -> Result<Value, ApiError> {
     let body = Body::parse(body)?;
     check_model_name(state, body.string("model")?.as_deref())?;
@@ -64,7 +65,11 @@ fn tokenized(state: &AppState, body: &[u8]) -> Result<Value, ApiError> {
                 template_kwargs: template_kwargs(&body)?,
                 ..ChatRequest::default()
             };
-            let prompt = chat.encode(&model, flag("add_generation_prompt", true)?)?;
+            let ending = chat_ending(
+                flag("add_generation_prompt", true)?,
+                flag("continue_final_message", false)?,
+            )?;
+            let prompt = chat.encode(&model, ending)?;
             match flag("add_special_tokens", false)? {
                 true => tokenize(&model, &prompt.text, true)?,
                 false => prompt.ids,

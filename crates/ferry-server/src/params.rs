@@ -4,7 +4,7 @@
 //! [`NO_ACTION_FIELDS`]).
 
 use ferry_core::engine::validate_stop_strings;
-use ferry_core::loader::ChatMessage;
+use ferry_core::loader::{ChatEnding, ChatMessage};
 use serde_json::{Map, Value};
 
 use crate::body::{wrong_type, Body};
@@ -259,8 +259,26 @@ pub fn template_kwargs(body: &Body) -> Result<Map<String, Value>, ApiError> {
     Ok(body.object("chat_template_kwargs")?.cloned().unwrap_or_default())
 }
 
+/// How a chat prompt ends, from vLLM's `add_generation_prompt` and `continue_final_message`: in a new assistant turn
+/// (the default), as the last message ends, or continuing the last message.
+pub fn chat_ending(add_generation_prompt: bool, continue_final_message: bool) -> Result<ChatEnding, ApiError> {
+    match (add_generation_prompt, continue_final_message) {
+        (true, false) => Ok(ChatEnding::GenerationPrompt),
+        (false, false) => Ok(ChatEnding::LastMessage),
+        (false, true) => Ok(ChatEnding::ContinueLastMessage),
+        (true, true) => Err(ApiError::invalid_param(
+            "continue_final_message",
+            "`continue_final_message` continues the last message, so `add_generation_prompt` must be false",
+        )),
+    }
+}
+
 impl ChatBody {
     pub fn parse(body: &Body) -> Result<Self, ApiError> {
+        let add_generation_prompt = match body.raw("add_generation_prompt") {
+            None | Some(Value::Null) => true,
+            Some(_) => body.boolean("add_generation_prompt")?,
+        };
         let chat = ChatRequest {
             messages: messages(body)?,
             template_kwargs: template_kwargs(body)?,
@@ -272,6 +290,7 @@ impl ChatBody {
                 logprobs: sampling::chat_logprobs(body)?,
                 ..generation_params(body, &["max_completion_tokens", "max_tokens"])?
             },
+            ending: chat_ending(add_generation_prompt, body.boolean("continue_final_message")?)?,
         };
         let options = options(body)?;
         body.refuse_unread(NO_ACTION_FIELDS)?;

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 pub use fp8::{f32_to_fp8_e4m3, fp8_e4m3_to_f32, quantize_fp8, Fp8Config, Fp8Scheme, FP8_BLOCK, FP8_E4M3_MAX};
 pub use generation::GenerationConfig;
 pub use template_functions::python_json;
-pub use tokenizer::{ChatMessage, ChatPrompt, Detokenizer, FunctionCall, TextDecoder, Tokenizer, ToolCall};
+pub use tokenizer::{ChatEnding, ChatMessage, ChatPrompt, Detokenizer, FunctionCall, TextDecoder, Tokenizer, ToolCall};
 pub use weights::{DType, Fp8Scales, NonFinite, TensorRef, WeightStore};
 
 use crate::{Error, Result};

@@ -12,7 +12,7 @@
 //! (gpt-oss's), and left out by the others, to which clients send it too.
 
 use ferry_core::engine::{validate_stop_strings, ResponseFormat};
-use ferry_core::loader::ChatMessage;
+use ferry_core::loader::{ChatEnding, ChatMessage};
 use serde_json::Value;
 
 use super::tools;
@@ -79,8 +79,14 @@ impl MessagesBody {
         }
         let (thinking, thinking_budget) = thinking(body, max_tokens)?;
         let reasoning_effort = effort(body)?;
+        // A last message of the assistant's is a prefill: the answer continues it.
+        let ending = match messages.last() {
+            Some(last) if last.role == "assistant" => ChatEnding::ContinueLastMessage,
+            _ => ChatEnding::GenerationPrompt,
+        };
         let chat = ChatRequest {
             messages,
+            ending,
             template_kwargs: Default::default(),
             thinking,
             thinking_budget,

@@ -12,7 +12,7 @@
 //! Not here: the tool fields (tools.rs), the response (mod.rs, output.rs).
 
 use ferry_core::engine::ResponseFormat;
-use ferry_core::loader::ChatMessage;
+use ferry_core::loader::{ChatEnding, ChatMessage};
 use serde_json::{json, Map, Value};
 
 use super::tools::{function_call, tool_request, Namespaces};
@@ -138,6 +138,7 @@ impl ResponsesBody {
             thinking_budget: None,
             reasoning_effort,
             tools,
+            ending: ChatEnding::GenerationPrompt,
             params: GenerationParams {
                 max_tokens,
                 temperature,
