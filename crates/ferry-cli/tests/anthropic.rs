@@ -562,3 +562,25 @@ fn an_effort_reaches_a_template_that_takes_one_and_the_others_go_without() {
     let plain = Server::start(&[]);
     assert_eq!(count(&plain, Some("max")), count(&plain, None));
 }
+
+#[test]
+fn harmonys_markers_are_read_not_written_out_and_its_messages_are_not_continued() {
+    let harmony = Server::start_serving(&["--model", &tool_fixture("tool_calls_harmony"), "--api-key", KEY]);
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let (status, error) = harmony.post(
+        "/v1/chat/completions",
+        &json!({"messages": user, "skip_special_tokens": false}),
+    );
+    assert_eq!(
+        (status, &error["error"]["param"]),
+        (400, &json!("skip_special_tokens")),
+        "{error}"
+    );
+    let prefill = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well"}]);
+    let (status, error) = post_json(&harmony, "/v1/messages", &message(json!({"messages": prefill})));
+    assert_eq!(status, 400, "{error}");
+    assert!(
+        error["error"]["message"].as_str().unwrap().contains("Harmony"),
+        "{error}"
+    );
+}

@@ -237,6 +237,35 @@ fn stop_token_ids_end_the_output_and_min_tokens_holds_them_back() {
 }
 
 #[test]
+fn a_stop_string_can_stay_in_the_output_and_special_tokens_can_write_their_text() {
+    let server = Server::start(&[]);
+    let body = json!({"prompt": "Once upon", "max_tokens": 8, "temperature": 1, "seed": 2, "ignore_eos": true});
+    let free = ok(&server, "/v1/completions", &body);
+    let text = free["choices"][0]["text"].as_str().unwrap().to_string();
+    // A stop string from the middle of the output: cut before it, or after it when it is kept.
+    let stop = "ear";
+    let at = text.find(stop).expect("the seeded output holds the stop string");
+    let mut stopped = body.clone();
+    stopped["stop"] = json!([stop]);
+    let cut = ok(&server, "/v1/completions", &stopped);
+    assert_eq!(cut["choices"][0]["text"], text[..at], "{cut}");
+    stopped["include_stop_str_in_output"] = json!(true);
+    let kept = ok(&server, "/v1/completions", &stopped);
+    assert_eq!(kept["choices"][0]["text"], text[..at + stop.len()], "{kept}");
+    assert_eq!(kept["choices"][0]["finish_reason"], "stop");
+
+    // A special token forced by logit_bias writes nothing, unless skip_special_tokens is false.
+    let start = ok(&server, "/tokenize", &json!({"prompt": "<|im_start|>"}))["tokens"][0].clone();
+    let mut forced = json!({"prompt": "Once upon", "max_tokens": 2, "temperature": 0, "ignore_eos": true});
+    forced["logit_bias"] = json!({ start.to_string(): 100 });
+    let skipped = ok(&server, "/v1/completions", &forced);
+    assert_eq!(skipped["choices"][0]["text"], "", "{skipped}");
+    forced["skip_special_tokens"] = json!(false);
+    let written = ok(&server, "/v1/completions", &forced);
+    assert_eq!(written["choices"][0]["text"], "<|im_start|><|im_start|>", "{written}");
+}
+
+#[test]
 fn bad_sampling_values_are_400s_naming_the_field() {
     let server = Server::start(&[]);
     let schema_of = |schema: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});
@@ -252,6 +281,8 @@ fn bad_sampling_values_are_400s_naming_the_field() {
         ("stop_token_ids", json!([100000]), "stop_token_ids"),
         ("min_tokens", json!(-1), "min_tokens"),
         ("min_tokens", json!(7), "min_tokens"),
+        ("include_stop_str_in_output", json!(1), "include_stop_str_in_output"),
+        ("skip_special_tokens", json!("no"), "skip_special_tokens"),
         ("response_format", json!({"type": "yaml"}), "response_format.type"),
         (
             "response_format",

@@ -45,3 +45,22 @@ fn text_held_back_at_the_end_is_released_as_transformers_decodes_it() {
     assert_eq!(rest, tokenizer.decode(cut, true).unwrap());
     assert!(rest.contains('\u{FFFD}'));
 }
+
+#[test]
+fn special_tokens_write_their_text_only_when_kept() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe");
+    let tokenizer = Tokenizer::load(&dir).unwrap().unwrap();
+    let start = tokenizer.token_id("<|im_start|>").unwrap();
+    let mut ids = tokenizer.encode("ferry", false).unwrap();
+    ids.push(start);
+    ids.extend(tokenizer.encode(" boat", false).unwrap());
+    let stream = |mut detokenizer: Detokenizer| -> String {
+        let mut text = String::new();
+        for &id in &ids {
+            text += &detokenizer.push(&tokenizer, id).unwrap().unwrap_or_default();
+        }
+        text + &detokenizer.finish(&tokenizer).unwrap()
+    };
+    assert_eq!(stream(Detokenizer::new()), "ferry boat");
+    assert_eq!(stream(Detokenizer::keeping_special_tokens()), "ferry<|im_start|> boat");
+}

@@ -47,6 +47,10 @@ pub struct GenerationParams {
     pub stop_token_ids: Vec<u32>,
     /// No end before this many tokens (vLLM's `min_tokens`; see [`StopRules::min_tokens`]).
     pub min_tokens: usize,
+    /// The stop string that ends the output stays in it (vLLM's `include_stop_str_in_output`).
+    pub include_stop_string: bool,
+    /// Special tokens write their text (vLLM's `skip_special_tokens: false`).
+    pub keep_special_tokens: bool,
     /// Answer as a stream of events rather than one object.
     pub stream: bool,
 }
@@ -365,6 +369,13 @@ fn engine_request(
             ));
         }
     }
+    if params.keep_special_tokens && model.tool_call_format == Some(ToolCallFormat::Harmony) {
+        // Harmony's parser puts the markers (special tokens) back itself.
+        return Err(ApiError::invalid_param(
+            "skip_special_tokens",
+            "this model writes in Harmony's channels, whose special tokens are read, not written out",
+        ));
+    }
     let room = window - prompt_ids.len();
     let defaults = model.defaults;
     let request = Request {
@@ -388,7 +399,9 @@ fn engine_request(
             ignore_eos: params.ignore_eos,
             stop_token_ids: params.stop_token_ids.clone(),
             min_tokens: params.min_tokens,
+            include_stop_string: params.include_stop_string,
         },
+        skip_special_tokens: !params.keep_special_tokens,
         thinking_budget: None,
         prompt_ids,
     };

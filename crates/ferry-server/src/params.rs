@@ -85,6 +85,11 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         response_format: sampling::response_format(body)?,
         ignore_eos: body.boolean("ignore_eos")?,
         stop_token_ids: token_id_list(body, "stop_token_ids")?,
+        include_stop_string: body.boolean("include_stop_str_in_output")?,
+        keep_special_tokens: match body.raw("skip_special_tokens") {
+            None | Some(Value::Null) => false,
+            Some(_) => !body.boolean("skip_special_tokens")?,
+        },
         min_tokens: min_tokens(body, max_tokens)?,
         stream: body.boolean("stream")?,
     })

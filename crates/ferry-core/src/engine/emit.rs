@@ -76,7 +76,10 @@ impl Emitter {
             generated_counts: HashMap::new(),
             seen,
             constraint: request.constraint.as_ref().map(Constraint::fork),
-            detokenizer: Detokenizer::new(),
+            detokenizer: match request.skip_special_tokens {
+                true => Detokenizer::new(),
+                false => Detokenizer::keeping_special_tokens(),
+            },
             stop_strings: StopStrings::new(request.stop_strings.clone()),
             thinking: request.thinking_budget.map(|budget| Thinking {
                 budget,
@@ -123,6 +126,9 @@ impl Emitter {
             true => self.stop_strings.push(&piece),
             false => (self.stop_strings.pass(&piece), None),
         };
+        if let Some(stop) = stopped.filter(|_| rules.include_stop_string) {
+            text += &request.stop_strings[stop];
+        }
         if ending && stopped.is_none() {
             text += &self.stop_strings.flush();
         }
@@ -275,6 +281,12 @@ pub(super) mod tests {
         assert_eq!(
             emit_all(&stopped, &bcei, 16),
             ("bc".into(), vec![1, 2, 4, 8], Some(FinishReason::StopString(0)))
+        );
+        stopped.stop.include_stop_string = true;
+        assert_eq!(
+            emit_all(&stopped, &bcei, 16),
+            ("bcei".into(), vec![1, 2, 4, 8], Some(FinishReason::StopString(0))),
+            "the stop string kept, what follows it dropped"
         );
         let mut eos = request(6);
         eos.stop.eos_token_ids = vec![4];

@@ -23,6 +23,8 @@ pub struct StopRules {
     /// `min_tokens`): eos and stop tokens are masked out of the logits until then, and stop strings are not looked
     /// for.
     pub min_tokens: usize,
+    /// A stop string that ends the output is part of it (vLLM's `include_stop_str_in_output`).
+    pub include_stop_string: bool,
 }
 
 /// A bound on a reasoning model's thinking: once `max_tokens` tokens have been generated inside its thinking, the
@@ -59,6 +61,8 @@ pub struct Request {
     pub stop: StopRules,
     /// Thinking ended by force past its budget; None: the model thinks as long as it likes.
     pub thinking_budget: Option<ThinkingBudget>,
+    /// Special tokens write no text (the default; vLLM's `skip_special_tokens`).
+    pub skip_special_tokens: bool,
 }
 
 impl Request {
@@ -78,6 +82,7 @@ impl Request {
             stop_strings: Vec::new(),
             stop: StopRules::default(),
             thinking_budget: None,
+            skip_special_tokens: true,
         }
     }
 

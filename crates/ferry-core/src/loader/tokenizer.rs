@@ -420,11 +420,21 @@ pub struct Detokenizer {
     prefix_offset: usize,
     /// Ids before this index have had their text released.
     read_offset: usize,
+    /// Special tokens' text is released too (vLLM's `skip_special_tokens: false`).
+    keep_special_tokens: bool,
 }
 
 impl Detokenizer {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A detokenizer that releases the text of special tokens too.
+    pub fn keeping_special_tokens() -> Self {
+        Detokenizer {
+            keep_special_tokens: true,
+            ..Self::default()
+        }
     }
 
     /// Adds a token; returns the new complete text it makes, if any.
@@ -442,8 +452,9 @@ impl Detokenizer {
     /// Text decoded since the last release; while `incomplete_ok` is false, none until it ends in a whole
     /// character.
     fn release(&mut self, decoder: &dyn TextDecoder, incomplete_ok: bool) -> Result<Option<String>> {
-        let prefix = decoder.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
-        let full = decoder.decode(&self.ids[self.prefix_offset..], true)?;
+        let skip = !self.keep_special_tokens;
+        let prefix = decoder.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let full = decoder.decode(&self.ids[self.prefix_offset..], skip)?;
         if full.len() > prefix.len()
             && (incomplete_ok || !full.ends_with('\u{FFFD}'))
             && full.is_char_boundary(prefix.len())
