@@ -12,6 +12,19 @@ use std::time::{Duration, Instant};
 use common::{chat, Server, KEY};
 use serde_json::{json, Value};
 
+/// The chunks of `request`'s chat answer streamed with a usage chunk, checked to end with `[DONE]`.
+fn streamed_with_usage(server: &Server, request: &Value) -> Vec<Value> {
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = server.post_stream("/v1/chat/completions", &streamed);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect()
+}
+
 #[test]
 fn plain_and_streamed_answers_agree_and_only_health_is_open() {
     let server = Server::start(&[]);
@@ -30,15 +43,7 @@ fn plain_and_streamed_answers_agree_and_only_health_is_open() {
     assert_eq!(whole["usage"]["completion_tokens"], 24);
     assert_eq!(whole["choices"][0]["finish_reason"], "length");
 
-    let mut streamed = request.clone();
-    streamed["stream"] = json!(true);
-    streamed["stream_options"] = json!({"include_usage": true});
-    let events = server.post_stream("/v1/chat/completions", &streamed);
-    assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = streamed_with_usage(&server, &request);
     let field = |name: &str| -> String {
         chunks
             .iter()
@@ -154,15 +159,7 @@ fn n_choices_are_the_answers_of_their_seeds_share_the_prompt_and_stream_by_index
     assert_eq!(whole["usage"]["total_tokens"], prompt_tokens + completion_tokens);
 
     // Streamed, each choice's deltas join into its answer, each choice ends once, and one usage chunk ends it all.
-    let mut streamed = request.clone();
-    streamed["stream"] = json!(true);
-    streamed["stream_options"] = json!({"include_usage": true});
-    let events = server.post_stream("/v1/chat/completions", &streamed);
-    assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = streamed_with_usage(&server, &request);
     for (i, choice) in choices.iter().enumerate() {
         let of_choice = || {
             chunks
