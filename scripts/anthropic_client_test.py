@@ -59,6 +59,19 @@ def test_create_and_stream_agree(server):
     assert final.usage.cache_read_input_tokens > 0, final.usage
 
 
+def test_a_prefill_is_continued(server):
+    prefill = user("Tell me about ferries.") + [{"role": "assistant", "content": "Ferries are"}]
+    kwargs = dict(model=MODEL, max_tokens=8, messages=prefill, **GREEDY)
+    whole = client(server).messages.create(**kwargs)
+    with client(server).messages.stream(**kwargs) as stream:
+        text = "".join(stream.text_stream)
+    assert text == "".join(t for kind, t in blocks(whole) if kind == "text") != "", (text, blocks(whole))
+    fresh = client(server).messages.create(**{**kwargs, "messages": user("Tell me about ferries.")})
+    assert blocks(fresh) != blocks(whole), "the prefill changed nothing"
+    counted = client(server).messages.count_tokens(model=MODEL, messages=prefill)
+    assert counted.input_tokens == prompt_tokens(whole.usage), (counted, whole.usage)
+
+
 def test_count_tokens_counts_the_prompt(server):
     messages = user("How many tokens is this?")
     counted = client(server).messages.count_tokens(model=MODEL, messages=messages, system="Be brief.")
