@@ -266,6 +266,65 @@ fn a_stop_string_can_stay_in_the_output_and_special_tokens_can_write_their_text(
 }
 
 #[test]
+fn structured_outputs_constrain_to_a_choice_a_regex_a_grammar_or_a_schema() {
+    let server = Server::start(&[]);
+    let text = |structured: Value| -> String {
+        let body = json!({"prompt": "Once upon", "max_tokens": 12, "temperature": 1, "seed": 5,
+                          "structured_outputs": structured});
+        ok(&server, "/v1/completions", &body)["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let choice = text(json!({"choice": ["ferry", "boat"]}));
+    assert!(["ferry", "boat"].contains(&choice.as_str()), "{choice:?}");
+    let digits = text(json!({"regex": "[0-9]{3}-[a-c]"}));
+    assert!(
+        digits.len() == 5 && digits[..3].bytes().all(|b| b.is_ascii_digit()) && "abc".contains(&digits[4..]),
+        "{digits:?}"
+    );
+    let grammar = text(json!({"grammar": "start: \"<\" (\"x\" | \"y\") \">\""}));
+    assert!(["<x>", "<y>"].contains(&grammar.as_str()), "{grammar:?}");
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                        "additionalProperties": false});
+    let json_text = text(json!({"json": schema.to_string()}));
+    let value: Value = serde_json::from_str(&json_text).unwrap_or_else(|e| panic!("{json_text:?}: {e}"));
+    assert!(value["ok"].is_boolean(), "{value}");
+    // In a chat, after the model's thinking (ended at once by the bias: a random model thinks forever).
+    let id = |text: &str| ok(&server, "/tokenize", &json!({"prompt": text}))["tokens"][0].to_string();
+    let bias = json!({ id("<think>"): 50, id("</think>"): 100 });
+    let body = chat(json!({"structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 30, "logit_bias": bias}));
+    let answer = ok(&server, "/v1/chat/completions", &body);
+    let content = answer["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(["yes", "no"].contains(&content), "{answer}");
+
+    for (structured, extra) in [
+        (json!({"regex": "a", "choice": ["b"]}), json!({})),
+        (json!({}), json!({})),
+        (json!({"regex": "(unclosed"}), json!({})),
+        (
+            json!({"choice": ["a"]}),
+            json!({"response_format": {"type": "json_object"}}),
+        ),
+    ] {
+        let mut body = chat(extra);
+        body["structured_outputs"] = structured.clone();
+        let (status, error) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{structured}: {error}");
+        assert_eq!(error["error"]["param"], "structured_outputs", "{structured}: {error}");
+    }
+    let (status, error) = server.post(
+        "/v1/chat/completions",
+        &chat(json!({"structured_outputs": {"choice": []}})),
+    );
+    assert_eq!(
+        (status, &error["error"]["param"]),
+        (400, &json!("structured_outputs.choice")),
+        "{error}"
+    );
+}
+
+#[test]
 fn bad_sampling_values_are_400s_naming_the_field() {
     let server = Server::start(&[]);
     let schema_of = |schema: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});

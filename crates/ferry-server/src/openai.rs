@@ -508,7 +508,10 @@ fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let ChatBody { chat, options } = ChatBody::parse(&Body::parse(body)?)?;
     check_model_name(state, options.model.as_deref())?;
     let model = state.model()?;
-    let (request, parser) = chat.prepare(&model)?.start(state, &model, &chat.params, "messages")?;
+    let (request, parser) = chat
+        .prepare(&model)
+        .and_then(|prompt| prompt.start(state, &model, &chat.params, "messages"))
+        .map_err(|e| options.as_sent(e))?;
     let logprobs_of = chat.params.logprobs.map(|_| model.clone());
     let renderer = Renderer::new(
         state,
@@ -532,7 +535,8 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let prompts = prompts
         .into_iter()
         .map(|prompt| prompt.prepare(&model)?.start(state, &model, &params, "prompt"))
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| options.as_sent(e))?;
     let logprobs_of = params.logprobs.map(|_| model.clone());
     let count = options.choices * prompts.len();
     let renderer = Renderer::new(state, Endpoint::Text, (&options, count), false, logprobs_of);

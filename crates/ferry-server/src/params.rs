@@ -28,6 +28,20 @@ pub struct OpenAiOptions {
     pub include_usage: bool,
     /// `n`: how many choices to generate for the prompt (1 when not given).
     pub choices: usize,
+    /// The structured output came as vLLM's `structured_outputs`: errors about it name that field.
+    pub structured_outputs: bool,
+}
+
+impl OpenAiOptions {
+    /// An error of the neutral layer about the structured output, named as the request sent it.
+    pub fn as_sent(&self, mut error: ApiError) -> ApiError {
+        const FIELD: &str = "structured_outputs";
+        if self.structured_outputs && error.param.as_deref() == Some("response_format") {
+            error.message = error.message.replace("response_format", FIELD);
+            error.param = Some(FIELD.into());
+        }
+        error
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -82,7 +96,15 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         logit_bias: sampling::logit_bias(body)?,
         // Chat and text completions spell it differently: their parsers fill it in.
         logprobs: None,
-        response_format: sampling::response_format(body)?,
+        response_format: match (sampling::response_format(body)?, sampling::structured_outputs(body)?) {
+            (Some(_), Some(_)) => {
+                return Err(ApiError::invalid_param(
+                    "structured_outputs",
+                    "`structured_outputs` and `response_format` cannot both constrain the output",
+                ))
+            }
+            (format, structured) => format.or(structured),
+        },
         ignore_eos: body.boolean("ignore_eos")?,
         stop_token_ids: token_id_list(body, "stop_token_ids")?,
         include_stop_string: body.boolean("include_stop_str_in_output")?,
@@ -157,6 +179,7 @@ fn options(body: &Body) -> Result<OpenAiOptions, ApiError> {
         model: body.string("model")?,
         include_usage,
         choices: body.positive("n")?.unwrap_or(1),
+        structured_outputs: body.get("structured_outputs").is_some(),
     })
 }
 

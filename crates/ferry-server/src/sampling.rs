@@ -116,6 +116,56 @@ pub fn response_format(body: &Body) -> Result<Option<ResponseFormat>, ApiError> 
     Ok(parsed)
 }
 
+/// vLLM's `structured_outputs`: exactly one of `json` (a JSON Schema, or its text), `json_object` (true), `regex`,
+/// `choice` (texts) or `grammar` (llguidance's Lark syntax), as a response format.
+pub fn structured_outputs(body: &Body) -> Result<Option<ResponseFormat>, ApiError> {
+    let Some(fields) = body.object("structured_outputs")? else {
+        return Ok(None);
+    };
+    let spec = Body::nested(fields.clone(), body.param("structured_outputs."));
+    let mut formats = vec![];
+    if let Some(json) = spec.get("json") {
+        let param = spec.param("json");
+        let schema = match json {
+            Value::String(text) => serde_json::from_str(text)
+                .map_err(|e| ApiError::invalid_param(&param, format!("`{param}` is not JSON: {e}")))?,
+            other => other.clone(),
+        };
+        match schema {
+            Value::Object(_) => formats.push(ResponseFormat::JsonSchema(schema)),
+            other => return Err(wrong_type(&param, "a JSON Schema object (or its text)", &other)),
+        }
+    }
+    if spec.boolean("json_object")? {
+        formats.push(ResponseFormat::JsonObject);
+    }
+    if let Some(regex) = spec.string("regex")? {
+        formats.push(ResponseFormat::Regex(regex));
+    }
+    if spec.get("choice").is_some() {
+        let choices = spec.strings("choice", false)?;
+        if choices.is_empty() {
+            let param = spec.param("choice");
+            return Err(ApiError::invalid_param(&param, format!("`{param}` must not be empty")));
+        }
+        formats.push(ResponseFormat::Choice(choices));
+    }
+    if let Some(grammar) = spec.string("grammar")? {
+        formats.push(ResponseFormat::Lark(grammar));
+    }
+    spec.refuse_unread(&[])?;
+    match formats.len() {
+        1 => Ok(formats.pop()),
+        n => Err(ApiError::invalid_param(
+            "structured_outputs",
+            format!(
+                "`structured_outputs` needs exactly one of `json`, `json_object`, `regex`, `choice` and `grammar`, \
+                 got {n}"
+            ),
+        )),
+    }
+}
+
 /// The served model's grammar compiler, built on the first structured request (a pass over the vocabulary that
 /// a server never asked for structured output does not pay); an error if this tokenizer cannot have one.
 pub(crate) type Compiler = OnceLock<Result<Arc<GrammarCompiler>, String>>;

@@ -30,6 +30,33 @@ pub enum ResponseFormat {
     JsonSchema(Value),
     /// Text of this grammar in llguidance's Lark syntax (`%json {...}` embeds a schema).
     Lark(String),
+    /// Text this regular expression matches, whole (vLLM's `structured_outputs.regex`).
+    Regex(String),
+    /// One of these texts (vLLM's `structured_outputs.choice`).
+    Choice(Vec<String>),
+}
+
+/// `regex` as a Lark terminal, `/.../`, its unescaped slashes escaped.
+pub fn regex_terminal(regex: &str) -> String {
+    let mut out = String::with_capacity(regex.len());
+    let mut escaped = false;
+    for c in regex.chars() {
+        if c == '/' && !escaped {
+            out.push('\\');
+        }
+        escaped = c == '\\' && !escaped;
+        out.push(c);
+    }
+    format!("/{out}/")
+}
+
+/// `"a" | "b" | ...`: each choice a Lark string literal (JSON's quoting).
+pub fn choice_alternatives(choices: &[String]) -> String {
+    choices
+        .iter()
+        .map(|choice| Value::from(choice.as_str()).to_string())
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
 /// Compiles response formats for one model: its tokens' bytes in a trie, built once (a vocabulary's worth of
@@ -83,9 +110,14 @@ impl GrammarCompiler {
             ResponseFormat::JsonObject => json_schema(json!({"type": "object"}))?,
             ResponseFormat::JsonSchema(schema) => json_schema(schema.clone())?,
             ResponseFormat::Lark(grammar) => TopLevelGrammar::from_lark(grammar.clone()),
+            ResponseFormat::Regex(regex) => TopLevelGrammar::from_regex(regex),
+            ResponseFormat::Choice(choices) => {
+                TopLevelGrammar::from_lark(format!("start: {}", choice_alternatives(choices)))
+            }
         };
         let what = match format {
-            ResponseFormat::Lark(_) => "grammar",
+            ResponseFormat::Lark(_) | ResponseFormat::Choice(_) => "grammar",
+            ResponseFormat::Regex(_) => "regex",
             _ => "schema",
         };
         let cannot = |e: &dyn fmt::Display| Error::Request(format!("the {what} cannot be compiled: {e}"));
@@ -231,6 +263,41 @@ mod tests {
     }
 
     #[test]
+    fn random_logits_under_a_regex_or_choices_give_what_they_allow() {
+        let tokenizer = fixture_tokenizer();
+        let compiler = GrammarCompiler::new(&tokenizer, &EOS, 512).unwrap();
+        let dates = compiler
+            .compile(&ResponseFormat::Regex(r"20[0-9]{2}/(0[1-9]|1[0-2])".into()))
+            .unwrap();
+        let choices = ["ferry", "boat", "a/b \"quoted\""].map(String::from).to_vec();
+        let one_of = compiler.compile(&ResponseFormat::Choice(choices.clone())).unwrap();
+        // The same, as the rule of a grammar that puts them after something else.
+        let after = |rule: String| ResponseFormat::Lark(format!("start: \"=\" answer\nanswer: {rule}"));
+        let dates_after = compiler
+            .compile(&after(regex_terminal(r"20[0-9]{2}/(0[1-9]|1[0-2])")))
+            .unwrap();
+        let one_of_after = compiler.compile(&after(choice_alternatives(&choices))).unwrap();
+        let date = |text: &str| {
+            let (year, month) = text.split_once('/').unwrap_or_else(|| panic!("{text:?}"));
+            year.len() == 4 && year.starts_with("20") && (1..=12).contains(&month.parse::<u32>().unwrap())
+        };
+        let mut seen = HashSet::new();
+        for seed in 0..12 {
+            let text = generate(&tokenizer, &dates, seed, false);
+            assert!(date(&text), "{text:?}");
+            let text = generate(&tokenizer, &dates_after, seed, false);
+            assert!(date(text.strip_prefix('=').unwrap()), "{text:?}");
+            let text = generate(&tokenizer, &one_of, seed, false);
+            assert!(choices.contains(&text), "{text:?}");
+            seen.insert(text);
+            let text = generate(&tokenizer, &one_of_after, seed, false);
+            assert!(choices.iter().any(|c| text == format!("={c}")), "{text:?}");
+        }
+        assert!(seen.len() > 1, "random logits always chose {seen:?}");
+        assert_eq!(regex_terminal(r"a/b\/c"), r"/a\/b\/c/");
+    }
+
+    #[test]
     fn schemas_and_grammars_that_cannot_be_compiled_are_the_callers_mistake() {
         let compiler = GrammarCompiler::new(&fixture_tokenizer(), &EOS, 512).unwrap();
         for bad in [
@@ -248,6 +315,10 @@ mod tests {
             .compile(&ResponseFormat::Lark("start: missing".into()))
             .unwrap_err();
         assert!(matches!(&error, Error::Request(m) if m.contains("grammar")), "{error}");
+        let error = compiler
+            .compile(&ResponseFormat::Regex("(unclosed".into()))
+            .unwrap_err();
+        assert!(matches!(&error, Error::Request(m) if m.contains("regex")), "{error}");
     }
 
     #[test]

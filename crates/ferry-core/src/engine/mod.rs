@@ -13,7 +13,7 @@ mod scheduler;
 mod service;
 mod stop;
 
-pub use constraint::{Constraint, GrammarCompiler, ResponseFormat};
+pub use constraint::{choice_alternatives, regex_terminal, Constraint, GrammarCompiler, ResponseFormat};
 pub use emit::NoText;
 pub use executor::{Executor, ModelExecutor};
 pub use logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};

@@ -19,7 +19,7 @@
 //! the schema lists (the required ones always, in the schema's order), non-string values by their schema, string
 //! values as free text (an `enum` or `const` of strings enforced, `pattern` and `format` not).
 
-use ferry_core::engine::ResponseFormat;
+use ferry_core::engine::{choice_alternatives, regex_terminal, ResponseFormat};
 use serde_json::{json, Value};
 
 use super::named_json::{CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEPARATOR};
@@ -153,15 +153,18 @@ fn thinking_then(thinking: Thinking, lead: &str, rule: &str) -> Vec<String> {
 }
 
 /// A structured output for a model whose thinking `thinking` allows: the format itself where there is none, else a
-/// grammar of the thinking, then the JSON (as vLLM constrains only what follows the reasoning).
+/// grammar of the thinking, then the format (as vLLM constrains only what follows the reasoning); a grammar of the
+/// client's own constrains the output from its first token.
 pub fn after_thinking(format: &ResponseFormat, thinking: Thinking) -> ResponseFormat {
-    let schema = match (format, thinking) {
+    let answer = match (format, thinking) {
         (_, Thinking::Off) | (ResponseFormat::Lark(_), _) => return format.clone(),
-        (ResponseFormat::JsonObject, _) => json!({"type": "object"}),
-        (ResponseFormat::JsonSchema(schema), _) => schema.clone(),
+        (ResponseFormat::JsonObject, _) => json_rule(&json!({"type": "object"})),
+        (ResponseFormat::JsonSchema(schema), _) => json_rule(schema),
+        (ResponseFormat::Regex(regex), _) => regex_terminal(regex),
+        (ResponseFormat::Choice(choices), _) => choice_alternatives(choices),
     };
     let mut grammar = thinking_then(thinking, "", "answer");
-    grammar.push(format!("answer: {}", json_rule(&schema)));
+    grammar.push(format!("answer: {answer}"));
     ResponseFormat::Lark(grammar.join("\n"))
 }
 
