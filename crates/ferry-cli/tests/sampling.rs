@@ -338,6 +338,7 @@ fn bad_sampling_values_are_400s_naming_the_field() {
         ("stop_token_ids", json!([1, -2]), "stop_token_ids"),
         ("stop_token_ids", json!(5), "stop_token_ids"),
         ("stop_token_ids", json!([100000]), "stop_token_ids"),
+        ("stop_token_ids", json!(vec![1; 257]), "stop_token_ids"),
         ("min_tokens", json!(-1), "min_tokens"),
         ("min_tokens", json!(7), "min_tokens"),
         ("include_stop_str_in_output", json!(1), "include_stop_str_in_output"),

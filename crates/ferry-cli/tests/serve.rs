@@ -260,6 +260,12 @@ fn more_choices_than_the_server_runs_at_once_is_a_400_naming_n() {
         error["error"]["message"].as_str().unwrap().contains("more than the 2"),
         "{error}"
     );
+    // However large, and however many prompts it multiplies.
+    let (status, error) = server.post("/v1/chat/completions", &chat("hi", json!({"n": i64::MAX})));
+    assert_eq!((status, &error["error"]["param"]), (400, &json!("n")), "{error}");
+    let batch = json!({"prompt": vec!["a"; 3], "n": i64::MAX / 2});
+    let (status, error) = server.post("/v1/completions", &batch);
+    assert_eq!((status, &error["error"]["param"]), (400, &json!("n")), "{error}");
     let (status, answer) = server.post("/v1/chat/completions", &chat("hi", json!({"n": 2, "max_tokens": 2})));
     assert_eq!(status, 200, "{answer}");
     assert_eq!(answer["choices"].as_array().unwrap().len(), 2);

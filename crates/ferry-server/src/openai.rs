@@ -307,18 +307,7 @@ impl Choices {
         per_prompt: usize,
         prompts: Vec<(Request, PieceParser)>,
     ) -> Result<Choices, ApiError> {
-        let count = per_prompt * prompts.len();
-        let limit = state.0.config.max_in_flight;
-        if count > limit {
-            return Err(ApiError::invalid_param(
-                "n",
-                format!(
-                    "{count} choices ({} prompts, `n` {per_prompt}) are more than the {limit} requests this server \
-                     runs or queues at once",
-                    prompts.len()
-                ),
-            ));
-        }
+        let count = choice_count(state, per_prompt, prompts.len())?;
         let mut slots = admit(state, count)?.into_iter();
         let mut outputs = SelectAll::new();
         let mut waiting = Vec::with_capacity(prompts.len());
@@ -359,6 +348,22 @@ impl Choices {
             }
         }
         next
+    }
+}
+
+/// How many choices `prompts` prompts of `per_prompt` choices each make: a 400 naming `n` past what the server runs
+/// or queues at once.
+fn choice_count(state: &AppState, per_prompt: usize, prompts: usize) -> Result<usize, ApiError> {
+    let limit = state.0.config.max_in_flight;
+    match per_prompt.checked_mul(prompts) {
+        Some(count) if count <= limit => Ok(count),
+        _ => Err(ApiError::invalid_param(
+            "n",
+            format!(
+                "{prompts} prompts of {per_prompt} choices each are more than the {limit} requests this server runs \
+                 or queues at once"
+            ),
+        )),
     }
 }
 
@@ -513,14 +518,15 @@ fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         .and_then(|prompt| prompt.start(state, &model, &chat.params, "messages"))
         .map_err(|e| options.as_sent(e))?;
     let logprobs_of = chat.params.logprobs.map(|_| model.clone());
+    let splits_reasoning = parser.splits_reasoning();
+    let choices = Choices::start(state, &model, options.choices, vec![(request, parser)])?;
     let renderer = Renderer::new(
         state,
         Endpoint::Chat,
-        (&options, options.choices),
-        parser.splits_reasoning(),
+        (&options, choices.count),
+        splits_reasoning,
         logprobs_of,
     );
-    let choices = Choices::start(state, &model, options.choices, vec![(request, parser)])?;
     Ok((renderer, choices, chat.params.stream))
 }
 
@@ -531,6 +537,8 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         options,
     } = CompletionBody::parse(&Body::parse(body)?)?;
     check_model_name(state, options.model.as_deref())?;
+    // Before any prompt is tokenized.
+    choice_count(state, options.choices, prompts.len())?;
     let model = state.model()?;
     let prompts = prompts
         .into_iter()
@@ -538,9 +546,8 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| options.as_sent(e))?;
     let logprobs_of = params.logprobs.map(|_| model.clone());
-    let count = options.choices * prompts.len();
-    let renderer = Renderer::new(state, Endpoint::Text, (&options, count), false, logprobs_of);
     let choices = Choices::start(state, &model, options.choices, prompts)?;
+    let renderer = Renderer::new(state, Endpoint::Text, (&options, choices.count), false, logprobs_of);
     Ok((renderer, choices, params.stream))
 }
 

@@ -117,7 +117,11 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
     })
 }
 
-/// A list of token ids (vLLM's `stop_token_ids`); their range is checked against the model's vocabulary later.
+/// At most this many `stop_token_ids`: each generated token is looked up among them.
+const MAX_STOP_TOKEN_IDS: usize = 256;
+
+/// A list of at most [`MAX_STOP_TOKEN_IDS`] token ids (vLLM's `stop_token_ids`); their range is checked against the
+/// model's vocabulary later.
 fn token_id_list(body: &Body, name: &str) -> Result<Vec<u32>, ApiError> {
     let Some(value) = body.raw(name) else {
         return Ok(vec![]);
@@ -125,6 +129,13 @@ fn token_id_list(body: &Body, name: &str) -> Result<Vec<u32>, ApiError> {
     let bad = || ApiError::invalid_param(name, format!("`{name}` must be an array of token ids"));
     match value {
         Value::Null => Ok(vec![]),
+        Value::Array(items) if items.len() > MAX_STOP_TOKEN_IDS => Err(ApiError::invalid_param(
+            name,
+            format!(
+                "`{name}` holds {} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+                items.len()
+            ),
+        )),
         Value::Array(items) => items
             .iter()
             .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(bad))
