@@ -127,7 +127,7 @@ impl Emitter {
             false => (self.stop_strings.pass(&piece), None),
         };
         if let Some(stop) = stopped.filter(|_| rules.include_stop_string) {
-            text += &request.stop_strings[stop];
+            text += request.stop_strings.get(stop).map_or("", String::as_str);
         }
         if ending && stopped.is_none() {
             text += &self.stop_strings.flush();
