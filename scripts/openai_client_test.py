@@ -531,7 +531,7 @@ def test_responses_plain_and_streamed_agree(server):
     assert whole.object == "response" and whole.id.startswith("resp_"), whole
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens", whole
     assert whole.metadata == {"run": "sdk"} and whole.instructions == "Be brief."
-    assert whole.model_extra.get("store") is False, "nothing is stored, and the response says so"
+    assert whole.model_extra.get("store") is True, "kept, as OpenAI's API keeps responses unless told not to"
     assert whole.usage.output_tokens == 24
     assert whole.usage.total_tokens == whole.usage.input_tokens + 24
     streamed = streamed_response(server.client, **kwargs)
@@ -553,11 +553,26 @@ def test_responses_text_format_is_enforced(server):
     assert json.loads(r.output_text)["answer"] in ("yes", "no"), r.output_text
 
 
-def test_responses_refuse_what_a_stateless_server_cannot_do(server):
+def test_responses_are_kept_continued_and_deleted(server):
     r = server.client.responses
-    expect_error(400, lambda: r.create(model=MODEL, input="hi", store=True), param="store")
-    expect_error(400, lambda: r.create(model=MODEL, input="hi", previous_response_id="resp_1"),
+    first = r.create(model=MODEL, input="Tell me about ferries.", max_output_tokens=8, temperature=0)
+    assert r.retrieve(first.id).output_text == first.output_text
+    second = r.create(model=MODEL, input="And boats?", previous_response_id=first.id, max_output_tokens=8,
+                      temperature=0)
+    assert second.previous_response_id == first.id
+    resent = r.create(model=MODEL, max_output_tokens=8, temperature=0, store=False,
+                      input=[{"role": "user", "content": "Tell me about ferries."},
+                             *[item.model_dump(exclude_none=True) for item in first.output],
+                             {"role": "user", "content": "And boats?"}])
+    assert second.output_text == resent.output_text
+    r.delete(first.id)
+    expect_error(404, lambda: r.retrieve(first.id))
+    expect_error(400, lambda: r.create(model=MODEL, input="hi", previous_response_id=second.id),
                  param="previous_response_id")
+
+
+def test_responses_refuse_what_this_server_cannot_do(server):
+    r = server.client.responses
     expect_error(400, lambda: r.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_image",
                  "image_url": "https://example.com/a.png"}]}]), param="input[0].content[0].type")
     expect_error(404, lambda: r.create(model="other", input="hi"), code="model_not_found")

@@ -1,7 +1,8 @@
 //! `ferry serve`'s OpenAI Responses API (`POST /v1/responses`) over real HTTP: a response and its event stream
 //! agree and the events come in order, numbered; a scripted checkpoint's reasoning and tool calls come back as
-//! `reasoning` and `function_call` items and go back in `input`; what the server cannot honour (`store: true`,
-//! `previous_response_id`, unknown fields) is an OpenAI-shaped 400 naming the field.
+//! `reasoning` and `function_call` items and go back in `input`; a kept response is continued by
+//! `previous_response_id` as the whole conversation sent again is, read and deleted; what the server cannot honour
+//! (a response it does not keep, unknown fields) is an OpenAI-shaped 400 naming the field.
 
 mod common;
 
@@ -112,7 +113,10 @@ fn a_response_and_its_stream_agree_and_a_cut_one_is_incomplete() {
     assert!(whole["id"].as_str().unwrap().starts_with("resp_"), "{whole}");
     assert_eq!(whole["status"], "incomplete", "{whole}");
     assert_eq!(whole["incomplete_details"], json!({"reason": "max_output_tokens"}));
-    assert_eq!(whole["store"], false, "nothing is stored, and the response says so");
+    assert_eq!(
+        whole["store"], true,
+        "kept, as OpenAI's API keeps responses unless told not to"
+    );
     assert_eq!(
         (&whole["instructions"], &whole["metadata"]),
         (&json!("Be brief."), &json!({"run": "1"}))
@@ -209,10 +213,75 @@ fn reasoning_and_tool_calls_come_as_items_and_go_back_in_the_input() {
 }
 
 #[test]
+fn a_kept_response_is_continued_read_and_deleted() {
+    let server = Server::start(&[]);
+    let first = json!({"model": "tiny", "input": "Tell me about ferries.", "instructions": "Be brief.",
+        "max_output_tokens": 8, "temperature": 0});
+    let (status, one) = respond(&server, &first);
+    assert_eq!(status, 200, "{one}");
+    let id = one["id"].as_str().unwrap();
+    // Continued by its id, as the whole conversation sent again is answered (instructions are not carried over).
+    let follow_up = json!({"role": "user", "content": "And boats?"});
+    let continued = json!({"model": "tiny", "input": [follow_up], "previous_response_id": id,
+        "max_output_tokens": 8, "temperature": 0});
+    let (status, two) = respond(&server, &continued);
+    assert_eq!(status, 200, "{two}");
+    assert_eq!(two["previous_response_id"], *id);
+    let mut conversation = vec![json!({"role": "user", "content": "Tell me about ferries."})];
+    conversation.extend(one["output"].as_array().unwrap().iter().cloned());
+    conversation.push(follow_up);
+    let whole = json!({"model": "tiny", "input": conversation, "max_output_tokens": 8, "temperature": 0,
+        "store": false});
+    let (status, resent) = respond(&server, &whole);
+    assert_eq!(status, 200, "{resent}");
+    assert_eq!(
+        two["output"][0]["content"], resent["output"][0]["content"],
+        "{two} vs {resent}"
+    );
+    assert_eq!(two["usage"]["input_tokens"], resent["usage"]["input_tokens"]);
+    // Read back as answered; a response with store false is not kept.
+    let (status, read) = server.get(&format!("/v1/responses/{id}"), Some(KEY));
+    assert_eq!(status, 200, "{read}");
+    assert_eq!(serde_json::from_str::<Value>(&read).unwrap(), one);
+    let unkept = resent["id"].as_str().unwrap();
+    assert_eq!(server.get(&format!("/v1/responses/{unkept}"), Some(KEY)).0, 404);
+    // A streamed response is kept as its last event gave it.
+    let streamed = response_from_stream(&events(&server, &first));
+    let (status, read) = server.get(
+        &format!("/v1/responses/{}", streamed["id"].as_str().unwrap()),
+        Some(KEY),
+    );
+    assert_eq!((status, serde_json::from_str::<Value>(&read).unwrap()), (200, streamed));
+    // Deleted, it is gone, and so is every conversation that continued it.
+    let (status, deleted) = server.request("DELETE", &format!("/v1/responses/{id}"), None, Some(KEY));
+    assert_eq!(status, 200, "{deleted}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&deleted).unwrap(),
+        json!({"id": id, "object": "response", "deleted": true})
+    );
+    assert_eq!(server.get(&format!("/v1/responses/{id}"), Some(KEY)).0, 404);
+    assert_eq!(
+        server
+            .request("DELETE", &format!("/v1/responses/{id}"), None, Some(KEY))
+            .0,
+        404
+    );
+    let mut after = continued.clone();
+    after["previous_response_id"] = two["id"].clone();
+    let (status, error) = respond(&server, &after);
+    assert_eq!(
+        (status, &error["error"]["param"]),
+        (400, &json!("previous_response_id")),
+        "{error}"
+    );
+    assert!(error["error"]["message"].as_str().unwrap().contains(id), "{error}");
+}
+
+#[test]
 fn what_this_server_cannot_honour_is_a_400_naming_the_field() {
     let server = Server::start(&[]);
     for (field, value) in [
-        ("store", json!(true)),
+        ("store", json!("yes")),
         ("previous_response_id", json!("resp_1")),
         ("include", json!("reasoning.encrypted_content")),
         ("max_output_tokens", json!(0)),

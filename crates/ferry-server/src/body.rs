@@ -60,6 +60,13 @@ impl Body {
         }
     }
 
+    /// This object with `name` set to `value`, nothing of it read yet.
+    pub fn with(&self, name: &str, value: Value) -> Body {
+        let mut fields = self.fields.clone();
+        fields.insert(name.into(), value);
+        Body::nested(fields, self.path.clone())
+    }
+
     /// How errors name the field `name` of this object.
     pub fn param(&self, name: &str) -> String {
         format!("{}{name}", self.path)

@@ -107,6 +107,17 @@ impl ApiError {
         }
     }
 
+    /// 404 for an object this server does not have (`what`, e.g. "response", `id`).
+    pub fn not_found(what: &str, id: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("no {what} with id `{}` is kept", quote(id)),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
     /// 503: no room now; the client may retry.
     pub fn unavailable(message: impl Into<String>, code: &'static str) -> Self {
         ApiError {

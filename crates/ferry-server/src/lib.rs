@@ -39,7 +39,7 @@ mod sampling;
 mod tools;
 
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -127,6 +127,8 @@ struct Shared {
     started_at: u64,
     /// The served model's response_format compiler, built on first use.
     grammar: sampling::Compiler,
+    /// The Responses API's kept responses.
+    responses: Mutex<responses::ResponseStore>,
 }
 
 /// The server's state, shared by every handler.
@@ -150,6 +152,7 @@ impl AppState {
             prompt_workers: prompt_work::workers(),
             started_at: unix_seconds(),
             grammar: Default::default(),
+            responses: Mutex::new(responses::ResponseStore::new(responses::STORE_BYTES)),
         }))
     }
 
@@ -232,6 +235,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::responses))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
         .route("/v1/models", get(endpoints::models))
         .route("/v1/models/{id}", get(endpoints::model))
         .route("/tokenize", post(endpoints::tokenize_route))

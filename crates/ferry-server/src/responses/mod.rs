@@ -1,16 +1,18 @@
-//! OpenAI's Responses API, `POST /v1/responses`, stateless, over the protocol-neutral layer (chat.rs,
-//! generation.rs): one response object (`output` items: `reasoning`, `message`, `function_call`), or its event
-//! stream (stream.rs). Errors keep the server's OpenAI shape.
+//! OpenAI's Responses API, `POST /v1/responses`, over the protocol-neutral layer (chat.rs, generation.rs): one
+//! response object (`output` items: `reasoning`, `message`, `function_call`), or its event stream (stream.rs); kept
+//! unless `store` is false (store.rs), to be continued by `previous_response_id` and read or deleted at
+//! `/v1/responses/{id}`. Errors keep the server's OpenAI shape.
 //!
 //! Not here: reading the request (request.rs, tools.rs), turning pieces into items and events (output.rs).
 
 mod output;
 mod request;
+mod store;
 mod stream;
 mod tools;
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
@@ -24,7 +26,15 @@ use crate::tools::history::{HistoryFormat, HistoryReasoning};
 use crate::{unix_seconds, AppState};
 use output::OutputItems;
 use request::ResponsesBody;
+pub(crate) use store::{ResponseStore, STORE_BYTES};
 use tools::Namespaces;
+
+/// What keeping a finished response needs: the store, the response it continued and its own input items.
+struct Keep {
+    state: AppState,
+    previous: Option<String>,
+    input: Vec<Value>,
+}
 
 /// The fields every response object of one request repeats.
 struct ResponseMeta {
@@ -37,6 +47,8 @@ struct ResponseMeta {
     encrypted_reasoning: bool,
     /// The functions of the request's namespaces: their calls name the namespace.
     namespaces: Namespaces,
+    /// Where the finished response is kept, unless `store` is false.
+    keep: Option<Keep>,
 }
 
 /// `usage`: the prompt (with the tokens the prefix cache held) and the output (with its reasoning).
@@ -59,6 +71,14 @@ fn status(finish: &Finish) -> &'static str {
 }
 
 impl ResponseMeta {
+    /// Keeps the finished response `object`, when the request asked for it.
+    fn kept(&self, object: &Value) {
+        if let Some(keep) = &self.keep {
+            let mut store = keep.state.0.responses.lock().unwrap_or_else(|e| e.into_inner());
+            store.insert(keep.previous.clone(), keep.input.clone(), object.clone());
+        }
+    }
+
     /// The response object: in progress (no `finish`), or finished with its output.
     fn object(&self, output: Vec<Value>, finish: Option<(&Finish, usize)>) -> Value {
         let mut object = self.echo.clone();
@@ -119,6 +139,7 @@ async fn respond_whole(meta: ResponseMeta, mut generation: Generation) -> Respon
                 items.pieces(&pieces, &mut events);
                 items.close(status(&finish), &mut events);
                 let object = meta.object(items.items(), Some((&finish, items.reasoning_tokens)));
+                meta.kept(&object);
                 return Json(object).into_response();
             }
             Output::Failed(error) => return error.into_response(),
@@ -130,9 +151,37 @@ async fn respond_whole(meta: ResponseMeta, mut generation: Generation) -> Respon
 /// A request read, admitted and submitted: how to render it, its output, whether to stream it.
 type Started = (ResponseMeta, Generation, bool);
 
+/// A request's own `input` as items (a string is one user message).
+fn input_items(body: &Body) -> Vec<Value> {
+    match body.raw("input") {
+        Some(Value::String(text)) => vec![json!({"role": "user", "content": text})],
+        Some(Value::Array(items)) => items.clone(),
+        _ => vec![],
+    }
+}
+
 fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let body = Body::parse(body)?;
     let model = state.model()?;
+    // A continued conversation: the kept one, then this request's input.
+    let previous = body.string("previous_response_id")?;
+    let input = input_items(&body);
+    let body = match &previous {
+        None => body,
+        Some(id) => {
+            let store = state.0.responses.lock().unwrap_or_else(|e| e.into_inner());
+            let mut items = store
+                .conversation(id)
+                .map_err(|message| ApiError::invalid_param("previous_response_id", message))?;
+            items.extend(input.iter().cloned());
+            body.with("input", Value::Array(items))
+        }
+    };
+    let keep = request::stored(&body)?.then(|| Keep {
+        state: state.clone(),
+        previous,
+        input,
+    });
     let keeps_reasoning = HistoryFormat::of(&model).reasoning != HistoryReasoning::Unrendered;
     let ResponsesBody {
         model: name,
@@ -154,6 +203,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         echo,
         encrypted_reasoning,
         namespaces,
+        keep,
     };
     Ok((meta, generation, chat.params.stream))
 }
@@ -167,6 +217,24 @@ pub async fn responses(State(state): State<AppState>, body: Bytes) -> Response {
             record_refusal(&state, &error);
             error.into_response()
         }
+    }
+}
+
+/// `GET /v1/responses/{id}`: a kept response.
+pub async fn retrieve(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    let store = state.0.responses.lock().unwrap_or_else(|e| e.into_inner());
+    match store.get(&id) {
+        Some(object) => Json(object.clone()).into_response(),
+        None => ApiError::not_found("response", &id).into_response(),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a kept response (a conversation that continued it can no longer go on).
+pub async fn delete(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    let mut store = state.0.responses.lock().unwrap_or_else(|e| e.into_inner());
+    match store.remove(&id) {
+        true => Json(json!({"id": id, "object": "response", "deleted": true})).into_response(),
+        false => ApiError::not_found("response", &id).into_response(),
     }
 }
 
@@ -207,6 +275,7 @@ mod tests {
             echo: Map::new(),
             encrypted_reasoning: false,
             namespaces: Namespaces::default(),
+            keep: None,
         };
         let finish = |reason| Finish {
             reason,

@@ -3,11 +3,11 @@
 //! chat route).
 //!
 //! `input` (a string, or items: messages, an earlier turn's `function_call`s, `function_call_output`s and
-//! `reasoning`) becomes the template's conversation, after `instructions` as its system message. The server keeps
-//! nothing: `store` defaults to true in OpenAI's API, so an omitted `store` is served and the response says
-//! `store: false`; `store: true` asks for what this server cannot do and is refused, as is `previous_response_id`.
-//! What stateless clients use instead, `include: ["reasoning.encrypted_content"]`, is served: the reasoning
-//! items carry their text in `encrypted_content` (output.rs), which comes back in a later turn's `input`.
+//! `reasoning`) becomes the template's conversation, after `instructions` as its system message; with
+//! `previous_response_id` the kept conversation comes first (mod.rs puts it in `input`; store.rs keeps it).
+//! `store` (true unless false, as in OpenAI's API) says whether this response is kept. What stateless clients use
+//! instead, `include: ["reasoning.encrypted_content"]`, is served too: the reasoning items carry their text in
+//! `encrypted_content` (output.rs), which comes back in a later turn's `input`.
 //!
 //! Not here: the tool fields (tools.rs), the response (mod.rs, output.rs).
 
@@ -90,19 +90,8 @@ impl ResponsesBody {
     /// `keeps_reasoning`: the served model's template renders earlier reasoning, so `reasoning` items go back into
     /// its history (for one that renders none they are dropped, as the template would drop them).
     pub fn parse(body: &Body, keeps_reasoning: bool) -> Result<Self, ApiError> {
-        if body.get("previous_response_id").is_some() {
-            return Err(ApiError::invalid_param(
-                "previous_response_id",
-                "`previous_response_id` is not supported: this server stores no responses; send the whole \
-                 conversation in `input`",
-            ));
-        }
-        if body.boolean("store")? {
-            return Err(ApiError::invalid_param(
-                "store",
-                "`store` must be false: this server stores no responses",
-            ));
-        }
+        let previous_response_id = body.string("previous_response_id")?;
+        let store = stored(body)?;
         let instructions = body.string("instructions")?;
         let mut messages: Vec<ChatMessage> = instructions
             .iter()
@@ -122,9 +111,9 @@ impl ResponsesBody {
         echo.insert("instructions".into(), instructions.into());
         echo.insert("max_output_tokens".into(), max_tokens.into());
         echo.insert("metadata".into(), metadata(body)?);
-        echo.insert("previous_response_id".into(), Value::Null);
+        echo.insert("previous_response_id".into(), previous_response_id.into());
         echo.insert("reasoning".into(), reasoning);
-        echo.insert("store".into(), false.into());
+        echo.insert("store".into(), store.into());
         echo.insert("temperature".into(), temperature.into());
         echo.insert("text".into(), text);
         echo.insert("top_p".into(), top_p.into());
@@ -158,6 +147,14 @@ impl ResponsesBody {
             encrypted_reasoning,
             namespaces,
         })
+    }
+}
+
+/// `store`: whether the response is kept (true unless false, as in OpenAI's API).
+pub fn stored(body: &Body) -> Result<bool, ApiError> {
+    match body.get("store") {
+        None => Ok(true),
+        Some(_) => body.boolean("store"),
     }
 }
 
@@ -510,10 +507,9 @@ mod tests {
         let plain = parse(json!({"input": "hi"}), false).unwrap();
         assert_eq!(plain.chat.messages.len(), 1);
         assert_eq!(plain.echo["text"], json!({"format": {"type": "text"}}));
-        assert_eq!(
-            plain.echo["store"], false,
-            "store defaults to true in OpenAI's API; nothing is stored here"
-        );
+        assert_eq!(plain.echo["store"], true, "store defaults to true, as in OpenAI's API");
+        let continued = parse(json!({"input": "hi", "previous_response_id": "resp_1"}), false).unwrap();
+        assert_eq!(continued.echo["previous_response_id"], "resp_1");
     }
 
     #[test]
@@ -585,8 +581,7 @@ mod tests {
             (json!({}), "input"),
             (with("input", json!([])), "input"),
             (with("input", json!(3)), "input"),
-            (with("previous_response_id", json!("resp_1")), "previous_response_id"),
-            (with("store", json!(true)), "store"),
+            (with("previous_response_id", json!(1)), "previous_response_id"),
             (with("store", json!("no")), "store"),
             (with("max_output_tokens", json!(0)), "max_output_tokens"),
             (with("temperature", json!(3)), "temperature"),

@@ -47,6 +47,7 @@ impl Streaming {
                 let response = self
                     .meta
                     .object(self.items.items(), Some((&finish, self.items.reasoning_tokens)));
+                self.meta.kept(&response);
                 events.push(json!({"type": format!("response.{status}"), "response": response}));
             }
             Output::Failed(error) => events.push(json!({
