@@ -52,6 +52,11 @@ impl ResponseStore {
             };
             self.remove(&oldest);
         }
+        // Deleted ids wait in `order` for their turn to go; a server that keeps deleting must not pile them up.
+        if self.order.len() > 2 * self.responses.len() + 64 {
+            let responses = &self.responses;
+            self.order.retain(|id| responses.contains_key(id));
+        }
         self.bytes += bytes;
         self.order.push_back(id.clone());
         self.responses.insert(
@@ -158,5 +163,17 @@ mod tests {
         // A response larger than the whole budget is not kept, and evicts nothing.
         store.insert(None, user(&"x".repeat(3 * one)), response("big", "y"));
         assert!(store.get("big").is_none() && store.get("r2").is_some());
+    }
+
+    #[test]
+    fn deleted_responses_do_not_pile_up() {
+        let mut store = ResponseStore::new(STORE_BYTES);
+        for i in 0..10_000 {
+            let id = format!("r{i}");
+            store.insert(None, user("hi"), response(&id, "hello"));
+            assert!(store.remove(&id));
+        }
+        assert!(store.order.len() <= 65, "{}", store.order.len());
+        assert_eq!(store.bytes, 0);
     }
 }
