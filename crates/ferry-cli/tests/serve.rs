@@ -61,6 +61,31 @@ fn plain_and_streamed_answers_agree_and_only_health_is_open() {
     for field in ["prompt_tokens", "completion_tokens", "total_tokens"] {
         assert_eq!(usage[field], whole["usage"][field], "{field}");
     }
+    // vLLM's continuous usage: every chunk says the tokens so far, counting up to the answer's.
+    let mut continuous = request.clone();
+    continuous["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    continuous["stream"] = json!(true);
+    let events = server.post_stream("/v1/chat/completions", &continuous);
+    let counts: Vec<(u64, u64)> = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            let usage = &serde_json::from_str::<Value>(e).unwrap()["usage"];
+            (
+                usage["prompt_tokens"].as_u64().unwrap(),
+                usage["completion_tokens"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert!(
+        counts.len() > 2 && counts.windows(2).all(|w| w[0].1 <= w[1].1),
+        "{counts:?}"
+    );
+    assert!(
+        counts.iter().all(|c| c.0 == whole["usage"]["prompt_tokens"]),
+        "{counts:?}"
+    );
+    assert_eq!(counts[0].1, 0);
+    assert_eq!(counts.last().unwrap().1, 24);
 
     let text = json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0});
     let (status, whole) = server.post("/v1/completions", &text);

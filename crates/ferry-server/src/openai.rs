@@ -39,6 +39,8 @@ struct Renderer {
     created: u64,
     model: String,
     include_usage: bool,
+    /// Every chunk carries the usage so far (vLLM's `continuous_usage_stats`).
+    continuous_usage: bool,
     /// The model may reason: a whole chat answer then says `reasoning_content: null` when it did not.
     splits_reasoning: bool,
     /// The model whose tokens logprobs name, when the request asked for logprobs.
@@ -149,6 +151,7 @@ impl Renderer {
             created: unix_seconds(),
             model: state.0.config.served_model_name.clone(),
             include_usage: options.include_usage,
+            continuous_usage: options.continuous_usage,
             splits_reasoning,
             logprobs_of,
             text_offsets: (0..choices).map(|_| Cell::new(0)).collect(),
@@ -237,24 +240,30 @@ impl Renderer {
         out
     }
 
-    /// One streamed chunk holding `choice` (the usage field null, when the request asked for a usage chunk).
-    fn chunk(&self, choice: Value) -> SseEvent {
+    /// One streamed chunk holding `choice`, with `running` (the usage so far) when the request asked for it in
+    /// every chunk, else a null usage when it asked for a usage chunk.
+    fn chunk(&self, choice: Value, running: &RunningUsage) -> SseEvent {
         let mut body = self.envelope(vec![choice], true);
         if self.include_usage {
-            body.insert("usage".into(), Value::Null);
+            let usage = match self.continuous_usage {
+                true => running.json(),
+                false => Value::Null,
+            };
+            body.insert("usage".into(), usage);
         }
         SseEvent::default().data(Value::Object(body).to_string())
     }
 
     /// The chunks that open a streamed chat answer, one a choice.
-    fn opening(&self) -> Vec<SseEvent> {
+    fn opening(&self, running: &RunningUsage) -> Vec<SseEvent> {
         match self.endpoint {
             Endpoint::Chat => (0..self.text_offsets.len())
                 .map(|index| {
-                    self.chunk(json!({
+                    let opening = json!({
                         "index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null,
                         "finish_reason": null,
-                    }))
+                    });
+                    self.chunk(opening, running)
                 })
                 .collect(),
             Endpoint::Text => vec![],
@@ -295,6 +304,8 @@ struct Choices {
     model: Arc<LoadedModel>,
     per_prompt: usize,
     count: usize,
+    /// The prompts' tokens, each counted once.
+    prompt_tokens: usize,
 }
 
 impl Choices {
@@ -308,6 +319,7 @@ impl Choices {
         prompts: Vec<(Request, PieceParser)>,
     ) -> Result<Choices, ApiError> {
         let count = choice_count(state, per_prompt, prompts.len())?;
+        let prompt_tokens = prompts.iter().map(|(request, _)| request.prompt_ids.len()).sum();
         let mut slots = admit(state, count)?.into_iter();
         let mut outputs = SelectAll::new();
         let mut waiting = Vec::with_capacity(prompts.len());
@@ -333,6 +345,7 @@ impl Choices {
             model: model.clone(),
             per_prompt,
             count,
+            prompt_tokens,
         })
     }
 
@@ -413,12 +426,29 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
     Json(Value::Object(body)).into_response()
 }
 
+/// The tokens of a stream so far: its prompts' and every choice's generated ones.
+struct RunningUsage {
+    prompt: usize,
+    completion: usize,
+}
+
+impl RunningUsage {
+    fn json(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+        })
+    }
+}
+
 /// A streamed response as it goes: the logprobs of each choice's tokens whose text is held back (they wait for
-/// the chunk that carries it), and how each choice ended.
+/// the chunk that carries it), the tokens so far, and how each choice ended.
 struct Streaming {
     renderer: Renderer,
     choices: Choices,
     held: Vec<Vec<(u32, TokenLogprobs)>>,
+    running: RunningUsage,
     finishes: Vec<Option<Finish>>,
     ended: bool,
 }
@@ -429,14 +459,17 @@ impl Streaming {
     fn events(&mut self, (index, output, logprobs): ChoiceOutput) -> Vec<SseEvent> {
         let renderer = &self.renderer;
         self.held[index].extend(logprobs);
+        let running = &mut self.running;
         match output {
             Output::Pieces(pieces) => {
+                // One output of pieces a generated token.
+                running.completion += 1;
                 let text = Text::of(renderer, index, &pieces);
                 match text.is_empty() {
                     true => vec![],
                     false => {
                         let tokens = std::mem::take(&mut self.held[index]);
-                        vec![renderer.chunk(renderer.choice(index, &text, &tokens, None, true))]
+                        vec![renderer.chunk(renderer.choice(index, &text, &tokens, None, true), running)]
                     }
                 }
             }
@@ -445,10 +478,11 @@ impl Streaming {
                 let tokens = std::mem::take(&mut self.held[index]);
                 let mut out = vec![];
                 if !text.is_empty() || !tokens.is_empty() {
-                    out.push(renderer.chunk(renderer.choice(index, &text, &tokens, None, true)));
+                    out.push(renderer.chunk(renderer.choice(index, &text, &tokens, None, true), running));
                 }
                 let reason = finish_reason(&finish.reason);
-                out.push(renderer.chunk(renderer.choice(index, &Text::default(), &[], Some(reason), true)));
+                let last = renderer.choice(index, &Text::default(), &[], Some(reason), true);
+                out.push(renderer.chunk(last, running));
                 self.finishes[index] = Some(finish);
                 if let Some(finishes) = self.finishes.iter().cloned().collect::<Option<Vec<Finish>>>() {
                     if renderer.include_usage {
@@ -471,12 +505,17 @@ impl Streaming {
 
 /// Streams the choices as server-sent events ending with `data: [DONE]`.
 fn respond_streamed(renderer: Renderer, choices: Choices) -> Response {
-    let opening = renderer.opening();
+    let running = RunningUsage {
+        prompt: choices.prompt_tokens,
+        completion: 0,
+    };
+    let opening = renderer.opening(&running);
     let count = choices.count;
     let streaming = Streaming {
         renderer,
         choices,
         held: vec![vec![]; count],
+        running,
         finishes: vec![None; count],
         ended: false,
     };

@@ -26,6 +26,8 @@ pub struct OpenAiOptions {
     pub model: Option<String>,
     /// `stream_options.include_usage`: a last chunk with the usage.
     pub include_usage: bool,
+    /// `stream_options.continuous_usage_stats` (vLLM's): the usage so far in every chunk too.
+    pub continuous_usage: bool,
     /// `n`: how many choices to generate for the prompt (1 when not given).
     pub choices: usize,
     /// The structured output came as vLLM's `structured_outputs`: errors about it name that field.
@@ -177,18 +179,27 @@ fn repetition_penalty(body: &Body) -> Result<Option<f32>, ApiError> {
 }
 
 fn options(body: &Body) -> Result<OpenAiOptions, ApiError> {
-    let include_usage = match body.object("stream_options")? {
-        None => false,
+    let (include_usage, continuous_usage) = match body.object("stream_options")? {
+        None => (false, false),
         Some(options) => {
             let options = Body::nested(options.clone(), "stream_options.".into());
             let include_usage = options.boolean("include_usage")?;
+            let continuous_usage = options.boolean("continuous_usage_stats")?;
             options.refuse_unread(&[])?;
-            include_usage
+            if continuous_usage && !include_usage {
+                return Err(ApiError::invalid_param(
+                    "stream_options.continuous_usage_stats",
+                    "`stream_options.continuous_usage_stats` puts the usage in every chunk of a stream that has it: \
+                     it needs `stream_options.include_usage`",
+                ));
+            }
+            (include_usage, continuous_usage)
         }
     };
     Ok(OpenAiOptions {
         model: body.string("model")?,
         include_usage,
+        continuous_usage,
         choices: body.positive("n")?.unwrap_or(1),
         structured_outputs: body.get("structured_outputs").is_some(),
     })
