@@ -279,6 +279,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         },
         special_tokens_in_content: !args.no_special_tokens_in_content,
         tool_call_format,
+        prefix_cache: !args.no_prefix_cache,
     })
 }
 

@@ -277,7 +277,14 @@ fn a_batch_of_prompts_gets_n_choices_each_in_prompt_order() {
 
 #[test]
 fn more_choices_than_the_server_runs_at_once_is_a_400_naming_n() {
-    let server = Server::start(&["--max-running-requests", "1", "--max-queued-requests", "1"]);
+    // Without the prefix cache, a prompt's choices start together; they answer the same.
+    let server = Server::start(&[
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "1",
+        "--no-prefix-cache",
+    ]);
     let (status, error) = server.post("/v1/chat/completions", &chat("hi", json!({"n": 3})));
     assert_eq!(status, 400, "{error}");
     assert_eq!(error["error"]["param"], "n");
@@ -291,9 +298,19 @@ fn more_choices_than_the_server_runs_at_once_is_a_400_naming_n() {
     let batch = json!({"prompt": vec!["a"; 3], "n": i64::MAX / 2});
     let (status, error) = server.post("/v1/completions", &batch);
     assert_eq!((status, &error["error"]["param"]), (400, &json!("n")), "{error}");
-    let (status, answer) = server.post("/v1/chat/completions", &chat("hi", json!({"n": 2, "max_tokens": 2})));
+    let sampled = json!({"max_tokens": 4, "temperature": 1.0, "seed": 3});
+    let mut two = chat("hi", sampled.clone());
+    two["n"] = json!(2);
+    let (status, answer) = server.post("/v1/chat/completions", &two);
     assert_eq!(status, 200, "{answer}");
-    assert_eq!(answer["choices"].as_array().unwrap().len(), 2);
+    let choices = answer["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for (i, choice) in choices.iter().enumerate() {
+        let mut one = chat("hi", sampled.clone());
+        one["seed"] = json!(3 + i);
+        let (_, alone) = server.post("/v1/chat/completions", &one);
+        assert_eq!(choice["message"], alone["choices"][0]["message"], "choice {i}");
+    }
 }
 
 #[test]

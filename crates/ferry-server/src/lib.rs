@@ -100,6 +100,9 @@ pub struct LoadedModel {
     /// How tool calls are read out of the output (`--tool-call-parser`, by default the chat template's format);
     /// none: a request's tools still reach the template, and calls come back as the text the model wrote.
     pub tool_call_format: Option<ToolCallFormat>,
+    /// The engine reuses cached prefixes (`--no-prefix-cache` turns it off): the choices of one prompt then start
+    /// after its first, from its blocks.
+    pub prefix_cache: bool,
 }
 
 impl LoadedModel {

@@ -294,9 +294,10 @@ fn done() -> SseEvent {
 type ChoiceOutput = (usize, Output, Vec<(u32, TokenLogprobs)>);
 
 /// The choices of one response, `per_prompt` for each of its prompts (choice `p * per_prompt + j` is prompt p's
-/// j-th), their outputs in the order they come. A prompt's first choice is submitted at once, the others once it
-/// has produced its first output: its prompt's blocks are in the prefix cache by then, so they start from them
-/// rather than each computing the prompt again. All are admitted together.
+/// j-th), their outputs in the order they come. With the prefix cache, a prompt's first choice is submitted at
+/// once, the others once it has produced its first output: its prompt's blocks are in the cache by then, so they
+/// start from them rather than each computing the prompt again; without it, all at once, to be batched together.
+/// All are admitted together.
 struct Choices {
     outputs: SelectAll<BoxStream<'static, ChoiceOutput>>,
     /// Per prompt, the choices not submitted yet: index, place, request and parser.
@@ -339,14 +340,28 @@ impl Choices {
             ));
             waiting.push(rest);
         }
-        Ok(Choices {
+        let mut choices = Choices {
             outputs,
             waiting,
             model: model.clone(),
             per_prompt,
             count,
             prompt_tokens,
-        })
+        };
+        if !model.prefix_cache {
+            for group in 0..choices.waiting.len() {
+                choices.submit_waiting(group);
+            }
+        }
+        Ok(choices)
+    }
+
+    /// Submits prompt `group`'s choices not submitted yet.
+    fn submit_waiting(&mut self, group: usize) {
+        for (index, slot, request, parser) in self.waiting[group].drain(..) {
+            let generation = Generation::submit(slot, &self.model, request, parser);
+            self.outputs.push(outputs_of(index, generation));
+        }
     }
 
     /// The next output of any choice; None once every choice ended.
@@ -354,10 +369,7 @@ impl Choices {
         let next = self.outputs.next().await;
         if let Some((index, output, _)) = &next {
             if !matches!(output, Output::Failed(_)) {
-                for (index, slot, request, parser) in self.waiting[index / self.per_prompt].drain(..) {
-                    let generation = Generation::submit(slot, &self.model, request, parser);
-                    self.outputs.push(outputs_of(index, generation));
-                }
+                self.submit_waiting(index / self.per_prompt);
             }
         }
         next
