@@ -208,8 +208,7 @@ pub fn admit(state: &AppState, n: usize) -> Result<Vec<Slot>, ApiError> {
 /// A request admitted to the engine, until its last event. Dropping it before the engine finished cancels it
 /// (and then gives its place back).
 struct InFlight {
-    state: AppState,
-    _slot: Slot,
+    slot: Slot,
     model: Arc<LoadedModel>,
     id: RequestId,
     prompt_tokens: usize,
@@ -223,7 +222,7 @@ impl InFlight {
     /// Records latency metrics for one generated token.
     fn on_token(&mut self) {
         let now = Instant::now();
-        let metrics = &self.state.0.metrics;
+        let metrics = &self.slot.state.0.metrics;
         match self.last_token {
             None => metrics.time_to_first_token((now - self.submitted).as_secs_f64()),
             Some(previous) => metrics.inter_token_latency((now - previous).as_secs_f64()),
@@ -234,7 +233,8 @@ impl InFlight {
 
     fn finish(&mut self, outcome: &'static str) {
         self.done = true;
-        self.state
+        self.slot
+            .state
             .0
             .metrics
             .request_done(outcome, self.prompt_tokens, self.completion_tokens);
@@ -297,8 +297,7 @@ impl Generation {
             .engine
             .submit(request, Box::new(move |event| sender.send(event).is_ok()));
         let in_flight = InFlight {
-            state: slot.state.clone(),
-            _slot: slot,
+            slot,
             model: model.clone(),
             id,
             prompt_tokens,
