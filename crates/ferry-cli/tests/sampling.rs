@@ -325,6 +325,42 @@ fn structured_outputs_constrain_to_a_choice_a_regex_a_grammar_or_a_schema() {
 }
 
 #[test]
+fn only_allowed_token_ids_come_out() {
+    let server = Server::start(&[]);
+    let first_token = |text: &str| {
+        ok(
+            &server,
+            "/tokenize",
+            &json!({"prompt": text, "add_special_tokens": false}),
+        )["tokens"][0]
+            .clone()
+    };
+    let allowed = [first_token("ferry"), first_token(" boat")];
+    let texts: Vec<Value> = allowed
+        .iter()
+        .map(|id| ok(&server, "/detokenize", &json!({"tokens": [id]}))["prompt"].clone())
+        .collect();
+    let body = json!({"prompt": "Once upon", "max_tokens": 6, "temperature": 1, "seed": 4, "ignore_eos": true,
+                      "allowed_token_ids": allowed, "logprobs": 0});
+    let narrow = ok(&server, "/v1/completions", &body);
+    let tokens: Vec<Value> = serde_json::from_value(narrow["choices"][0]["logprobs"]["tokens"].clone()).unwrap();
+    assert_eq!(tokens.len(), 6);
+    assert!(
+        tokens.iter().all(|t| texts.contains(t)),
+        "{tokens:?} not among {texts:?}"
+    );
+    let (status, error) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "allowed_token_ids": allowed, "structured_outputs": {"choice": ["a"]}}),
+    );
+    assert_eq!(
+        (status, &error["error"]["param"]),
+        (400, &json!("allowed_token_ids")),
+        "{error}"
+    );
+}
+
+#[test]
 fn bad_sampling_values_are_400s_naming_the_field() {
     let server = Server::start(&[]);
     let schema_of = |schema: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});
@@ -339,6 +375,8 @@ fn bad_sampling_values_are_400s_naming_the_field() {
         ("stop_token_ids", json!(5), "stop_token_ids"),
         ("stop_token_ids", json!([100000]), "stop_token_ids"),
         ("stop_token_ids", json!(vec![1; 257]), "stop_token_ids"),
+        ("allowed_token_ids", json!([100000]), "allowed_token_ids"),
+        ("allowed_token_ids", json!("1"), "allowed_token_ids"),
         ("min_tokens", json!(-1), "min_tokens"),
         ("min_tokens", json!(7), "min_tokens"),
         ("include_stop_str_in_output", json!(1), "include_stop_str_in_output"),

@@ -45,6 +45,8 @@ pub struct GenerationParams {
     pub ignore_eos: bool,
     /// More tokens that end the output (vLLM's `stop_token_ids`).
     pub stop_token_ids: Vec<u32>,
+    /// Only these tokens may be generated (vLLM's `allowed_token_ids`); empty: any.
+    pub allowed_token_ids: Vec<u32>,
     /// No end before this many tokens (vLLM's `min_tokens`; see [`StopRules::min_tokens`]).
     pub min_tokens: usize,
     /// The stop string that ends the output stays in it (vLLM's `include_stop_str_in_output`).
@@ -299,6 +301,13 @@ impl PreparedPrompt {
                 "`min_tokens` cannot be combined with `response_format` or a forced `tool_choice`",
             ));
         }
+        if request.constraint.is_some() && !params.allowed_token_ids.is_empty() {
+            // The grammar may allow none of them.
+            return Err(ApiError::invalid_param(
+                "allowed_token_ids",
+                "`allowed_token_ids` cannot be combined with `response_format` or a forced `tool_choice`",
+            ));
+        }
         request.thinking_budget = self.thinking_budget;
         Ok((request, self.parser))
     }
@@ -358,6 +367,7 @@ fn engine_request(
             params.logit_bias.iter().map(|&(id, _)| id).collect::<Vec<u32>>(),
         ),
         ("stop_token_ids", params.stop_token_ids.clone()),
+        ("allowed_token_ids", params.allowed_token_ids.clone()),
     ] {
         if let Some(id) = ids.iter().find(|&&id| id as usize >= model.vocab_size) {
             return Err(ApiError::invalid_param(
@@ -391,6 +401,7 @@ fn engine_request(
         frequency_penalty: params.frequency_penalty,
         repetition_penalty: params.repetition_penalty.unwrap_or(1.0),
         logit_bias: params.logit_bias.clone(),
+        allowed_token_ids: params.allowed_token_ids.clone(),
         logprobs: params.logprobs,
         constraint: None,
         stop_strings: params.stop.clone(),

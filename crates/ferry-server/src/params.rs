@@ -108,7 +108,8 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
             (format, structured) => format.or(structured),
         },
         ignore_eos: body.boolean("ignore_eos")?,
-        stop_token_ids: token_id_list(body, "stop_token_ids")?,
+        stop_token_ids: token_id_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS)?,
+        allowed_token_ids: token_id_list(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)?,
         include_stop_string: body.boolean("include_stop_str_in_output")?,
         keep_special_tokens: match body.raw("skip_special_tokens") {
             None | Some(Value::Null) => false,
@@ -121,22 +122,21 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
 
 /// At most this many `stop_token_ids`: each generated token is looked up among them.
 const MAX_STOP_TOKEN_IDS: usize = 256;
+/// At most this many `allowed_token_ids` (a vocabulary's worth): each step keeps their logits.
+const MAX_ALLOWED_TOKEN_IDS: usize = 1 << 18;
 
-/// A list of at most [`MAX_STOP_TOKEN_IDS`] token ids (vLLM's `stop_token_ids`); their range is checked against the
-/// model's vocabulary later.
-fn token_id_list(body: &Body, name: &str) -> Result<Vec<u32>, ApiError> {
+/// A list of at most `max` token ids (vLLM's `stop_token_ids`, `allowed_token_ids`); their range is checked against
+/// the model's vocabulary later.
+fn token_id_list(body: &Body, name: &str, max: usize) -> Result<Vec<u32>, ApiError> {
     let Some(value) = body.raw(name) else {
         return Ok(vec![]);
     };
     let bad = || ApiError::invalid_param(name, format!("`{name}` must be an array of token ids"));
     match value {
         Value::Null => Ok(vec![]),
-        Value::Array(items) if items.len() > MAX_STOP_TOKEN_IDS => Err(ApiError::invalid_param(
+        Value::Array(items) if items.len() > max => Err(ApiError::invalid_param(
             name,
-            format!(
-                "`{name}` holds {} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
-                items.len()
-            ),
+            format!("`{name}` holds {} ids; at most {max} are allowed", items.len()),
         )),
         Value::Array(items) => items
             .iter()

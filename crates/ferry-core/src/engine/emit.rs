@@ -147,7 +147,7 @@ impl Emitter {
     }
 
     /// The logits the sampler and logprobs see, `generated` tokens into the output: after the penalties, the bias,
-    /// the ends that min_tokens holds back and the grammar's mask, in that order. Copied (a vocabulary's worth) only
+    /// the tokens not allowed, the ends that min_tokens holds back and the grammar's mask, in that order. Copied (a vocabulary's worth) only
     /// when one of them applies.
     fn shaped_logits<'a>(&mut self, request: &Request, logits: &'a [f32], generated: usize) -> Result<Cow<'a, [f32]>> {
         let mut logits = Cow::Borrowed(logits);
@@ -164,6 +164,18 @@ impl Emitter {
         }
         if !request.logit_bias.is_empty() {
             apply_logit_bias(logits.to_mut(), &request.logit_bias);
+        }
+        if !request.allowed_token_ids.is_empty() {
+            let logits = logits.to_mut();
+            let kept: Vec<(usize, f32)> = request
+                .allowed_token_ids
+                .iter()
+                .filter_map(|&id| logits.get(id as usize).map(|&logit| (id as usize, logit)))
+                .collect();
+            logits.fill(f32::NEG_INFINITY);
+            for (id, logit) in kept {
+                logits[id] = logit;
+            }
         }
         let rules = &request.stop;
         if generated < rules.min_tokens {
@@ -331,6 +343,15 @@ pub(super) mod tests {
             emit_all(&strings, &bcei, 16),
             ("bc".into(), vec![1, 2, 4, 8], Some(FinishReason::StopString(1)))
         );
+    }
+
+    #[test]
+    fn only_allowed_tokens_are_generated_in_the_order_their_logits_say() {
+        // Greedy would take 1, 2, 4, 8; with 5 and 8 allowed, each step takes the better of those two.
+        let steps: Vec<Vec<f32>> = [(1, 5), (2, 8), (8, 5)].map(|(t, r)| favouring(t, r)).to_vec();
+        let mut narrow = request(3);
+        narrow.allowed_token_ids = vec![8, 5];
+        assert_eq!(emit_all(&narrow, &steps, 16).1, vec![5, 8, 8]);
     }
 
     #[test]

@@ -52,6 +52,8 @@ pub struct Request {
     pub repetition_penalty: f32,
     /// (token id, bias in [-100, 100]) added to the logits before sampling.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Only these tokens may be generated (vLLM's `allowed_token_ids`); empty: any.
+    pub allowed_token_ids: Vec<u32>,
     /// Report each token's logprob and this many most likely alternatives (at most [`MAX_TOP_LOGPROBS`]); None:
     /// no logprobs.
     pub logprobs: Option<usize>,
@@ -77,6 +79,7 @@ impl Request {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
+            allowed_token_ids: Vec::new(),
             logprobs: None,
             constraint: None,
             stop_strings: Vec::new(),
@@ -133,6 +136,17 @@ impl Request {
                     "logit_bias: the bias of token {token} must be between -100 and 100, got {bias}"
                 )));
             }
+        }
+        if let Some(bad) = self.allowed_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(Error::Request(format!(
+                "allowed_token_ids: token id {bad} is outside the vocabulary (size {vocab_size})"
+            )));
+        }
+        if !self.allowed_token_ids.is_empty() && self.constraint.is_some() {
+            // The grammar may allow none of them.
+            return Err(Error::Request(
+                "allowed_token_ids cannot be combined with a structured output or forced tool calls".into(),
+            ));
         }
         if let Some(bad) = self.stop.stop_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
             return Err(Error::Request(format!(
@@ -256,5 +270,8 @@ mod tests {
         assert!(refusal(long.clone()).contains("min_tokens (2) is more than max_tokens (1)"));
         long.max_tokens = 2;
         long.validate(16, 16).unwrap();
+        let mut narrow = request(&[1]);
+        narrow.allowed_token_ids = vec![2, 16];
+        assert!(refusal(narrow).contains("allowed_token_ids: token id 16"));
     }
 }
