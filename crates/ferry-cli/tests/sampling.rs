@@ -361,6 +361,28 @@ fn only_allowed_token_ids_come_out() {
 }
 
 #[test]
+fn truncate_prompt_tokens_keeps_the_prompts_end() {
+    let server = Server::start(&["--max-model-len", "64"]);
+    let ids: Vec<u32> = (100..200).collect();
+    let greedy = |prompt: &[u32], extra: Value| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        server.post("/v1/completions", &body)
+    };
+    // 100 tokens do not fit a 64-token context; their last 20 do, and answer as those 20 alone.
+    assert_eq!(greedy(&ids, json!({})).0, 400);
+    let (status, cut) = greedy(&ids, json!({"truncate_prompt_tokens": 20}));
+    assert_eq!(status, 200, "{cut}");
+    assert_eq!(cut["usage"]["prompt_tokens"], 20);
+    let (_, tail) = greedy(&ids[80..], json!({}));
+    assert_eq!(cut["choices"][0]["text"], tail["choices"][0]["text"]);
+    assert_eq!(
+        greedy(&ids, json!({"truncate_prompt_tokens": 0})).1["error"]["param"],
+        "truncate_prompt_tokens"
+    );
+}
+
+#[test]
 fn bad_sampling_values_are_400s_naming_the_field() {
     let server = Server::start(&[]);
     let schema_of = |schema: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});

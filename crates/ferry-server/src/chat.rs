@@ -47,6 +47,8 @@ pub struct GenerationParams {
     pub stop_token_ids: Vec<u32>,
     /// Only these tokens may be generated (vLLM's `allowed_token_ids`); empty: any.
     pub allowed_token_ids: Vec<u32>,
+    /// Only the prompt's last this many tokens are read (vLLM's `truncate_prompt_tokens`).
+    pub truncate_prompt_tokens: Option<usize>,
     /// No end before this many tokens (vLLM's `min_tokens`; see [`StopRules::min_tokens`]).
     pub min_tokens: usize,
     /// The stop string that ends the output stays in it (vLLM's `include_stop_str_in_output`).
@@ -346,9 +348,12 @@ pub fn tokenize(model: &LoadedModel, text: &str, add_special_tokens: bool) -> Re
 fn engine_request(
     model: &LoadedModel,
     params: &GenerationParams,
-    prompt_ids: Vec<u32>,
+    mut prompt_ids: Vec<u32>,
     prompt_field: &str,
 ) -> Result<Request, ApiError> {
+    if let Some(keep) = params.truncate_prompt_tokens {
+        prompt_ids.drain(..prompt_ids.len().saturating_sub(keep));
+    }
     let window = model.max_model_len;
     if prompt_ids.len() >= window {
         return Err(ApiError::invalid_param(

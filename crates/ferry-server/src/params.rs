@@ -110,6 +110,7 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         ignore_eos: body.boolean("ignore_eos")?,
         stop_token_ids: token_id_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS)?,
         allowed_token_ids: token_id_list(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)?,
+        truncate_prompt_tokens: body.positive("truncate_prompt_tokens")?,
         include_stop_string: body.boolean("include_stop_str_in_output")?,
         keep_special_tokens: match body.raw("skip_special_tokens") {
             None | Some(Value::Null) => false,
