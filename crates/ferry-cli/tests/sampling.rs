@@ -383,6 +383,63 @@ fn truncate_prompt_tokens_keeps_the_prompts_end() {
 }
 
 #[test]
+fn return_token_ids_gives_the_prompts_and_each_choices_ids_plain_and_streamed() {
+    let server = Server::start(&[]);
+    // Chat: the prompt's ids once, at the top; each choice's ids decode to its text.
+    let body = chat(
+        json!({"return_token_ids": true, "max_tokens": 6, "n": 2, "temperature": 1, "seed": 1,
+                           "chat_template_kwargs": {"enable_thinking": false}}),
+    );
+    let whole = ok(&server, "/v1/chat/completions", &body);
+    let tokenized = ok(
+        &server,
+        "/tokenize",
+        &json!({"messages": body["messages"],
+                                                     "chat_template_kwargs": {"enable_thinking": false}}),
+    );
+    assert_eq!(whole["prompt_token_ids"], tokenized["tokens"], "{whole}");
+    for choice in whole["choices"].as_array().unwrap() {
+        assert_eq!(choice["token_ids"].as_array().unwrap().len(), 6, "{choice}");
+    }
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = server.post_stream("/v1/chat/completions", &streamed);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["prompt_token_ids"], tokenized["tokens"]);
+    for (i, choice) in whole["choices"].as_array().unwrap().iter().enumerate() {
+        let ids: Vec<Value> = chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().unwrap())
+            .filter(|c| c["index"] == i)
+            .flat_map(|c| c["token_ids"].as_array().cloned().unwrap_or_default())
+            .collect();
+        assert_eq!(Value::from(ids), choice["token_ids"], "choice {i}");
+    }
+    // Text completions: each choice names its prompt's ids; without the field, no ids.
+    let text = json!({"prompt": ["Once upon", "Ferries"], "max_tokens": 3, "temperature": 0, "return_token_ids": true});
+    let whole = ok(&server, "/v1/completions", &text);
+    for (i, prompt) in ["Once upon", "Ferries"].iter().enumerate() {
+        let ids = ok(&server, "/tokenize", &json!({"prompt": prompt}))["tokens"].clone();
+        assert_eq!(whole["choices"][i]["prompt_token_ids"], ids);
+        let decoded = ok(
+            &server,
+            "/detokenize",
+            &json!({"tokens": whole["choices"][i]["token_ids"]}),
+        );
+        assert_eq!(decoded["prompt"], whole["choices"][i]["text"]);
+    }
+    let plain = ok(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": "Once upon", "max_tokens": 3}),
+    );
+    assert!(plain["choices"][0].get("token_ids").is_none() && plain.get("prompt_token_ids").is_none());
+}
+
+#[test]
 fn bad_sampling_values_are_400s_naming_the_field() {
     let server = Server::start(&[]);
     let schema_of = |schema: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});

@@ -274,6 +274,8 @@ pub struct Generation {
     ended: bool,
     /// Logprobs of the tokens generated since a renderer last took them (when the request asked for them).
     logprobs: Vec<(u32, TokenLogprobs)>,
+    /// The tokens generated since a renderer last took them.
+    token_ids: Vec<u32>,
 }
 
 impl Generation {
@@ -312,6 +314,7 @@ impl Generation {
             parser,
             stop_strings,
             logprobs: vec![],
+            token_ids: vec![],
             ended: false,
         }
     }
@@ -328,6 +331,7 @@ impl Generation {
             Event::Token { id, text, logprobs } => {
                 self.in_flight.on_token();
                 self.logprobs.extend(logprobs.map(|lp| (id, lp)));
+                self.token_ids.push(id);
                 Output::Pieces(self.parser.push_token(id, &text))
             }
             Event::Finished {
@@ -355,6 +359,11 @@ impl Generation {
     /// The logprobs of the tokens generated since the last call, in order.
     pub fn take_logprobs(&mut self) -> Vec<(u32, TokenLogprobs)> {
         std::mem::take(&mut self.logprobs)
+    }
+
+    /// The ids of the tokens generated since the last call, in order.
+    pub fn take_token_ids(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.token_ids)
     }
 
     fn fail(&mut self, message: String) -> Output {

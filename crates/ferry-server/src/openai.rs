@@ -41,6 +41,8 @@ struct Renderer {
     include_usage: bool,
     /// Every chunk carries the usage so far (vLLM's `continuous_usage_stats`).
     continuous_usage: bool,
+    /// vLLM's `return_token_ids`: token ids ride with the text.
+    return_token_ids: bool,
     /// The model may reason: a whole chat answer then says `reasoning_content: null` when it did not.
     splits_reasoning: bool,
     /// The model whose tokens logprobs name, when the request asked for logprobs.
@@ -152,6 +154,7 @@ impl Renderer {
             model: state.0.config.served_model_name.clone(),
             include_usage: options.include_usage,
             continuous_usage: options.continuous_usage,
+            return_token_ids: options.return_token_ids,
             splits_reasoning,
             logprobs_of,
             text_offsets: (0..choices).map(|_| Cell::new(0)).collect(),
@@ -230,6 +233,18 @@ impl Renderer {
         }
     }
 
+    /// A choice with its tokens' ids (`token_ids`) and, where given, its prompt's (a text completion's choices
+    /// name their prompts'), when the request asked for ids.
+    fn with_ids(&self, mut choice: Value, ids: &[u32], prompt_ids: Option<&[u32]>) -> Value {
+        if self.return_token_ids {
+            choice["token_ids"] = ids.into();
+            if let Some(prompt_ids) = prompt_ids {
+                choice["prompt_token_ids"] = prompt_ids.into();
+            }
+        }
+        choice
+    }
+
     fn envelope(&self, choices: Vec<Value>, streamed: bool) -> Map<String, Value> {
         let mut out = Map::new();
         out.insert("id".into(), self.id.clone().into());
@@ -242,7 +257,7 @@ impl Renderer {
 
     /// One streamed chunk holding `choice`, with `running` (the usage so far) when the request asked for it in
     /// every chunk, else a null usage when it asked for a usage chunk.
-    fn chunk(&self, choice: Value, running: &RunningUsage) -> SseEvent {
+    fn chunk_body(&self, choice: Value, running: &RunningUsage) -> Map<String, Value> {
         let mut body = self.envelope(vec![choice], true);
         if self.include_usage {
             let usage = match self.continuous_usage {
@@ -251,11 +266,15 @@ impl Renderer {
             };
             body.insert("usage".into(), usage);
         }
-        SseEvent::default().data(Value::Object(body).to_string())
+        body
     }
 
-    /// The chunks that open a streamed chat answer, one a choice.
-    fn opening(&self, running: &RunningUsage) -> Vec<SseEvent> {
+    fn chunk(&self, choice: Value, running: &RunningUsage) -> SseEvent {
+        SseEvent::default().data(Value::Object(self.chunk_body(choice, running)).to_string())
+    }
+
+    /// The chunks that open a streamed chat answer, one a choice, the first with the prompt's ids when asked.
+    fn opening(&self, running: &RunningUsage, prompt_ids: Option<&[u32]>) -> Vec<SseEvent> {
         match self.endpoint {
             Endpoint::Chat => (0..self.text_offsets.len())
                 .map(|index| {
@@ -263,7 +282,11 @@ impl Renderer {
                         "index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null,
                         "finish_reason": null,
                     });
-                    self.chunk(opening, running)
+                    let mut body = self.chunk_body(opening, running);
+                    if let (0, Some(ids)) = (index, prompt_ids) {
+                        body.insert("prompt_token_ids".into(), ids.into());
+                    }
+                    SseEvent::default().data(Value::Object(body).to_string())
                 })
                 .collect(),
             Endpoint::Text => vec![],
@@ -291,7 +314,13 @@ fn done() -> SseEvent {
 }
 
 /// One choice's next output and the logprobs of the tokens it generated since its last one.
-type ChoiceOutput = (usize, Output, Vec<(u32, TokenLogprobs)>);
+/// One choice's next output, with the logprobs and ids of the tokens it generated since its last one.
+struct ChoiceOutput {
+    index: usize,
+    output: Output,
+    logprobs: Vec<(u32, TokenLogprobs)>,
+    token_ids: Vec<u32>,
+}
 
 /// The choices of one response, `per_prompt` for each of its prompts (choice `p * per_prompt + j` is prompt p's
 /// j-th), their outputs in the order they come. With the prefix cache, a prompt's first choice is submitted at
@@ -307,6 +336,8 @@ struct Choices {
     count: usize,
     /// The prompts' tokens, each counted once.
     prompt_tokens: usize,
+    /// Each prompt's token ids, when the request asked for ids.
+    prompt_ids: Vec<Vec<u32>>,
 }
 
 impl Choices {
@@ -321,6 +352,7 @@ impl Choices {
     ) -> Result<Choices, ApiError> {
         let count = choice_count(state, per_prompt, prompts.len())?;
         let prompt_tokens = prompts.iter().map(|(request, _)| request.prompt_ids.len()).sum();
+        let prompt_ids = prompts.iter().map(|(request, _)| request.prompt_ids.clone()).collect();
         let mut slots = admit(state, count)?.into_iter();
         let mut outputs = SelectAll::new();
         let mut waiting = Vec::with_capacity(prompts.len());
@@ -347,6 +379,7 @@ impl Choices {
             per_prompt,
             count,
             prompt_tokens,
+            prompt_ids,
         };
         if !model.prefix_cache {
             for group in 0..choices.waiting.len() {
@@ -354,6 +387,14 @@ impl Choices {
             }
         }
         Ok(choices)
+    }
+
+    /// A text completion's choice `index` names its prompt's ids (chat responses name theirs once, at the top).
+    fn text_prompt_ids(&self, renderer: &Renderer, index: usize) -> Option<&[u32]> {
+        match renderer.endpoint {
+            Endpoint::Text => self.prompt_ids.get(index / self.per_prompt).map(Vec::as_slice),
+            Endpoint::Chat => None,
+        }
     }
 
     /// Submits prompt `group`'s choices not submitted yet.
@@ -367,9 +408,9 @@ impl Choices {
     /// The next output of any choice; None once every choice ended.
     async fn next(&mut self) -> Option<ChoiceOutput> {
         let next = self.outputs.next().await;
-        if let Some((index, output, _)) = &next {
-            if !matches!(output, Output::Failed(_)) {
-                self.submit_waiting(index / self.per_prompt);
+        if let Some(next) = &next {
+            if !matches!(next.output, Output::Failed(_)) {
+                self.submit_waiting(next.index / self.per_prompt);
             }
         }
         next
@@ -396,8 +437,13 @@ fn choice_count(state: &AppState, per_prompt: usize, prompts: usize) -> Result<u
 fn outputs_of(index: usize, generation: Generation) -> BoxStream<'static, ChoiceOutput> {
     stream::unfold(generation, move |mut generation| async move {
         let output = generation.next().await?;
-        let logprobs = generation.take_logprobs();
-        Some(((index, output, logprobs), generation))
+        let next = ChoiceOutput {
+            index,
+            output,
+            logprobs: generation.take_logprobs(),
+            token_ids: generation.take_token_ids(),
+        };
+        Some((next, generation))
     })
     .boxed()
 }
@@ -407,9 +453,17 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
     let count = choices.count;
     let mut texts: Vec<Text> = (0..count).map(|_| Text::default()).collect();
     let mut tokens: Vec<Vec<(u32, TokenLogprobs)>> = vec![vec![]; count];
+    let mut ids: Vec<Vec<u32>> = vec![vec![]; count];
     let mut finishes: Vec<Option<Finish>> = vec![None; count];
-    while let Some((index, output, logprobs)) = choices.next().await {
+    while let Some(ChoiceOutput {
+        index,
+        output,
+        logprobs,
+        token_ids,
+    }) = choices.next().await
+    {
         tokens[index].extend(logprobs);
+        ids[index].extend(token_ids);
         match output {
             Output::Pieces(pieces) => texts[index].add(&renderer, index, &pieces, false),
             Output::Finished(pieces, finish) => {
@@ -424,16 +478,20 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
     };
     let rendered = (0..count)
         .map(|i| {
-            renderer.choice(
+            let choice = renderer.choice(
                 i,
                 &texts[i],
                 &tokens[i],
                 Some(finish_reason(&finishes[i].reason)),
                 false,
-            )
+            );
+            renderer.with_ids(choice, &ids[i], choices.text_prompt_ids(&renderer, i))
         })
         .collect();
     let mut body = renderer.envelope(rendered, false);
+    if let (true, Endpoint::Chat, [prompt]) = (renderer.return_token_ids, renderer.endpoint, &choices.prompt_ids[..]) {
+        body.insert("prompt_token_ids".into(), prompt.as_slice().into());
+    }
     body.insert("usage".into(), usage(&finishes, choices.per_prompt));
     Json(Value::Object(body)).into_response()
 }
@@ -454,47 +512,62 @@ impl RunningUsage {
     }
 }
 
-/// A streamed response as it goes: the logprobs of each choice's tokens whose text is held back (they wait for
-/// the chunk that carries it), the tokens so far, and how each choice ended.
+/// A choice's tokens whose text is held back: their logprobs and ids.
+type Held = (Vec<(u32, TokenLogprobs)>, Vec<u32>);
+
+/// A streamed response as it goes: the logprobs and ids of each choice's tokens whose text is held back (they wait
+/// for the chunk that carries it), the tokens so far, which text choices have named their prompt's ids, and how
+/// each choice ended.
 struct Streaming {
     renderer: Renderer,
     choices: Choices,
-    held: Vec<Vec<(u32, TokenLogprobs)>>,
+    held: Vec<Held>,
     running: RunningUsage,
+    prompt_named: Vec<bool>,
     finishes: Vec<Option<Finish>>,
     ended: bool,
 }
 
 impl Streaming {
+    /// A chunk of choice `index`'s new text with the logprobs and ids held for it (and, the first time, a text
+    /// completion's prompt ids).
+    fn text_chunk(&mut self, index: usize, text: &Text) -> SseEvent {
+        let (logprobs, ids) = std::mem::take(&mut self.held[index]);
+        let renderer = &self.renderer;
+        let choice = renderer.choice(index, text, &logprobs, None, true);
+        let prompt_ids = match std::mem::replace(&mut self.prompt_named[index], true) {
+            false => self.choices.text_prompt_ids(renderer, index),
+            true => None,
+        };
+        renderer.chunk(renderer.with_ids(choice, &ids, prompt_ids), &self.running)
+    }
+
     /// The SSE events for a choice's next output: a chunk of new text, or its last ones, and after the last
     /// choice's the usage (when asked for) and `[DONE]`.
-    fn events(&mut self, (index, output, logprobs): ChoiceOutput) -> Vec<SseEvent> {
-        let renderer = &self.renderer;
-        self.held[index].extend(logprobs);
-        let running = &mut self.running;
-        match output {
+    fn events(&mut self, next: ChoiceOutput) -> Vec<SseEvent> {
+        let index = next.index;
+        self.held[index].0.extend(next.logprobs);
+        self.held[index].1.extend(next.token_ids);
+        match next.output {
             Output::Pieces(pieces) => {
                 // One output of pieces a generated token.
-                running.completion += 1;
-                let text = Text::of(renderer, index, &pieces);
+                self.running.completion += 1;
+                let text = Text::of(&self.renderer, index, &pieces);
                 match text.is_empty() {
                     true => vec![],
-                    false => {
-                        let tokens = std::mem::take(&mut self.held[index]);
-                        vec![renderer.chunk(renderer.choice(index, &text, &tokens, None, true), running)]
-                    }
+                    false => vec![self.text_chunk(index, &text)],
                 }
             }
             Output::Finished(pieces, finish) => {
-                let text = Text::of(renderer, index, &pieces);
-                let tokens = std::mem::take(&mut self.held[index]);
+                let text = Text::of(&self.renderer, index, &pieces);
                 let mut out = vec![];
-                if !text.is_empty() || !tokens.is_empty() {
-                    out.push(renderer.chunk(renderer.choice(index, &text, &tokens, None, true), running));
+                if !text.is_empty() || !self.held[index].0.is_empty() || !self.held[index].1.is_empty() {
+                    out.push(self.text_chunk(index, &text));
                 }
+                let renderer = &self.renderer;
                 let reason = finish_reason(&finish.reason);
                 let last = renderer.choice(index, &Text::default(), &[], Some(reason), true);
-                out.push(renderer.chunk(last, running));
+                out.push(renderer.chunk(last, &self.running));
                 self.finishes[index] = Some(finish);
                 if let Some(finishes) = self.finishes.iter().cloned().collect::<Option<Vec<Finish>>>() {
                     if renderer.include_usage {
@@ -521,13 +594,18 @@ fn respond_streamed(renderer: Renderer, choices: Choices) -> Response {
         prompt: choices.prompt_tokens,
         completion: 0,
     };
-    let opening = renderer.opening(&running);
+    let chat_prompt_ids = match (renderer.return_token_ids, &choices.prompt_ids[..]) {
+        (true, [prompt]) => Some(prompt.as_slice()),
+        _ => None,
+    };
+    let opening = renderer.opening(&running, chat_prompt_ids);
     let count = choices.count;
     let streaming = Streaming {
         renderer,
         choices,
-        held: vec![vec![]; count],
+        held: vec![(vec![], vec![]); count],
         running,
+        prompt_named: vec![false; count],
         finishes: vec![None; count],
         ended: false,
     };

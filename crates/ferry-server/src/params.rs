@@ -32,6 +32,8 @@ pub struct OpenAiOptions {
     pub choices: usize,
     /// The structured output came as vLLM's `structured_outputs`: errors about it name that field.
     pub structured_outputs: bool,
+    /// vLLM's `return_token_ids`: the prompt's and each choice's token ids with the text.
+    pub return_token_ids: bool,
 }
 
 impl OpenAiOptions {
@@ -203,6 +205,7 @@ fn options(body: &Body) -> Result<OpenAiOptions, ApiError> {
         continuous_usage,
         choices: body.positive("n")?.unwrap_or(1),
         structured_outputs: body.get("structured_outputs").is_some(),
+        return_token_ids: body.boolean("return_token_ids")?,
     })
 }
 
