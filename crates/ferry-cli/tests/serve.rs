@@ -380,6 +380,37 @@ fn bad_requests_get_openai_errors_naming_the_field() {
 }
 
 #[test]
+fn a_client_that_hangs_up_on_n_choices_frees_them_all() {
+    let server = Server::start(&["--max-running-requests", "3", "--max-queued-requests", "0"]);
+    let long = chat("Go on and on.", json!({"max_tokens": 3000, "stream": true, "n": 3}));
+    let stream = server.send("POST", "/v1/chat/completions", Some(&long.to_string()), Some(KEY));
+    let mut reader = BufReader::new(stream);
+    let mut seen = String::new();
+    // The three role chunks, then text: by then the later choices were submitted too.
+    while seen.matches("data: {").count() < 6 {
+        assert!(reader.read_line(&mut seen).unwrap() > 0, "stream ended early:\n{seen}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server.metric("ferry_running_requests") < 3.0 {
+        assert!(Instant::now() < deadline, "the choices are not all running:\n{seen}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(reader);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server.metric("ferry_kv_blocks_used") > 0.0 || server.metric("ferry_running_requests") > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the choices were not freed:\n{}",
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Their places are free again.
+    let again = chat("now us", json!({"max_tokens": 2, "n": 3}));
+    assert_eq!(server.post("/v1/chat/completions", &again).0, 200);
+}
+
+#[test]
 fn a_full_queue_is_refused_and_a_client_that_hangs_up_frees_its_kv() {
     let server = Server::start(&[
         "--max-running-requests",
