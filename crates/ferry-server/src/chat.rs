@@ -296,19 +296,17 @@ impl PreparedPrompt {
             )?),
             (None, None) => None,
         };
-        if request.constraint.is_some() && params.min_tokens > 0 {
-            // The grammar may allow nothing but the end of the output, which min_tokens would hold back too.
-            return Err(ApiError::invalid_param(
-                "min_tokens",
-                "`min_tokens` cannot be combined with `response_format` or a forced `tool_choice`",
-            ));
-        }
-        if request.constraint.is_some() && !params.allowed_token_ids.is_empty() {
-            // The grammar may allow none of them.
-            return Err(ApiError::invalid_param(
-                "allowed_token_ids",
-                "`allowed_token_ids` cannot be combined with `response_format` or a forced `tool_choice`",
-            ));
+        // A grammar may allow nothing but the end that min_tokens holds back, or none of the allowed tokens.
+        for (field, narrows) in [
+            ("min_tokens", params.min_tokens > 0),
+            ("allowed_token_ids", !params.allowed_token_ids.is_empty()),
+        ] {
+            if narrows && request.constraint.is_some() {
+                return Err(ApiError::invalid_param(
+                    field,
+                    format!("`{field}` cannot be combined with `response_format` or a forced `tool_choice`"),
+                ));
+            }
         }
         request.thinking_budget = self.thinking_budget;
         Ok((request, self.parser))
@@ -366,24 +364,21 @@ fn engine_request(
         )
         .with_code("context_length_exceeded"));
     }
-    for (field, ids) in [
-        (
-            "logit_bias",
-            params.logit_bias.iter().map(|&(id, _)| id).collect::<Vec<u32>>(),
-        ),
-        ("stop_token_ids", params.stop_token_ids.clone()),
-        ("allowed_token_ids", params.allowed_token_ids.clone()),
-    ] {
-        if let Some(id) = ids.iter().find(|&&id| id as usize >= model.vocab_size) {
-            return Err(ApiError::invalid_param(
+    let in_vocabulary =
+        |field: &str, mut ids: std::slice::Iter<'_, u32>| match ids.find(|&&id| id as usize >= model.vocab_size) {
+            Some(id) => Err(ApiError::invalid_param(
                 field,
                 format!(
                     "`{field}`: token id {id} is outside the vocabulary (size {})",
                     model.vocab_size
                 ),
-            ));
-        }
-    }
+            )),
+            None => Ok(()),
+        };
+    let biased: Vec<u32> = params.logit_bias.iter().map(|&(id, _)| id).collect();
+    in_vocabulary("logit_bias", biased.iter())?;
+    in_vocabulary("stop_token_ids", params.stop_token_ids.iter())?;
+    in_vocabulary("allowed_token_ids", params.allowed_token_ids.iter())?;
     if params.keep_special_tokens && model.tool_call_format == Some(ToolCallFormat::Harmony) {
         // Harmony's parser puts the markers (special tokens) back itself.
         return Err(ApiError::invalid_param(

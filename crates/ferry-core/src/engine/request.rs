@@ -137,21 +137,15 @@ impl Request {
                 )));
             }
         }
-        if let Some(bad) = self.allowed_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
-            return Err(Error::Request(format!(
-                "allowed_token_ids: token id {bad} is outside the vocabulary (size {vocab_size})"
-            )));
-        }
-        if !self.allowed_token_ids.is_empty() && self.constraint.is_some() {
-            // The grammar may allow none of them.
-            return Err(Error::Request(
-                "allowed_token_ids cannot be combined with a structured output or forced tool calls".into(),
-            ));
-        }
-        if let Some(bad) = self.stop.stop_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
-            return Err(Error::Request(format!(
-                "stop_token_ids: token id {bad} is outside the vocabulary (size {vocab_size})"
-            )));
+        for (name, ids) in [
+            ("allowed_token_ids", &self.allowed_token_ids),
+            ("stop_token_ids", &self.stop.stop_token_ids),
+        ] {
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab_size) {
+                return Err(Error::Request(format!(
+                    "{name}: token id {bad} is outside the vocabulary (size {vocab_size})"
+                )));
+            }
         }
         if self.stop.min_tokens > self.max_tokens {
             return Err(Error::Request(format!(
@@ -159,11 +153,16 @@ impl Request {
                 self.stop.min_tokens, self.max_tokens
             )));
         }
-        if self.stop.min_tokens > 0 && self.constraint.is_some() {
-            // The grammar may allow nothing but the end of the output, which min_tokens would mask out too.
-            return Err(Error::Request(
-                "min_tokens cannot be combined with a structured output or forced tool calls".into(),
-            ));
+        // A grammar may allow none of the allowed tokens, or nothing but the end that min_tokens holds back.
+        for (name, narrows) in [
+            ("allowed_token_ids", !self.allowed_token_ids.is_empty()),
+            ("min_tokens", self.stop.min_tokens > 0),
+        ] {
+            if narrows && self.constraint.is_some() {
+                return Err(Error::Request(format!(
+                    "{name} cannot be combined with a structured output or forced tool calls"
+                )));
+            }
         }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(Error::Request(format!(

@@ -165,7 +165,12 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let model = state.model()?;
     // A continued conversation: the kept one, then this request's input.
     let previous = body.string("previous_response_id")?;
-    let input = input_items(&body);
+    let store = request::stored(&body)?;
+    // Copied only when a kept conversation or this response's keeping needs it.
+    let input = match previous.is_some() || store {
+        true => input_items(&body),
+        false => vec![],
+    };
     let body = match &previous {
         None => body,
         Some(id) => {
@@ -177,7 +182,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
             body.with("input", Value::Array(items))
         }
     };
-    let keep = request::stored(&body)?.then(|| Keep {
+    let keep = store.then(|| Keep {
         state: state.clone(),
         previous,
         input,
