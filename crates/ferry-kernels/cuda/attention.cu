@@ -1,10 +1,20 @@
 // Paged KV cache: keys and values of a layer live in pools of KV_BLOCK_SIZE-token blocks; a sequence's block
 // table lists its blocks in order. Row r of a batch is at position row_pos[r] of the sequence whose block table
 // starts at block_tables[row_table[r]].
+//
+// Decode attention on tensor cores. A decode row has one query per head, too few to fill a tensor-core tile by
+// rows, so the tiles run the other way round: a group's (up to) 8 query heads sharing a kv head are the n = 8 of
+// m16n8k8 products, 16 keys (scores) or 16 features (values) their m. Precision: the KV cache and the queries are
+// f32, and products are taken in 3xTF32: each operand x is split into tf32 parts hi + lo (both rounded to
+// nearest), and a product is hi*hi + hi*lo + lo*hi accumulated in f32, leaving out lo*lo (relative error near
+// 2^-21, against 2^-17 for the bf16 halves of the prefill kernel).
 #include "common.cuh"
 
-static_assert(MAX_HEAD_DIM <= 2 * 32 * 4, "a lane holds at most two float4 chunks of a value row");
 constexpr uint32_t NO_SLOT = 0xffffffffu;
+// Warps that share a block's key tiles and a group's heads: each takes 16 of a tile's keys.
+constexpr int KEY_WARPS = 2;
+static_assert(KEYS_PER_TILE == 16 * KEY_WARPS, "a tile is the 16-key m of each key warp's products");
+static_assert(ATTENTION_MAX_WARPS == KEY_WARPS * 4, "up to four blocks of 8 heads: groups of up to 32 heads");
 
 // 16 bytes global -> shared without passing through registers; with `fill` false nothing is read and the 16
 // bytes are zeroed (keys past the end of a split: zero values keep 0 * v finite).
@@ -25,10 +35,6 @@ __device__ __forceinline__ void cp_async_wait(int pending) {
         asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
 
-__device__ __forceinline__ float component(const float4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
 __device__ __forceinline__ void fma4(float p, const float4& v, float4& acc) {
     acc.x = fmaf(p, v.x, acc.x);
     acc.y = fmaf(p, v.y, acc.y);
@@ -36,8 +42,45 @@ __device__ __forceinline__ void fma4(float p, const float4& v, float4& acc) {
     acc.w = fmaf(p, v.w, acc.w);
 }
 
-// A softmax denominator `total` of terms exp(s - max), plus the sink's exp(sinks[h] - max) when there are sinks
-// (gpt-oss): a logit in the denominator only. A row with no keys (max -inf) never reaches here.
+// x rounded to tf32 (to nearest, ties away): an f32 bit pattern whose low 13 bits are zero.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// x = hi + lo (up to lo*lo's share) in tf32 parts.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+}
+
+// m16n8k8 products: A 16 x 8 (row-major), B 8 x 8 (column-major), C 16 x 8, f32 accumulators. In a warp, lane
+// = 4 * g + t holds A's (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4); B's (t, g), (t + 4, g); C's (g, 2t..2t+1),
+// (g + 8, 2t..2t+1).
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The A fragment of a matrix whose element (i, j) is m[i * row_step + j * col_step], split.
+__device__ __forceinline__ void load_a_split(const float* m, int row_step, int col_step, int g, int t,
+                                             uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+    split_tf32(m[g * row_step + t * col_step], hi[0], lo[0]);
+    split_tf32(m[(g + 8) * row_step + t * col_step], hi[1], lo[1]);
+    split_tf32(m[g * row_step + (t + 4) * col_step], hi[2], lo[2]);
+    split_tf32(m[(g + 8) * row_step + (t + 4) * col_step], hi[3], lo[3]);
+}
+
+// A softmax denominator `total` of terms exp2(s - max) (scores in base 2), plus the sink's term when there are
+// sinks (gpt-oss): a logit in the denominator only. A row with no keys (max -inf) never reaches here.
+__device__ __forceinline__ float with_sink_log2(float total, float max, const float* sinks, int h) {
+    return sinks == nullptr ? total : total + exp2f(sinks[h] * 1.4426950408889634f - max);
+}
+
+// The same in natural units (attention_combine's maxima).
 __device__ __forceinline__ float with_sink(float total, float max, const float* sinks, int h) {
     return sinks == nullptr ? total : total + expf(sinks[h] - max);
 }
@@ -58,23 +101,39 @@ struct AttentionArgs {
     int window, split_len, stages;
 };
 
-// One block's work (see `attention`), with HEADS query heads per warp and CHUNKS float4 chunks of a value row
-// per lane (1: head_dim <= 128, 2: head_dim <= 256).
-template <int HEADS, int CHUNKS>
-__device__ __forceinline__ void attend_split(const AttentionArgs& a) {
-    extern __shared__ float4 shared4[];
-    const int group = a.num_heads / a.num_kv_heads;
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int chunks = a.head_dim >> 2;
-    // Rows padded by 4 floats: lanes reading float4s of different keys' rows fall in different banks.
-    const int stride = a.head_dim + 4;
-    const int stage_floats = 2 * KEYS_PER_TILE * stride;
-    float* pipeline = reinterpret_cast<float*>(shared4);  // [stages][keys, values][KEYS_PER_TILE][stride]
-    float* q_group = pipeline + a.stages * stage_floats;  // [group][head_dim]
-    float* warp_probs = q_group + group * a.head_dim + warp * HEADS * KEYS_PER_TILE;  // [HEADS][KEYS_PER_TILE]
+// Shared-memory rows of a D-feature head: keys D + 4 floats apart, so that a key fragment's lanes (key g, feature
+// t) fall in 32 banks; values D + 8 apart, for a value fragment's (key t, feature g).
+template <int D>
+__host__ __device__ constexpr int key_stride() {
+    return D + 4;
+}
+template <int D>
+__host__ __device__ constexpr int value_stride() {
+    return D + 8;
+}
 
+// One block's work (see `attention_d*`). D: head_dim padded up to a multiple of 16 (the padding is zeros).
+template <int D>
+__device__ __forceinline__ void attend_split(const AttentionArgs& a) {
+    constexpr int KS = key_stride<D>(), VS = value_stride<D>();
+    constexpr int STEPS = D / 8;  // k-steps of a score product
+    constexpr int FEATURE_BLOCKS = D / 16;  // m16 blocks of the output's features
+    constexpr int STAGE_FLOATS = KEYS_PER_TILE * (KS + VS);
+    constexpr int MERGE_FLOATS = 4 + 4 * FEATURE_BLOCKS;  // a lane's maxima, sums and outputs, for the merge
+    static_assert(ATTENTION_MAX_WARPS / KEY_WARPS * (KEY_WARPS - 1) * MERGE_FLOATS * 32 <= 2 * STAGE_FLOATS,
+                  "the key warps' merge fits in the pipeline's two stages at least");
+    extern __shared__ float4 shared4[];
+    const int group = a.num_heads / a.num_kv_heads, head_blocks = (group + 7) / 8;
+    float* pipeline = reinterpret_cast<float*>(shared4);  // [stages][keys KS-strided, then values VS-strided]
+    // The queries as split B fragments: [head block][k-step][lane] = (b0 hi, b1 hi, b0 lo, b1 lo).
+    float4* q_frags = reinterpret_cast<float4*>(pipeline + a.stages * STAGE_FLOATS);
+    float* probs_all = reinterpret_cast<float*>(q_frags + head_blocks * STEPS * 32);  // [warp][16 keys][8 heads]
+
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int head_block = warp / KEY_WARPS, key_warp = warp % KEY_WARPS;
     const int r = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int q_cols = a.num_heads * a.head_dim, kv_width = a.num_kv_heads * a.head_dim;
+    const int chunks = a.head_dim >> 2;
     const uint32_t pos = a.row_pos[r];
     const uint32_t first = (a.window > 0 && pos + 1 > static_cast<uint32_t>(a.window)) ? pos + 1 - a.window : 0;
     const uint32_t begin = first + static_cast<uint32_t>(split) * a.split_len;
@@ -82,18 +141,27 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
     const int tiles = begin < end ? static_cast<int>((end - begin + KEYS_PER_TILE - 1) / KEYS_PER_TILE) : 0;
     const uint32_t* table = a.block_tables + a.row_table[r];
 
-    const float4* q_src = reinterpret_cast<const float4*>(a.q + static_cast<size_t>(r) * q_cols +
-                                                          static_cast<size_t>(kv_head) * group * a.head_dim);
-    for (int i = threadIdx.x; i < group * chunks; i += blockDim.x) reinterpret_cast<float4*>(q_group)[i] = q_src[i];
-
-    // This warp's heads within the group; past the group's end a warp repeats its first head and writes nothing.
-    const int head0 = warp * HEADS, warp_heads = min(HEADS, group - head0);
-    int q_offset[HEADS];  // in float4s from q_group
-#pragma unroll
-    for (int i = 0; i < HEADS; ++i) q_offset[i] = (i < warp_heads ? head0 + i : head0) * chunks;
-    int lane_chunk[CHUNKS];  // the value chunks this lane accumulates, clamped in range (the extra ones unwritten)
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) lane_chunk[c] = min(lane + 32 * c, chunks - 1);
+    // Query fragments: B (feature t or t + 4 of k-step s, head g); heads past the group and features past
+    // head_dim are zeros.
+    const float* q_row = a.q + static_cast<size_t>(r) * q_cols + static_cast<size_t>(kv_head) * group * a.head_dim;
+    for (int i = threadIdx.x; i < head_blocks * STEPS * 32; i += blockDim.x) {
+        const int l = i & 31, step = (i >> 5) % STEPS, head = 8 * ((i >> 5) / STEPS) + (l >> 2);
+        const int f = 8 * step + (l & 3);
+        const bool in_group = head < group;
+        const float b0 = in_group && f < a.head_dim ? q_row[head * a.head_dim + f] : 0.0f;
+        const float b1 = in_group && f + 4 < a.head_dim ? q_row[head * a.head_dim + f + 4] : 0.0f;
+        uint32_t hi0, lo0, hi1, lo1;
+        split_tf32(b0, hi0, lo0);
+        split_tf32(b1, hi1, lo1);
+        q_frags[i] = make_float4(__uint_as_float(hi0), __uint_as_float(hi1), __uint_as_float(lo0), __uint_as_float(lo1));
+    }
+    // Key features past head_dim are zeros (the copies never write them), so that they add nothing to a score.
+    if (a.head_dim < D) {
+        const int pad = D - a.head_dim;
+        for (int i = threadIdx.x; i < a.stages * KEYS_PER_TILE * pad; i += blockDim.x)
+            pipeline[(i / pad / KEYS_PER_TILE) * STAGE_FLOATS + (i / pad % KEYS_PER_TILE) * KS + a.head_dim + i % pad] =
+                0.0f;
+    }
 
     // Lane l's key in tile n: its slot in the pool, or NO_SLOT past the split's end.
     auto lane_slot = [&](int n) -> uint32_t {
@@ -103,33 +171,29 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
     // Starts the copy of a tile (the slot of key `lane` in `slot`) into stage `stage`: a warp per key row, so each
     // row's slot is looked up once and its copy is one contiguous run of 16-byte pieces.
     auto issue = [&](uint32_t slot, int stage) {
-        float* k_dst = pipeline + stage * stage_floats;
-        float* v_dst = k_dst + KEYS_PER_TILE * stride;
-        for (int t = warp; t < KEYS_PER_TILE; t += warps) {
-            const uint32_t key_slot = __shfl_sync(0xffffffffu, slot, t);
+        float* k_dst = pipeline + stage * STAGE_FLOATS;
+        float* v_dst = k_dst + KEYS_PER_TILE * KS;
+        for (int key = warp; key < KEYS_PER_TILE; key += warps) {
+            const uint32_t key_slot = __shfl_sync(0xffffffffu, slot, key);
             const bool present = key_slot != NO_SLOT;
             const size_t at = static_cast<size_t>(present ? key_slot : 0) * kv_width +
                               static_cast<size_t>(kv_head) * a.head_dim;
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const int chunk = lane + 32 * c;
-                if (chunk < chunks) {
-                    cp_async_16(k_dst + t * stride + 4 * chunk, a.k_pool + at + 4 * chunk, present);
-                    cp_async_16(v_dst + t * stride + 4 * chunk, a.v_pool + at + 4 * chunk, present);
-                }
+            for (int chunk = lane; chunk < chunks; chunk += 32) {
+                cp_async_16(k_dst + key * KS + 4 * chunk, a.k_pool + at + 4 * chunk, present);
+                cp_async_16(v_dst + key * VS + 4 * chunk, a.v_pool + at + 4 * chunk, present);
             }
         }
     };
 
-    float4 acc[HEADS][CHUNKS];
-    float running_max[HEADS], lane_sum[HEADS];  // lane_sum: this lane's keys' share of the denominator
+    // out^T: features 16 f + g (+ 8) of heads 2t, 2t + 1 of the warp's head block, as C fragments.
+    float o[FEATURE_BLOCKS][4];
 #pragma unroll
-    for (int i = 0; i < HEADS; ++i) {
-        running_max[i] = -INFINITY;
-        lane_sum[i] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c) acc[i][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
+    for (int f = 0; f < FEATURE_BLOCKS; ++f) o[f][0] = o[f][1] = o[f][2] = o[f][3] = 0.0f;
+    // Per head 2t + h: the maximum of the scores so far (base 2), and this lane's keys' share of the denominator.
+    float running_max[2] = {-INFINITY, -INFINITY}, lane_sum[2] = {0.0f, 0.0f};
+    const float scale_log2 = a.scale * 1.4426950408889634f;  // exp(s) = exp2(s * log2(e))
+    const float4* warp_q = q_frags + head_block * STEPS * 32 + lane;
+    float* probs = probs_all + warp * 16 * 8;
 
     // Pipeline: tiles k + 1 .. k + stages - 1 are in flight while tile k is computed. Copy group g holds tile g
     // (empty past the last tile), so waiting for all but the latest stages - 2 groups means tile k has landed.
@@ -150,133 +214,169 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
         cp_async_commit();
         next_slot = following;
 
-        const float* k_tile = pipeline + (k % a.stages) * stage_floats;
-        const float* v_tile = k_tile + KEYS_PER_TILE * stride;
-        const int keys = min(KEYS_PER_TILE, static_cast<int>(end - begin) - k * KEYS_PER_TILE);
-        // Scores: lane = key, every head of the warp against it.
-        float score[HEADS];
+        const float* keys = pipeline + (k % a.stages) * STAGE_FLOATS + 16 * key_warp * KS;
+        const float* values = pipeline + (k % a.stages) * STAGE_FLOATS + KEYS_PER_TILE * KS + 16 * key_warp * VS;
+        // Scores^T = K Q^T: 16 keys by 8 heads. Two accumulators each for hi*hi and the cross terms (even and odd
+        // k-steps), so that consecutive products do not wait on each other.
+        float main_part[2][4] = {}, cross_part[2][4] = {};
 #pragma unroll
-        for (int i = 0; i < HEADS; ++i) score[i] = 0.0f;
-        const float4* k_row = reinterpret_cast<const float4*>(k_tile + lane * stride);
-        const float4* q4 = reinterpret_cast<const float4*>(q_group);
-        for (int c = 0; c < chunks; ++c) {
-            const float4 kc = k_row[c];
-#pragma unroll
-            for (int i = 0; i < HEADS; ++i) {
-                const float4 qc = q4[q_offset[i] + c];
-                score[i] = fmaf(qc.x, kc.x, score[i]);
-                score[i] = fmaf(qc.y, kc.y, score[i]);
-                score[i] = fmaf(qc.z, kc.z, score[i]);
-                score[i] = fmaf(qc.w, kc.w, score[i]);
-            }
+        for (int step = 0; step < STEPS; ++step) {
+            uint32_t k_hi[4], k_lo[4];
+            load_a_split(keys + 8 * step, KS, 1, g, t, k_hi, k_lo);
+            const float4 qf = warp_q[step * 32];
+            const uint32_t q0_hi = __float_as_uint(qf.x), q1_hi = __float_as_uint(qf.y);
+            mma_tf32(main_part[step & 1], k_hi, q0_hi, q1_hi);
+            mma_tf32(cross_part[step & 1], k_hi, __float_as_uint(qf.z), __float_as_uint(qf.w));
+            mma_tf32(cross_part[step & 1], k_lo, q0_hi, q1_hi);
         }
-        // Online softmax: rescale what was summed so far to the new maximum.
+        // Score e of this lane: key g + 8 (e >> 1) of the warp's 16, head 2t + (e & 1); masked past the split's end.
+        const uint32_t key0 = begin + static_cast<uint32_t>(k * KEYS_PER_TILE + 16 * key_warp + g);
+        float s[4], tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int i = 0; i < HEADS; ++i) {
-            const float s = lane < keys ? score[i] * a.scale : -INFINITY;
-            const float new_max = fmaxf(running_max[i], warp_max(s));
-            const float correction = expf(running_max[i] - new_max);
-            const float p = expf(s - new_max);
-            lane_sum[i] = fmaf(lane_sum[i], correction, p);
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                acc[i][c].x *= correction;
-                acc[i][c].y *= correction;
-                acc[i][c].z *= correction;
-                acc[i][c].w *= correction;
-            }
-            warp_probs[i * KEYS_PER_TILE + lane] = p;
-            running_max[i] = new_max;
+        for (int e = 0; e < 4; ++e) {
+            const float score = (main_part[0][e] + main_part[1][e]) + (cross_part[0][e] + cross_part[1][e]);
+            s[e] = key0 + 8 * (e >> 1) < end ? score * scale_log2 : -INFINITY;
+            tile_max[e & 1] = fmaxf(tile_max[e & 1], s[e]);
         }
+        // Online softmax over the warp's keys (the lanes of one t share heads): rescale what was summed so far.
+        float base[2], correction[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int offset = 4; offset < 32; offset <<= 1)
+                tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], offset));
+            const float new_max = fmaxf(running_max[h], tile_max[h]);
+            // A warp that has seen no key yet keeps max -inf; exponents are then taken against 0 (every p is 0).
+            base[h] = new_max == -INFINITY ? 0.0f : new_max;
+            correction[h] = exp2f(running_max[h] - base[h]);
+            running_max[h] = new_max;
+            lane_sum[h] *= correction[h];
+        }
+#pragma unroll
+        for (int f = 0; f < FEATURE_BLOCKS; ++f) {
+            o[f][0] *= correction[0];
+            o[f][1] *= correction[1];
+            o[f][2] *= correction[0];
+            o[f][3] *= correction[1];
+        }
+        // The probabilities, through the warp's shared rows, into B fragments (key t or t + 4, head g).
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[e] = exp2f(s[e] - base[e & 1]);
+            lane_sum[e & 1] += s[e];
+        }
+        *reinterpret_cast<float2*>(probs + g * 8 + 2 * t) = make_float2(s[0], s[1]);
+        *reinterpret_cast<float2*>(probs + (g + 8) * 8 + 2 * t) = make_float2(s[2], s[3]);
         __syncwarp();
-        // Values: lane = value chunk; keys past `keys` have p = 0 and zeroed values.
-        const float4* probs4 = reinterpret_cast<const float4*>(warp_probs);
-        for (int t = 0; t < keys; t += 4) {
-            float4 p4[HEADS];
+        // out^T += V^T P^T: features by 8 heads, 8 keys a product.
 #pragma unroll
-            for (int i = 0; i < HEADS; ++i) p4[i] = probs4[(i * KEYS_PER_TILE + t) >> 2];
+        for (int half = 0; half < 2; ++half) {
+            uint32_t p_hi[2], p_lo[2];
+            split_tf32(probs[(8 * half + t) * 8 + g], p_hi[0], p_lo[0]);
+            split_tf32(probs[(8 * half + t + 4) * 8 + g], p_hi[1], p_lo[1]);
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const float4* v_row = reinterpret_cast<const float4*>(v_tile + (t + u) * stride);
-#pragma unroll
-                for (int c = 0; c < CHUNKS; ++c) {
-                    const float4 vc = v_row[lane_chunk[c]];
-#pragma unroll
-                    for (int i = 0; i < HEADS; ++i) fma4(component(p4[i], u), vc, acc[i][c]);
-                }
+            for (int f = 0; f < FEATURE_BLOCKS; ++f) {
+                uint32_t v_hi[4], v_lo[4];
+                load_a_split(values + 8 * half * VS + 16 * f, 1, VS, g, t, v_hi, v_lo);
+                mma_tf32(o[f], v_lo, p_hi[0], p_hi[1]);
+                mma_tf32(o[f], v_hi, p_lo[0], p_lo[1]);
+                mma_tf32(o[f], v_hi, p_hi[0], p_hi[1]);
             }
         }
-        // The next write of warp_probs comes after the next tile's __syncthreads, so no barrier is needed here.
+        // The next write of probs comes after the next tile's __syncthreads, so no barrier is needed here.
+    }
+
+    // The denominators over the warp's keys; then the key warps of a head block merge into the first.
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int offset = 4; offset < 32; offset <<= 1) lane_sum[h] += __shfl_xor_sync(0xffffffffu, lane_sum[h], offset);
+    __syncthreads();  // every warp is done with the pipeline, which now holds the merge
+    float* merge = pipeline + (head_block * (KEY_WARPS - 1)) * MERGE_FLOATS * 32 + lane;  // [warp][float][lane]
+    if (key_warp > 0) {
+        float* mine = merge + (key_warp - 1) * MERGE_FLOATS * 32;
+        mine[0] = running_max[0], mine[32] = running_max[1], mine[64] = lane_sum[0], mine[96] = lane_sum[1];
+#pragma unroll
+        for (int f = 0; f < FEATURE_BLOCKS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(4 + 4 * f + e) * 32] = o[f][e];
+    }
+    __syncthreads();
+    if (key_warp > 0) return;
+    for (int other = 1; other < KEY_WARPS; ++other) {
+        const float* theirs = merge + (other - 1) * MERGE_FLOATS * 32;
+        float mine_weight[2], their_weight[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float their_max = theirs[32 * h];
+            const float new_max = fmaxf(running_max[h], their_max);
+            const float base = new_max == -INFINITY ? 0.0f : new_max;
+            mine_weight[h] = exp2f(running_max[h] - base);
+            their_weight[h] = exp2f(their_max - base);
+            running_max[h] = new_max;
+            lane_sum[h] = lane_sum[h] * mine_weight[h] + theirs[64 + 32 * h] * their_weight[h];
+        }
+#pragma unroll
+        for (int f = 0; f < FEATURE_BLOCKS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                o[f][e] = o[f][e] * mine_weight[e & 1] + theirs[(4 + 4 * f + e) * 32] * their_weight[e & 1];
     }
 
 #pragma unroll
-    for (int i = 0; i < HEADS; ++i) {
-        const float total = warp_sum(lane_sum[i]);
-        if (i >= warp_heads) continue;
-        const int h = kv_head * group + head0 + i;
-        const size_t part = (static_cast<size_t>(r) * a.num_heads + h) * splits + split;
-        float4* dst = splits == 1
-                          ? reinterpret_cast<float4*>(a.out + static_cast<size_t>(r) * q_cols + h * a.head_dim)
-                          : reinterpret_cast<float4*>(a.partial_out + part * a.head_dim);
+    for (int h = 0; h < 2; ++h) {
+        const int head_in_group = 8 * head_block + 2 * t + h;
+        if (head_in_group >= group) continue;
+        const int head = kv_head * group + head_in_group;
+        const size_t part = (static_cast<size_t>(r) * a.num_heads + head) * splits + split;
         // With one split the output is final, its denominator with the head's sink; with several, the partial
-        // (max, denominator, unnormalised sum) is for attention_combine, which adds the sink.
-        const float denominator = splits == 1 ? with_sink(total, running_max[i], a.sinks, h) : total;
+        // (max in natural units, denominator, unnormalised sum) is for attention_combine, which adds the sink.
+        float* dst = splits == 1 ? a.out + static_cast<size_t>(r) * q_cols + head * a.head_dim
+                                 : a.partial_out + part * a.head_dim;
+        const float scale_out = splits == 1 ? 1.0f / with_sink_log2(lane_sum[h], running_max[h], a.sinks, head) : 1.0f;
 #pragma unroll
-        for (int c = 0; c < CHUNKS; ++c) {
-            if (lane + 32 * c >= chunks) continue;
-            float4 o = acc[i][c];
-            if (splits == 1) {
-                o.x /= denominator;
-                o.y /= denominator;
-                o.z /= denominator;
-                o.w /= denominator;
+        for (int f = 0; f < FEATURE_BLOCKS; ++f)
+#pragma unroll
+            for (int upper = 0; upper < 2; ++upper) {
+                const int feature = 16 * f + g + 8 * upper;
+                if (feature < a.head_dim) dst[feature] = o[f][2 * upper + h] * scale_out;
             }
-            dst[lane + 32 * c] = o;
+        if (splits > 1 && g == 0) {
+            a.partial_stats[2 * part] = running_max[h] * 0.6931471805599453f;  // log2 -> natural units
+            a.partial_stats[2 * part + 1] = lane_sum[h];
         }
-        if (splits > 1 && lane == 0) {
-            a.partial_stats[2 * part] = running_max[i];
-            a.partial_stats[2 * part + 1] = total;
-        }
-    }
-}
-
-template <int CHUNKS>
-__device__ __forceinline__ void attend_split_heads(int heads_per_warp, const AttentionArgs& a) {
-    switch (heads_per_warp) {
-        case 1: attend_split<1, CHUNKS>(a); break;
-        case 2: attend_split<2, CHUNKS>(a); break;
-        case 4: attend_split<4, CHUNKS>(a); break;
-        default: attend_split<8, CHUNKS>(a); break;
     }
 }
 
 // Causal attention, split along the keys: block (row r, kv head g, split s) takes the query heads that share kv
 // head g over keys [first + s * split_len, first + (s + 1) * split_len) of row r's range first..=pos, where
-// first is where the sliding window starts (0 without one: window == 0). Each of the block's warps takes
-// heads_per_warp (1, 2, 4 or 8) of the group's heads. Keys and values come into shared memory KEYS_PER_TILE at a
-// time through a pipeline of `stages` (2 or 3) tiles filled by cp.async, so a block keeps whole tiles of loads in
-// flight while it computes; the group's heads read each tile once. Scores take one lane per key, values one lane
-// per float4 chunk of head_dim (a multiple of 4, at most 256), with an online softmax in f32 (no scores matrix
-// is stored). With one split the block writes the output; with several it writes its partial (max, denominator,
-// unnormalised output) for attention_combine. `sinks` (null: none) holds a logit per query head that joins the
-// softmax's denominator only. Dynamic shared memory, in floats:
-// stages * 2 * KEYS_PER_TILE * (head_dim + 4) + group * head_dim + warps * heads_per_warp * KEYS_PER_TILE.
-extern "C" __global__ void __launch_bounds__(ATTENTION_MAX_WARPS * 32)
-    attention(const float* __restrict__ q, const float* __restrict__ k_pool, const float* __restrict__ v_pool,
-              float* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_stats,
-              const uint32_t* __restrict__ row_pos, const uint32_t* __restrict__ row_table,
-              const uint32_t* __restrict__ block_tables, const float* __restrict__ sinks, int num_heads,
-              int num_kv_heads, int head_dim, float scale, int window, int split_len, int heads_per_warp, int stages) {
-    wait_for_previous_kernel();
-    const AttentionArgs a{q,         k_pool,       v_pool, out,       partial_out,  partial_stats,
-                          row_pos,   row_table,    block_tables, sinks,     num_heads,    num_kv_heads,
-                          head_dim,  scale,        window, split_len, stages};
-    if (head_dim <= 128)
-        attend_split_heads<1>(heads_per_warp, a);
-    else
-        attend_split_heads<2>(heads_per_warp, a);
-}
+// first is where the sliding window starts (0 without one: window == 0). The block has KEY_WARPS warps for each
+// 8 of the group's heads (padded up); keys and values come into shared memory KEYS_PER_TILE at a time through a
+// pipeline of `stages` (2 or 3) tiles filled by cp.async, and each key warp takes 16 keys of a tile against its
+// heads on tensor cores (see the top of the file), with an online softmax in f32 (no scores matrix is stored);
+// the key warps then merge. With one split the block writes the output; with several it writes its partial
+// (max, denominator, unnormalised output) for attention_combine. `sinks` (null: none) holds a logit per query
+// head that joins the softmax's denominator only. attention_d{D}: D the head_dim padded up (attention.rs's
+// BlockShape gives the kernel and its dynamic shared memory).
+#define ATTENTION_KERNEL(D)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(ATTENTION_MAX_WARPS * 32) attention_d##D(                         \
+        const float* __restrict__ q, const float* __restrict__ k_pool, const float* __restrict__ v_pool,           \
+        float* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_stats,               \
+        const uint32_t* __restrict__ row_pos, const uint32_t* __restrict__ row_table,                              \
+        const uint32_t* __restrict__ block_tables, const float* __restrict__ sinks, int num_heads, int num_kv_heads, \
+        int head_dim, float scale, int window, int split_len, int stages) {                                         \
+        wait_for_previous_kernel();                                                                                \
+        const AttentionArgs a{q,         k_pool,       v_pool, out,       partial_out,  partial_stats,             \
+                              row_pos,   row_table,    block_tables, sinks,     num_heads,    num_kv_heads,        \
+                              head_dim,  scale,        window, split_len, stages};                                  \
+        attend_split<D>(a);                                                                                        \
+    }
 
+ATTENTION_KERNEL(16)
+ATTENTION_KERNEL(32)
+ATTENTION_KERNEL(64)
+ATTENTION_KERNEL(128)
+ATTENTION_KERNEL(256)
 // Merges the splits' partials of every (row, head): block (r, h). Warp 0 turns the splits' maxima into weights;
 // then every thread sums one float4 chunk of head_dim over an interleaved share of the splits, and the shares
 // are added in shared memory; the head's sink (if `sinks` is not null) joins the denominator.

@@ -28,13 +28,13 @@ kernel_constants! {
 
     /// Tokens per block of the paged KV cache.
     KV_BLOCK_SIZE: usize = 16;
-    /// The largest attention head: qkv_rope_kv_append holds a head in shared memory, and an attention lane holds at
-    /// most two float4 chunks of a value row.
+    /// The largest attention head: qkv_rope_kv_append holds a head in shared memory, and the attention kernels are
+    /// built for heads padded up to 16, 32, 64, 128 or 256.
     MAX_HEAD_DIM: usize = 256;
-    /// Keys per shared-memory tile of the attention kernel, one per lane when scoring.
+    /// Keys per shared-memory tile of the decode attention kernel: 16 for each of its two key warps.
     KEYS_PER_TILE: usize = 32;
-    /// Warps per attention block at most.
-    ATTENTION_MAX_WARPS: usize = 4;
+    /// Warps per decode attention block at most: two key warps for each 8 of a group's (up to 32) heads.
+    ATTENTION_MAX_WARPS: usize = 8;
     /// Tiles in the attention kernel's copy pipeline at most.
     ATTENTION_MAX_STAGES: usize = 3;
     /// Splits of a row's keys at most (attention_combine's weights fit in shared memory).

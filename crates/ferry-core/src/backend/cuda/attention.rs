@@ -43,9 +43,9 @@ kernel! {
 }
 
 kernel! {
-    /// attention.cu's `attention`: block (row, kv head, split) attends the split's keys with the query heads that
-    /// share the kv head, writing `out` (one split) or the split's partials (several).
-    struct Attention = "attention" {
+    /// attention.cu's `attention_d{D}`: block (row, kv head, split) attends the split's keys with the query heads
+    /// that share the kv head, writing `out` (one split) or the split's partials (several).
+    struct Attention {
         q: Ptr<f32>,
         k_pool: Ptr<f32>,
         v_pool: Ptr<f32>,
@@ -62,7 +62,6 @@ kernel! {
         scale: f32,
         window: i32,
         split_len: i32,
-        heads_per_warp: i32,
         stages: i32,
     }
 }
@@ -81,11 +80,37 @@ kernel! {
     }
 }
 
-/// A block of the `attention` kernel: one query row's group of heads (those sharing a kv head).
+/// The head dims the decode kernels are built for (attention_d{D}): a head is padded (with zeros) up to the first
+/// that holds it.
+const PADDED_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
+
+/// The decode kernel of each padded head dim, in [`PADDED_HEAD_DIMS`]' order.
+pub(super) const ATTENTION_KERNELS: [&str; 5] = [
+    "attention_d16",
+    "attention_d32",
+    "attention_d64",
+    "attention_d128",
+    "attention_d256",
+];
+
+/// Every kernel of attention.cu.
+pub(super) const KERNELS: [&str; 6] = [
+    ATTENTION_KERNELS[0],
+    ATTENTION_KERNELS[1],
+    ATTENTION_KERNELS[2],
+    ATTENTION_KERNELS[3],
+    ATTENTION_KERNELS[4],
+    "attention_combine",
+];
+
+/// Warps of a decode block that take the keys of a tile between them, 16 each, for each 8 of a group's heads.
+const KEY_WARPS: usize = KEYS_PER_TILE / 16;
+
+/// A block of the decode attention kernel: one query row's group of heads (those sharing a kv head).
 #[derive(Debug, PartialEq, Eq)]
 struct BlockShape {
+    kernel: &'static str,
     warps: usize,
-    heads_per_warp: usize,
     stages: usize,
     shared_bytes: usize,
 }
@@ -94,26 +119,25 @@ impl BlockShape {
     /// The block for `group` query heads per kv head of `head_dim`, with the deepest copy pipeline that fits in
     /// `max_shared_bytes`.
     fn new(group: usize, head_dim: usize, max_shared_bytes: usize) -> Result<Self> {
-        // A warp reads each tile from shared memory once for all its heads: four heads per warp read it a quarter
-        // as often as one; eight where four would need more than ATTENTION_MAX_WARPS warps.
-        let heads_per_warp = match group {
-            0..=4 => group.next_power_of_two(),
-            5..=16 => 4,
-            _ => 8,
+        // KEY_WARPS warps for each 8 heads: the n of the kernel's tensor-core products.
+        let head_blocks = group.div_ceil(8);
+        let warps = KEY_WARPS * head_blocks;
+        let padded = PADDED_HEAD_DIMS.iter().position(|&d| d >= head_dim);
+        let padded = match padded {
+            Some(i) if group > 0 && warps <= ATTENTION_MAX_WARPS && head_dim.is_multiple_of(4) => i,
+            _ => {
+                return Err(Error::Cuda(format!(
+                    "attention with {group} query heads per kv head of dim {head_dim} is outside the kernel's limits \
+                     (1 to {} heads per kv head, head_dim a multiple of 4 up to {MAX_HEAD_DIM})",
+                    ATTENTION_MAX_WARPS / KEY_WARPS * 8
+                )))
+            }
         };
-        let warps = group.div_ceil(heads_per_warp);
-        if group == 0 || warps > ATTENTION_MAX_WARPS || !head_dim.is_multiple_of(4) || head_dim > MAX_HEAD_DIM {
-            return Err(Error::Cuda(format!(
-                "attention with {group} query heads per kv head of dim {head_dim} is outside the kernel's limits \
-                 (1 to {} heads per kv head, head_dim a multiple of 4 up to {MAX_HEAD_DIM})",
-                ATTENTION_MAX_WARPS * 8
-            )));
-        }
-        let shared_bytes = |stages: usize| {
-            4 * (stages * 2 * KEYS_PER_TILE * (head_dim + 4)
-                + group * head_dim
-                + warps * heads_per_warp * KEYS_PER_TILE)
-        };
+        let d = PADDED_HEAD_DIMS[padded];
+        // Keys (rows of d + 4 floats) and values (d + 8) of each stage; the queries' split fragments (4 floats a
+        // lane and k-step of 8 features, for each head block); a warp's probabilities, 16 keys by 8 heads.
+        let shared_bytes =
+            |stages: usize| 4 * (stages * KEYS_PER_TILE * (2 * d + 12) + head_blocks * d / 8 * 32 * 4 + warps * 16 * 8);
         let stages = (2..=ATTENTION_MAX_STAGES)
             .rev()
             .find(|&s| shared_bytes(s) <= max_shared_bytes)
@@ -125,8 +149,8 @@ impl BlockShape {
                 ))
             })?;
         Ok(BlockShape {
+            kernel: ATTENTION_KERNELS[padded],
             warps,
-            heads_per_warp,
             stages,
             shared_bytes: shared_bytes(stages),
         })
@@ -157,21 +181,23 @@ fn split_keys(row_blocks: usize, max_keys: usize, resident_blocks: usize) -> Spl
 }
 
 /// Attention blocks of `threads` threads and `shared_bytes` of shared memory one multiprocessor runs at once.
-fn blocks_per_multiprocessor(cuda: &CudaBackend, threads: u32, shared_bytes: usize) -> Result<usize> {
+fn blocks_per_multiprocessor(cuda: &CudaBackend, shape: &BlockShape) -> Result<usize> {
+    let threads = (shape.warps * 32) as u32;
     let mut known = cuda
         .attention_blocks_per_multiprocessor
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    if let Some(&blocks) = known.get(&(threads, shared_bytes)) {
+    let key = (shape.kernel, threads, shape.shared_bytes);
+    if let Some(&blocks) = known.get(&key) {
         return Ok(blocks);
     }
     // The occupancy query, unlike a launch, does not make the context current itself.
     cuda.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
     let blocks = cuda
-        .function("attention")?
-        .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes, None)
+        .function(shape.kernel)?
+        .occupancy_max_active_blocks_per_multiprocessor(threads, shape.shared_bytes, None)
         .map_err(cuda_err("attention occupancy"))? as usize;
-    known.insert((threads, shared_bytes), blocks);
+    known.insert(key, blocks);
     Ok(blocks)
 }
 
@@ -261,8 +287,7 @@ pub(super) fn attend(
         return flash_attention::attend(cuda, q, sinks, pools, batch, slices, p);
     }
     let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, cuda.max_shared_per_block)?;
-    let threads = (shape.warps * 32) as u32;
-    let per_multiprocessor = blocks_per_multiprocessor(cuda, threads, shape.shared_bytes)?;
+    let per_multiprocessor = blocks_per_multiprocessor(cuda, &shape)?;
     let max_keys = match p.sliding_window {
         Some(window) if window > 0 => window.min(batch.key_span),
         _ => batch.key_span,
@@ -298,15 +323,14 @@ pub(super) fn attend(
         scale: p.scale,
         window: p.sliding_window.unwrap_or(0) as i32,
         split_len: splits.len as i32,
-        heads_per_warp: shape.heads_per_warp as i32,
         stages: shape.stages as i32,
     };
     let cfg = LaunchConfig {
         grid_dim: (q.rows as u32, p.num_kv_heads as u32, splits.count as u32),
-        block_dim: (threads, 1, 1),
+        block_dim: ((shape.warps * 32) as u32, 1, 1),
         shared_mem_bytes: shape.shared_bytes as u32,
     };
-    attention.launch(cuda, cfg)?;
+    attention.launch_kernel(cuda, shape.kernel, cfg)?;
     if splits.count > 1 {
         let combine = AttentionCombine {
             partial_out: ptr(&partial_out),
@@ -336,16 +360,20 @@ mod tests {
     const SMALL_SHARED: usize = 99 * 1024;
 
     #[test]
-    fn every_head_of_a_group_has_a_warp_and_every_warp_a_head() {
+    fn every_head_of_a_group_has_a_warp_and_heads_pad_to_a_kernel() {
         for group in 1..=32 {
             let shape = BlockShape::new(group, 128, HOPPER_SHARED).unwrap();
-            assert!([1, 2, 4, 8].contains(&shape.heads_per_warp), "group {group}: {shape:?}");
+            assert_eq!(shape.warps, KEY_WARPS * group.div_ceil(8), "group {group}: {shape:?}");
             assert!(shape.warps <= ATTENTION_MAX_WARPS, "group {group}: {shape:?}");
-            assert!(shape.warps * shape.heads_per_warp >= group, "group {group}: {shape:?}");
-            assert!(
-                (shape.warps - 1) * shape.heads_per_warp < group,
-                "group {group}: {shape:?}"
-            );
+            assert_eq!(shape.kernel, "attention_d128");
+        }
+        for (head_dim, kernel) in [
+            (4, "attention_d16"),
+            (16, "attention_d16"),
+            (80, "attention_d128"),
+            (256, "attention_d256"),
+        ] {
+            assert_eq!(BlockShape::new(8, head_dim, HOPPER_SHARED).unwrap().kernel, kernel);
         }
         assert!(BlockShape::new(33, 128, HOPPER_SHARED).is_err());
         assert!(BlockShape::new(0, 128, HOPPER_SHARED).is_err());
@@ -355,18 +383,18 @@ mod tests {
 
     #[test]
     fn the_pipeline_is_as_deep_as_shared_memory_allows() {
-        // Qwen3-30B-A3B: three stages, two blocks per multiprocessor on an H200.
+        // Qwen3-30B-A3B: three stages, two blocks per multiprocessor on an H200 (228 KiB, 1 KiB reserved a block).
         let qwen3 = BlockShape::new(8, 128, HOPPER_SHARED).unwrap();
         assert_eq!(
             qwen3,
             BlockShape {
+                kernel: "attention_d128",
                 warps: 2,
-                heads_per_warp: 4,
                 stages: 3,
-                shared_bytes: 4 * (3 * 64 * 132 + 8 * 128 + 8 * 32),
+                shared_bytes: 4 * (3 * 32 * (132 + 136) + 16 * 32 * 4 + 2 * 16 * 8),
             }
         );
-        assert!(2 * qwen3.shared_bytes <= 228 * 1024);
+        assert!(2 * (qwen3.shared_bytes + 1024) <= 228 * 1024);
         // 32 heads of 256 per kv head (in the GPU tests): only two stages fit, even on an H200.
         assert_eq!(BlockShape::new(32, 256, HOPPER_SHARED).unwrap().stages, 2);
         assert_eq!(BlockShape::new(8, 256, HOPPER_SHARED).unwrap().stages, 3);

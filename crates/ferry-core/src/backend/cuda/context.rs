@@ -9,7 +9,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
 
 use super::memory::keep_freed_memory_pooled;
-use super::{flash_attention, gdn, libs, linear, CudaBackend};
+use super::{attention, flash_attention, gdn, libs, linear, CudaBackend};
 use crate::{Error, Result};
 
 pub(super) fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -49,7 +49,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "sigmoid_gate_elementwise",
         ],
     ),
-    ("attention", &["attention", "attention_combine"]),
+    ("attention", &attention::KERNELS),
     ("flash_attention", &flash_attention::FLASH_KERNELS),
     ("qkv", &["qkv_rope_kv_append"]),
     ("mla", &["mla_latent_append", "mla_attend"]),
@@ -149,8 +149,10 @@ impl CudaBackend {
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             "shared memory per block",
         )?;
-        allow_shared_bytes(&functions, "attention", max_shared_per_block)?;
-        for name in flash_attention::FLASH_KERNELS {
+        for name in attention::ATTENTION_KERNELS
+            .into_iter()
+            .chain(flash_attention::FLASH_KERNELS)
+        {
             allow_shared_bytes(&functions, name, max_shared_per_block)?;
         }
         allow_shared_bytes(&functions, "gated_delta_rule_chunked", gdn::CHUNKED_MAX_SHARED_BYTES)?;

@@ -236,9 +236,9 @@ pub struct CudaBackend {
     multiprocessors: usize,
     /// The most shared memory a block may opt into (the attention kernel's pipeline depth depends on it).
     max_shared_per_block: usize,
-    /// Attention blocks one multiprocessor runs at once, by (threads, shared bytes) of the block: asked of the
+    /// Attention blocks one multiprocessor runs at once, by (kernel, threads, shared bytes) of the block: asked of the
     /// driver once per shape, not at every decode step.
-    attention_blocks_per_multiprocessor: Mutex<HashMap<(u32, usize), usize>>,
+    attention_blocks_per_multiprocessor: Mutex<HashMap<(&'static str, u32, usize), usize>>,
     pub libraries: CudaLibraries,
 }
 
