@@ -5,9 +5,9 @@
 // Decode attention on tensor cores. A decode row has one query per head, too few to fill a tensor-core tile by
 // rows, so the tiles run the other way round: a group's (up to) 8 query heads sharing a kv head are the n = 8 of
 // m16n8k8 products, 16 keys (scores) or 16 features (values) their m. Precision: the KV cache and the queries are
-// f32, and products are taken in 3xTF32: each operand x is split into tf32 parts hi + lo (both rounded to
-// nearest), and a product is hi*hi + hi*lo + lo*hi accumulated in f32, leaving out lo*lo (relative error near
-// 2^-21, against 2^-17 for the bf16 halves of the prefill kernel).
+// f32, and products are taken in 3xTF32: each operand x is split into tf32 parts hi + lo (split_tf32), and a
+// product is hi*hi + hi*lo + lo*hi accumulated in f32, leaving out lo*lo (relative error near 2^-20, against 2^-17
+// for the bf16 halves of the prefill kernel).
 #include "common.cuh"
 
 constexpr uint32_t NO_SLOT = 0xffffffffu;
@@ -42,17 +42,13 @@ __device__ __forceinline__ void fma4(float p, const float4& v, float4& acc) {
     acc.w = fmaf(p, v.w, acc.w);
 }
 
-// x rounded to tf32 (to nearest, ties away): an f32 bit pattern whose low 13 bits are zero.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
-// x = hi + lo (up to lo*lo's share) in tf32 parts.
+// x = hi + lo in tf32 parts: hi is x rounded to tf32 (to nearest, ties away from zero: add half of the 13 dropped
+// bits' unit, then drop them; two integer operations where cvt.rna.tf32.f32 costs several), lo = x - hi exactly
+// (|lo| <= 2^-11 |x|), which the tensor cores read as tf32 by ignoring its low 13 bits: lo * hi then errs by at most
+// 2^-21 |x hi|, like the lo * lo left out.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-    hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 // m16n8k8 products: A 16 x 8 (row-major), B 8 x 8 (column-major), C 16 x 8, f32 accumulators. In a warp, lane
@@ -141,20 +137,6 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
     const int tiles = begin < end ? static_cast<int>((end - begin + KEYS_PER_TILE - 1) / KEYS_PER_TILE) : 0;
     const uint32_t* table = a.block_tables + a.row_table[r];
 
-    // Query fragments: B (feature t or t + 4 of k-step s, head g); heads past the group and features past
-    // head_dim are zeros.
-    const float* q_row = a.q + static_cast<size_t>(r) * q_cols + static_cast<size_t>(kv_head) * group * a.head_dim;
-    for (int i = threadIdx.x; i < head_blocks * STEPS * 32; i += blockDim.x) {
-        const int l = i & 31, step = (i >> 5) % STEPS, head = 8 * ((i >> 5) / STEPS) + (l >> 2);
-        const int f = 8 * step + (l & 3);
-        const bool in_group = head < group;
-        const float b0 = in_group && f < a.head_dim ? q_row[head * a.head_dim + f] : 0.0f;
-        const float b1 = in_group && f + 4 < a.head_dim ? q_row[head * a.head_dim + f + 4] : 0.0f;
-        uint32_t hi0, lo0, hi1, lo1;
-        split_tf32(b0, hi0, lo0);
-        split_tf32(b1, hi1, lo1);
-        q_frags[i] = make_float4(__uint_as_float(hi0), __uint_as_float(hi1), __uint_as_float(lo0), __uint_as_float(lo1));
-    }
     // Key features past head_dim are zeros (the copies never write them), so that they add nothing to a score.
     if (a.head_dim < D) {
         const int pad = D - a.head_dim;
@@ -169,7 +151,9 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
         return n < tiles && j < end ? table[j / KV_BLOCK_SIZE] * KV_BLOCK_SIZE + j % KV_BLOCK_SIZE : NO_SLOT;
     };
     // Starts the copy of a tile (the slot of key `lane` in `slot`) into stage `stage`: a warp per key row, so each
-    // row's slot is looked up once and its copy is one contiguous run of 16-byte pieces.
+    // row's slot is looked up once and its copy is one contiguous run of 16-byte pieces, a lane's pieces at most
+    // D / 128 (rounded up), unrolled.
+    constexpr int CHUNK_ROUNDS = (D / 4 + 31) / 32;
     auto issue = [&](uint32_t slot, int stage) {
         float* k_dst = pipeline + stage * STAGE_FLOATS;
         float* v_dst = k_dst + KEYS_PER_TILE * KS;
@@ -178,22 +162,16 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
             const bool present = key_slot != NO_SLOT;
             const size_t at = static_cast<size_t>(present ? key_slot : 0) * kv_width +
                               static_cast<size_t>(kv_head) * a.head_dim;
-            for (int chunk = lane; chunk < chunks; chunk += 32) {
-                cp_async_16(k_dst + key * KS + 4 * chunk, a.k_pool + at + 4 * chunk, present);
-                cp_async_16(v_dst + key * VS + 4 * chunk, a.v_pool + at + 4 * chunk, present);
+#pragma unroll
+            for (int round = 0; round < CHUNK_ROUNDS; ++round) {
+                const int chunk = lane + 32 * round;
+                if (chunk < chunks) {
+                    cp_async_16(k_dst + key * KS + 4 * chunk, a.k_pool + at + 4 * chunk, present);
+                    cp_async_16(v_dst + key * VS + 4 * chunk, a.v_pool + at + 4 * chunk, present);
+                }
             }
         }
     };
-
-    // out^T: features 16 f + g (+ 8) of heads 2t, 2t + 1 of the warp's head block, as C fragments.
-    float o[FEATURE_BLOCKS][4];
-#pragma unroll
-    for (int f = 0; f < FEATURE_BLOCKS; ++f) o[f][0] = o[f][1] = o[f][2] = o[f][3] = 0.0f;
-    // Per head 2t + h: the maximum of the scores so far (base 2), and this lane's keys' share of the denominator.
-    float running_max[2] = {-INFINITY, -INFINITY}, lane_sum[2] = {0.0f, 0.0f};
-    const float scale_log2 = a.scale * 1.4426950408889634f;  // exp(s) = exp2(s * log2(e))
-    const float4* warp_q = q_frags + head_block * STEPS * 32 + lane;
-    float* probs = probs_all + warp * 16 * 8;
 
     // Pipeline: tiles k + 1 .. k + stages - 1 are in flight while tile k is computed. Copy group g holds tile g
     // (empty past the last tile), so waiting for all but the latest stages - 2 groups means tile k has landed.
@@ -205,6 +183,35 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
         cp_async_commit();
         next_slot = following;
     }
+    // Query fragments: B (feature t or t + 4 of k-step s, head g); heads past the group and features past
+    // head_dim are zeros. Built while the first tiles are on their way: every thread builds D / 16 (the block has
+    // KEY_WARPS = 2 warps of 32 lanes for each head block's D / 8 k-steps of 32 fragments).
+    static_assert(KEY_WARPS == 2, "D / 16 query fragments a thread");
+    const float* q_row = a.q + static_cast<size_t>(r) * q_cols + static_cast<size_t>(kv_head) * group * a.head_dim;
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) {
+        const int i = threadIdx.x + n * blockDim.x;
+        const int l = i & 31, step = (i >> 5) % STEPS, head = 8 * ((i >> 5) / STEPS) + (l >> 2);
+        const int f = 8 * step + (l & 3);
+        const bool in_group = head < group;
+        const float b0 = in_group && f < a.head_dim ? q_row[head * a.head_dim + f] : 0.0f;
+        const float b1 = in_group && f + 4 < a.head_dim ? q_row[head * a.head_dim + f + 4] : 0.0f;
+        uint32_t hi0, lo0, hi1, lo1;
+        split_tf32(b0, hi0, lo0);
+        split_tf32(b1, hi1, lo1);
+        q_frags[i] = make_float4(__uint_as_float(hi0), __uint_as_float(hi1), __uint_as_float(lo0), __uint_as_float(lo1));
+    }
+
+    // out^T: features 16 f + g (+ 8) of heads 2t, 2t + 1 of the warp's head block, as C fragments.
+    float o[FEATURE_BLOCKS][4];
+#pragma unroll
+    for (int f = 0; f < FEATURE_BLOCKS; ++f) o[f][0] = o[f][1] = o[f][2] = o[f][3] = 0.0f;
+    // Per head 2t + h: the maximum of the scores so far (base 2), and this lane's keys' share of the denominator.
+    float running_max[2] = {-INFINITY, -INFINITY}, lane_sum[2] = {0.0f, 0.0f};
+    const float scale_log2 = a.scale * 1.4426950408889634f;  // exp(s) = exp2(s * log2(e))
+    const float4* warp_q = q_frags + head_block * STEPS * 32 + lane;
+    float* probs = probs_all + warp * 16 * 8;
+
     for (int k = 0; k < tiles; ++k) {
         cp_async_wait(a.stages - 2);
         __syncthreads();  // tile k is visible to all; every warp is done with tile k - 1, whose stage is reused

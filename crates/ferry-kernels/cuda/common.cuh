@@ -292,6 +292,24 @@ __device__ __forceinline__ float fp8_e4m3_to_float(uint32_t byte) {
     return (byte & 0x80u) != 0 ? -value : value;
 }
 
+// Four E4M3 bytes of `word` (the lowest first) as f32, exactly: from sm_89 on by the hardware's conversion to f16
+// (every E4M3 value, subnormals and NaN included, is an f16 one) and f16 -> f32, else by fp8_e4m3_to_float.
+__device__ __forceinline__ void fp8x4_e4m3_to_float(uint32_t word, float (&v)[4]) {
+#if __CUDA_ARCH__ >= 890
+    uint32_t low_pair, high_pair;
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(low_pair), "=r"(high_pair)
+        : "r"(word));
+    asm("{\n\t.reg .b16 a, b, c, d;\n\tmov.b32 {a, b}, %4;\n\tmov.b32 {c, d}, %5;\n\tcvt.f32.f16 %0, a;\n\t"
+        "cvt.f32.f16 %1, b;\n\tcvt.f32.f16 %2, c;\n\tcvt.f32.f16 %3, d;\n\t}"
+        : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+        : "r"(low_pair), "r"(high_pair));
+#else
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = fp8_e4m3_to_float(word >> (8 * i));
+#endif
+}
+
 // Dot products of ROWS E4M3 weight rows of length k (row r's f32 scales at scales[r], one per block_cols columns)
 // with TOKENS f32 activation rows (x + t * k), by one warp: dequantized in registers, accumulated in f32; acc[r][t]
 // ends as the lane's partial sum (the caller reduces across the warp). Aligned rows (16 bytes; k and block_cols
@@ -315,6 +333,12 @@ __device__ __forceinline__ void warp_rows_dot_fp8(const uint8_t* const (&w)[ROWS
                 words[r][0] = packed.x, words[r][1] = packed.y, words[r][2] = packed.z, words[r][3] = packed.w;
                 scale[r] = scales[r][col / block_cols];
             }
+            // Each weight is widened once, for every token.
+            float wf[ROWS][16];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) fp8x4_e4m3_to_float(words[r][j], *reinterpret_cast<float(*)[4]>(&wf[r][4 * j]));
 #pragma unroll
             for (int t = 0; t < TOKENS; ++t) {
                 const float* xt = x + static_cast<size_t>(t) * k + col;
@@ -328,8 +352,7 @@ __device__ __forceinline__ void warp_rows_dot_fp8(const uint8_t* const (&w)[ROWS
                 for (int r = 0; r < ROWS; ++r) {
                     float sum = 0.0f;
 #pragma unroll
-                    for (int j = 0; j < 16; ++j)
-                        sum = fmaf(fp8_e4m3_to_float(words[r][j / 4] >> (8 * (j % 4))), xv[j], sum);
+                    for (int j = 0; j < 16; ++j) sum = fmaf(wf[r][j], xv[j], sum);
                     acc[r][t] = fmaf(sum, scale[r], acc[r][t]);
                 }
             }

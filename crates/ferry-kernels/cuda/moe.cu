@@ -386,7 +386,9 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // Matrices first..first + count - 1 of an FP8 expert block dequantized to two bf16 halves (common.cuh's
 // store_bf16_halves), back to back in each (gate and up as one [2 * inter, hidden] matrix, or down): the grouped
 // prefill path runs both through the same cuBLAS products as bf16 experts and adds them. A grid-stride loop over
-// their inter * hidden * count values.
+// their inter * hidden * count values, four at a time (one word of E4M3 bytes, never across a row or a scale block)
+// where the rows and scale blocks are multiples of four wide; 32-bit indices (an expert's matrices are far below
+// 2^31 values).
 extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ block, int hidden, int inter,
                                                  int gate_up_block_rows, int gate_up_block_cols,
                                                  int down_block_rows, int down_block_cols,
@@ -394,15 +396,27 @@ extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ blo
                                                  uint16_t* __restrict__ lo) {
     wait_for_previous_kernel();
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
-    const size_t per_matrix = static_cast<size_t>(inter) * hidden;
-    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < per_matrix * count;
-         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint32_t per_matrix = static_cast<uint32_t>(inter) * hidden;
+    const bool words = (hidden & 3) == 0 && (inter & 3) == 0 && (gate_up_block_cols & 3) == 0 &&
+                       (down_block_cols & 3) == 0;
+    const int width = words ? 4 : 1;
+    const uint32_t groups = per_matrix * count / width;
+    for (uint32_t g = blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += gridDim.x * blockDim.x) {
+        const uint32_t i = g * width;
         const int m = first + static_cast<int>(i / per_matrix);
-        const size_t within = i % per_matrix;
+        const uint32_t within = i % per_matrix;
         const int cols = layout.cols(m);
         const int r = static_cast<int>(within / cols), c = static_cast<int>(within % cols);
         const float scale = layout.scale_row(block, m, r)[c / layout.block_cols(m)];
-        store_bf16_halves(fp8_e4m3_to_float(layout.row(block, m, r)[c]) * scale, i, hi, lo);
+        const uint8_t* src = layout.row(block, m, r) + c;
+        if (words) {
+            float v[4];
+            fp8x4_e4m3_to_float(*reinterpret_cast<const uint32_t*>(src), v);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) store_bf16_halves(v[j] * scale, i + j, hi, lo);
+        } else {
+            store_bf16_halves(fp8_e4m3_to_float(*src) * scale, i, hi, lo);
+        }
     }
 }
 
