@@ -15,7 +15,7 @@
 # be identical) | dsv3-10 (DeepSeek-V3's shape cut to its 3 dense + 7 MoE layers, experts in FP8 as DeepSeek ships
 # them: 73.5 GiB of the full model's 650 GB bank, which does not fit the host's 128 GB) | glm45air-fp8 (GLM-4.5-Air's
 # shape, experts in FP8: 97 GiB), both under the uniform and the locality trace | q30-fp8 (issue 18: q30 with BF16
-# and with FP8 experts at 22.3 GiB under one uniform trace, then both all resident) | gptoss120-22.3 |
+# and with FP8 experts at 22.3 GiB under one uniform trace, then both all resident) | q30-fp8-resident (the last alone) | gptoss120-22.3 |
 # gptoss120-15.8 (gpt-oss-120b's shape, MXFP4 experts, under both traces with --moe-strategy offload, auto and cpu, or the
 # comma-separated GPTOSS_STRATEGIES; -uniform or -locality: one trace). Where a workload names several traces or
 # strategies, `ferry bench` measures each in turn on one load (a large model's load costs minutes of device time).
@@ -139,6 +139,7 @@ for workload in "$@"; do
         bench q30-resident $q30 --decode-tokens 64
         bench q30-fp8-resident --synthetic bench/q30-fp8.json --device cuda --decode-tokens 64
         ;;
+    q30-fp8-resident) bench q30-fp8-resident --synthetic bench/q30-fp8.json --device cuda --decode-tokens 64 ;;
     gptoss120-22.3 | gptoss120-22.3-uniform | gptoss120-22.3-locality | gptoss120-15.8 | gptoss120-15.8-uniform | \
         gptoss120-15.8-locality)
         spec=${workload#gptoss120-}
