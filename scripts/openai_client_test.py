@@ -540,6 +540,22 @@ def test_responses_plain_and_streamed_agree(server):
     assert streamed.usage.input_tokens_details.cached_tokens > 0, "the same prompt again: from the prefix cache"
 
 
+def test_responses_logprobs_through_the_sdk(server):
+    kwargs = dict(model=MODEL, input="Tell me about ferries.", max_output_tokens=8, temperature=0,
+                  include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = server.client.responses.create(**kwargs)
+    part = next(item for item in whole.output if item.type == "message").content[0]
+    assert part.logprobs, whole
+    for entry in part.logprobs:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token, entry
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode("utf-8", "replace") == entry.token, entry
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    events = list(server.client.responses.create(stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [entry.token for entry in part.logprobs]
+    assert [lp.logprob for lp in streamed] == [entry.logprob for entry in part.logprobs]
+
+
 def test_responses_text_format_is_enforced(server):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
               "required": ["answer"], "additionalProperties": False}

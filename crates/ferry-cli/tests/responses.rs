@@ -2,7 +2,8 @@
 //! agree and the events come in order, numbered; a scripted checkpoint's reasoning and tool calls come back as
 //! `reasoning` and `function_call` items and go back in `input`; a kept response is continued by
 //! `previous_response_id` as the whole conversation sent again is, read and deleted; what the server cannot honour
-//! (a response it does not keep, unknown fields) is an OpenAI-shaped 400 naming the field.
+//! (a response it does not keep, unknown fields) is an OpenAI-shaped 400 naming the field; the message's logprobs
+//! (`include`, `top_logprobs`) are its own tokens', whole and streamed.
 
 mod common;
 
@@ -43,6 +44,8 @@ fn response_from_stream(events: &[Value]) -> Value {
     let output = last["response"]["output"].as_array().unwrap();
     let mut done = 0;
     let mut open: Option<(Value, String)> = None;
+    // The open message's logprobs, as its deltas brought them.
+    let mut logprobs: Vec<Value> = vec![];
     for event in &events[2..events.len() - 1] {
         let kind = event["type"].as_str().unwrap();
         if kind != "response.output_item.added" {
@@ -60,15 +63,21 @@ fn response_from_stream(events: &[Value]) -> Value {
                 assert_eq!(event["output_index"], done);
                 assert_eq!(event["item"]["status"], "in_progress");
                 open = Some((event["item"].clone(), String::new()));
+                logprobs.clear();
             }
             "response.content_part.added" => assert_eq!(event["part"]["text"], ""),
             "response.reasoning_text.delta"
             | "response.output_text.delta"
             | "response.function_call_arguments.delta" => {
                 open.as_mut().unwrap().1 += event["delta"].as_str().unwrap();
+                if kind == "response.output_text.delta" {
+                    logprobs.extend(event["logprobs"].as_array().unwrap().iter().cloned());
+                }
             }
-            "response.reasoning_text.done" | "response.output_text.done" => {
+            "response.reasoning_text.done" => assert_eq!(event["text"], open.as_ref().unwrap().1.as_str()),
+            "response.output_text.done" => {
                 assert_eq!(event["text"], open.as_ref().unwrap().1.as_str());
+                assert_eq!(event["logprobs"], json!(logprobs), "the deltas' logprobs add up");
             }
             "response.content_part.done" => assert_eq!(event["part"]["text"], open.as_ref().unwrap().1.as_str()),
             "response.function_call_arguments.done" => {
@@ -142,6 +151,81 @@ fn a_response_and_its_stream_agree_and_a_cut_one_is_incomplete() {
     );
 }
 
+/// The message's tokens, each with its logprob and alternatives, checked: greedy's token first among them.
+fn message_logprobs(response: &Value, alternatives: usize) -> Vec<Value> {
+    let message = response["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|item| item["type"] == "message")
+        .expect("a message");
+    let part = &message["content"][0];
+    let entries = part["logprobs"].as_array().unwrap().clone();
+    assert!(!entries.is_empty(), "{response}");
+    for entry in &entries {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), alternatives, "{entry}");
+        if let Some(first) = top.first() {
+            assert_eq!(
+                (&first["token"], &first["logprob"]),
+                (&entry["token"], &entry["logprob"])
+            );
+        }
+        assert!(entry["logprob"].as_f64().unwrap() <= 0.0, "{entry}");
+    }
+    entries
+}
+
+/// The text a message's tokens spell.
+fn spelled(entries: &[Value]) -> String {
+    entries.iter().map(|e| e["token"].as_str().unwrap()).collect()
+}
+
+#[test]
+fn the_messages_logprobs_are_its_tokens_and_stream_the_same() {
+    let server = Server::start(&[]);
+    let request = json!({"model": "tiny", "input": "Tell me about ferries.", "max_output_tokens": 8,
+        "temperature": 0, "include": ["message.output_text.logprobs"], "top_logprobs": 2});
+    let (status, whole) = respond(&server, &request);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["top_logprobs"], 2);
+    let entries = message_logprobs(&whole, 2);
+    assert_eq!(
+        spelled(&entries),
+        whole["output"][0]["content"][0]["text"].as_str().unwrap(),
+        "{whole}"
+    );
+    assert!(entries.len() as u64 <= whole["usage"]["output_tokens"].as_u64().unwrap());
+    // Streamed: each delta carries its tokens' logprobs (response_from_stream adds them up).
+    let streamed = response_from_stream(&events(&server, &request));
+    assert_eq!(without_ids(&streamed), without_ids(&whole));
+    // `include` alone: no alternatives; `top_logprobs` alone asks for them too.
+    let mut included = request.clone();
+    included.as_object_mut().unwrap().remove("top_logprobs");
+    let (_, included) = respond(&server, &included);
+    assert_eq!(message_logprobs(&included, 0).len(), entries.len());
+    let mut counted = request.clone();
+    counted.as_object_mut().unwrap().remove("include");
+    let (_, counted) = respond(&server, &counted);
+    assert_eq!(message_logprobs(&counted, 2), entries);
+    // Not asked: none.
+    let (_, plain) = respond(
+        &server,
+        &json!({"model": "tiny", "input": "Tell me about ferries.", "max_output_tokens": 8}),
+    );
+    assert_eq!(plain["top_logprobs"], Value::Null);
+    assert_eq!(plain["output"][0]["content"][0]["logprobs"], json!([]), "{plain}");
+    for (field, value, param) in [
+        ("top_logprobs", json!(21), "top_logprobs"),
+        ("include", json!(["message.input_image.image_url"]), "include[0]"),
+    ] {
+        let mut bad = json!({"model": "tiny", "input": "hi"});
+        bad[field] = value;
+        let (status, error) = respond(&server, &bad);
+        assert_eq!((status, &error["error"]["param"]), (400, &json!(param)), "{error}");
+    }
+}
+
 fn tool_server(fixture: &str) -> Server {
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")
@@ -159,10 +243,16 @@ fn weather() -> Value {
 fn reasoning_and_tool_calls_come_as_items_and_go_back_in_the_input() {
     let server = tool_server("tool_calls_hermes");
     let question = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
-    let request = json!({"model": "tiny", "input": question, "tools": [weather()]});
+    let request = json!({"model": "tiny", "input": question, "tools": [weather()],
+        "include": ["message.output_text.logprobs"]});
     let (status, whole) = respond(&server, &request);
     assert_eq!(status, 200, "{whole}");
     assert_eq!(whole["status"], "completed", "{whole}");
+    // The message's logprobs are its own tokens', not the reasoning's or the call's.
+    let entries = message_logprobs(&whole, 0);
+    let tokens: Vec<&str> = entries.iter().map(|e| e["token"].as_str().unwrap()).collect();
+    // The scripted checkpoint writes the message and the call's opening as one token.
+    assert_eq!(tokens, ["\n\nLet me check.\n\n<tool"], "{whole}");
     let output = whole["output"].as_array().unwrap();
     let types: Vec<&str> = output.iter().map(|item| item["type"].as_str().unwrap()).collect();
     assert_eq!(types, ["reasoning", "message", "function_call"], "{whole}");

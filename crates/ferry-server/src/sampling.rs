@@ -206,21 +206,22 @@ fn chat_entry(model: &LoadedModel, id: u32, logprob: f32) -> Map<String, Value> 
     entry
 }
 
-/// Chat's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
-pub fn chat_json(model: &LoadedModel, tokens: &[(u32, TokenLogprobs)]) -> Value {
-    let content: Vec<Value> = tokens
+/// One token's logprobs as chat (and the Responses API's `output_text`) shows them: `{token, logprob, bytes,
+/// top_logprobs: [{token, logprob, bytes}]}`.
+pub fn token_json(model: &LoadedModel, id: u32, lp: &TokenLogprobs) -> Value {
+    let mut entry = chat_entry(model, id, lp.logprob);
+    let top: Vec<Value> = lp
+        .top
         .iter()
-        .map(|(id, lp)| {
-            let mut entry = chat_entry(model, *id, lp.logprob);
-            let top: Vec<Value> = lp
-                .top
-                .iter()
-                .map(|&(alt, logprob)| Value::Object(chat_entry(model, alt, logprob)))
-                .collect();
-            entry.insert("top_logprobs".into(), top.into());
-            Value::Object(entry)
-        })
+        .map(|&(alt, logprob)| Value::Object(chat_entry(model, alt, logprob)))
         .collect();
+    entry.insert("top_logprobs".into(), top.into());
+    Value::Object(entry)
+}
+
+/// Chat's `logprobs`: `{"content": [`[`token_json`]`...]}`.
+pub fn chat_json(model: &LoadedModel, tokens: &[(u32, TokenLogprobs)]) -> Value {
+    let content: Vec<Value> = tokens.iter().map(|(id, lp)| token_json(model, *id, lp)).collect();
     json!({ "content": content })
 }
 

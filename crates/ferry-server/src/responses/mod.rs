@@ -11,6 +11,8 @@ mod store;
 mod stream;
 mod tools;
 
+use std::sync::Arc;
+
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
@@ -23,7 +25,7 @@ use crate::error::ApiError;
 use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output};
 use crate::openai::response_id;
 use crate::tools::history::{HistoryFormat, HistoryReasoning};
-use crate::{unix_seconds, AppState};
+use crate::{unix_seconds, AppState, LoadedModel};
 use output::OutputItems;
 use request::ResponsesBody;
 pub(crate) use store::{ResponseStore, STORE_BYTES};
@@ -49,6 +51,8 @@ struct ResponseMeta {
     namespaces: Namespaces,
     /// Where the finished response is kept, unless `store` is false.
     keep: Option<Keep>,
+    /// The model whose tokens the message's logprobs name, when the request asked for them.
+    logprobs_of: Option<Arc<LoadedModel>>,
 }
 
 /// `usage`: the prompt (with the tokens the prefix cache held) and the output (with its reasoning).
@@ -71,6 +75,16 @@ fn status(finish: &Finish) -> &'static str {
 }
 
 impl ResponseMeta {
+    /// The output items this response builds.
+    fn items(&self) -> OutputItems {
+        OutputItems::new(
+            &self.id,
+            self.encrypted_reasoning,
+            self.namespaces.clone(),
+            self.logprobs_of.clone(),
+        )
+    }
+
     /// Keeps the finished response `object`, when the request asked for it.
     fn kept(&self, object: &Value) {
         if let Some(keep) = &self.keep {
@@ -128,13 +142,13 @@ fn in_responses_terms(mut error: ApiError) -> ApiError {
 }
 
 async fn respond_whole(meta: ResponseMeta, mut generation: Generation) -> Response {
-    let mut items = OutputItems::new(&meta.id, meta.encrypted_reasoning, meta.namespaces.clone());
+    let mut items = meta.items();
     // A plain response has no use for the events.
     let mut events = vec![];
     while let Some(output) = generation.next().await {
         events.clear();
         match output {
-            Output::Pieces(pieces) => items.token(&pieces, &mut events),
+            Output::Pieces(pieces) => items.token(&pieces, &generation.take_logprobs(), &mut events),
             Output::Finished(pieces, finish) => {
                 items.pieces(&pieces, &mut events);
                 items.close(status(&finish), &mut events);
@@ -201,6 +215,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         .and_then(|prompt| prompt.start(state, &model, &chat.params, "input"))
         .map_err(in_responses_terms)?;
     let generation = Generation::start(state, &model, request, parser)?;
+    let logprobs_of = chat.params.logprobs.map(|_| model.clone());
     let meta = ResponseMeta {
         id: format!("resp_{:016x}", response_id()),
         created_at: unix_seconds(),
@@ -209,6 +224,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         encrypted_reasoning,
         namespaces,
         keep,
+        logprobs_of,
     };
     Ok((meta, generation, chat.params.stream))
 }
@@ -281,6 +297,7 @@ mod tests {
             encrypted_reasoning: false,
             namespaces: Namespaces::default(),
             keep: None,
+            logprobs_of: None,
         };
         let finish = |reason| Finish {
             reason,

@@ -8,15 +8,23 @@
 //!
 //! Events are built here without their `sequence_number` (stream.rs numbers them); a plain response drops them.
 //!
+//! The message's logprobs (when asked for): each token's as chat shows them, in the `output_text` part and with the
+//! delta its text came out in; a token counts as the message's when it spells part of the message's text
+//! (`take_spelling`), so the tokens of reasoning, of markup the parsers took out and of tool calls are left out.
+//!
 //! `encrypted_content` (asked for by `include`) lets a client that stores nothing give the reasoning back next turn.
 //! OpenAI encrypts it because its API hides the raw reasoning; this server shows the reasoning in `content` anyway,
 //! so the field is the same text sealed only against other servers' blobs: a version tag, then the text's bytes in
 //! hex. It is an encoding, not encryption.
 
+use std::sync::Arc;
+
+use ferry_core::engine::TokenLogprobs;
 use serde_json::{json, Value};
 
 use super::tools::Namespaces;
 use crate::generation::Piece;
+use crate::LoadedModel;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
@@ -33,6 +41,8 @@ struct Open {
     text: String,
     /// A call's ids and function (None for the other kinds).
     call: Option<Call>,
+    /// A message's tokens' logprobs, when the request asked for them.
+    logprobs: Vec<Value>,
 }
 
 /// A `function_call` item's `call_id`, `name` and `namespace` (for a namespace's function).
@@ -76,13 +86,19 @@ pub struct OutputItems {
     pub reasoning_tokens: usize,
     /// The functions of the request's namespaces: a call of one names its namespace.
     namespaces: Namespaces,
+    /// The model whose tokens the logprobs name, when the request asked for them.
+    logprobs_of: Option<Arc<LoadedModel>>,
+    /// Logprobs of tokens whose text has not come out yet (held back, or giving no text): those that spell the
+    /// message's next text go to the message ([`take_spelling`]), and all are dropped when reasoning or a call comes
+    /// out instead.
+    pending: Vec<Value>,
 }
 
-/// A text part of an item: `reasoning_text` or `output_text`.
-fn part(kind: Kind, text: &str) -> Value {
+/// A text part of an item: `reasoning_text` or `output_text` (with its tokens' logprobs).
+fn part(kind: Kind, text: &str, logprobs: &[Value]) -> Value {
     match kind {
         Kind::Reasoning => json!({"type": "reasoning_text", "text": text}),
-        _ => json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []}),
+        _ => json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}),
     }
 }
 
@@ -91,7 +107,7 @@ impl Open {
     fn item(&self, status: &str) -> Value {
         let content = match self.text.is_empty() && status == "in_progress" {
             true => vec![],
-            false => vec![part(self.kind, &self.text)],
+            false => vec![part(self.kind, &self.text, &self.logprobs)],
         };
         match self.kind {
             Kind::Reasoning => {
@@ -116,7 +132,13 @@ impl Open {
 }
 
 impl OutputItems {
-    pub fn new(response_id: &str, encrypted_reasoning: bool, namespaces: Namespaces) -> Self {
+    /// `logprobs_of`: the served model, when the request asked for logprobs.
+    pub fn new(
+        response_id: &str,
+        encrypted_reasoning: bool,
+        namespaces: Namespaces,
+        logprobs_of: Option<Arc<LoadedModel>>,
+    ) -> Self {
         OutputItems {
             response: response_id.trim_start_matches("resp_").to_string(),
             encrypted_reasoning,
@@ -124,15 +146,24 @@ impl OutputItems {
             open: None,
             reasoning_tokens: 0,
             namespaces,
+            logprobs_of,
+            pending: vec![],
         }
     }
 
-    /// The pieces of one generated token: it counts as reasoning when it gave reasoning, or gave nothing yet while
-    /// the model was reasoning (text held back: a tag that may end the reasoning).
-    pub fn token(&mut self, pieces: &[Piece], events: &mut Vec<Value>) {
+    /// The pieces of one generated token, with its logprobs (when asked for): it counts as reasoning when it gave
+    /// reasoning, or gave nothing yet while the model was reasoning (text held back: a tag that may end the
+    /// reasoning).
+    pub fn token(&mut self, pieces: &[Piece], logprobs: &[(u32, TokenLogprobs)], events: &mut Vec<Value>) {
         let in_reasoning = self.open.as_ref().is_some_and(|open| open.kind == Kind::Reasoning);
         if pieces.iter().any(|p| matches!(p, Piece::Reasoning(_))) || (pieces.is_empty() && in_reasoning) {
             self.reasoning_tokens += 1;
+        }
+        if let Some(model) = &self.logprobs_of {
+            let entries = logprobs
+                .iter()
+                .map(|(id, lp)| crate::sampling::token_json(model, *id, lp));
+            self.pending.extend(entries);
         }
         self.pieces(pieces, events);
     }
@@ -141,6 +172,10 @@ impl OutputItems {
     pub fn pieces(&mut self, pieces: &[Piece], events: &mut Vec<Value>) {
         for piece in pieces {
             self.piece(piece, events);
+        }
+        // Text came out, none of it the message's (reasoning or a call): the tokens behind it are not the message's.
+        if !pieces.is_empty() && !pieces.iter().any(|p| matches!(p, Piece::Content(_))) {
+            self.pending.clear();
         }
     }
 
@@ -183,7 +218,9 @@ impl OutputItems {
         let event = match kind {
             Kind::Reasoning => json!({"type": "response.reasoning_text.delta", "content_index": 0, "delta": text}),
             Kind::Message => {
-                json!({"type": "response.output_text.delta", "content_index": 0, "delta": text, "logprobs": []})
+                let logprobs = take_spelling(&mut self.pending, text);
+                open.logprobs.extend(logprobs.iter().cloned());
+                json!({"type": "response.output_text.delta", "content_index": 0, "delta": text, "logprobs": logprobs})
             }
             Kind::Call => json!({"type": "response.function_call_arguments.delta", "delta": text}),
         };
@@ -203,6 +240,7 @@ impl OutputItems {
             id: format!("{prefix}_{}{:02x}", self.response, self.output_index()),
             text: String::new(),
             call,
+            logprobs: vec![],
         };
         let output_index = self.output_index();
         events.push(
@@ -210,7 +248,7 @@ impl OutputItems {
                            "item": open.item("in_progress")}),
         );
         if kind != Kind::Call {
-            let event = json!({"type": "response.content_part.added", "content_index": 0, "part": part(kind, "")});
+            let event = json!({"type": "response.content_part.added", "content_index": 0, "part": part(kind, "", &[])});
             events.push(with_item(event, &open.id, output_index));
         }
         self.open = Some(open);
@@ -223,15 +261,14 @@ impl OutputItems {
         let text = open.text.as_str();
         let done = match open.kind {
             Kind::Reasoning => json!({"type": "response.reasoning_text.done", "content_index": 0, "text": text}),
-            Kind::Message => {
-                json!({"type": "response.output_text.done", "content_index": 0, "text": text, "logprobs": []})
-            }
+            Kind::Message => json!({"type": "response.output_text.done", "content_index": 0, "text": text,
+                                    "logprobs": open.logprobs}),
             Kind::Call => json!({"type": "response.function_call_arguments.done", "arguments": text}),
         };
         events.push(with_item(done, &open.id, output_index));
         if open.kind != Kind::Call {
-            let event =
-                json!({"type": "response.content_part.done", "content_index": 0, "part": part(open.kind, text)});
+            let event = json!({"type": "response.content_part.done", "content_index": 0,
+                               "part": part(open.kind, text, &open.logprobs)});
             events.push(with_item(event, &open.id, output_index));
         }
         let mut item = open.item(status);
@@ -246,6 +283,36 @@ impl OutputItems {
     pub fn items(&self) -> Vec<Value> {
         self.done.clone()
     }
+}
+
+/// Takes from `pending` (token logprobs in order, each naming its token's text) the shortest run of tokens whose
+/// text holds `text`, a piece of the message, and drops the tokens before it: they gave markup the parsers took out
+/// (a `</think>` ending the reasoning); those after it stay pending (text held back past this piece). A token can
+/// give both markup and message text; it counts as the message's. Where no run holds the text (a character split
+/// between tokens shows as U+FFFD in each), all are taken.
+fn take_spelling(pending: &mut Vec<Value>, text: &str) -> Vec<Value> {
+    if text.is_empty() {
+        return vec![];
+    }
+    let token = |entry: &Value| entry["token"].as_str().unwrap_or_default().to_string();
+    let mut best: Option<(usize, usize)> = None;
+    for start in 0..pending.len() {
+        let mut spelled = String::new();
+        for (end, entry) in pending.iter().enumerate().skip(start) {
+            spelled.push_str(&token(entry));
+            if spelled.contains(text) {
+                if best.is_none_or(|(s, e)| end - start < e - s) {
+                    best = Some((start, end));
+                }
+                break;
+            }
+        }
+    }
+    let (start, end) = best.unwrap_or((0, pending.len().saturating_sub(1)));
+    let rest = pending.split_off((end + 1).min(pending.len()));
+    let run = pending.split_off(start.min(pending.len()));
+    *pending = rest;
+    run
 }
 
 fn with_item(mut event: Value, item_id: &str, output_index: usize) -> Value {
@@ -282,7 +349,7 @@ mod tests {
             json!({"tools": [{"type": "namespace", "name": "crm", "tools": [{"type": "function", "name": "find"}]}]});
         let body = crate::body::Body::new(tools.as_object().unwrap().clone());
         let (_, _, namespaces) = super::super::tools::tool_request(&body).unwrap();
-        let mut items = OutputItems::new("resp_00ab", false, namespaces);
+        let mut items = OutputItems::new("resp_00ab", false, namespaces, None);
         let mut events = vec![];
         items.pieces(&call("crm.find"), &mut events);
         items.pieces(&call("find"), &mut events);
@@ -302,12 +369,12 @@ mod tests {
 
     #[test]
     fn pieces_make_items_opened_filled_and_closed_in_order() {
-        let mut items = OutputItems::new("resp_00ab", false, Namespaces::default());
+        let mut items = OutputItems::new("resp_00ab", false, Namespaces::default(), None);
         let mut events = vec![];
-        items.token(&[Piece::Reasoning("so".into())], &mut events);
-        items.token(&[], &mut events);
-        items.token(&[Piece::Content("hi".into())], &mut events);
-        items.token(&[Piece::Content("!".into())], &mut events);
+        items.token(&[Piece::Reasoning("so".into())], &[], &mut events);
+        items.token(&[], &[], &mut events);
+        items.token(&[Piece::Content("hi".into())], &[], &mut events);
+        items.token(&[Piece::Content("!".into())], &[], &mut events);
         items.pieces(&call("f"), &mut events);
         items.close("completed", &mut events);
         assert_eq!(
@@ -353,7 +420,7 @@ mod tests {
 
     #[test]
     fn reasoning_items_carry_their_text_sealed_when_asked() {
-        let mut items = OutputItems::new("resp_00ab", true, Namespaces::default());
+        let mut items = OutputItems::new("resp_00ab", true, Namespaces::default(), None);
         let mut events = vec![];
         items.pieces(
             &[Piece::Reasoning("ünïcode, then".into()), Piece::Content("hi".into())],
@@ -384,14 +451,41 @@ mod tests {
 
     #[test]
     fn an_output_cut_short_leaves_its_last_item_incomplete() {
-        let mut items = OutputItems::new("resp_1", false, Namespaces::default());
+        let mut items = OutputItems::new("resp_1", false, Namespaces::default(), None);
         let mut events = vec![];
-        items.token(&[Piece::Content("par".into())], &mut events);
+        items.token(&[Piece::Content("par".into())], &[], &mut events);
         items.close("incomplete", &mut events);
         assert_eq!(items.items()[0]["status"], "incomplete");
         assert_eq!(items.reasoning_tokens, 0);
-        let mut empty = OutputItems::new("resp_2", false, Namespaces::default());
+        let mut empty = OutputItems::new("resp_2", false, Namespaces::default(), None);
         empty.close("completed", &mut events);
         assert!(empty.items().is_empty());
+    }
+
+    #[test]
+    fn a_message_takes_the_tokens_that_spell_its_text() {
+        let entries = |tokens: &[&str]| -> Vec<Value> { tokens.iter().map(|t| json!({"token": t})).collect() };
+        // Markup before the text is dropped; text held back after it stays pending.
+        let mut pending = entries(&["</think>", "\n\n", "Hel", "lo", "\n<"]);
+        assert_eq!(take_spelling(&mut pending, "Hello"), entries(&["Hel", "lo"]));
+        assert_eq!(pending, entries(&["\n<"]));
+        // A token that gives markup and text counts as the text's.
+        let mut pending = entries(&["</think>", "\n\nLet me check.\n\n<tool"]);
+        assert_eq!(
+            take_spelling(&mut pending, "Let me check."),
+            entries(&["\n\nLet me check.\n\n<tool"])
+        );
+        assert!(pending.is_empty());
+        // The shortest run: a repeated text goes to the tokens nearest to it.
+        let mut pending = entries(&["a", "b", "a"]);
+        assert_eq!(take_spelling(&mut pending, "a"), entries(&["a"]));
+        assert_eq!(pending, entries(&["b", "a"]));
+        // No run spells it (a character split between tokens): all are taken; no text: none.
+        let mut pending = entries(&["\u{fffd}", "\u{fffd}"]);
+        assert_eq!(take_spelling(&mut pending, "é"), entries(&["\u{fffd}", "\u{fffd}"]));
+        assert!(pending.is_empty());
+        let mut pending = entries(&["x"]);
+        assert!(take_spelling(&mut pending, "").is_empty());
+        assert_eq!(pending, entries(&["x"]));
     }
 }

@@ -7,11 +7,12 @@
 //! `previous_response_id` the kept conversation comes first (mod.rs puts it in `input`; store.rs keeps it).
 //! `store` (true unless false, as in OpenAI's API) says whether this response is kept. What stateless clients use
 //! instead, `include: ["reasoning.encrypted_content"]`, is served too: the reasoning items carry their text in
-//! `encrypted_content` (output.rs), which comes back in a later turn's `input`.
+//! `encrypted_content` (output.rs), which comes back in a later turn's `input`. `include:
+//! ["message.output_text.logprobs"]` or `top_logprobs` ask for the message's logprobs (output.rs attaches them).
 //!
 //! Not here: the tool fields (tools.rs), the response (mod.rs, output.rs).
 
-use ferry_core::engine::ResponseFormat;
+use ferry_core::engine::{ResponseFormat, MAX_TOP_LOGPROBS};
 use ferry_core::loader::{ChatEnding, ChatMessage};
 use serde_json::{json, Map, Value};
 
@@ -52,27 +53,52 @@ pub struct ResponsesBody {
     pub namespaces: Namespaces,
 }
 
-/// The one `include` value with a meaning here: reasoning items carrying their text for a later turn.
+/// `include` for reasoning items that carry their text for a later turn.
 pub(super) const ENCRYPTED_REASONING: &str = "reasoning.encrypted_content";
+/// `include` for the logprobs of the message's tokens.
+const OUTPUT_LOGPROBS: &str = "message.output_text.logprobs";
 
-/// `include`: of what OpenAI can add to a response, only [`ENCRYPTED_REASONING`] exists here (no logprobs, no
-/// tool outputs, no images), so any other value is refused.
-fn include(body: &Body) -> Result<bool, ApiError> {
-    let mut encrypted_reasoning = false;
+/// What `include` asked for: of what OpenAI can add to a response, [`ENCRYPTED_REASONING`] and [`OUTPUT_LOGPROBS`]
+/// exist here (no tool outputs, no images), so any other value is refused.
+#[derive(Default)]
+struct Include {
+    encrypted_reasoning: bool,
+    logprobs: bool,
+}
+
+fn include(body: &Body) -> Result<Include, ApiError> {
+    let mut include = Include::default();
     for (index, value) in body.strings("include", false)?.iter().enumerate() {
-        if value != ENCRYPTED_REASONING {
-            let param = format!("include[{index}]");
-            return Err(ApiError::invalid_param(
-                &param,
-                format!(
-                    "`{param}` is \"{}\": this server can include only \"{ENCRYPTED_REASONING}\"",
-                    crate::error::quote(value)
-                ),
-            ));
+        match value.as_str() {
+            ENCRYPTED_REASONING => include.encrypted_reasoning = true,
+            OUTPUT_LOGPROBS => include.logprobs = true,
+            _ => {
+                let param = format!("include[{index}]");
+                return Err(ApiError::invalid_param(
+                    &param,
+                    format!(
+                        "`{param}` is \"{}\": this server can include only \"{ENCRYPTED_REASONING}\" and \
+                         \"{OUTPUT_LOGPROBS}\"",
+                        crate::error::quote(value)
+                    ),
+                ));
+            }
         }
-        encrypted_reasoning = true;
     }
-    Ok(encrypted_reasoning)
+    Ok(include)
+}
+
+/// The message's logprobs: asked for by `include` or by `top_logprobs` (0 to 20 alternatives a token, which alone
+/// could mean nothing else); how many alternatives, or None for none.
+fn logprobs(body: &Body, included: bool) -> Result<Option<usize>, ApiError> {
+    match body.integer("top_logprobs")? {
+        Some(n) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Err(ApiError::invalid_param(
+            "top_logprobs",
+            format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+        )),
+        Some(n) => Ok(Some(n as usize)),
+        None => Ok(included.then_some(0)),
+    }
 }
 
 pub(super) fn required(body: &Body, name: &str) -> ApiError {
@@ -119,7 +145,7 @@ impl ResponsesBody {
         echo.insert("top_p".into(), top_p.into());
         echo.insert("truncation".into(), "disabled".into());
         echo.insert("user".into(), user.into());
-        let chat = ChatRequest {
+        let mut chat = ChatRequest {
             messages,
             // vLLM's extension, as on the chat route (e.g. Qwen3's `enable_thinking`).
             template_kwargs: crate::params::template_kwargs(body)?,
@@ -138,13 +164,16 @@ impl ResponsesBody {
             },
         };
         let model = body.string("model")?;
-        let encrypted_reasoning = include(body)?;
+        let include = include(body)?;
+        let logprobs = logprobs(body, include.logprobs)?;
+        echo.insert("top_logprobs".into(), logprobs.into());
+        chat.params.logprobs = logprobs;
         body.refuse_unread(NO_ACTION_FIELDS)?;
         Ok(ResponsesBody {
             model,
             chat,
             echo,
-            encrypted_reasoning,
+            encrypted_reasoning: include.encrypted_reasoning,
             namespaces,
         })
     }
@@ -587,7 +616,9 @@ mod tests {
             (with("temperature", json!(3)), "temperature"),
             (with("top_p", json!(0)), "top_p"),
             (with("stop", json!(["x"])), "stop"),
-            (with("include", json!(["message.output_text.logprobs"])), "include[0]"),
+            (with("include", json!(["message.input_image.image_url"])), "include[0]"),
+            (with("top_logprobs", json!(21)), "top_logprobs"),
+            (with("top_logprobs", json!(-1)), "top_logprobs"),
             (with("include", json!("reasoning.encrypted_content")), "include"),
             (with("metadata", json!({"k": 1})), "metadata"),
             (with("reasoning", json!({"effort": "max"})), "reasoning.effort"),

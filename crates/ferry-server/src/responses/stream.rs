@@ -39,7 +39,7 @@ impl Streaming {
     fn events(&mut self, output: Output) -> Vec<SseEvent> {
         let mut events = vec![];
         match output {
-            Output::Pieces(pieces) => self.items.token(&pieces, &mut events),
+            Output::Pieces(pieces) => self.items.token(&pieces, &self.generation.take_logprobs(), &mut events),
             Output::Finished(pieces, finish) => {
                 self.items.pieces(&pieces, &mut events);
                 let status = status(&finish);
@@ -66,7 +66,7 @@ pub fn respond(meta: ResponseMeta, generation: Generation) -> Response {
         sequence.event(json!({"type": "response.created", "response": in_progress})),
         sequence.event(json!({"type": "response.in_progress", "response": in_progress})),
     ];
-    let items = OutputItems::new(&meta.id, meta.encrypted_reasoning, meta.namespaces.clone());
+    let items = meta.items();
     let state = Streaming {
         meta,
         items,
