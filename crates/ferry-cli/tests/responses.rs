@@ -3,7 +3,8 @@
 //! `reasoning` and `function_call` items and go back in `input`; a kept response is continued by
 //! `previous_response_id` as the whole conversation sent again is, read and deleted; what the server cannot honour
 //! (a response it does not keep, unknown fields) is an OpenAI-shaped 400 naming the field; the message's logprobs
-//! (`include`, `top_logprobs`) are its own tokens', whole and streamed.
+//! (`include`, `top_logprobs`) are its own tokens', whole and streamed; `truncation: "auto"` leaves out as few of
+//! the earliest turns as let a long conversation fit the context window.
 
 mod common;
 
@@ -224,6 +225,67 @@ fn the_messages_logprobs_are_its_tokens_and_stream_the_same() {
         let (status, error) = respond(&server, &bad);
         assert_eq!((status, &error["error"]["param"]), (400, &json!(param)), "{error}");
     }
+}
+
+#[test]
+fn auto_truncation_leaves_out_the_earliest_turns_that_do_not_fit() {
+    let server = Server::start(&["--max-model-len", "160"]);
+    let turn = |n: usize| {
+        [
+            json!({"role": "user", "content": format!("Question {n}: tell me about ferries and boats and ships.")}),
+            json!({"role": "assistant", "content": format!("Answer {n}: ferries carry people and cars across water.")}),
+        ]
+    };
+    let mut conversation: Vec<Value> = (0..6).flat_map(turn).collect();
+    conversation.push(json!({"role": "user", "content": "And harbours?"}));
+    let request = json!({"model": "tiny", "input": conversation, "instructions": "Be brief.",
+        "max_output_tokens": 4, "temperature": 0});
+    let (status, error) = respond(&server, &request);
+    assert_eq!(
+        (status, &error["error"]["code"]),
+        (400, &json!("context_length_exceeded")),
+        "{error}"
+    );
+    assert_eq!(error["error"]["param"], "input");
+
+    let mut auto = request.clone();
+    auto["truncation"] = json!("auto");
+    let (status, whole) = respond(&server, &auto);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["truncation"], "auto");
+    let input_tokens = whole["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(input_tokens < 160, "{whole}");
+    // As few turns left out as fit: with one more turn kept, the prompt would not fit.
+    let kept_turns = (0..6)
+        .rev()
+        .map(|first| {
+            let mut kept: Vec<Value> = (first..6).flat_map(turn).collect();
+            kept.push(json!({"role": "user", "content": "And harbours?"}));
+            let mut shorter = request.clone();
+            shorter["input"] = Value::Array(kept);
+            (first, respond(&server, &shorter))
+        })
+        .take_while(|(_, (status, _))| *status == 200)
+        .last()
+        .expect("the last turn alone fits");
+    let (first, (_, fitting)) = kept_turns;
+    assert_eq!(
+        fitting["usage"]["input_tokens"].as_u64(),
+        Some(input_tokens),
+        "turns {first}.. kept"
+    );
+    let streamed = response_from_stream(&events(&server, &auto));
+    assert_eq!(streamed["usage"]["input_tokens"].as_u64(), Some(input_tokens));
+
+    // What cannot fit even alone is still refused.
+    let mut long = auto.clone();
+    long["input"] = json!("ferries ".repeat(200));
+    let (status, error) = respond(&server, &long);
+    assert_eq!(
+        (status, &error["error"]["code"]),
+        (400, &json!("context_length_exceeded")),
+        "{error}"
+    );
 }
 
 fn tool_server(fixture: &str) -> Server {

@@ -20,7 +20,7 @@ use axum::Json;
 use serde_json::{json, Map, Value};
 
 use crate::body::Body;
-use crate::chat::check_model_name;
+use crate::chat::{check_model_name, ChatRequest, PreparedPrompt};
 use crate::error::ApiError;
 use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output};
 use crate::openai::response_id;
@@ -162,6 +162,58 @@ async fn respond_whole(meta: ResponseMeta, mut generation: Generation) -> Respon
     ApiError::internal("generation failed: no output").into_response()
 }
 
+/// `truncation: "auto"`: the prompt with as few of the conversation's earliest turns left out as let it fit the
+/// context window (OpenAI's API drops input items from the beginning of the conversation). The system messages
+/// (`instructions`) stay, and what is kept starts at a user message, so that the template never gets a tool's
+/// result or an assistant's turn without what came before it; a binary search over those starts. When not even the
+/// last turn fits, the whole prompt goes on, to be refused as too long.
+fn prepare_truncated(chat: &ChatRequest, model: &LoadedModel) -> Result<PreparedPrompt, ApiError> {
+    let fits = |prepared: &Result<PreparedPrompt, ApiError>| match prepared {
+        Ok(prompt) => prompt.ids.len() < model.max_model_len,
+        // Any other error is the request's, whatever is left out.
+        Err(error) => error.code != Some("context_length_exceeded"),
+    };
+    let whole = chat.prepare(model);
+    if fits(&whole) {
+        return whole;
+    }
+    let messages = &chat.messages;
+    let system = messages
+        .iter()
+        .take_while(|m| m.role == "system" || m.role == "developer")
+        .count();
+    let starts: Vec<usize> = (system + 1..messages.len())
+        .filter(|&i| messages[i].role == "user")
+        .collect();
+    let from = |start: usize| {
+        let mut kept = chat.clone();
+        kept.messages.drain(system..start);
+        kept.prepare(model)
+    };
+    // Leaving more out never makes the prompt longer: the first start that fits is found by halving.
+    let (mut low, mut high, mut found) = (0, starts.len(), None);
+    while low < high {
+        let middle = (low + high) / 2;
+        let prepared = from(starts[middle]);
+        if fits(&prepared) {
+            found = Some((starts[middle], prepared));
+            high = middle;
+        } else {
+            low = middle + 1;
+        }
+    }
+    match found {
+        Some((start, prepared)) => {
+            tracing::info!(
+                "truncation: the {} earliest input messages left out to fit the context window",
+                start - system
+            );
+            prepared
+        }
+        None => whole,
+    }
+}
+
 /// A request read, admitted and submitted: how to render it, its output, whether to stream it.
 type Started = (ResponseMeta, Generation, bool);
 
@@ -208,10 +260,14 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         echo,
         encrypted_reasoning,
         namespaces,
+        truncate,
     } = ResponsesBody::parse(&body, keeps_reasoning)?;
     check_model_name(state, name.as_deref())?;
-    let (request, parser) = chat
-        .prepare(&model)
+    let prepared = match truncate {
+        true => prepare_truncated(&chat, &model),
+        false => chat.prepare(&model),
+    };
+    let (request, parser) = prepared
         .and_then(|prompt| prompt.start(state, &model, &chat.params, "input"))
         .map_err(in_responses_terms)?;
     let generation = Generation::start(state, &model, request, parser)?;

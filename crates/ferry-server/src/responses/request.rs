@@ -8,7 +8,8 @@
 //! `store` (true unless false, as in OpenAI's API) says whether this response is kept. What stateless clients use
 //! instead, `include: ["reasoning.encrypted_content"]`, is served too: the reasoning items carry their text in
 //! `encrypted_content` (output.rs), which comes back in a later turn's `input`. `include:
-//! ["message.output_text.logprobs"]` or `top_logprobs` ask for the message's logprobs (output.rs attaches them).
+//! ["message.output_text.logprobs"]` or `top_logprobs` ask for the message's logprobs (output.rs attaches them);
+//! `truncation: "auto"` lets a conversation too long for the context window lose its earliest turns (mod.rs).
 //!
 //! Not here: the tool fields (tools.rs), the response (mod.rs, output.rs).
 
@@ -51,6 +52,8 @@ pub struct ResponsesBody {
     pub encrypted_reasoning: bool,
     /// The functions of the request's `namespace` tools, which calls name with their namespace.
     pub namespaces: Namespaces,
+    /// `truncation: "auto"`: a conversation too long for the context window loses its earliest turns (mod.rs).
+    pub truncate: bool,
 }
 
 /// `include` for reasoning items that carry their text for a later turn.
@@ -143,7 +146,8 @@ impl ResponsesBody {
         echo.insert("temperature".into(), temperature.into());
         echo.insert("text".into(), text);
         echo.insert("top_p".into(), top_p.into());
-        echo.insert("truncation".into(), "disabled".into());
+        let truncate = truncation(body)?;
+        echo.insert("truncation".into(), if truncate { "auto" } else { "disabled" }.into());
         echo.insert("user".into(), user.into());
         let mut chat = ChatRequest {
             messages,
@@ -175,6 +179,7 @@ impl ResponsesBody {
             echo,
             encrypted_reasoning: include.encrypted_reasoning,
             namespaces,
+            truncate,
         })
     }
 }
@@ -184,6 +189,21 @@ pub fn stored(body: &Body) -> Result<bool, ApiError> {
     match body.get("store") {
         None => Ok(true),
         Some(_) => body.boolean("store"),
+    }
+}
+
+/// `truncation`: `"disabled"` (the default: a conversation too long for the context window is a 400) or `"auto"`.
+fn truncation(body: &Body) -> Result<bool, ApiError> {
+    match body.string("truncation")?.as_deref() {
+        None | Some("disabled") => Ok(false),
+        Some("auto") => Ok(true),
+        Some(other) => Err(ApiError::invalid_param(
+            "truncation",
+            format!(
+                "`truncation` is \"{}\"; expected \"auto\" or \"disabled\"",
+                crate::error::quote(other)
+            ),
+        )),
     }
 }
 
@@ -618,6 +638,7 @@ mod tests {
             (with("stop", json!(["x"])), "stop"),
             (with("include", json!(["message.input_image.image_url"])), "include[0]"),
             (with("top_logprobs", json!(21)), "top_logprobs"),
+            (with("truncation", json!("middle")), "truncation"),
             (with("top_logprobs", json!(-1)), "top_logprobs"),
             (with("include", json!("reasoning.encrypted_content")), "include"),
             (with("metadata", json!({"k": 1})), "metadata"),

@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use super::{flash_attention, linear, KERNELS};
+use super::{attention, flash_attention, linear, KERNELS};
 
 fn crate_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -124,7 +124,10 @@ fn rust_sources(dir: &Path) -> Vec<PathBuf> {
 /// The kernel names the backend's sources give a launch, comments skipped.
 fn launched_kernels() -> BTreeSet<String> {
     // Kernels picked by a name the launch site formats: each module lists them.
-    let listed = linear::GEMV_KERNELS.iter().chain(&flash_attention::FLASH_KERNELS);
+    let listed = linear::GEMV_KERNELS
+        .iter()
+        .chain(&flash_attention::FLASH_KERNELS)
+        .chain(&attention::ATTENTION_KERNELS);
     let mut names: BTreeSet<String> = listed.map(|s| s.to_string()).collect();
     for path in rust_sources(&crate_dir().join("src/backend/cuda")) {
         let source = std::fs::read_to_string(&path).unwrap();
