@@ -581,6 +581,8 @@ def test_responses_are_kept_continued_and_deleted(server):
                              *[item.model_dump(exclude_none=True) for item in first.output],
                              {"role": "user", "content": "And boats?"}])
     assert second.output_text == resent.output_text
+    items = list(r.input_items.list(first.id, order="asc"))
+    assert [(i.type, i.role, i.content[0].text) for i in items] == [("message", "user", "Tell me about ferries.")]
     r.delete(first.id)
     expect_error(404, lambda: r.retrieve(first.id))
     expect_error(400, lambda: r.create(model=MODEL, input="hi", previous_response_id=second.id),

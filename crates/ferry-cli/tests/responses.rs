@@ -1,10 +1,10 @@
 //! `ferry serve`'s OpenAI Responses API (`POST /v1/responses`) over real HTTP: a response and its event stream
 //! agree and the events come in order, numbered; a scripted checkpoint's reasoning and tool calls come back as
 //! `reasoning` and `function_call` items and go back in `input`; a kept response is continued by
-//! `previous_response_id` as the whole conversation sent again is, read and deleted; what the server cannot honour
-//! (a response it does not keep, unknown fields) is an OpenAI-shaped 400 naming the field; the message's logprobs
-//! (`include`, `top_logprobs`) are its own tokens', whole and streamed; `truncation: "auto"` leaves out as few of
-//! the earliest turns as let a long conversation fit the context window.
+//! `previous_response_id` as the whole conversation sent again is, read, its input items listed, and deleted; what
+//! the server cannot honour (a response it does not keep, unknown fields) is an OpenAI-shaped 400 naming the field;
+//! the message's logprobs (`include`, `top_logprobs`) are its own tokens', whole and streamed; `truncation: "auto"`
+//! leaves out as few of the earliest turns as let a long conversation fit the context window.
 
 mod common;
 
@@ -397,6 +397,34 @@ fn a_kept_response_is_continued_read_and_deleted() {
     assert_eq!(serde_json::from_str::<Value>(&read).unwrap(), one);
     let unkept = resent["id"].as_str().unwrap();
     assert_eq!(server.get(&format!("/v1/responses/{unkept}"), Some(KEY)).0, 404);
+    // The input items each request sent, newest first unless asked otherwise, a page at a time.
+    let list = |response: &str, query: &str| {
+        let (status, body) = server.get(&format!("/v1/responses/{response}/input_items{query}"), Some(KEY));
+        (status, serde_json::from_str::<Value>(&body).unwrap())
+    };
+    let (status, items) = list(id, "");
+    assert_eq!(status, 200, "{items}");
+    assert_eq!(items["object"], "list");
+    let item = &items["data"][0];
+    assert_eq!(
+        (&item["type"], &item["role"], &item["content"]),
+        (
+            &json!("message"),
+            &json!("user"),
+            &json!([{"type": "input_text", "text": "Tell me about ferries."}])
+        )
+    );
+    assert_eq!(items["first_id"], item["id"]);
+    assert_eq!(list(id, "").1, items, "the same ids every time");
+    let (_, own) = list(two["id"].as_str().unwrap(), "?order=asc&limit=1");
+    assert_eq!(
+        own["data"][0]["content"][0]["text"], "And boats?",
+        "only the continuing request's own items"
+    );
+    assert_eq!(own["has_more"], false);
+    assert_eq!(list(unkept, "").0, 404);
+    let (status, error) = list(id, "?limit=0");
+    assert_eq!((status, &error["error"]["param"]), (400, &json!("limit")), "{error}");
     // A streamed response is kept as its last event gave it.
     let streamed = response_from_stream(&events(&server, &first));
     let (status, read) = server.get(

@@ -239,6 +239,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::responses))
         .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
+        .route("/v1/responses/{id}/input_items", get(responses::list_input_items))
         .route("/v1/models", get(endpoints::models))
         .route("/v1/models/{id}", get(endpoints::model))
         .route("/tokenize", post(endpoints::tokenize_route))

@@ -1,10 +1,12 @@
 //! OpenAI's Responses API, `POST /v1/responses`, over the protocol-neutral layer (chat.rs, generation.rs): one
 //! response object (`output` items: `reasoning`, `message`, `function_call`), or its event stream (stream.rs); kept
-//! unless `store` is false (store.rs), to be continued by `previous_response_id` and read or deleted at
-//! `/v1/responses/{id}`. Errors keep the server's OpenAI shape.
+//! unless `store` is false (store.rs), to be continued by `previous_response_id`, read or deleted at
+//! `/v1/responses/{id}`, its request's input items listed at `/v1/responses/{id}/input_items` (input_items.rs).
+//! Errors keep the server's OpenAI shape.
 //!
 //! Not here: reading the request (request.rs, tools.rs), turning pieces into items and events (output.rs).
 
+mod input_items;
 mod output;
 mod request;
 mod store;
@@ -26,6 +28,7 @@ use crate::generation::{record_refusal, Finish, FinishReason, Generation, Output
 use crate::openai::response_id;
 use crate::tools::history::{HistoryFormat, HistoryReasoning};
 use crate::{unix_seconds, AppState, LoadedModel};
+pub use input_items::list as list_input_items;
 use output::OutputItems;
 use request::ResponsesBody;
 pub(crate) use store::{ResponseStore, STORE_BYTES};

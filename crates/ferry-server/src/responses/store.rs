@@ -75,6 +75,11 @@ impl ResponseStore {
         self.responses.get(id).map(|stored| &stored.object)
     }
 
+    /// The input items response `id`'s own request sent (not those of the responses it continued).
+    pub fn input(&self, id: &str) -> Option<&[Value]> {
+        self.responses.get(id).map(|stored| stored.input.as_slice())
+    }
+
     /// Forgets `id`; false if it was not kept.
     pub fn remove(&mut self, id: &str) -> bool {
         match self.responses.remove(id) {
