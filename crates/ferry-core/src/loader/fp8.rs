@@ -292,21 +292,18 @@ fn round_ties_even_small(x: f32) -> u32 {
 
 /// `weight` (a `[rows, cols]` matrix, or `[n, rows, cols]` of them) quantized to FP8 in `scheme`: each block's
 /// scale is its largest magnitude / 448 (1 for an all-zero block), each weight the nearest E4M3 value of
-/// weight / scale. How `--expert-dtype fp8` and FP8 synthetic weights are made.
+/// weight / scale. How `--expert-dtype fp8` makes a checkpoint's experts FP8.
 pub fn quantize_fp8(weight: &TensorRef, scheme: Fp8Scheme) -> Result<TensorRef> {
     use rayon::prelude::*;
-    let (matrices, rows, cols) = match weight.shape.as_slice() {
-        &[rows, cols] => (1, rows, cols),
-        &[n, rows, cols] => (n, rows, cols),
-        shape => {
-            return Err(Error::tensor(
-                &weight.name,
-                format!("cannot quantize shape {shape:?} to FP8"),
-            ))
-        }
-    };
+    let layout = Fp8Layout::of(&weight.name, &weight.shape, scheme)?;
+    let Fp8Layout {
+        matrices,
+        rows,
+        cols,
+        block: [br, bc],
+        ..
+    } = layout;
     let values = weight.to_f32_vec();
-    let [br, bc] = scheme.block(cols);
     let (scale_rows, scale_cols) = (rows.div_ceil(br), cols.div_ceil(bc));
     // One task per row of blocks: its scales, then its bytes.
     let per_block_row: Vec<(Vec<f32>, Vec<u8>)> = (0..matrices * scale_rows)
@@ -338,13 +335,57 @@ pub fn quantize_fp8(weight: &TensorRef, scheme: Fp8Scheme) -> Result<TensorRef> 
         })
         .collect();
     let (scales, bytes): (Vec<Vec<f32>>, Vec<Vec<u8>>) = per_block_row.into_iter().unzip();
-    let scale_shape = match matrices {
-        1 if weight.shape.len() == 2 => vec![scale_rows, scale_cols],
-        n => vec![n, scale_rows, scale_cols],
-    };
-    let scales = TensorRef::from_f32(&format!("{}_scale", weight.name), scale_shape, &scales.concat())?;
-    TensorRef::from_bytes(&weight.name, DType::F8E4M3, weight.shape.clone(), bytes.concat())?
-        .with_scales(scales, [br, bc])
+    layout.tensor(&weight.name, bytes.concat(), &scales.concat())
+}
+
+/// A weight of `[rows, cols]` or `[matrices, rows, cols]` in FP8 under a scheme: its sizes, its scale blocks and
+/// the shape of its scales.
+pub struct Fp8Layout {
+    pub matrices: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// Weight rows and columns per scale.
+    pub block: [usize; 2],
+    scale_shape: Vec<usize>,
+}
+
+impl Fp8Layout {
+    /// The layout of weight `name` of `shape`; an error for a shape that is not one or several matrices.
+    pub fn of(name: &str, shape: &[usize], scheme: Fp8Scheme) -> Result<Self> {
+        let (matrices, rows, cols) = match *shape {
+            [rows, cols] => (1, rows, cols),
+            [n, rows, cols] => (n, rows, cols),
+            _ => return Err(Error::tensor(name, format!("cannot quantize shape {shape:?} to FP8"))),
+        };
+        let block = scheme.block(cols);
+        let (scale_rows, scale_cols) = (rows.div_ceil(block[0]), cols.div_ceil(block[1]));
+        let scale_shape = match shape.len() {
+            2 => vec![scale_rows, scale_cols],
+            _ => vec![matrices, scale_rows, scale_cols],
+        };
+        Ok(Fp8Layout {
+            matrices,
+            rows,
+            cols,
+            block,
+            scale_shape,
+        })
+    }
+
+    /// Scales the weight has.
+    pub fn scale_count(&self) -> usize {
+        self.scale_shape.iter().product()
+    }
+
+    /// The FP8 tensor `name` of these E4M3 `bytes` (row-major) and `scales` (one per block, row-major).
+    pub fn tensor(&self, name: &str, bytes: Vec<u8>, scales: &[f32]) -> Result<TensorRef> {
+        let shape = match self.scale_shape.len() {
+            2 => vec![self.rows, self.cols],
+            _ => vec![self.matrices, self.rows, self.cols],
+        };
+        let scales = TensorRef::from_f32(&format!("{name}_scale"), self.scale_shape.clone(), scales)?;
+        TensorRef::from_bytes(name, DType::F8E4M3, shape, bytes)?.with_scales(scales, self.block)
+    }
 }
 
 #[cfg(test)]

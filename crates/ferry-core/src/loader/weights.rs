@@ -13,7 +13,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use serde::Deserialize;
 
-use super::fp8::{quantize_fp8, Fp8Config, Fp8Scheme};
+use super::fp8::{f32_to_fp8_e4m3, quantize_fp8, Fp8Config, Fp8Layout, Fp8Scheme, FP8_E4M3_MAX};
 use super::{read_text, regular_file};
 use crate::{Error, Result};
 
@@ -186,14 +186,19 @@ impl WeightStore {
 
     /// The tensor called `name`, which must have shape `shape` (synthetic stores make it so).
     pub fn get_shaped(&self, name: &str, shape: &[usize]) -> Result<TensorRef> {
-        let tensor = match self.synthetic_seed {
-            Some(seed) => synthetic_tensor(seed, name, shape)?,
-            None => self.get(name)?.expect_shape(shape)?,
+        let quantized = |dtype: DType| name.contains(".experts.") && dtype != DType::F8E4M3 && shape.len() >= 2;
+        let tensor = match (self.synthetic_seed, self.quantize_experts) {
+            // A synthetic expert that would be drawn in bf16 is drawn in FP8 at once.
+            (Some(seed), Some(scheme))
+                if !name.ends_with("_blocks") && !name.ends_with("_scales") && quantized(DType::BF16) =>
+            {
+                return synthetic_fp8_tensor(seed, name, shape, scheme)
+            }
+            (Some(seed), _) => synthetic_tensor(seed, name, shape)?,
+            (None, _) => self.get(name)?.expect_shape(shape)?,
         };
         match self.quantize_experts {
-            Some(scheme) if name.contains(".experts.") && tensor.dtype != DType::F8E4M3 && shape.len() >= 2 => {
-                quantize_fp8(&tensor, scheme)
-            }
+            Some(scheme) if quantized(tensor.dtype) => quantize_fp8(&tensor, scheme),
             _ => Ok(tensor),
         }
     }
@@ -261,14 +266,49 @@ impl WeightStore {
     }
 }
 
+/// The generator of one 64 Ki-element chunk of a synthetic tensor, keyed by (seed, name, chunk) so that the values
+/// do not depend on threads: xorshift64*, fast, and plenty for weights nobody trains.
+struct ChunkRng(u64);
+
+const SYNTHETIC_CHUNK: usize = 1 << 16;
+
+impl ChunkRng {
+    fn new(key: u64, chunk: usize) -> Self {
+        ChunkRng(key ^ (chunk as u64).wrapping_mul(0xd6e8_feb8_6659_fd93) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in [-1, 1).
+    fn signed_unit(&mut self) -> f32 {
+        let unit = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        2.0 * unit - 1.0
+    }
+}
+
+/// The key of synthetic tensor `name`'s generators.
+fn synthetic_key(seed: u64, name: &str) -> u64 {
+    name.bytes().fold(seed ^ 0x9e37_79b9_7f4a_7c15, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// The half-width of a synthetic matrix's uniform values: a standard deviation of 1/sqrt(fan-in).
+fn synthetic_bound(fan_in: usize) -> f32 {
+    3f32.sqrt() / (fan_in as f32).sqrt()
+}
+
 /// Seeded bf16 values, uniform with the standard deviation of 1/sqrt(fan-in) (norm vectors: ones; the embedding
 /// table: one, so each token's embedding stays the largest part of the residual stream and routing varies from
 /// token to token as a trained model's does; smaller embeddings let the attention's average over a long context
-/// dominate, and every token then routes to the same experts). Each 64 Ki-element chunk has its own generator keyed
-/// by (seed, name, chunk), so the result does not depend on threads.
+/// dominate, and every token then routes to the same experts). Each chunk has its own generator ([`ChunkRng`]).
 fn synthetic_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<TensorRef> {
     use rayon::prelude::*;
-    const CHUNK: usize = 1 << 16;
     let numel: usize = shape.iter().product();
     if name.ends_with("_scales") {
         // MXFP4 scales: e2m1 values (|v| <= 6) times 2^-(log2(fan-in) / 2 + 2) keep activations of order one.
@@ -276,21 +316,19 @@ fn synthetic_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<TensorRef>
         let exponent = (fan_in.log2() / 2.0).round() as u8 + 2;
         return TensorRef::from_bytes(name, DType::U8, shape.to_vec(), vec![127 - exponent; numel]);
     }
-    let key = name.bytes().fold(seed ^ 0x9e37_79b9_7f4a_7c15, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    });
+    let key = synthetic_key(seed, name);
     if name.ends_with("_blocks") {
         // MXFP4 blocks: any byte is two e2m1 values.
         let mut bytes = vec![0u8; numel];
-        bytes.par_chunks_mut(CHUNK * 2).enumerate().for_each(|(chunk, out)| {
-            let mut state = key ^ (chunk as u64).wrapping_mul(0xd6e8_feb8_6659_fd93) | 1;
-            for b in out {
-                state ^= state >> 12;
-                state ^= state << 25;
-                state ^= state >> 27;
-                *b = (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8;
-            }
-        });
+        bytes
+            .par_chunks_mut(SYNTHETIC_CHUNK * 2)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                let mut rng = ChunkRng::new(key, chunk);
+                for b in out {
+                    *b = (rng.next() >> 56) as u8;
+                }
+            });
         return TensorRef::from_bytes(name, DType::U8, shape.to_vec(), bytes);
     }
     let mut bytes = vec![0u8; numel * 2];
@@ -299,24 +337,45 @@ fn synthetic_tensor(seed: u64, name: &str, shape: &[usize]) -> Result<TensorRef>
         bytes.chunks_exact_mut(2).for_each(|b| b.copy_from_slice(&one));
     } else {
         let fan_in = if name.ends_with("embed_tokens.weight") {
-            1.0
+            1
         } else {
-            *shape.last().unwrap_or(&1) as f32
+            *shape.last().unwrap_or(&1)
         };
-        let bound = 3f32.sqrt() / fan_in.sqrt();
-        bytes.par_chunks_mut(CHUNK * 2).enumerate().for_each(|(chunk, out)| {
-            let mut state = key ^ (chunk as u64).wrapping_mul(0xd6e8_feb8_6659_fd93) | 1;
-            for b in out.chunks_exact_mut(2) {
-                // xorshift64*: fast, and plenty for weights nobody trains.
-                state ^= state >> 12;
-                state ^= state << 25;
-                state ^= state >> 27;
-                let unit = (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32;
-                b.copy_from_slice(&half::bf16::from_f32((2.0 * unit - 1.0) * bound).to_le_bytes());
-            }
-        });
+        let bound = synthetic_bound(fan_in);
+        bytes
+            .par_chunks_mut(SYNTHETIC_CHUNK * 2)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                let mut rng = ChunkRng::new(key, chunk);
+                for b in out.chunks_exact_mut(2) {
+                    b.copy_from_slice(&half::bf16::from_f32(rng.signed_unit() * bound).to_le_bytes());
+                }
+            });
     }
     TensorRef::from_bytes(name, DType::BF16, shape.to_vec(), bytes)
+}
+
+/// A synthetic routed expert's weights drawn in FP8 under `scheme`: uniform values of the same spread as
+/// [`synthetic_tensor`]'s (a standard deviation of 1/sqrt(fan-in)), each the nearest E4M3 value in units of its
+/// block's scale, every block scaled by the values' bound / 448, which is what quantizing such bf16 values gives
+/// but for which values come out, without the bf16 tensor, its widening to f32 or the search for each block's
+/// largest value: the FP8 shapes of 70-100 GiB of experts (issue 21's) load within a call of the GPU machine.
+fn synthetic_fp8_tensor(seed: u64, name: &str, shape: &[usize], scheme: Fp8Scheme) -> Result<TensorRef> {
+    use rayon::prelude::*;
+    let layout = Fp8Layout::of(name, shape, scheme)?;
+    let key = synthetic_key(seed, name);
+    let mut bytes = vec![0u8; layout.matrices * layout.rows * layout.cols];
+    bytes
+        .par_chunks_mut(SYNTHETIC_CHUNK)
+        .enumerate()
+        .for_each(|(chunk, out)| {
+            let mut rng = ChunkRng::new(key, chunk);
+            for b in out {
+                *b = f32_to_fp8_e4m3(rng.signed_unit() * FP8_E4M3_MAX);
+            }
+        });
+    let scales = vec![synthetic_bound(layout.cols) / FP8_E4M3_MAX; layout.scale_count()];
+    layout.tensor(name, bytes, &scales)
 }
 
 /// Where an index may send the loader: inside the checkpoint directory, or, for a snapshot in a Hugging Face cache
@@ -400,4 +459,62 @@ fn map_shard(path: &Path) -> Result<Vec<TensorRef>> {
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Mean and standard deviation.
+    fn spread(values: &[f32]) -> (f64, f64) {
+        let n = values.len() as f64;
+        let mean = values.iter().map(|&v| v as f64).sum::<f64>() / n;
+        let var = values.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+        (mean, var.sqrt())
+    }
+
+    #[test]
+    fn synthetic_experts_are_drawn_in_fp8_with_the_spread_of_the_bf16_ones() {
+        let name = "model.layers.0.mlp.experts.0.gate_proj.weight";
+        let shape = [256, 384];
+        let mut store = WeightStore::synthetic(7);
+        let bf16 = store.get_shaped(name, &shape).unwrap();
+        store.quantize_experts(Fp8Scheme::BLOCK_128);
+        let fp8 = store.get_shaped(name, &shape).unwrap();
+        assert_eq!(fp8.dtype, DType::F8E4M3);
+        assert_eq!(
+            fp8.bytes(),
+            store.get_shaped(name, &shape).unwrap().bytes(),
+            "the same every time"
+        );
+        let (drawn, quantized) = (
+            fp8.to_f32_vec(),
+            quantize_fp8(&bf16, Fp8Scheme::BLOCK_128).unwrap().to_f32_vec(),
+        );
+        let bound = synthetic_bound(384) as f64;
+        assert!(drawn.iter().all(|v| (v.abs() as f64) <= bound * 1.0001));
+        let ((mean, std), (_, quantized_std)) = (spread(&drawn), spread(&quantized));
+        assert!(mean.abs() < 0.01 * bound, "{mean}");
+        assert!(
+            (std / (bound / 3f64.sqrt()) - 1.0).abs() < 0.02,
+            "{std} against {}",
+            bound / 3f64.sqrt()
+        );
+        assert!(
+            (std / quantized_std - 1.0).abs() < 0.02,
+            "{std} against quantized bf16's {quantized_std}"
+        );
+        // Per channel, and a stack of experts: one scale a row.
+        store.quantize_experts(Fp8Scheme::PerChannel);
+        let stacked = store
+            .get_shaped("model.layers.0.mlp.experts.gate_up_proj", &[2, 8, 32])
+            .unwrap();
+        assert_eq!(stacked.dtype, DType::F8E4M3);
+        assert_eq!(stacked.to_f32_vec().len(), 2 * 8 * 32);
+        // What is not a routed expert stays bf16.
+        let dense = store
+            .get_shaped("model.layers.0.self_attn.q_proj.weight", &shape)
+            .unwrap();
+        assert_eq!(dense.dtype, DType::BF16);
+    }
 }
