@@ -303,7 +303,11 @@ pub fn quantize_fp8(weight: &TensorRef, scheme: Fp8Scheme) -> Result<TensorRef> 
         block: [br, bc],
         ..
     } = layout;
-    let values = weight.to_f32_vec();
+    // Widened a row of blocks at a time in each task where the dtype allows (no f32 copy of the whole tensor).
+    let widened_whole = match weight.dtype {
+        DType::BF16 | DType::F16 | DType::F32 => None,
+        _ => Some(weight.to_f32_vec()),
+    };
     let (scale_rows, scale_cols) = (rows.div_ceil(br), cols.div_ceil(bc));
     // One task per row of blocks: its scales, then its bytes.
     let per_block_row: Vec<(Vec<f32>, Vec<u8>)> = (0..matrices * scale_rows)
@@ -311,7 +315,14 @@ pub fn quantize_fp8(weight: &TensorRef, scheme: Fp8Scheme) -> Result<TensorRef> 
         .map(|index| {
             let (m, block_row) = (index / scale_rows, index % scale_rows);
             let row_range = block_row * br..((block_row + 1) * br).min(rows);
-            let row = |r: usize| &values[(m * rows + r) * cols..(m * rows + r + 1) * cols];
+            let first = (m * rows + row_range.start) * cols;
+            let elements = first..(m * rows + row_range.end) * cols;
+            let values = match &widened_whole {
+                Some(all) => all[elements].to_vec(),
+                None => widen(weight, elements),
+            };
+            let top = row_range.start;
+            let row = |r: usize| &values[(r - top) * cols..(r - top + 1) * cols];
             let scales: Vec<f32> = (0..scale_cols)
                 .map(|c| {
                     let amax = row_range
@@ -336,6 +347,26 @@ pub fn quantize_fp8(weight: &TensorRef, scheme: Fp8Scheme) -> Result<TensorRef> 
         .collect();
     let (scales, bytes): (Vec<Vec<f32>>, Vec<Vec<u8>>) = per_block_row.into_iter().unzip();
     layout.tensor(&weight.name, bytes.concat(), &scales.concat())
+}
+
+/// Elements `range` of a bf16, f16 or f32 tensor as f32.
+fn widen(weight: &TensorRef, range: std::ops::Range<usize>) -> Vec<f32> {
+    let size = weight.dtype.size();
+    let bytes = &weight.bytes()[range.start * size..range.end * size];
+    match weight.dtype {
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    }
 }
 
 /// A weight of `[rows, cols]` or `[matrices, rows, cols]` in FP8 under a scheme: its sizes, its scale blocks and
