@@ -3,8 +3,8 @@
 // starts at block_tables[row_table[r]].
 //
 // Decode attention on tensor cores. A decode row has one query per head, too few to fill a tensor-core tile by
-// rows, so the tiles run the other way round: a group's (up to) 8 query heads sharing a kv head are the n = 8 of
-// m16n8k8 products, 16 keys (scores) or 16 features (values) their m. Precision: the KV cache and the queries are
+// rows, so the tiles run the other way round: the query heads sharing a kv head, 8 at a time (padded), are the
+// n = 8 of m16n8k8 products, 16 keys (scores) or 16 features (values) their m. Precision: the KV cache and the queries are
 // f32, and products are taken in 3xTF32: each operand x is split into tf32 parts hi + lo (split_tf32), and a
 // product is hi*hi + hi*lo + lo*hi accumulated in f32, leaving out lo*lo (relative error near 2^-20, against 2^-17
 // for the bf16 halves of the prefill kernel).
