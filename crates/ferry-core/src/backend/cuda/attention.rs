@@ -9,7 +9,7 @@ use ferry_kernels::constants::{
     MAX_HEAD_DIM,
 };
 
-use super::flash_attention;
+use super::flash_attention::{self, PADDED_HEAD_DIMS};
 use super::kv::{DeviceBatch, DeviceKv};
 use super::launch::{kernel, ptr, Ptr};
 use super::{cuda_err, CudaBackend, CudaRope, CudaTensor, CudaWeight};
@@ -80,11 +80,8 @@ kernel! {
     }
 }
 
-/// The head dims the decode kernels are built for (attention_d{D}): a head is padded (with zeros) up to the first
-/// that holds it.
-const PADDED_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
-
-/// The decode kernel of each padded head dim, in [`PADDED_HEAD_DIMS`]' order.
+/// The decode kernel of each padded head dim (the prefill kernels' [`PADDED_HEAD_DIMS`], a head padded with zeros
+/// up to the first that holds it), in their order.
 pub(super) const ATTENTION_KERNELS: [&str; 5] = [
     "attention_d16",
     "attention_d32",

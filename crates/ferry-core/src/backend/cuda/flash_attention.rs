@@ -23,8 +23,9 @@ pub(super) const FLASH_KERNELS: [&str; 6] = [
     "flash_attention_d256_w2",
 ];
 
-/// The head dims the kernels are built for: a head is padded (with zeros) up to the first that holds it.
-const PADDED_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
+/// The head dims the kernels (these and attention.rs's) are built for: a head is padded (with zeros) up to the
+/// first that holds it.
+pub(super) const PADDED_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 
 kernel! {
     /// flash_attention.cu's `flash_attention_d{D}_w{W}`: block (tile, kv head) attends a tile of one slice's
