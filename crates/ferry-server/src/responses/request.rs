@@ -149,7 +149,10 @@ impl ResponsesBody {
         let truncate = truncation(body)?;
         echo.insert("truncation".into(), if truncate { "auto" } else { "disabled" }.into());
         echo.insert("user".into(), user.into());
-        let mut chat = ChatRequest {
+        let include = include(body)?;
+        let logprobs = logprobs(body, include.logprobs)?;
+        echo.insert("top_logprobs".into(), logprobs.into());
+        let chat = ChatRequest {
             messages,
             // vLLM's extension, as on the chat route (e.g. Qwen3's `enable_thinking`).
             template_kwargs: crate::params::template_kwargs(body)?,
@@ -164,14 +167,11 @@ impl ResponsesBody {
                 top_p,
                 response_format,
                 stream: body.boolean("stream")?,
+                logprobs,
                 ..GenerationParams::default()
             },
         };
         let model = body.string("model")?;
-        let include = include(body)?;
-        let logprobs = logprobs(body, include.logprobs)?;
-        echo.insert("top_logprobs".into(), logprobs.into());
-        chat.params.logprobs = logprobs;
         body.refuse_unread(NO_ACTION_FIELDS)?;
         Ok(ResponsesBody {
             model,
