@@ -350,7 +350,7 @@ fn reasoning_and_tool_calls_come_as_items_and_go_back_in_the_input() {
     let mut listed = weather();
     listed["parameters"]["properties"]["city"]["enum"] = json!(["Paris", "Oslo"]);
     listed["parameters"]["additionalProperties"] = json!(false);
-    let forced = json!({"model": "tiny", "input": question, "tools": [listed], "tool_choice": "required",
+    let forced = json!({"model": "tiny", "input": question, "tools": [listed.clone()], "tool_choice": "required",
         "parallel_tool_calls": false, "temperature": 0, "max_output_tokens": 200});
     let (status, forced) = respond(&server, &forced);
     assert_eq!(status, 200, "{forced}");
@@ -362,6 +362,30 @@ fn reasoning_and_tool_calls_come_as_items_and_go_back_in_the_input() {
         .collect();
     assert_eq!(calls.len(), 1, "{forced}");
     assert_eq!(forced["tools"][0]["strict"], true);
+    // allowed_tools in this API's shape, echoed as sent; its mistakes named in it.
+    let choice =
+        json!({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]});
+    let narrowed = json!({"model": "tiny", "input": question, "tools": [listed.clone()], "tool_choice": choice,
+        "parallel_tool_calls": false, "temperature": 0, "max_output_tokens": 200});
+    let (status, narrowed) = respond(&server, &narrowed);
+    assert_eq!(status, 200, "{narrowed}");
+    assert_eq!(narrowed["tool_choice"], choice);
+    assert!(
+        narrowed["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|item| item["name"] == "get_weather"),
+        "{narrowed}"
+    );
+    let wrong = json!({"model": "tiny", "input": question, "tools": [weather()],
+        "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "x"}]}});
+    let (status, error) = respond(&server, &wrong);
+    assert_eq!(
+        (status, &error["error"]["param"]),
+        (400, &json!("tool_choice.tools[0].name")),
+        "{error}"
+    );
 }
 
 #[test]

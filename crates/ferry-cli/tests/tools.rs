@@ -1,7 +1,8 @@
-//! Forced tool calls over OpenAI's chat completions (`tool_choice` "required" or a named function), plain and
-//! streamed: on the scripted checkpoint they are the calls the model makes unforced; on a random model, in each
-//! format that tags its calls (Hermes, Qwen XML, GLM-4.5, DeepSeek-V3.1), every answer is calls of declared tools
-//! with arguments valid under their schemas. (Harmony's forced calls: scripts/openai_client_test.py.)
+//! Forced tool calls over OpenAI's chat completions (`tool_choice` "required", a named function, or
+//! `allowed_tools`), plain and streamed: on the scripted checkpoint they are the calls the model makes unforced; on a
+//! random model, in each format that tags its calls (Hermes, Qwen XML, GLM-4.5, DeepSeek-V3.1), every answer is calls
+//! of declared tools (the allowed ones) with arguments valid under their schemas. (Harmony's forced calls:
+//! scripts/openai_client_test.py.)
 
 mod common;
 
@@ -158,6 +159,56 @@ fn forced_choices_give_the_calls_the_scripted_model_makes_unforced_plain_and_str
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), 4, "every call has an id of its own: {whole}");
+}
+
+#[test]
+fn allowed_tools_narrow_the_calls_forced_or_not() {
+    let allowed = |mode: &str, name: &str| {
+        json!({"type": "allowed_tools", "allowed_tools": {"mode": mode,
+            "tools": [{"type": "function", "function": {"name": name}}]}})
+    };
+    // The scripted model calls the weather twice: so it does with only the weather allowed, forced or not.
+    let server = serve("tool_calls_qwen3_xml", &[]);
+    let tools = json!([clock(), weather(json!({"type": "string"}))]);
+    let body = |extra: Value| {
+        let mut body = chat(
+            "What is the weather in Paris and Oslo?",
+            json!({"tools": tools, "max_tokens": 200, "temperature": 0}),
+        );
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let expected = vec![
+        ("get_weather".to_string(), json!({"city": "Paris", "days": 3})),
+        ("get_weather".to_string(), json!({"city": "Oslo"})),
+    ];
+    let (status, all) = server.post("/v1/chat/completions", &body(json!({})));
+    assert_eq!(status, 200, "{all}");
+    for mode in ["auto", "required"] {
+        let narrowed = body(json!({"tool_choice": allowed(mode, "get_weather")}));
+        let (_, calls, finish) = answer(&server, &narrowed);
+        assert_eq!((calls, finish.as_str()), (expected.clone(), "tool_calls"), "{mode}");
+        let (_, calls, _) = streamed_answer(&server, &narrowed);
+        assert_eq!(calls, expected, "{mode}, streamed");
+        let (_, response) = server.post("/v1/chat/completions", &narrowed);
+        let (prompt, all_prompt) = (&response["usage"]["prompt_tokens"], &all["usage"]["prompt_tokens"]);
+        match mode {
+            "auto" => assert!(prompt.as_u64() < all_prompt.as_u64(), "only the weather is offered"),
+            _ => assert_eq!(prompt, all_prompt, "every tool is offered; the grammar narrows"),
+        }
+    }
+    // A random model forced to call only the clock calls only the clock.
+    let server = serve("qwen3_moe", &[]);
+    for seed in 0..3 {
+        let forced = chat(
+            "Weather?",
+            json!({"tools": tools, "tool_choice": allowed("required", "get_time"), "max_tokens": 400,
+                "temperature": 1, "seed": seed, "chat_template_kwargs": {"enable_thinking": false}}),
+        );
+        let (_, calls, finish) = answer(&server, &forced);
+        assert_eq!(finish, "tool_calls", "{calls:?}");
+        assert!(calls.iter().all(|(name, _)| name == "get_time"), "{calls:?}");
+    }
 }
 
 /// Checks calls against the tools [`clock`] and [`weather`] with `cities`.

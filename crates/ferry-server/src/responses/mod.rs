@@ -126,7 +126,8 @@ impl ResponseMeta {
 
 /// An error raised by the neutral layer or the chat route's tool rules, named in this API's terms: the conversation
 /// is `input`, the output format `text.format`, the effort `reasoning.effort`, a tool's fields are its own (not
-/// inside `function`), and a named `tool_choice` names its function in `name`.
+/// inside `function`), a named `tool_choice` names its function in `name`, and an `allowed_tools` one holds its
+/// `mode` and `tools` itself.
 fn in_responses_terms(mut error: ApiError) -> ApiError {
     let Some(param) = error.param.clone() else {
         return error;
@@ -136,6 +137,13 @@ fn in_responses_terms(mut error: ApiError) -> ApiError {
         "response_format" => "text.format".into(),
         "reasoning_effort" => "reasoning.effort".into(),
         "tool_choice.function" | "tool_choice.function.name" => "tool_choice.name".into(),
+        // An allowed_tools choice holds its mode and tools itself, each tool its name.
+        param if param.starts_with("tool_choice.allowed_tools") => param
+            .replacen("allowed_tools", "", 1)
+            .replacen("..", ".", 1)
+            .replacen(".function", "", 1)
+            .trim_end_matches('.')
+            .to_string(),
         param if param.starts_with("tools[") => param.replacen(".function", "", 1),
         _ => return error,
     };

@@ -162,12 +162,29 @@ fn chat_tools(tools: &[Value]) -> Result<ChatTools, ApiError> {
     })
 }
 
-/// A named `tool_choice` in the chat shape (`{"type": "function", "function": {"name"}}`).
+/// A named `tool_choice` in the chat shape (`{"type": "function", "function": {"name"}}`); an `allowed_tools` one
+/// (`{"type": "allowed_tools", "mode", "tools": [{"type": "function", "name"}]}`) in the chat's (`{"type":
+/// "allowed_tools", "allowed_tools": {"mode", "tools": [{"type": "function", "function": {"name"}}]}}`).
 fn chat_choice(choice: &Value) -> Value {
     let Some(fields) = choice.as_object() else {
         return choice.clone();
     };
     let mut fields = fields.clone();
+    if fields.get("type") == Some(&Value::from("allowed_tools")) {
+        let mut allowed = Map::new();
+        if let Some(mode) = fields.remove("mode") {
+            allowed.insert("mode".into(), mode);
+        }
+        if let Some(tools) = fields.remove("tools") {
+            let tools = match tools {
+                Value::Array(tools) => tools.iter().map(chat_choice).collect::<Vec<_>>().into(),
+                other => other,
+            };
+            allowed.insert("tools".into(), tools);
+        }
+        fields.insert("allowed_tools".into(), allowed.into());
+        return Value::Object(fields);
+    }
     let mut function = Map::new();
     if let Some(name) = fields.remove("name") {
         function.insert("name".into(), name);
@@ -228,6 +245,10 @@ pub fn tool_request(body: &Body) -> Result<(ToolRequest, Map<String, Value>, Nam
         ToolChoice::None => json!("none"),
         ToolChoice::Required => json!("required"),
         ToolChoice::Function(name) => json!({"type": "function", "name": name}),
+        ToolChoice::Allowed { names, required } => json!({
+            "type": "allowed_tools", "mode": if *required { "required" } else { "auto" },
+            "tools": names.iter().map(|name| json!({"type": "function", "name": name})).collect::<Vec<_>>(),
+        }),
     };
     let function = |index: usize, name: &str| {
         let tool = &request.tools[index];

@@ -68,10 +68,7 @@ fn arguments_schema(tool: &ToolSpec) -> Value {
 
 /// The grammar for `request`'s forced calls in `format`.
 pub fn grammar(request: &ToolRequest, format: ToolCallFormat, thinking: Thinking) -> String {
-    let allowed: Vec<&ToolSpec> = match &request.choice {
-        super::request::ToolChoice::Function(name) => request.tools.iter().filter(|t| &t.name == name).collect(),
-        _ => request.tools.iter().collect(),
-    };
+    let allowed = request.forced_tools();
     let mut rules = vec![];
     let mut bodies = vec![];
     for (i, tool) in allowed.iter().enumerate() {

@@ -5,7 +5,9 @@
 //! the output is parsed for calls (`auto`); `none` leaves the tools out of the prompt and parses nothing, so no
 //! call can come back (vLLM's `--exclude-tools-when-tool-choice-none`); `required` and a named function force
 //! calls by constrained decoding (forced.rs), which enforces the tools' schemas, so `strict` is accepted there and
-//! refused under `auto`, where nothing would enforce it.
+//! refused under `auto`, where nothing would enforce it. OpenAI's `allowed_tools` narrows the calls to some of the
+//! tools: in `required` mode the grammar takes only those (every tool still rendered), in `auto` mode only those
+//! are rendered and parsed.
 
 use ferry_core::loader::{FunctionCall, ToolCall};
 use serde_json::{Map, Value};
@@ -35,12 +37,21 @@ pub enum ToolChoice {
     Required,
     /// Calls of this tool only.
     Function(String),
+    /// OpenAI's `allowed_tools`: only these tools may be called; `required`: at least one call (as "required"),
+    /// else the model may also answer in text (as "auto").
+    Allowed {
+        names: Vec<String>,
+        required: bool,
+    },
 }
 
 impl ToolChoice {
     /// Whether the output must be tool calls (constrained decoding sees to it).
     pub fn forces_calls(&self) -> bool {
-        matches!(self, ToolChoice::Required | ToolChoice::Function(_))
+        matches!(
+            self,
+            ToolChoice::Required | ToolChoice::Function(_) | ToolChoice::Allowed { required: true, .. }
+        )
     }
 }
 
@@ -101,6 +112,63 @@ fn check_function_type(body: &Body) -> Result<(), ApiError> {
             ))
         }
     }
+}
+
+/// `tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [{"type":
+/// "function", "function": {"name"}}, ...]}}` (OpenAI's), each name once.
+fn allowed_tools(choice: &Body) -> Result<ToolChoice, ApiError> {
+    choice.string("type")?;
+    let allowed = required(choice, "allowed_tools", choice.get("allowed_tools"))?;
+    let allowed = nested(&choice.param("allowed_tools"), allowed)?;
+    let required_calls = match required(&allowed, "mode", allowed.string("mode")?)?.as_str() {
+        "auto" => false,
+        "required" => true,
+        other => {
+            let param = allowed.param("mode");
+            return Err(ApiError::invalid_param(
+                &param,
+                format!(
+                    "`{param}` is \"{}\"; expected \"auto\" or \"required\"",
+                    crate::error::quote(other)
+                ),
+            ));
+        }
+    };
+    let param = allowed.param("tools");
+    let tools = match allowed.get("tools") {
+        Some(Value::Array(tools)) if !tools.is_empty() => tools,
+        Some(Value::Array(_)) | None => {
+            return Err(ApiError::invalid_param(
+                &param,
+                format!("`{param}` must name at least one tool"),
+            ))
+        }
+        Some(other) => return Err(wrong_type(&param, "an array of tools", other)),
+    };
+    let mut names: Vec<String> = vec![];
+    for (i, tool) in tools.iter().enumerate() {
+        let tool = nested(&format!("{param}[{i}]"), tool)?;
+        check_function_type(&tool)?;
+        let function = required(&tool, "function", tool.get("function"))?;
+        let function = nested(&tool.param("function"), function)?;
+        let name = required(&function, "name", function.string("name")?)?;
+        function.refuse_unread(&[])?;
+        tool.refuse_unread(&[])?;
+        if names.contains(&name) {
+            let param = function.param("name");
+            return Err(ApiError::invalid_param(
+                &param,
+                format!("`{param}`: `{name}` is allowed twice"),
+            ));
+        }
+        names.push(name);
+    }
+    allowed.refuse_unread(&[])?;
+    choice.refuse_unread(&[])?;
+    Ok(ToolChoice::Allowed {
+        names,
+        required: required_calls,
+    })
 }
 
 impl ToolSpec {
@@ -173,6 +241,9 @@ impl ToolRequest {
             Some(Value::String(choice)) if choice == "auto" => ToolChoice::Auto,
             Some(Value::String(choice)) if choice == "none" => ToolChoice::None,
             Some(Value::String(choice)) if choice == "required" => ToolChoice::Required,
+            Some(choice @ Value::Object(fields)) if fields.get("type") == Some(&Value::from("allowed_tools")) => {
+                allowed_tools(&nested("tool_choice", choice)?)?
+            }
             Some(choice @ Value::Object(_)) => {
                 let choice = nested("tool_choice", choice)?;
                 check_function_type(&choice)?;
@@ -186,8 +257,8 @@ impl ToolRequest {
             Some(_) => {
                 return Err(ApiError::invalid_param(
                     "tool_choice",
-                    "`tool_choice` must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \
-                     \"function\": {\"name\": ...}}",
+                    "`tool_choice` must be \"auto\", \"none\", \"required\", {\"type\": \"function\", \
+                     \"function\": {\"name\": ...}} or {\"type\": \"allowed_tools\", \"allowed_tools\": {...}}",
                 ))
             }
         };
@@ -230,24 +301,59 @@ impl ToolRequest {
                 name_param,
                 format!("`{name_param}`: no tool named `{name}` is offered in `tools`"),
             )),
+            ToolChoice::Allowed { names, .. } => {
+                match names.iter().position(|n| !self.tools.iter().any(|t| &t.name == n)) {
+                    Some(i) => {
+                        let param = format!("tool_choice.allowed_tools.tools[{i}].function.name");
+                        Err(ApiError::invalid_param(
+                            &param,
+                            format!("`{param}`: no tool named `{}` is offered in `tools`", names[i]),
+                        ))
+                    }
+                    None => Ok(()),
+                }
+            }
             _ => Ok(()),
         }
     }
 
-    /// The definitions the chat template renders: none under `tool_choice: none`, all of them otherwise (a named
-    /// function included, as vLLM renders them).
-    pub fn template_tools(&self) -> Vec<Value> {
-        match self.choice {
-            ToolChoice::None => vec![],
-            _ => self.tools.iter().map(|t| t.definition.clone()).collect(),
+    /// The tools the model may call: those `allowed_tools` names, else all offered.
+    fn callable(&self) -> Vec<&ToolSpec> {
+        match &self.choice {
+            ToolChoice::Allowed { names, .. } => self.tools.iter().filter(|t| names.contains(&t.name)).collect(),
+            _ => self.tools.iter().collect(),
         }
     }
 
-    /// The parser for this request's output: none without tools, under `tool_choice: none`, or without a format.
+    /// The definitions the chat template renders: none under `tool_choice: none`; under `allowed_tools` in `auto`
+    /// mode only the allowed ones (nothing else keeps the model from calling the others; in `required` mode the
+    /// grammar does, and all are rendered); all of them otherwise (a named function included, as vLLM renders them).
+    pub fn template_tools(&self) -> Vec<Value> {
+        let tools = match self.choice {
+            ToolChoice::None => vec![],
+            ToolChoice::Allowed { required: false, .. } => self.callable(),
+            _ => self.tools.iter().collect(),
+        };
+        tools.into_iter().map(|t| t.definition.clone()).collect()
+    }
+
+    /// The parser for this request's output, of calls of the callable tools: none without tools, under
+    /// `tool_choice: none`, or without a format.
     pub fn parser(&self, format: Option<ToolCallFormat>) -> Option<ToolCallParser> {
         match (self.choice != ToolChoice::None && !self.tools.is_empty(), format) {
-            (true, Some(format)) => Some(ToolCallParser::new(format, self.tools.clone(), self.parallel_calls)),
+            (true, Some(format)) => {
+                let callable = self.callable().into_iter().cloned().collect();
+                Some(ToolCallParser::new(format, callable, self.parallel_calls))
+            }
             _ => None,
+        }
+    }
+
+    /// The tools forced calls may be of: the named function, the allowed ones, or all.
+    pub fn forced_tools(&self) -> Vec<&ToolSpec> {
+        match &self.choice {
+            ToolChoice::Function(name) => self.tools.iter().filter(|t| &t.name == name).collect(),
+            _ => self.callable(),
         }
     }
 }
@@ -316,6 +422,60 @@ mod tests {
     fn weather() -> Value {
         json!({"type": "function", "function": {"name": "get_weather", "description": "d",
                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})
+    }
+
+    #[test]
+    fn allowed_tools_restrict_the_calls_and_in_auto_mode_the_prompt() {
+        let clock = json!({"type": "function", "function": {"name": "get_time", "parameters": {}}});
+        let allowed = |mode: &str, names: &[&str]| {
+            let tools: Vec<Value> = names
+                .iter()
+                .map(|n| json!({"type": "function", "function": {"name": n}}))
+                .collect();
+            json!({"tools": [weather(), clock.clone()],
+                   "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}})
+        };
+        let auto = parse(allowed("auto", &["get_weather"])).unwrap();
+        assert_eq!(
+            auto.choice,
+            ToolChoice::Allowed {
+                names: vec!["get_weather".into()],
+                required: false
+            }
+        );
+        assert!(!auto.choice.forces_calls());
+        assert_eq!(
+            auto.template_tools(),
+            vec![weather()],
+            "only the allowed ones are offered"
+        );
+        let required = parse(allowed("required", &["get_time"])).unwrap();
+        assert!(required.choice.forces_calls());
+        assert_eq!(
+            required.template_tools().len(),
+            2,
+            "the grammar restricts: every tool is rendered"
+        );
+        let forced: Vec<&str> = required.forced_tools().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(forced, ["get_time"]);
+        for (body, param) in [
+            (allowed("sometimes", &["get_time"]), "tool_choice.allowed_tools.mode"),
+            (allowed("auto", &[]), "tool_choice.allowed_tools.tools"),
+            (
+                allowed("auto", &["get_time", "get_time"]),
+                "tool_choice.allowed_tools.tools[1].function.name",
+            ),
+            (
+                allowed("auto", &["get_date"]),
+                "tool_choice.allowed_tools.tools[0].function.name",
+            ),
+            (
+                json!({"tools": [weather()], "tool_choice": {"type": "allowed_tools"}}),
+                "tool_choice.allowed_tools",
+            ),
+        ] {
+            assert_eq!(parse(body.clone()).unwrap_err().param.as_deref(), Some(param), "{body}");
+        }
     }
 
     #[test]
