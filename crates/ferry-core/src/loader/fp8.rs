@@ -319,7 +319,7 @@ pub fn quantize_fp8(weight: &TensorRef, scheme: Fp8Scheme) -> Result<TensorRef> 
             let elements = first..(m * rows + row_range.end) * cols;
             let values = match &widened_whole {
                 Some(all) => all[elements].to_vec(),
-                None => widen(weight, elements),
+                None => weight.float_range_to_f32(elements),
             };
             let top = row_range.start;
             let row = |r: usize| &values[(r - top) * cols..(r - top + 1) * cols];
@@ -347,26 +347,6 @@ pub fn quantize_fp8(weight: &TensorRef, scheme: Fp8Scheme) -> Result<TensorRef> 
         .collect();
     let (scales, bytes): (Vec<Vec<f32>>, Vec<Vec<u8>>) = per_block_row.into_iter().unzip();
     layout.tensor(&weight.name, bytes.concat(), &scales.concat())
-}
-
-/// Elements `range` of a bf16, f16 or f32 tensor as f32.
-fn widen(weight: &TensorRef, range: std::ops::Range<usize>) -> Vec<f32> {
-    let size = weight.dtype.size();
-    let bytes = &weight.bytes()[range.start * size..range.end * size];
-    match weight.dtype {
-        DType::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        DType::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    }
 }
 
 /// A weight of `[rows, cols]` or `[matrices, rows, cols]` in FP8 under a scheme: its sizes, its scale blocks and

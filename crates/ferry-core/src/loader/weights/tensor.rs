@@ -274,12 +274,11 @@ impl TensorRef {
         }
     }
 
-    /// The values widened to f32 (an FP8 tensor's dequantized by its scales): for small tensors only (norm
-    /// weights, biases, a row of the embedding table), and for dequantizing a dense FP8 matrix once at upload.
-    pub fn to_f32_vec(&self) -> Vec<f32> {
-        let b = self.bytes();
+    /// Values `range` (element indices) of an f32, f16 or bf16 tensor widened to f32; empty for other dtypes.
+    pub fn float_range_to_f32(&self, range: std::ops::Range<usize>) -> Vec<f32> {
+        let size = self.dtype.size();
+        let b = &self.bytes()[range.start * size..range.end * size];
         match self.dtype {
-            DType::F8E4M3 => self.dequantize_fp8(),
             DType::F32 => b
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -292,6 +291,17 @@ impl TensorRef {
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
+            DType::F8E4M3 | DType::U8 | DType::Mxfp4 => vec![],
+        }
+    }
+
+    /// The values widened to f32 (an FP8 tensor's dequantized by its scales): for small tensors only (norm
+    /// weights, biases, a row of the embedding table), and for dequantizing a dense FP8 matrix once at upload.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let b = self.bytes();
+        match self.dtype {
+            DType::F8E4M3 => self.dequantize_fp8(),
+            DType::F32 | DType::F16 | DType::BF16 => self.float_range_to_f32(0..self.numel()),
             DType::U8 => b.iter().map(|&v| v as f32).collect(),
             DType::Mxfp4 => {
                 let (rows, cols) = (self.shape[0], self.numel() / self.shape[0].max(1));
