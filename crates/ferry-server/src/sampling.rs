@@ -40,21 +40,27 @@ pub fn logit_bias(body: &Body) -> Result<Vec<(u32, f32)>, ApiError> {
         .collect()
 }
 
-/// Chat's `logprobs` (a boolean) and `top_logprobs` (0 to 20, only with `logprobs`): how many alternatives per
-/// token, or None for no logprobs.
-pub fn chat_logprobs(body: &Body) -> Result<Option<usize>, ApiError> {
-    let wanted = body.boolean("logprobs")?;
-    let top = body.integer("top_logprobs")?;
-    match (wanted, top) {
-        (_, Some(n)) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Err(ApiError::invalid_param(
+/// `top_logprobs`: alternatives per token, 0 to [`MAX_TOP_LOGPROBS`] (chat's and the Responses API's field).
+pub fn top_logprobs(body: &Body) -> Result<Option<usize>, ApiError> {
+    match body.integer("top_logprobs")? {
+        Some(n) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Err(ApiError::invalid_param(
             "top_logprobs",
             format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
         )),
+        n => Ok(n.map(|n| n as usize)),
+    }
+}
+
+/// Chat's `logprobs` (a boolean) and `top_logprobs` (only with `logprobs`): how many alternatives per token, or
+/// None for no logprobs.
+pub fn chat_logprobs(body: &Body) -> Result<Option<usize>, ApiError> {
+    let wanted = body.boolean("logprobs")?;
+    match (wanted, top_logprobs(body)?) {
         (false, Some(_)) => Err(ApiError::invalid_param(
             "top_logprobs",
             "`top_logprobs` needs `logprobs` set to true",
         )),
-        (true, top) => Ok(Some(top.unwrap_or(0) as usize)),
+        (true, top) => Ok(Some(top.unwrap_or(0))),
         (false, None) => Ok(None),
     }
 }

@@ -13,7 +13,7 @@
 //!
 //! Not here: the tool fields (tools.rs), the response (mod.rs, output.rs).
 
-use ferry_core::engine::{ResponseFormat, MAX_TOP_LOGPROBS};
+use ferry_core::engine::ResponseFormat;
 use ferry_core::loader::{ChatEnding, ChatMessage};
 use serde_json::{json, Map, Value};
 
@@ -94,14 +94,7 @@ fn include(body: &Body) -> Result<Include, ApiError> {
 /// The message's logprobs: asked for by `include` or by `top_logprobs` (0 to 20 alternatives a token, which alone
 /// could mean nothing else); how many alternatives, or None for none.
 fn logprobs(body: &Body, included: bool) -> Result<Option<usize>, ApiError> {
-    match body.integer("top_logprobs")? {
-        Some(n) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Err(ApiError::invalid_param(
-            "top_logprobs",
-            format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
-        )),
-        Some(n) => Ok(Some(n as usize)),
-        None => Ok(included.then_some(0)),
-    }
+    Ok(crate::sampling::top_logprobs(body)?.or(included.then_some(0)))
 }
 
 pub(super) fn required(body: &Body, name: &str) -> ApiError {
