@@ -117,6 +117,7 @@ impl CudaBackend {
     pub(super) unsafe fn launch(&self, name: &str, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<()> {
         let function = self.function(name)?;
         self.ctx.bind_to_thread().map_err(cuda_err(name))?;
+        self.copy_guesses()?;
         let mut dependent = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
@@ -140,6 +141,16 @@ impl CudaBackend {
         unsafe { sys::cuLaunchKernelEx(&config, function.cu_function(), params.as_mut_ptr(), null_mut()) }
             .result()
             .map_err(cuda_err(name))
+    }
+
+    /// Under offload, queues the next guessed expert's copy if the last one has landed (offload.rs), so that the
+    /// link keeps copying while the host launches a layer's kernels. Skipped while the offload is busy on this
+    /// thread (its CPU lane's launches).
+    fn copy_guesses(&self) -> Result<()> {
+        if let Some(Ok(mut offload)) = self.offload.as_ref().map(|o| o.try_lock()) {
+            offload.copy_guesses()?;
+        }
+        Ok(())
     }
 }
 

@@ -9,10 +9,12 @@
 //! Prefetch, of two kinds. A step that routes to nearly all of a layer's experts (prefill) queues the next layer's
 //! experts behind its own, so the bank streams while the layers compute. In decode, the model hands over a guess of
 //! the next MoE layer's routing (that layer's router applied to this layer's input, [`Offload::guess_next`]); its
-//! ids come to the host with this layer's, and the guessed misses are copied one at a time, only while the copy
-//! stream is idle and the host waits for the next router anyway: a guess never goes ahead of a needed copy, at
-//! most one guessed copy is still in flight when the next layer's own copies are queued, and the guesses not yet
-//! copied when that layer routes are dropped.
+//! ids come to the host with this layer's, and the guessed misses are copied one at a time behind this layer's own
+//! copies: the first as soon as they are queued, each next one once the last has landed, noticed while the host
+//! waits for the next router and at every kernel launch in between ([`Offload::copy_guesses`]), so the link does
+//! not idle while the host launches. A guess never goes ahead of a needed copy, at most one guessed copy is still
+//! in flight when the next layer's own copies are queued, and the guesses not yet copied when that layer routes
+//! are dropped.
 //!
 //! The CPU lane. With a [`SplitRule`] other than `Link`, the misses of each step are split ([`plan_split`]): the
 //! link's share is copied as above, the host's is computed by the CPU lane (offload_lane.rs) straight from the
@@ -138,8 +140,8 @@ pub struct Offload {
     cache: ExpertCache,
     layers: Vec<OffloadLayer>,
     routed_host: Option<PinnedHostSlice<i32>>,
-    /// The last copy queued on the copy stream: the stream is idle once it has fired.
-    last_copy: Option<CudaEvent>,
+    /// Recorded after the last guessed copy queued: the next one waits until it has fired.
+    guess_in_flight: Option<CudaEvent>,
     /// The guess handed over for the next layer, its ids still on the device.
     guess: Option<RoutingGuess>,
     /// The guess read with the last layer's ids, being copied while the host waits for its layer's router.
@@ -182,7 +184,7 @@ impl Offload {
             cache: ExpertCache::new(slots, config.policy),
             layers: Vec::new(),
             routed_host: None,
-            last_copy: None,
+            guess_in_flight: None,
             guess: None,
             next_guess: None,
             counters: OffloadStats::default(),
@@ -211,7 +213,7 @@ impl Offload {
         self.cache = ExpertCache::new(slots, policy);
         self.guess = None;
         self.next_guess = None;
-        self.last_copy = None;
+        self.guess_in_flight = None;
         self.link_timing = None;
         self.calibration = match (split, &self.bank) {
             (SplitRule::Calibrated(prior), Some(bank)) => Some(LaneCalibration::new(prior, bank.block_bytes())),
@@ -381,7 +383,7 @@ impl Offload {
         let arrived = compute.record_event(None).map_err(cuda_err("routing event"))?;
         let waiting = Instant::now();
         while !arrived.try_is_complete().map_err(cuda_err("waiting for the router"))? {
-            if !self.copy_guess_if_idle()? {
+            if !self.copy_guesses()? {
                 arrived.synchronize().map_err(cuda_err("waiting for the router"))?;
                 break;
             }
@@ -399,16 +401,17 @@ impl Offload {
         Ok(host.as_slice().map_err(cuda_err("routing buffer"))?[..len].to_vec())
     }
 
-    /// Copies the next guessed expert if the copy stream is idle; returns whether guessed copies remain (queued now
-    /// or still to queue), so that the caller knows whether polling can still start one.
-    fn copy_guess_if_idle(&mut self) -> Result<bool> {
+    /// Queues the next guessed expert's copy unless the last guessed copy is still in flight; returns whether
+    /// guessed copies remain (queued now or still to queue), so that the caller knows whether polling can still
+    /// start one. Cheap when there is nothing to copy: every kernel launch under offload calls it.
+    pub fn copy_guesses(&mut self) -> Result<bool> {
         let Some(guess) = self.next_guess.as_mut() else {
             return Ok(false);
         };
         if guess.to_copy.is_empty() {
             return Ok(false);
         }
-        if let Some(last) = &self.last_copy {
+        if let Some(last) = &self.guess_in_flight {
             if !last.try_is_complete().map_err(cuda_err("copy event"))? {
                 return Ok(true);
             }
@@ -438,7 +441,7 @@ impl Offload {
         self.counters.prefetched += fetched.len() as u64;
         self.counters.guesses_copied += fetched.len() as u64;
         if let Some((_, event)) = fetched.into_iter().last() {
-            self.last_copy = Some(event);
+            self.guess_in_flight = Some(event);
         }
         Ok(more)
     }
@@ -569,9 +572,11 @@ impl Offload {
                 self.counters.prefetched += copied.len() as u64;
             }
         }
-        self.last_copy = Some(self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?);
+        self.guess_in_flight = None;
         if let Some(guess) = guess {
             self.keep_guess(guess.layer, &all_ids[routed..]);
+            // The first guess right behind this layer's copies: the link has work while the host launches.
+            self.copy_guesses()?;
         }
         Ok(LayerCopies {
             addresses,
