@@ -402,6 +402,52 @@ fn synthetic_models_need_no_files() {
     );
 }
 
+#[test]
+fn synthetic_fp8_models_are_laid_out_as_the_hubs_fp8_checkpoints() {
+    // Each family's FP8 fixture config: its dense linears are drawn in FP8 with its experts, and the model runs.
+    for family in ["qwen3_moe_fp8", "glm4_moe_fp8", "deepseek_v3_fp8"] {
+        let config = fixture(family).join("config.json");
+        let config = config.to_str().unwrap();
+        let out = ferry(&["info", "--synthetic", config, "--json"]);
+        assert!(
+            out.status.success(),
+            "{family}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            info["weight_dtype"], "bf16, dense linears and experts fp8 e4m3, 128x128 blocks",
+            "{family}"
+        );
+        let stored = ferry(&["info", "--model", fixture(family).to_str().unwrap(), "--json"]);
+        let stored: serde_json::Value = serde_json::from_slice(&stored.stdout).unwrap();
+        assert_eq!(
+            info["dense_bytes"], stored["dense_bytes"],
+            "{family}: the stored checkpoint's dense bytes"
+        );
+        let out = ferry(&[
+            "generate",
+            "--synthetic",
+            config,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "3",
+            "--ignore-eos",
+            "--json",
+            "--device",
+            "cpu",
+        ]);
+        assert!(
+            out.status.success(),
+            "{family}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let generated: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(generated["completion_tokens"], 3, "{family}");
+    }
+}
+
 /// `ferry info --json` of the fixture under a 1 GiB GPU budget, with `extra` arguments.
 fn info_under_a_budget(extra: &[&str]) -> Output {
     let model = fixture(FIXTURE);

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use ferry_core::loader::{Checkpoint, DType, Fp8Scheme};
-use ferry_core::model::{spec_for, ModelInfo};
+use ferry_core::model::{spec_for, FfnKind, ModelInfo};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
@@ -19,7 +19,11 @@ fn block_fp8_fixture_loads_with_scales_and_real_sizes() {
     let format = checkpoint.weight_format();
     assert_eq!(format.dtype, DType::BF16);
     assert_eq!(format.experts_fp8, Some(Fp8Scheme::BLOCK_128));
-    assert_eq!(format.describe(), "bf16, experts fp8 e4m3, 128x128 blocks");
+    assert_eq!(format.dense_fp8, Some(Fp8Scheme::BLOCK_128), "its attention is FP8 too");
+    assert_eq!(
+        format.describe(),
+        "bf16, dense linears and experts fp8 e4m3, 128x128 blocks"
+    );
     let gate = checkpoint
         .weights
         .get("model.layers.0.mlp.experts.3.gate_proj.weight")
@@ -40,6 +44,35 @@ fn block_fp8_fixture_loads_with_scales_and_real_sizes() {
     // Three [32, 64] matrices of one byte per weight and one f32 scale each.
     assert_eq!(info.bytes_per_expert, 3 * (32 * 64 + 4));
     assert_eq!(info.expert_bank_bytes, 2 * 8 * info.bytes_per_expert);
+    // The attention projections and the dense MLP count one byte a weight and an f32 scale a 128 x 128 block, not
+    // two bytes a weight; the rest of the dense part is as in bf16.
+    let bf16 = ModelInfo::new(
+        &spec,
+        ferry_core::loader::WeightFormat {
+            dense_fp8: None,
+            ..format
+        },
+    );
+    let (h, q, kv) = (
+        spec.hidden_size,
+        spec.num_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+    );
+    let mut linears = Vec::new();
+    for layer in &spec.layers {
+        linears.extend([(q, h), (kv, h), (kv, h), (h, q)]);
+        if let FfnKind::Dense { intermediate: i } = layer.ffn {
+            linears.extend([(i, h), (i, h), (h, i)]);
+        }
+    }
+    let saved: usize = linears
+        .iter()
+        .map(|&(rows, cols)| 2 * rows * cols - (rows * cols + 4 * rows.div_ceil(128) * cols.div_ceil(128)))
+        .sum();
+    assert_eq!(bf16.dense_bytes - info.dense_bytes, saved as u64);
+    let largest = linears.iter().map(|&(rows, cols)| rows * cols).max().unwrap();
+    assert_eq!(info.largest_fp8_dense_linear, largest as u64);
+    assert_eq!(bf16.largest_fp8_dense_linear, 0);
 }
 
 /// A checkpoint directory holding `tensors` (name, dtype, shape, bytes) and a qwen3_moe config with `quantization`.

@@ -74,8 +74,9 @@ pub fn gpu_kv_bytes_per_token(info: &ModelInfo) -> u64 {
     info.kv_bytes_per_token_bf16 / 2 * KV_VALUE_BYTES
 }
 
-/// The activation widths of `spec` that the backend's workspace formula reads.
-fn activation_shapes(spec: &ModelSpec) -> ActivationShapes {
+/// The activation widths of `spec` (and the largest dense FP8 matrix of `info`) that the backend's workspace
+/// formula reads.
+fn activation_shapes(spec: &ModelSpec, info: &ModelInfo) -> ActivationShapes {
     let widest_dense = spec
         .layers
         .iter()
@@ -102,12 +103,13 @@ fn activation_shapes(spec: &ModelSpec) -> ActivationShapes {
         top_k,
         expert_intermediate,
         vocab: spec.vocab_size,
+        largest_fp8_matrix: info.largest_fp8_dense_linear as usize,
     }
 }
 
 /// The GPU workspace of one forward pass of `rows` tokens of `spec`.
-fn workspace_bytes(spec: &ModelSpec, rows: usize) -> u64 {
-    workspace::workspace_bytes(&activation_shapes(spec), rows)
+fn workspace_bytes(spec: &ModelSpec, info: &ModelInfo, rows: usize) -> u64 {
+    workspace::workspace_bytes(&activation_shapes(spec, info), rows)
 }
 
 pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) -> Result<MemoryPlan> {
@@ -119,7 +121,7 @@ pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) 
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     // Dense weights, workspace and KV floor for a step of `step_tokens`, or why the budget cannot hold them.
     let fixed_for = |step_tokens: usize| -> Result<(u64, u64)> {
-        let workspace = workspace_bytes(spec, step_tokens);
+        let workspace = workspace_bytes(spec, info, step_tokens);
         let fixed = dense + workspace + floor;
         if fixed > request.budget_bytes {
             return Err(Error::Config(format!(
@@ -241,8 +243,8 @@ mod tests {
     use crate::loader::{DType, Fp8Config, WeightFormat};
     use crate::model::spec_for;
 
-    /// The model of a config.json, by its path from the repository root, with its routed experts in FP8 when the
-    /// config's quantization_config says so.
+    /// The model of a config.json, by its path from the repository root, with its routed experts and dense linears
+    /// in FP8 when the config's quantization_config says so.
     fn model(config: &str) -> (ModelInfo, ModelSpec) {
         model_of(read_config(config))
     }
@@ -254,9 +256,12 @@ mod tests {
 
     fn model_of(config: serde_json::Value) -> (ModelInfo, ModelSpec) {
         let spec = spec_for(config["model_type"].as_str().unwrap(), &config).unwrap();
+        // A synthetic checkpoint of an FP8 config holds its dense linears in FP8 too.
+        let fp8 = Fp8Config::from_config(&config).unwrap().map(|f| f.scheme);
         let format = WeightFormat {
             dtype: DType::BF16,
-            experts_fp8: Fp8Config::from_config(&config).unwrap().map(|f| f.scheme),
+            experts_fp8: fp8,
+            dense_fp8: fp8,
         };
         (ModelInfo::new(&spec, format), spec)
     }
@@ -367,12 +372,18 @@ mod tests {
         let (info, spec) = q30();
         let resident = plan_memory(&info, &spec, &request("80GiB", OffloadMode::Auto, None)).unwrap();
         assert_eq!(resident.step_tokens, MAX_BATCH_TOKENS);
-        assert_eq!(resident.workspace_bytes, workspace_bytes(&spec, MAX_BATCH_TOKENS));
+        assert_eq!(
+            resident.workspace_bytes,
+            workspace_bytes(&spec, &info, MAX_BATCH_TOKENS)
+        );
         let offloaded = plan_memory(&info, &spec, &request("22.3GiB", OffloadMode::Auto, None)).unwrap();
         assert_eq!(offloaded.step_tokens, OFFLOAD_STEP_TOKENS);
-        assert_eq!(offloaded.workspace_bytes, workspace_bytes(&spec, OFFLOAD_STEP_TOKENS));
+        assert_eq!(
+            offloaded.workspace_bytes,
+            workspace_bytes(&spec, &info, OFFLOAD_STEP_TOKENS)
+        );
         // Past MOE_GROUP_ROWS rows the grouped expert buffers stop growing: a row costs less than below it.
-        let per_row = |rows: usize| workspace_bytes(&spec, rows) - workspace_bytes(&spec, rows - 1);
+        let per_row = |rows: usize| workspace_bytes(&spec, &info, rows) - workspace_bytes(&spec, &info, rows - 1);
         assert!(per_row(MOE_GROUP_ROWS + 2) < per_row(MOE_GROUP_ROWS));
         let asked = BudgetRequest {
             max_batch_tokens: Some(1024),
@@ -381,7 +392,7 @@ mod tests {
         let plan = plan_memory(&info, &spec, &asked).unwrap();
         assert_eq!(
             (plan.step_tokens, plan.workspace_bytes),
-            (1024, workspace_bytes(&spec, 1024))
+            (1024, workspace_bytes(&spec, &info, 1024))
         );
         assert!(
             plan.slots > offloaded.slots,
@@ -424,8 +435,9 @@ mod tests {
     #[test]
     fn a_budget_too_small_for_the_longer_steps_workspace_keeps_the_shorter_step() {
         let (info, spec) = q30();
-        let fixed =
-            info.dense_bytes + workspace_bytes(&spec, OFFLOAD_STEP_TOKENS) + 8192 * gpu_kv_bytes_per_token(&info);
+        let fixed = info.dense_bytes
+            + workspace_bytes(&spec, &info, OFFLOAD_STEP_TOKENS)
+            + 8192 * gpu_kv_bytes_per_token(&info);
         let tight = BudgetRequest {
             budget_bytes: fixed + (info.num_experts as u64 - 1) * info.bytes_per_expert,
             ..request("0", OffloadMode::Auto, None)
@@ -444,7 +456,8 @@ mod tests {
         let err = plan_memory(&info, &spec, &request("3GiB", OffloadMode::Auto, None)).unwrap_err();
         assert!(err.to_string().contains("dense weights"), "{err}");
         // Room for everything but one layer's experts, even with the shorter step.
-        let fixed = info.dense_bytes + workspace_bytes(&spec, MAX_BATCH_TOKENS) + 8192 * gpu_kv_bytes_per_token(&info);
+        let fixed =
+            info.dense_bytes + workspace_bytes(&spec, &info, MAX_BATCH_TOKENS) + 8192 * gpu_kv_bytes_per_token(&info);
         let short_of_a_layer = BudgetRequest {
             budget_bytes: fixed + (info.num_experts as u64 - 1) * info.bytes_per_expert,
             ..request("0", OffloadMode::Auto, None)
@@ -552,8 +565,8 @@ mod tests {
             );
             assert_eq!(got, expected, "{config}, {budget}, {mode:?}");
         }
-        let (_, q36) = model("bench/q36.json");
-        assert_eq!(workspace_bytes(&q36, 1), 277196800);
-        assert_eq!(workspace_bytes(&q36, 2049), 1946202112);
+        let (q36_info, q36) = model("bench/q36.json");
+        assert_eq!(workspace_bytes(&q36, &q36_info, 1), 277196800);
+        assert_eq!(workspace_bytes(&q36, &q36_info, 2049), 1946202112);
     }
 }

@@ -64,14 +64,30 @@ fn read_config(path: &Path) -> Result<(String, serde_json::Value, Option<Fp8Conf
 pub struct WeightFormat {
     pub dtype: DType,
     pub experts_fp8: Option<Fp8Scheme>,
+    /// The FP8 scheme of the dense linear weights (attention projections, dense MLPs, shared experts) when every
+    /// one of them is FP8, as in the hub's FP8 checkpoints.
+    pub dense_fp8: Option<Fp8Scheme>,
 }
 
 impl WeightFormat {
-    /// `bf16`, or e.g. `bf16, experts fp8 e4m3, 128x128 blocks`.
+    /// `bf16`, or e.g. `bf16, experts fp8 e4m3, 128x128 blocks` or `bf16, dense linears and experts fp8 e4m3,
+    /// 128x128 blocks`.
     pub fn describe(&self) -> String {
-        match self.experts_fp8 {
-            None => self.dtype.name().to_string(),
-            Some(scheme) => format!("{}, experts {}", self.dtype.name(), scheme.describe()),
+        let dtype = self.dtype.name();
+        match (self.dense_fp8, self.experts_fp8) {
+            (None, None) => dtype.to_string(),
+            (None, Some(experts)) => format!("{dtype}, experts {}", experts.describe()),
+            (Some(dense), None) => format!("{dtype}, dense linears {}", dense.describe()),
+            (Some(dense), Some(experts)) if dense == experts => {
+                format!("{dtype}, dense linears and experts {}", dense.describe())
+            }
+            (Some(dense), Some(experts)) => {
+                format!(
+                    "{dtype}, dense linears {}, experts {}",
+                    dense.describe(),
+                    experts.describe()
+                )
+            }
         }
     }
 }
@@ -112,12 +128,14 @@ impl Checkpoint {
 
     /// A checkpoint of the model `config_path` describes (a config.json) with seeded random weights and no files:
     /// full-size benchmarks without a download.
-    /// With a quantization_config, the routed experts are FP8 in its scheme (the rest stays bf16).
+    /// With a quantization_config, it is laid out as the hub's FP8 checkpoints are: the routed experts and the
+    /// dense linear weights the config does not keep unquantized are FP8 in its scheme, the rest bf16.
     pub fn synthetic(config_path: &Path, seed: u64) -> Result<Self> {
         let (model_type, config, fp8) = read_config(config_path)?;
         let mut weights = WeightStore::synthetic(seed);
         if let Some(fp8) = &fp8 {
             weights.quantize_experts(fp8.scheme);
+            weights.quantize_dense_linears(fp8.clone());
         }
         Ok(Checkpoint {
             dir: config_path.to_path_buf(),
@@ -137,17 +155,16 @@ impl Checkpoint {
             .map_or(DType::BF16, |t| t.dtype)
     }
 
-    /// How the weights are stored, as the model will hold them: the unquantized dtype, and the FP8 scheme of the
-    /// routed experts when the checkpoint's are FP8 or [`WeightStore::quantize_experts`] makes them so.
+    /// How the weights are stored, as the model will hold them: the unquantized dtype, the FP8 scheme of the
+    /// routed experts when the checkpoint's are FP8 or [`WeightStore::quantize_experts`] makes them so, and that
+    /// of the dense linear weights when all of them are FP8.
     pub fn weight_format(&self) -> WeightFormat {
+        // A checkpoint's own FP8 weights are never quantized again.
+        let stored_fp8 = self.fp8.as_ref().map(|f| f.scheme);
         WeightFormat {
             dtype: self.weight_dtype(),
-            // A checkpoint's own FP8 experts are never quantized again.
-            experts_fp8: self
-                .fp8
-                .as_ref()
-                .map(|f| f.scheme)
-                .or(self.weights.experts_quantized_to()),
+            experts_fp8: stored_fp8.or(self.weights.experts_quantized_to()),
+            dense_fp8: stored_fp8.filter(|_| self.weights.dense_linears_are_fp8()),
         }
     }
 

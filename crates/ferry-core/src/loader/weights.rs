@@ -43,6 +43,31 @@ pub struct WeightStore {
     /// Routed experts stored unquantized are quantized to FP8 in this scheme as they are read
     /// ([`WeightStore::quantize_experts`]).
     quantize_experts: Option<Fp8Scheme>,
+    /// Dense linear weights stored unquantized are quantized to FP8 as they are read, where this configuration
+    /// does not keep them unquantized ([`WeightStore::quantize_dense_linears`]).
+    quantize_dense: Option<Fp8Config>,
+}
+
+/// The name endings of the dense linear weights an FP8 checkpoint stores in FP8 (attention projections, latent
+/// attention's low-rank ones, dense MLPs and shared experts): outside `.experts.`, the weights the model reads
+/// in either format. Embeddings, the output head, routers and norms stay unquantized.
+const DENSE_LINEARS: [&str; 11] = [
+    ".q_proj.weight",
+    ".k_proj.weight",
+    ".v_proj.weight",
+    ".o_proj.weight",
+    ".q_a_proj.weight",
+    ".q_b_proj.weight",
+    ".kv_a_proj_with_mqa.weight",
+    ".kv_b_proj.weight",
+    ".gate_proj.weight",
+    ".up_proj.weight",
+    ".down_proj.weight",
+];
+
+/// Whether tensor `name` is a dense linear weight (see [`DENSE_LINEARS`]).
+fn is_dense_linear(name: &str) -> bool {
+    !name.contains(".experts.") && DENSE_LINEARS.iter().any(|end| name.ends_with(end))
 }
 
 const SHARD_INDEX: &str = "model.safetensors.index.json";
@@ -131,6 +156,7 @@ impl WeightStore {
             text_prefix,
             synthetic_seed: None,
             quantize_experts: None,
+            quantize_dense: None,
         })
     }
 
@@ -170,6 +196,7 @@ impl WeightStore {
             text_prefix: "model.",
             synthetic_seed: Some(seed),
             quantize_experts: None,
+            quantize_dense: None,
         }
     }
 
@@ -184,22 +211,60 @@ impl WeightStore {
         self.quantize_experts
     }
 
+    /// From now on, dense linear weights (attention projections, dense MLPs, shared experts) that are not FP8 and
+    /// that `fp8` does not keep unquantized are quantized to FP8 in its scheme as they are read: a synthetic
+    /// checkpoint of an FP8 config is laid out as the hub's FP8 checkpoints are.
+    pub fn quantize_dense_linears(&mut self, fp8: Fp8Config) {
+        self.quantize_dense = Some(fp8);
+    }
+
+    /// Whether every dense linear weight is read as FP8 (stored so, or quantized as read), with at least one there
+    /// to read: what the GPU then holds in one byte a weight. A synthetic store quantizing them holds them all so.
+    pub fn dense_linears_are_fp8(&self) -> bool {
+        if self.synthetic_seed.is_some() {
+            return self.quantize_dense.is_some();
+        }
+        let mut linears = self.tensors.values().filter(|t| is_dense_linear(&t.name)).peekable();
+        linears.peek().is_some()
+            && linears.all(|t| {
+                t.dtype == DType::F8E4M3
+                    || self
+                        .quantize_dense
+                        .as_ref()
+                        .is_some_and(|f| !f.keeps_unconverted(&t.name))
+            })
+    }
+
+    /// The scheme tensor `name` of `dtype` and `shape` is quantized in as it is read, if it is: a routed expert
+    /// under [`Self::quantize_experts`], a dense linear weight under [`Self::quantize_dense_linears`].
+    fn quantized_to(&self, name: &str, dtype: DType, shape: &[usize]) -> Option<Fp8Scheme> {
+        if dtype == DType::F8E4M3 || shape.len() < 2 {
+            return None;
+        }
+        if name.contains(".experts.") {
+            return self.quantize_experts;
+        }
+        self.quantize_dense
+            .as_ref()
+            .filter(|fp8| is_dense_linear(name) && !fp8.keeps_unconverted(name))
+            .map(|fp8| fp8.scheme)
+    }
+
     /// The tensor called `name`, which must have shape `shape` (synthetic stores make it so).
     pub fn get_shaped(&self, name: &str, shape: &[usize]) -> Result<TensorRef> {
-        let quantized = |dtype: DType| name.contains(".experts.") && dtype != DType::F8E4M3 && shape.len() >= 2;
-        let tensor = match (self.synthetic_seed, self.quantize_experts) {
-            // A synthetic expert that would be drawn in bf16 is drawn in FP8 at once.
-            (Some(seed), Some(scheme))
-                if !name.ends_with("_blocks") && !name.ends_with("_scales") && quantized(DType::BF16) =>
-            {
-                return synthetic_fp8_tensor(seed, name, shape, scheme)
-            }
-            (Some(seed), _) => synthetic_tensor(seed, name, shape)?,
-            (None, _) => self.get(name)?.expect_shape(shape)?,
+        let tensor = match self.synthetic_seed {
+            Some(seed) => match self.quantized_to(name, DType::BF16, shape) {
+                // A synthetic weight that would be drawn in bf16 and quantized is drawn in FP8 at once.
+                Some(scheme) if !name.ends_with("_blocks") && !name.ends_with("_scales") => {
+                    return synthetic_fp8_tensor(seed, name, shape, scheme)
+                }
+                _ => synthetic_tensor(seed, name, shape)?,
+            },
+            None => self.get(name)?.expect_shape(shape)?,
         };
-        match self.quantize_experts {
-            Some(scheme) if quantized(tensor.dtype) => quantize_fp8(&tensor, scheme),
-            _ => Ok(tensor),
+        match self.quantized_to(name, tensor.dtype, shape) {
+            Some(scheme) => quantize_fp8(&tensor, scheme),
+            None => Ok(tensor),
         }
     }
 
@@ -516,5 +581,39 @@ mod tests {
             .get_shaped("model.layers.0.self_attn.q_proj.weight", &shape)
             .unwrap();
         assert_eq!(dense.dtype, DType::BF16);
+    }
+
+    #[test]
+    fn dense_linears_are_quantized_where_the_fp8_config_does_not_keep_them() {
+        let config = serde_json::json!({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["lm_head", "model.layers.1.self_attn"]}});
+        let fp8 = Fp8Config::from_config(&config).unwrap().unwrap();
+        let mut store = WeightStore::synthetic(7);
+        assert!(!store.dense_linears_are_fp8());
+        store.quantize_dense_linears(fp8);
+        assert!(store.dense_linears_are_fp8());
+        let dtype = |name: &str, shape: &[usize]| store.get_shaped(name, shape).unwrap().dtype;
+        for linear in [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.kv_b_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+            "model.layers.0.mlp.shared_experts.up_proj.weight",
+        ] {
+            let weight = store.get_shaped(linear, &[256, 384]).unwrap();
+            assert_eq!(weight.dtype, DType::F8E4M3, "{linear}");
+            assert_eq!(weight.scales().map(|s| s.block), Some([128, 128]), "{linear}");
+        }
+        // The config's own exceptions, the router, the embeddings, the head, norms and routed experts (which
+        // quantize_experts decides) stay as drawn.
+        for (name, shape) in [
+            ("model.layers.1.self_attn.q_proj.weight", &[256, 384][..]),
+            ("model.layers.0.mlp.gate.weight", &[8, 384]),
+            ("model.embed_tokens.weight", &[100, 384]),
+            ("lm_head.weight", &[100, 384]),
+            ("model.layers.0.input_layernorm.weight", &[384]),
+            ("model.layers.0.mlp.experts.0.gate_proj.weight", &[256, 384]),
+        ] {
+            assert_eq!(dtype(name, shape), DType::BF16, "{name}");
+        }
     }
 }

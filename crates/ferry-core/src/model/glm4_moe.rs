@@ -100,6 +100,7 @@ mod tests {
             crate::loader::WeightFormat {
                 dtype: crate::loader::DType::BF16,
                 experts_fp8: None,
+                dense_fp8: None,
             },
         );
         assert!(

@@ -31,8 +31,9 @@ pub struct ModelInfo {
     pub bytes_per_expert: u64,
     /// Every routed expert of every MoE layer: what lives in host RAM under offload.
     pub expert_bank_bytes: u64,
-    /// Everything else (embeddings, attention, norms, routers, dense MLPs, shared experts): always on the GPU,
-    /// counted in the unquantized dtype (the GPU holds dense FP8 weights dequantized to bf16).
+    /// Everything else (embeddings, attention, norms, routers, dense MLPs, shared experts): always on the GPU.
+    /// Dense linear weights count their real bytes when they are FP8 (the GPU reads them so), the rest the
+    /// unquantized dtype.
     pub dense_bytes: u64,
     /// Weight bytes one decoded token reads: the dense part less the input embedding rows it does not look up
     /// (all but one; a head tied to the embeddings reads them all), and its routed experts in real bytes.
@@ -42,6 +43,10 @@ pub struct ModelInfo {
     pub kv_bytes_per_token_bf16: u64,
     /// A sequence's fixed-size recurrent state over all Gated DeltaNet layers (conv and delta-rule state, f32).
     pub recurrent_state_bytes_per_seq: u64,
+    /// Weights of the largest dense FP8 matrix (0 when the dense linears are not FP8): a product of more rows
+    /// than a GEMV takes holds it dequantized while it runs, which the GPU workspace counts.
+    #[serde(skip)]
+    pub largest_fp8_dense_linear: u64,
 }
 
 impl ModelInfo {
@@ -54,18 +59,26 @@ impl ModelInfo {
             QkNorm::Full => (heads + kv_heads) * d,
         };
         let q_rows = if spec.attention_output_gate { 2 } else { 1 } * heads * d;
-        let (attention, kv_per_layer) = match &spec.mla {
+        // The dense linear weights as (output, input) features: what FP8 checkpoints store in FP8.
+        let (attention_linears, attention_other, kv_per_layer): (Vec<(u64, u64)>, u64, u64) = match &spec.mla {
             Some(m) => {
                 let (rank, rope) = (m.kv_lora_rank as u64, m.qk_rope_head_dim as u64);
                 let q_width = heads * d;
-                let q = m
-                    .q_lora_rank
-                    .map_or(h * q_width, |r| h * r as u64 + r as u64 + r as u64 * q_width);
-                let kv = h * (rank + rope) + rank + heads * (m.qk_nope_head_dim + m.v_head_dim) as u64 * rank;
-                (q + kv + heads * m.v_head_dim as u64 * h, rank + rope)
+                let mut linears = match m.q_lora_rank {
+                    Some(r) => vec![(r as u64, h), (q_width, r as u64)],
+                    None => vec![(q_width, h)],
+                };
+                linears.extend([
+                    (rank + rope, h),
+                    (heads * (m.qk_nope_head_dim + m.v_head_dim) as u64, rank),
+                    (h, heads * m.v_head_dim as u64),
+                ]);
+                // The two low-rank norms.
+                (linears, m.q_lora_rank.map_or(0, |r| r as u64) + rank, rank + rope)
             }
             None => (
-                h * q_rows + 2 * h * kv_heads * d + heads * d * h + qk_norm,
+                vec![(q_rows, h), (kv_heads * d, h), (kv_heads * d, h), (h, heads * d)],
+                qk_norm,
                 2 * kv_heads * d,
             ),
         };
@@ -80,32 +93,57 @@ impl ModelInfo {
                 + g.v_head_dim as u64
                 + value * h
         });
-        let (num_experts, top_k, moe_inter, shared) = spec.moe.as_ref().map_or((0, 0, 0, 0), |m| {
-            let shared = m
-                .shared_expert
-                .map_or(0, |s| 3 * h * s.intermediate as u64 + s.sigmoid_gated as u64 * h);
-            (m.num_experts as u64, m.top_k as u64, m.intermediate as u64, shared)
-        });
+        let mlp = |inter: u64| [(inter, h), (inter, h), (h, inter)];
+        let (num_experts, top_k, moe_inter, shared_linears, shared_gate) =
+            spec.moe.as_ref().map_or((0, 0, 0, None, 0), |m| {
+                let shared = m.shared_expert.map(|s| mlp(s.intermediate as u64));
+                let gate = m.shared_expert.map_or(0, |s| s.sigmoid_gated as u64 * h);
+                (
+                    m.num_experts as u64,
+                    m.top_k as u64,
+                    m.intermediate as u64,
+                    shared,
+                    gate,
+                )
+            });
         let expert_params = 3 * h * moe_inter;
+        let bytes = format.dtype.size() as u64;
+        // Dense linear weights: their parameters and bytes, apart from the rest of the dense part.
+        let (mut linear_params, mut linear_bytes, mut largest_linear) = (0u64, 0u64, 0u64);
+        let mut add_linears = |linears: &[(u64, u64)]| {
+            for &(rows, cols) in linears {
+                linear_params += rows * cols;
+                largest_linear = largest_linear.max(rows * cols);
+                linear_bytes += match format.dense_fp8 {
+                    Some(scheme) => scheme.matrix_bytes(rows as usize, cols as usize),
+                    None => rows * cols * bytes,
+                };
+            }
+        };
         let mut dense = spec.vocab_size as u64 * h * if spec.tie_word_embeddings { 1 } else { 2 } + h;
         let mut moe_layers = 0u64;
         for layer in &spec.layers {
             // The mixer, and the layer's two norms.
-            dense += 2 * h
-                + match layer.mixer {
-                    Mixer::Attention { .. } => attention,
-                    Mixer::GatedDeltaNet => gated_delta_net,
-                };
+            dense += 2 * h;
+            match layer.mixer {
+                Mixer::Attention { .. } => {
+                    dense += attention_other;
+                    add_linears(&attention_linears);
+                }
+                Mixer::GatedDeltaNet => dense += gated_delta_net,
+            }
             match layer.ffn {
-                FfnKind::Dense { intermediate } => dense += 3 * h * intermediate as u64,
+                FfnKind::Dense { intermediate } => add_linears(&mlp(intermediate as u64)),
                 FfnKind::Moe => {
                     moe_layers += 1;
-                    dense += num_experts * h + shared;
+                    dense += num_experts * h + shared_gate;
+                    add_linears(shared_linears.as_ref().map_or(&[][..], |s| &s[..]));
                 }
             }
         }
+        let dense_bytes = dense * bytes + linear_bytes;
+        let dense = dense + linear_params;
         let bank_params = moe_layers * num_experts * expert_params;
-        let bytes = format.dtype.size() as u64;
         let gpt_oss_experts = match spec.moe.as_ref().map(|m| m.naming.layout) {
             Some(ExpertLayout::GptOss { mxfp4 }) => Some(mxfp4),
             _ => None,
@@ -139,7 +177,7 @@ impl ModelInfo {
             num_moe_layers: moe_layers as usize,
             num_experts: num_experts as usize,
             experts_per_token: top_k as usize,
-            shared_expert: shared > 0,
+            shared_expert: shared_linears.is_some(),
             hidden_size: spec.hidden_size,
             moe_intermediate_size: moe_inter as usize,
             vocab_size: spec.vocab_size,
@@ -151,10 +189,12 @@ impl ModelInfo {
             params_active_per_token: dense + moe_layers * top_k * expert_params,
             bytes_per_expert,
             expert_bank_bytes: moe_layers * num_experts * bytes_per_expert,
-            dense_bytes: dense * bytes,
-            bytes_active_per_token: (dense - unread_embedding_rows * h) * bytes + moe_layers * top_k * bytes_per_expert,
+            dense_bytes,
+            bytes_active_per_token: dense_bytes - unread_embedding_rows * h * bytes
+                + moe_layers * top_k * bytes_per_expert,
             kv_bytes_per_token_bf16: spec.num_attention_layers() as u64 * kv_per_layer * 2,
             recurrent_state_bytes_per_seq: recurrent_spec(spec).map_or(0, |r| r.bytes_per_seq() as u64),
+            largest_fp8_dense_linear: if format.dense_fp8.is_some() { largest_linear } else { 0 },
         }
     }
 }

@@ -27,6 +27,9 @@ pub struct ActivationShapes {
     pub top_k: usize,
     pub expert_intermediate: usize,
     pub vocab: usize,
+    /// Weights of the largest dense FP8 matrix (0 without dense FP8 weights): products of more rows than a GEMV
+    /// takes dequantize it into two bf16 halves for as long as they run (linear.rs).
+    pub largest_fp8_matrix: usize,
 }
 
 /// Activations of one forward pass of `rows` tokens, with room for the memory pool's rounding, plus cuBLAS's
@@ -44,8 +47,9 @@ pub fn workspace_bytes(shapes: &ActivationShapes, rows: usize) -> u64 {
     let grouped_experts = rows.min(MOE_GROUP_ROWS) * shapes.top_k * 2 * (shapes.hidden + shapes.expert_intermediate);
     let activations = ((rows * per_row + grouped_experts) * 4) as u64;
     let logits = (8 * shapes.vocab * 4) as u64;
+    let fp8_halves = (shapes.largest_fp8_matrix * 2 * 2) as u64;
     const CUBLAS_AND_POOL: u64 = 256 << 20;
-    2 * activations + logits + CUBLAS_AND_POOL
+    2 * activations + logits + fp8_halves + CUBLAS_AND_POOL
 }
 
 #[cfg(test)]
@@ -64,6 +68,7 @@ mod tests {
             top_k: 4,
             expert_intermediate: 96,
             vocab: 1000,
+            largest_fp8_matrix: 0,
         };
         let per_row = |rows: usize| workspace_bytes(&shapes, rows) - workspace_bytes(&shapes, rows - 1);
         let expert_pairs_per_row = (2 * 4 * (64 + 96) * 4 * 2) as u64;
