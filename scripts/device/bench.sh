@@ -12,9 +12,9 @@
 # q36-15.8 (4K and 32K prompts) | q36-22.3-uniform | q36-22.3-locality (q36-22.3 under each trace) | serve-q30 |
 # serve-q36 (bench/serve_bench.py against `ferry serve`; SERVE_BENCH_ARGS passes more arguments to it) | agent-q30 |
 # agent-q36 (serve_bench.py's agent loop with prefix caching, then with --no-prefix-cache, whose greedy replies must
-# be identical) | dsv3-10 (DeepSeek-V3's shape cut to its 3 dense + 7 MoE layers, experts in FP8 as DeepSeek ships
-# them: 73.5 GiB of the full model's 650 GB bank, which does not fit the host's 128 GB) | glm45air-fp8 (GLM-4.5-Air's
-# shape, experts in FP8: 97 GiB), both under the uniform and the locality trace | q30-fp8 (issue 18: q30 with BF16
+# be identical) | dsv3-10 (DeepSeek-V3's shape cut to its 3 dense + 7 MoE layers, in FP8 as DeepSeek ships it, dense
+# linears and experts: 73.5 GiB of the full model's 650 GB bank, which does not fit the host's 128 GB) | glm45air-fp8
+# (GLM-4.5-Air's shape in FP8 likewise: a 97 GiB bank), both under the uniform and the locality trace | q30-fp8 (issue 18: q30 with BF16
 # and with FP8 experts at 22.3 GiB under one uniform trace, then both all resident) | q30-fp8-resident (the last alone) | gptoss120-22.3 |
 # gptoss120-15.8 (gpt-oss-120b's shape, MXFP4 experts, under both traces with --moe-strategy offload, auto and cpu, or the
 # comma-separated GPTOSS_STRATEGIES; -uniform or -locality: one trace). Where a workload names several traces or
@@ -176,12 +176,12 @@ for workload in "$@"; do
         agent agent-q36-15.8GiB "H200, q36, --gpu-memory-budget 15.8GiB" $q36 --tokenizer tests/fixtures/qwen3_5_moe \
             --gpu-memory-budget 15.8GiB --kv-reserve-tokens 16384 || status=1 ;;
     dsv3-10)
-        bench dsv3-10layers-fp8-22.3GiB --synthetic bench/dsv3-10layers.json --expert-dtype fp8 --device cuda \
+        bench dsv3-10layers-fp8-22.3GiB --synthetic bench/dsv3-10layers-fp8.json --device cuda \
             --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 4096 \
             $(traces bench/dsv3-10layers.json "")
         ;;
     glm45air-fp8)
-        bench glm45air-fp8-22.3GiB --synthetic bench/glm45air.json --expert-dtype fp8 --device cuda \
+        bench glm45air-fp8-22.3GiB --synthetic bench/glm45air-fp8.json --device cuda \
             --gpu-memory-budget 22.3GiB --kv-reserve-tokens 16384 --decode-tokens 32 --prompt-tokens 4096 \
             $(traces bench/glm45air.json "")
         ;;

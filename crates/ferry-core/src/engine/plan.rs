@@ -18,6 +18,11 @@ pub const MAX_BATCH_TOKENS: usize = 2048;
 /// of 2,048 tokens computes in about 0.65 s and the 64 GB bank streams in 1.2 s (docs/perf.md).
 pub const OFFLOAD_STEP_TOKENS: usize = 4096;
 
+/// The shortest step a budget shrinks the offload step to (halving from [`OFFLOAD_STEP_TOKENS`]) when longer ones
+/// leave no room for the expert slots a step needs: models with wide prefill activations (DeepSeek-V3's shape
+/// holds about 1.2 MB a token) then plan on a small card, their prompts in more steps.
+const MIN_OFFLOAD_STEP_TOKENS: usize = 256;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OffloadMode {
     /// Everything resident; an error if it does not fit.
@@ -36,7 +41,8 @@ pub struct BudgetRequest {
     pub slots: Option<usize>,
     pub kv_reserve_tokens: usize,
     /// The most tokens one forward pass carries (the prefill chunk), which sizes the activation workspace; None:
-    /// [`MAX_BATCH_TOKENS`], or [`OFFLOAD_STEP_TOKENS`] when the experts are offloaded.
+    /// [`MAX_BATCH_TOKENS`], or when the experts are offloaded [`OFFLOAD_STEP_TOKENS`], halved as often as the
+    /// budget needs to hold one layer's experts (or the asked slots) beside the workspace.
     pub max_batch_tokens: Option<usize>,
     /// Recurrent-state snapshots kept for prefix caching (0: none), each a whole sequence's state of a hybrid
     /// model (nothing for a model without recurrent state): [`PREFIX_SNAPSHOT_SLOTS`] when it is on.
@@ -153,14 +159,19 @@ pub fn plan_memory(info: &ModelInfo, spec: &ModelSpec, request: &BudgetRequest) 
         OffloadMode::Experts => true,
         OffloadMode::Auto => !whole_fits || request.slots.is_some(),
     };
-    // Under offload the longer step, unless its workspace leaves no room for the slots a step needs (one layer's
-    // experts, or the asked number): then the resident step, as a budget that small had before.
+    // Under offload the longest step (from OFFLOAD_STEP_TOKENS, halving) whose workspace leaves room for the slots
+    // a step needs (one layer's experts, or the asked number); where none does, the resident step, whose plan then
+    // says why.
     let needed_slots = request.slots.unwrap_or(info.num_experts) as u64;
-    let longer_step_fits = fixed_for(OFFLOAD_STEP_TOKENS)
-        .is_ok_and(|(_, fixed)| request.budget_bytes - fixed >= needed_slots * info.bytes_per_expert);
+    let leaves_room = |step: usize| {
+        fixed_for(step).is_ok_and(|(_, fixed)| request.budget_bytes - fixed >= needed_slots * info.bytes_per_expert)
+    };
     let step_tokens = match request.max_batch_tokens {
         Some(n) => n,
-        None if offload && longer_step_fits => OFFLOAD_STEP_TOKENS,
+        None if offload => std::iter::successors(Some(OFFLOAD_STEP_TOKENS), |&s| Some(s / 2))
+            .take_while(|&s| s >= MIN_OFFLOAD_STEP_TOKENS)
+            .find(|&s| leaves_room(s))
+            .unwrap_or(MAX_BATCH_TOKENS),
         None => MAX_BATCH_TOKENS,
     };
     let (workspace, fixed) = fixed_for(step_tokens)?;
@@ -368,6 +379,50 @@ mod tests {
     }
 
     #[test]
+    fn the_fp8_checkpoints_of_the_largest_models_plan_under_a_24_gb_card() {
+        // Dense linears in FP8 as these models ship: GLM-4.5-Air and DeepSeek-V3's shape (cut to 10 layers) keep
+        // KV for 16K tokens and room for every expert of a layer (a prefill routes to all of them) in 22.3 GiB.
+        for config in ["bench/glm45air-fp8.json", "bench/dsv3-10layers-fp8.json"] {
+            let (info, spec) = model(config);
+            let bf16 = ModelInfo::new(
+                &spec,
+                WeightFormat {
+                    dense_fp8: None,
+                    ..WeightFormat {
+                        dtype: DType::BF16,
+                        experts_fp8: Some(crate::loader::Fp8Scheme::BLOCK_128),
+                        dense_fp8: None,
+                    }
+                },
+            );
+            assert!(
+                info.dense_bytes < bf16.dense_bytes * 3 / 4,
+                "{config}: dense FP8 is counted as such"
+            );
+            let request = BudgetRequest {
+                kv_reserve_tokens: 16384,
+                ..request("22.3GiB", OffloadMode::Auto, None)
+            };
+            let plan = plan_memory(&info, &spec, &request).unwrap();
+            assert!(plan.offload && plan.slots >= info.num_experts, "{config}: {plan:?}");
+            assert_eq!(
+                plan.step_tokens,
+                [4096, 2048, 1024, 512, 256]
+                    .into_iter()
+                    .find(|&step| {
+                        22.3 * (1u64 << 30) as f64
+                            >= (info.dense_bytes
+                                + workspace_bytes(&spec, &info, step)
+                                + 16384 * gpu_kv_bytes_per_token(&info)
+                                + info.num_experts as u64 * info.bytes_per_expert) as f64
+                    })
+                    .unwrap(),
+                "{config}: the longest step that leaves room for a layer's experts"
+            );
+        }
+    }
+
+    #[test]
     fn offloaded_experts_take_longer_steps_whose_expert_workspace_stays_that_of_one_group() {
         let (info, spec) = q30();
         let resident = plan_memory(&info, &spec, &request("80GiB", OffloadMode::Auto, None)).unwrap();
@@ -455,15 +510,24 @@ mod tests {
         assert!(plan_memory(&info, &spec, &request("22.3GiB", OffloadMode::None, None)).is_err());
         let err = plan_memory(&info, &spec, &request("3GiB", OffloadMode::Auto, None)).unwrap_err();
         assert!(err.to_string().contains("dense weights"), "{err}");
-        // Room for everything but one layer's experts, even with the shorter step.
+        // Room for everything but one layer's experts at 2048-token steps: asked for such steps, the plan says
+        // why it cannot; left to choose, it halves the step until a layer's experts fit.
         let fixed =
             info.dense_bytes + workspace_bytes(&spec, &info, MAX_BATCH_TOKENS) + 8192 * gpu_kv_bytes_per_token(&info);
         let short_of_a_layer = BudgetRequest {
             budget_bytes: fixed + (info.num_experts as u64 - 1) * info.bytes_per_expert,
+            max_batch_tokens: Some(MAX_BATCH_TOKENS),
             ..request("0", OffloadMode::Auto, None)
         };
         let err = plan_memory(&info, &spec, &short_of_a_layer).unwrap_err();
         assert!(err.to_string().contains("slots"), "{err}");
+        let chosen = BudgetRequest {
+            max_batch_tokens: None,
+            ..short_of_a_layer
+        };
+        let plan = plan_memory(&info, &spec, &chosen).unwrap();
+        assert_eq!(plan.step_tokens, MAX_BATCH_TOKENS / 2);
+        assert!(plan.slots >= info.num_experts);
     }
 
     #[test]
