@@ -14,8 +14,9 @@
 # agent-q36 (serve_bench.py's agent loop with prefix caching, then with --no-prefix-cache, whose greedy replies must
 # be identical) | dsv3-10 (DeepSeek-V3's shape cut to its 3 dense + 7 MoE layers, in FP8 as DeepSeek ships it, dense
 # linears and experts: 73.5 GiB of the full model's 650 GB bank, which does not fit the host's 128 GB) | glm45air-fp8
-# (GLM-4.5-Air's shape in FP8 likewise: a 97 GiB bank), both under the uniform and the locality trace | q30-fp8 (issue 18: q30 with BF16
-# and with FP8 experts at 22.3 GiB under one uniform trace, then both all resident) | q30-fp8-resident (the last alone) | gptoss120-22.3 |
+# (GLM-4.5-Air's shape in FP8 likewise: a 97 GiB bank), both under the uniform and the locality trace | q30-fp8 (issue 18: q30 in BF16
+# and in FP8 as Qwen's FP8 release stores it, dense linears and experts, at 22.3 GiB under one uniform trace, then
+# both all resident) | q30-fp8-resident (the last alone) | gptoss120-22.3 |
 # gptoss120-15.8 (gpt-oss-120b's shape, MXFP4 experts, under both traces with --moe-strategy offload, auto and cpu, or the
 # comma-separated GPTOSS_STRATEGIES; -uniform or -locality: one trace). Where a workload names several traces or
 # strategies, `ferry bench` measures each in turn on one load (a large model's load costs minutes of device time).
