@@ -416,7 +416,10 @@ fn synthetic_fp8_models_are_laid_out_as_the_hubs_fp8_checkpoints() {
         );
         let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let format = info["weight_dtype"].as_str().unwrap();
-        assert!(format.starts_with("bf16, dense linears and experts fp8 e4m3, "), "{family}: {format}");
+        assert!(
+            format.starts_with("bf16, dense linears and experts fp8 e4m3, "),
+            "{family}: {format}"
+        );
         let stored = ferry(&["info", "--model", fixture(family).to_str().unwrap(), "--json"]);
         let stored: serde_json::Value = serde_json::from_slice(&stored.stdout).unwrap();
         assert_eq!(
