@@ -57,6 +57,24 @@ pub(super) struct OffloadReport {
     host_pipeline_ms_per_token: f64,
     /// Under `--moe-strategy auto`, the planner's rates as calibrated by the end of the run.
     calibrated: Option<CalibratedRates>,
+    /// With a replayed trace, for the batch-1 decode: a decode step's time with every expert it needs resident
+    /// (a sequence of the prompt's length decoded under one token's routing, held: nothing left to copy after its
+    /// first step), the overlapped bound 1 / max(copy time a token, that step), and the decode against it.
+    resident_step_ms: Option<f64>,
+    overlapped_bound_tok_s: Option<f64>,
+    achieved_over_overlapped_bound: Option<f64>,
+}
+
+impl OffloadReport {
+    /// Adds the resident step (`seconds` a token) and the overlapped bound of a decode at `tok_s`: copies and the
+    /// resident step overlapped perfectly, each token takes the longer of the two.
+    pub(super) fn with_resident_step(&mut self, seconds: f64, tok_s: f64) {
+        let copy_seconds = self.bytes_missed_per_token / (self.measured_h2d_gb_s * 1e9);
+        let bound = 1.0 / copy_seconds.max(seconds);
+        self.resident_step_ms = Some(seconds * 1e3);
+        self.overlapped_bound_tok_s = Some(bound);
+        self.achieved_over_overlapped_bound = Some(tok_s / bound);
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -176,6 +194,9 @@ pub(super) fn offload_report(
         host_gb_s: lane_gb_s(after.host_bytes - before.host_bytes, after.host_ns - before.host_ns),
         host_pipeline_ms_per_token: (after.host_pipeline_ns - before.host_pipeline_ns) as f64 / 1e6 / tokens as f64,
         calibrated: after.calibrated,
+        resident_step_ms: None,
+        overlapped_bound_tok_s: None,
+        achieved_over_overlapped_bound: None,
     })
 }
 
@@ -285,6 +306,19 @@ pub(super) fn print_report(r: &BenchReport) {
                 _ => "none (nothing crossed the link)".into(),
             },
         ));
+        if let (Some(step), Some(bound), Some(achieved)) = (
+            o.resident_step_ms,
+            o.overlapped_bound_tok_s,
+            o.achieved_over_overlapped_bound,
+        ) {
+            rows.push((
+                "overlapped bound",
+                format!(
+                    "{bound:.1} tok/s ({:.1} % achieved): copies under a {step:.2} ms resident step",
+                    100.0 * achieved
+                ),
+            ));
+        }
         rows.push((
             "lanes per token",
             format!(
@@ -364,5 +398,29 @@ mod tests {
         assert_eq!(on_the_cpu.pcie_bound_tok_s, None);
         assert_eq!(on_the_cpu.achieved_over_pcie_bound, None);
         assert_eq!(on_the_cpu.host_experts_per_token, 5.0);
+    }
+
+    #[test]
+    fn the_overlapped_bound_is_the_longer_of_a_tokens_copies_and_its_resident_step() {
+        let report = || {
+            offload_report(
+                Some(OffloadStats::default()),
+                Some(stats(40e9 as u64, 0)),
+                10,
+                2.0,
+                5.0,
+                Some(50.0),
+            )
+        };
+        // 4 GB a token at 50 GB/s: 80 ms of copies.
+        let mut copy_bound = report().unwrap();
+        copy_bound.with_resident_step(0.02, 5.0);
+        assert_eq!(copy_bound.overlapped_bound_tok_s, Some(12.5));
+        assert_eq!(copy_bound.achieved_over_overlapped_bound, Some(0.4));
+        let mut step_bound = report().unwrap();
+        step_bound.with_resident_step(0.1, 5.0);
+        assert_eq!(step_bound.overlapped_bound_tok_s, Some(10.0));
+        assert_eq!(step_bound.achieved_over_overlapped_bound, Some(0.5));
+        assert_eq!(step_bound.resident_step_ms, Some(100.0));
     }
 }

@@ -155,7 +155,8 @@ pub(super) fn bench_on<B: Backend>(
     let executor = BenchExecutor::new(executor, args.model.synthetic.is_some());
     let mut scheduler = Scheduler::new(config, executor, Arc::new(NoText))?;
     let mut recording = taps.recorder.as_mut().map(as_tap);
-    for (i, (variant, replay)) in variants.iter().zip(taps.replays.iter_mut()).enumerate() {
+    let variant_taps = taps.replays.iter_mut().zip(taps.held.iter_mut());
+    for (i, (variant, (replay, held))) in variants.iter().zip(variant_taps).enumerate() {
         if i > 0 {
             restart(variant)?;
             scheduler.executor_mut().restart_random_tokens();
@@ -166,7 +167,7 @@ pub(super) fn bench_on<B: Backend>(
             variant.strategy
         );
         scheduler.executor_mut().model.set_tap(replay.as_mut().map(as_tap));
-        let measured = measure(
+        let mut measured = measure(
             &mut scheduler,
             &workload,
             args,
@@ -175,6 +176,13 @@ pub(super) fn bench_on<B: Backend>(
             recording.take(),
             &phase_done,
         )?;
+        if let (Some(held), Some(offload)) = (held.as_mut(), measured.offload.as_mut()) {
+            scheduler.executor_mut().model.set_tap(Some(as_tap(held)));
+            if let Some(seconds) = resident_step_seconds(&mut scheduler, &workload)? {
+                offload.with_resident_step(seconds, measured.decode_batch1);
+            }
+            phase_done("resident_step");
+        }
         let bytes_per_token = info.bytes_active_per_token;
         let bound = ceiling.gb_s * 1e9 / bytes_per_token as f64;
         let report = BenchReport {
@@ -214,6 +222,22 @@ pub(super) fn bench_on<B: Backend>(
         recorder.finish()?;
     }
     Ok(())
+}
+
+/// Seconds a decode step takes with nothing to copy: a sequence of the main prompt's length prefilled and decoded
+/// under the held routing now set, whose experts are resident once its prompt is in, timed over its decode. None
+/// when its decode still missed (a split that computes misses on the CPU never caches them).
+fn resident_step_seconds<B: Backend>(
+    scheduler: &mut Scheduler<BenchExecutor<'_, B>>,
+    workload: &Workload,
+) -> Result<Option<f64>> {
+    let (mut phase, _) = prefill(scheduler, &workload.prompt, workload.decode_tokens + 1)?;
+    let before = scheduler.offload_stats();
+    let started = Instant::now();
+    phase.step_until(scheduler, Phase::finished)?;
+    let seconds = started.elapsed().as_secs_f64() / workload.decode_tokens as f64;
+    let missed = |s: Option<ferry_core::moe::OffloadStats>| s.map(|s| (s.copies, s.host_experts));
+    Ok((missed(before) == missed(scheduler.offload_stats())).then_some(seconds))
 }
 
 /// What one variant's phases measured.

@@ -10,7 +10,7 @@ use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::{Executor, ModelExecutor};
 use ferry_core::kv::{KvCache, SeqId, BLOCK_SIZE};
 use ferry_core::model::ModelInfo;
-use ferry_core::moe::{OffloadStats, RoutingTap, RoutingTrace, TraceHeader, TraceRecorder, TraceReplayer};
+use ferry_core::moe::{HeldRouting, OffloadStats, RoutingTap, RoutingTrace, TraceHeader, TraceRecorder, TraceReplayer};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::{BenchArgs, Variant};
@@ -62,6 +62,8 @@ pub(super) struct Taps {
     /// Per variant, its trace's replay through every phase (None: the model's router), each from the trace's
     /// start.
     pub(super) replays: Vec<Option<TraceReplayer>>,
+    /// Per variant with a trace, its first token's routing held, for the resident step (run.rs).
+    pub(super) held: Vec<Option<HeldRouting>>,
     /// Records the batch-1 decode.
     pub(super) recorder: Option<TraceRecorder>,
 }
@@ -93,6 +95,15 @@ impl Taps {
                                 None => Ok(replayer),
                             }
                         })
+                        .transpose()
+                })
+                .collect::<ferry_core::Result<_>>()?,
+            held: variants
+                .iter()
+                .map(|v| {
+                    v.trace
+                        .as_deref()
+                        .map(|path| HeldRouting::first_token_of(&traces[path]))
                         .transpose()
                 })
                 .collect::<ferry_core::Result<_>>()?,

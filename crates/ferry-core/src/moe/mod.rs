@@ -26,5 +26,5 @@ pub use policy::{Access, Belady, EvictionPolicy, ExpertKey, Lru};
 pub use prefill::PrefillAware;
 pub use split::{fit_cpu_lane, plan_split, rows_per_expert, CpuLaneCost, LanePoint, LaneRates, Miss, Split, SplitRule};
 pub use stats::OffloadStats;
-pub use tap::{RoutingTap, TraceRecorder, TraceReplayer};
+pub use tap::{HeldRouting, RoutingTap, TraceRecorder, TraceReplayer};
 pub use trace::{RoutingTrace, RoutingTraceWriter, TraceHeader};

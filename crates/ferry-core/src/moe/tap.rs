@@ -2,7 +2,8 @@
 //! [`TraceRecorder`] writes it to a routing trace (`--record-routing`); [`TraceReplayer`] replaces the router's
 //! choice with a recorded one (`--routing-trace`), so benchmarks on synthetic weights see real locality, and can
 //! guess each next layer's choice for the offload's prefetch as a predictor of a given precision would
-//! (`--routing-guess-precision`).
+//! (`--routing-guess-precision`); [`HeldRouting`] routes every step as one token of a trace, so that nothing is left
+//! to copy after its first.
 
 use std::path::PathBuf;
 
@@ -178,6 +179,53 @@ impl RoutingTap for TraceReplayer {
     }
 }
 
+/// Routes every row of every step as one token of a trace was routed, layer by layer, and guesses each next layer
+/// so too: from its second step on, every expert a step needs is resident, so a decode under it times a step with
+/// nothing to copy (`ferry bench`'s resident step, against which an offloaded decode's overlap is judged).
+pub struct HeldRouting {
+    /// The held token's experts, per MoE layer.
+    layers: Vec<Vec<u32>>,
+}
+
+impl HeldRouting {
+    /// Holds the routing of `trace`'s first token.
+    pub fn first_token_of(trace: &RoutingTrace) -> Result<Self> {
+        if trace.num_tokens() == 0 {
+            return Err(Error::Cache("the routing trace has no tokens".into()));
+        }
+        let layers = trace.header().num_layers;
+        Ok(HeldRouting {
+            layers: (0..layers).map(|layer| trace.routed(0, layer).to_vec()).collect(),
+        })
+    }
+
+    /// The held experts of `layer` for each of `rows` rows, or an error naming a model of another shape.
+    fn rows(&self, layer: usize, rows: usize, top_k: usize) -> Result<Vec<u32>> {
+        match self.layers.get(layer) {
+            Some(experts) if experts.len() == top_k => Ok(experts.repeat(rows)),
+            _ => Err(Error::Cache(format!(
+                "the held routing is for {} MoE layers of top-{}, not this model's layer {layer} of top-{top_k}",
+                self.layers.len(),
+                self.layers.first().map_or(0, Vec::len)
+            ))),
+        }
+    }
+}
+
+impl RoutingTap for HeldRouting {
+    fn wants_router_choice(&self) -> bool {
+        false
+    }
+
+    fn routed(&mut self, layer: usize, rows: usize, top_k: usize, _: Option<&[u32]>) -> Result<Option<Vec<u32>>> {
+        self.rows(layer, rows, top_k).map(Some)
+    }
+
+    fn guess(&mut self, layer: usize, rows: usize, top_k: usize) -> Result<Option<Vec<u32>>> {
+        self.rows(layer, rows, top_k).map(Some)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,6 +256,31 @@ mod tests {
         // The trace ran out: it starts again.
         assert_eq!(replayer.routed(0, 1, 2, None).unwrap(), Some(vec![1, 2]));
         assert!(replayer.routed(0, 1, 3, None).is_err(), "a trace of another top-k");
+    }
+
+    #[test]
+    fn a_held_routing_routes_and_guesses_every_row_as_the_traces_first_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.jsonl");
+        let header = TraceHeader {
+            num_layers: 2,
+            num_experts: 8,
+            top_k: 2,
+        };
+        let mut recorder = TraceRecorder::create(&path, header).unwrap();
+        for (first, second) in [([1, 2], [5, 6]), ([3, 4], [7, 0])] {
+            recorder.routed(0, 1, 2, Some(&first)).unwrap();
+            recorder.routed(1, 1, 2, Some(&second)).unwrap();
+        }
+        recorder.finish().unwrap();
+        let mut held = HeldRouting::first_token_of(&RoutingTrace::read(&path).unwrap()).unwrap();
+        for _ in 0..3 {
+            assert_eq!(held.routed(0, 2, 2, None).unwrap(), Some(vec![1, 2, 1, 2]));
+            assert_eq!(held.guess(1, 1, 2).unwrap(), Some(vec![5, 6]));
+            assert_eq!(held.routed(1, 1, 2, None).unwrap(), Some(vec![5, 6]));
+        }
+        assert!(held.routed(2, 1, 2, None).is_err(), "a third layer");
+        assert!(held.routed(0, 1, 3, None).is_err(), "another top-k");
     }
 
     #[test]
