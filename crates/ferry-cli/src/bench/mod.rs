@@ -6,8 +6,9 @@
 //! sequences decoding together (aggregate tok/s). It runs through the engine's scheduler, as the server's requests
 //! do, timed from outside (run.rs). Bounds at batch 1 (report.rs): all resident, the memory bandwidth over the bytes
 //! one token reads; under expert offload, the measured host-to-device bandwidth over the expert bytes one token
-//! misses, and with a replayed trace the overlapped bound, 1 / max(that copy time, the resident step), the resident
-//! step timed in the same run by a decode of the prompt's length under one token's routing held (all hits).
+//! misses, and under `offload` with a replayed trace the overlapped bound, 1 / max(that copy time, the resident
+//! step), the resident step timed in the same run by a decode of the prompt's length under one token's routing
+//! held (all hits).
 
 mod report;
 mod run;

@@ -17,6 +17,7 @@ use super::report::{civil_date, offload_report, BenchReport, MemoryCeiling, Offl
 use super::workload::{as_tap, BenchExecutor, Taps, Workload};
 use super::{BenchArgs, Variant};
 use crate::device::Backends;
+use crate::doctor_lanes::MoeStrategy;
 use crate::progress::LoadProgress;
 
 /// What the backend-independent part of the bench needs from the machine.
@@ -176,7 +177,10 @@ pub(super) fn bench_on<B: Backend>(
             recording.take(),
             &phase_done,
         )?;
-        if let (Some(held), Some(offload)) = (held.as_mut(), measured.offload.as_mut()) {
+        // The resident step under `offload` only: the lanes' strategies may leave the held experts to the CPU lane,
+        // which never caches them (and a 4K prompt's rows on a few experts cost the lane minutes).
+        let link_only = variant.strategy == MoeStrategy::Offload;
+        if let (Some(held), Some(offload), true) = (held.as_mut(), measured.offload.as_mut(), link_only) {
             scheduler.executor_mut().model.set_tap(Some(as_tap(held)));
             if let Some(seconds) = resident_step_seconds(&mut scheduler, &workload)? {
                 offload.with_resident_step(seconds, measured.decode_batch1);
