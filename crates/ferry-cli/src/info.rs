@@ -121,10 +121,11 @@ pub fn run(args: InfoArgs) -> Result<()> {
             p.kv_tokens
         );
         println!(
-            "{:<28}dense {}, workspace {}",
+            "{:<28}dense {}, workspace {} (forward passes of {} tokens at most: the prefill chunk)",
             "also on the GPU",
             bytes(p.dense_bytes),
-            bytes(p.workspace_bytes)
+            bytes(p.workspace_bytes),
+            p.step_tokens
         );
     }
     match non_finite.as_deref() {
