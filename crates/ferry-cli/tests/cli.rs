@@ -376,23 +376,7 @@ fn token_id_outside_the_vocabulary_is_refused() {
 #[test]
 fn synthetic_models_need_no_files() {
     let config = fixture(FIXTURE).join("config.json");
-    let continuation = || {
-        let out = ferry(&[
-            "generate",
-            "--synthetic",
-            config.to_str().unwrap(),
-            "--prompt-ids",
-            "1,2,3",
-            "--max-tokens",
-            "3",
-            "--ignore-eos",
-            "--json",
-            "--device",
-            "cpu",
-        ]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
+    let continuation = || synthetic_continuation(config.to_str().unwrap());
     let first = continuation();
     assert_eq!(first["completion_tokens"], 3);
     assert_eq!(
@@ -400,6 +384,29 @@ fn synthetic_models_need_no_files() {
         continuation()["token_ids"],
         "seeded weights give the same continuation"
     );
+}
+
+/// `ferry generate`'s JSON for 3 tokens after ids 1, 2, 3 of the synthetic model of `config`, on the CPU.
+fn synthetic_continuation(config: &str) -> serde_json::Value {
+    let out = ferry(&[
+        "generate",
+        "--synthetic",
+        config,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "3",
+        "--ignore-eos",
+        "--json",
+        "--device",
+        "cpu",
+    ]);
+    assert!(
+        out.status.success(),
+        "{config}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 #[test]
@@ -426,25 +433,7 @@ fn synthetic_fp8_models_are_laid_out_as_the_hubs_fp8_checkpoints() {
             info["dense_bytes"], stored["dense_bytes"],
             "{family}: the stored checkpoint's dense bytes"
         );
-        let out = ferry(&[
-            "generate",
-            "--synthetic",
-            config,
-            "--prompt-ids",
-            "1,2,3",
-            "--max-tokens",
-            "3",
-            "--ignore-eos",
-            "--json",
-            "--device",
-            "cpu",
-        ]);
-        assert!(
-            out.status.success(),
-            "{family}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let generated: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let generated = synthetic_continuation(config);
         assert_eq!(generated["completion_tokens"], 3, "{family}");
     }
 }

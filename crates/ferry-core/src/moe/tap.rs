@@ -230,8 +230,9 @@ impl RoutingTap for HeldRouting {
 mod tests {
     use super::*;
 
-    #[test]
-    fn recorded_forward_passes_replay_as_they_were_routed() {
+    /// The trace a recorder writes of `forwards` through a model of 2 MoE layers of 8 experts, top-2: each forward
+    /// its rows and the ids of both layers.
+    fn recorded(forwards: &[(usize, &[u32], &[u32])]) -> RoutingTrace {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("trace.jsonl");
         let header = TraceHeader {
@@ -240,14 +241,18 @@ mod tests {
             top_k: 2,
         };
         let mut recorder = TraceRecorder::create(&path, header).unwrap();
-        // One forward of 2 rows, then one of 1 row.
-        assert_eq!(recorder.routed(0, 2, 2, Some(&[1, 2, 3, 4])).unwrap(), None);
-        recorder.routed(1, 2, 2, Some(&[5, 6, 7, 0])).unwrap();
-        recorder.routed(0, 1, 2, Some(&[7, 1])).unwrap();
-        recorder.routed(1, 1, 2, Some(&[2, 3])).unwrap();
+        for &(rows, first, second) in forwards {
+            assert_eq!(recorder.routed(0, rows, 2, Some(first)).unwrap(), None);
+            recorder.routed(1, rows, 2, Some(second)).unwrap();
+        }
         recorder.finish().unwrap();
+        RoutingTrace::read(&path).unwrap()
+    }
 
-        let trace = RoutingTrace::read(&path).unwrap();
+    #[test]
+    fn recorded_forward_passes_replay_as_they_were_routed() {
+        // One forward of 2 rows, then one of 1 row.
+        let trace = recorded(&[(2, &[1, 2, 3, 4], &[5, 6, 7, 0]), (1, &[7, 1], &[2, 3])]);
         assert_eq!(trace.num_tokens(), 3);
         assert_eq!((trace.routed(1, 0), trace.routed(1, 1)), (&[3, 4][..], &[7, 0][..]));
         let mut replayer = TraceReplayer::new(trace).unwrap();
@@ -260,20 +265,8 @@ mod tests {
 
     #[test]
     fn a_held_routing_routes_and_guesses_every_row_as_the_traces_first_token() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("trace.jsonl");
-        let header = TraceHeader {
-            num_layers: 2,
-            num_experts: 8,
-            top_k: 2,
-        };
-        let mut recorder = TraceRecorder::create(&path, header).unwrap();
-        for (first, second) in [([1, 2], [5, 6]), ([3, 4], [7, 0])] {
-            recorder.routed(0, 1, 2, Some(&first)).unwrap();
-            recorder.routed(1, 1, 2, Some(&second)).unwrap();
-        }
-        recorder.finish().unwrap();
-        let mut held = HeldRouting::first_token_of(&RoutingTrace::read(&path).unwrap()).unwrap();
+        let trace = recorded(&[(1, &[1, 2], &[5, 6]), (1, &[3, 4], &[7, 0])]);
+        let mut held = HeldRouting::first_token_of(&trace).unwrap();
         for _ in 0..3 {
             assert_eq!(held.routed(0, 2, 2, None).unwrap(), Some(vec![1, 2, 1, 2]));
             assert_eq!(held.guess(1, 1, 2).unwrap(), Some(vec![5, 6]));
