@@ -178,6 +178,7 @@ fn generate_on<B: Backend>(
                 }
                 Event::Finished { reason, .. } => finish_reason = Some(reason),
                 Event::Failed { message } => bail!(message),
+                Event::PromptToken { .. } => bail!("the prompt was scored, which `ferry generate` never asks"),
             }
         }
     }

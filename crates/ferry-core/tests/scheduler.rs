@@ -75,6 +75,7 @@ fn scheduled(
                     Event::Token { text: piece, .. } => text.push_str(&piece),
                     Event::Finished { completion_tokens, .. } => assert_eq!(completion_tokens, MAX_TOKENS),
                     Event::Failed { message } => panic!("{message}"),
+                    Event::PromptToken { .. } => panic!("prompt logprobs were not asked for"),
                 }
             }
             text

@@ -79,6 +79,7 @@ fn generate(format: &ResponseFormat) -> Vec<(String, FinishReason)> {
                     Event::Token { text: piece, .. } => text.push_str(&piece),
                     Event::Finished { reason, .. } => return (text, reason),
                     Event::Failed { message } => panic!("{message}"),
+                    Event::PromptToken { .. } => panic!("prompt logprobs were not asked for"),
                 }
             }
             panic!("no end after {text:?}")

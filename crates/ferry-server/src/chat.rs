@@ -39,6 +39,9 @@ pub struct GenerationParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Each token's logprob and this many alternatives; None: no logprobs.
     pub logprobs: Option<usize>,
+    /// Each prompt token's logprob (after the first) and this many alternatives (a text completion's `echo` with
+    /// `logprobs`); None: none.
+    pub prompt_logprobs: Option<usize>,
     /// Constrained decoding; compiled for the served model where the request is started.
     pub response_format: Option<ResponseFormat>,
     /// Generate past end-of-sequence tokens (vLLM's extension; benchmarks use it to fix the output length).
@@ -403,6 +406,7 @@ fn engine_request(
         logit_bias: params.logit_bias.clone(),
         allowed_token_ids: params.allowed_token_ids.clone(),
         logprobs: params.logprobs,
+        prompt_logprobs: params.prompt_logprobs,
         constraint: None,
         stop_strings: params.stop.clone(),
         stop: StopRules {

@@ -276,6 +276,8 @@ pub struct Generation {
     logprobs: Vec<(u32, TokenLogprobs)>,
     /// The tokens generated since a renderer last took them.
     token_ids: Vec<u32>,
+    /// Logprobs of the prompt's tokens after its first, until a renderer takes them (when the request asked).
+    prompt_logprobs: Vec<(u32, TokenLogprobs)>,
 }
 
 impl Generation {
@@ -315,17 +317,23 @@ impl Generation {
             stop_strings,
             logprobs: vec![],
             token_ids: vec![],
+            prompt_logprobs: vec![],
             ended: false,
         }
     }
 
-    /// The next output; None once it finished or failed.
+    /// The next output; None once it finished or failed. Prompt tokens' logprobs are kept for
+    /// [`Self::take_prompt_logprobs`]: they all come before the first output.
     pub async fn next(&mut self) -> Option<Output> {
         if self.ended {
             return None;
         }
-        let Some(event) = self.events.recv().await else {
-            return Some(self.fail("the engine stopped".into()));
+        let event = loop {
+            match self.events.recv().await {
+                Some(Event::PromptToken { id, logprobs }) => self.prompt_logprobs.push((id, logprobs)),
+                Some(event) => break event,
+                None => return Some(self.fail("the engine stopped".into())),
+            }
         };
         Some(match event {
             Event::Token { id, text, logprobs } => {
@@ -353,7 +361,14 @@ impl Generation {
                 Output::Finished(pieces, finish)
             }
             Event::Failed { message } => self.fail(message),
+            // Kept by the loop above; one could only come out of order.
+            Event::PromptToken { .. } => self.fail("a prompt token's logprob came after the output began".into()),
         })
+    }
+
+    /// The logprobs of the prompt's tokens after its first, once (empty unless the request asked for them).
+    pub fn take_prompt_logprobs(&mut self) -> Vec<(u32, TokenLogprobs)> {
+        std::mem::take(&mut self.prompt_logprobs)
     }
 
     /// The logprobs of the tokens generated since the last call, in order.

@@ -111,6 +111,13 @@ impl Text {
     }
 }
 
+/// A text completion's prompt as an echoing choice repeats it before its output (`echo`): the prompt as the model
+/// read it and, when logprobs were asked for, its tokens, the first without a logprob.
+struct Echo {
+    text: String,
+    tokens: Vec<(u32, Option<TokenLogprobs>)>,
+}
+
 fn finish_reason(reason: &FinishReason) -> &'static str {
     match reason {
         FinishReason::EndOfTurn | FinishReason::StopString(_) => "stop",
@@ -161,8 +168,9 @@ impl Renderer {
         }
     }
 
-    /// The `logprobs` field of choice `choice` holding these tokens: null unless the request asked for logprobs.
-    fn logprobs(&self, choice: usize, tokens: &[(u32, TokenLogprobs)]) -> Value {
+    /// The `logprobs` field of choice `choice` holding these tokens (after an echoed prompt's): null unless the
+    /// request asked for logprobs.
+    fn logprobs(&self, choice: usize, echo: Option<&Echo>, tokens: &[(u32, TokenLogprobs)]) -> Value {
         let Some(model) = &self.logprobs_of else {
             return Value::Null;
         };
@@ -171,7 +179,11 @@ impl Renderer {
             Endpoint::Text => {
                 let text_offset = &self.text_offsets[choice];
                 let mut offset = text_offset.get();
-                let rendered = sampling::completion_json(model, tokens, &mut offset);
+                let prompt = echo
+                    .into_iter()
+                    .flat_map(|e| e.tokens.iter().map(|(id, lp)| (*id, lp.as_ref())));
+                let generated = tokens.iter().map(|(id, lp)| (*id, Some(lp)));
+                let rendered = sampling::completion_json(model, prompt.chain(generated), &mut offset);
                 text_offset.set(offset);
                 rendered
             }
@@ -194,20 +206,21 @@ impl Renderer {
     }
 
     /// Choice `index`'s new output (with the logprobs of its tokens), as a chat delta or message, or a text
-    /// fragment.
+    /// fragment (after its echoed prompt, when `echo` holds it).
     fn choice(
         &self,
         index: usize,
-        text: &Text,
+        (echo, text): (Option<&Echo>, &Text),
         tokens: &[(u32, TokenLogprobs)],
         finish_reason: Option<&str>,
         streamed: bool,
     ) -> Value {
-        let logprobs = self.logprobs(index, tokens);
+        let logprobs = self.logprobs(index, echo, tokens);
         match self.endpoint {
-            Endpoint::Text => json!({
-                "index": index, "text": text.content, "logprobs": logprobs, "finish_reason": finish_reason,
-            }),
+            Endpoint::Text => {
+                let text = echo.map_or(String::new(), |e| e.text.clone()) + &text.content;
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+            }
             Endpoint::Chat => {
                 let mut message = Map::new();
                 if !streamed {
@@ -320,6 +333,8 @@ struct ChoiceOutput {
     output: Output,
     logprobs: Vec<(u32, TokenLogprobs)>,
     token_ids: Vec<u32>,
+    /// The prompt's tokens' logprobs, with the choice's first output (when the request asked for them).
+    prompt_logprobs: Vec<(u32, TokenLogprobs)>,
 }
 
 /// The choices of one response, `per_prompt` for each of its prompts (choice `p * per_prompt + j` is prompt p's
@@ -336,8 +351,10 @@ struct Choices {
     count: usize,
     /// The prompts' tokens, each counted once.
     prompt_tokens: usize,
-    /// Each prompt's token ids, when the request asked for ids.
+    /// Each prompt's token ids.
     prompt_ids: Vec<Vec<u32>>,
+    /// Each prompt as the model read it, when the choices echo it (a text completion's `echo`).
+    echoes: Option<Vec<String>>,
 }
 
 impl Choices {
@@ -349,8 +366,13 @@ impl Choices {
         model: &Arc<LoadedModel>,
         per_prompt: usize,
         prompts: Vec<(Request, PieceParser)>,
+        echo: bool,
     ) -> Result<Choices, ApiError> {
         let count = choice_count(state, per_prompt, prompts.len())?;
+        let echoes = echo.then(|| {
+            let read = |request: &Request| model.tokenizer.decode(&request.prompt_ids, false).unwrap_or_default();
+            prompts.iter().map(|(request, _)| read(request)).collect()
+        });
         let prompt_tokens = prompts.iter().map(|(request, _)| request.prompt_ids.len()).sum();
         let prompt_ids = prompts.iter().map(|(request, _)| request.prompt_ids.clone()).collect();
         let mut slots = admit(state, count)?.into_iter();
@@ -380,6 +402,7 @@ impl Choices {
             count,
             prompt_tokens,
             prompt_ids,
+            echoes,
         };
         if !model.prefix_cache {
             for group in 0..choices.waiting.len() {
@@ -395,6 +418,20 @@ impl Choices {
             Endpoint::Text => self.prompt_ids.get(index / self.per_prompt).map(Vec::as_slice),
             Endpoint::Chat => None,
         }
+    }
+
+    /// Choice `index`'s echoed prompt (None unless the choices echo theirs), with its tokens when the request asked
+    /// for logprobs: the first without one, the others as `scored` (the prompt logprobs the choice heard) has them.
+    fn echo(&self, index: usize, scored: Vec<(u32, TokenLogprobs)>, logprobs: bool) -> Option<Echo> {
+        let prompt = index / self.per_prompt;
+        let text = self.echoes.as_ref()?.get(prompt)?.clone();
+        let tokens = match (logprobs, self.prompt_ids[prompt].first()) {
+            (true, Some(&first)) => std::iter::once((first, None))
+                .chain(scored.into_iter().map(|(id, lp)| (id, Some(lp))))
+                .collect(),
+            _ => vec![],
+        };
+        Some(Echo { text, tokens })
     }
 
     /// Submits prompt `group`'s choices not submitted yet.
@@ -442,6 +479,7 @@ fn outputs_of(index: usize, generation: Generation) -> BoxStream<'static, Choice
             output,
             logprobs: generation.take_logprobs(),
             token_ids: generation.take_token_ids(),
+            prompt_logprobs: generation.take_prompt_logprobs(),
         };
         Some((next, generation))
     })
@@ -454,15 +492,18 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
     let mut texts: Vec<Text> = (0..count).map(|_| Text::default()).collect();
     let mut tokens: Vec<Vec<(u32, TokenLogprobs)>> = vec![vec![]; count];
     let mut ids: Vec<Vec<u32>> = vec![vec![]; count];
+    let mut prompts_scored: Vec<Vec<(u32, TokenLogprobs)>> = vec![vec![]; count];
     let mut finishes: Vec<Option<Finish>> = vec![None; count];
     while let Some(ChoiceOutput {
         index,
         output,
         logprobs,
         token_ids,
+        prompt_logprobs,
     }) = choices.next().await
     {
         tokens[index].extend(logprobs);
+        prompts_scored[index].extend(prompt_logprobs);
         ids[index].extend(token_ids);
         match output {
             Output::Pieces(pieces) => texts[index].add(&renderer, index, &pieces, false),
@@ -478,9 +519,14 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
     };
     let rendered = (0..count)
         .map(|i| {
+            let echo = choices.echo(
+                i,
+                std::mem::take(&mut prompts_scored[i]),
+                renderer.logprobs_of.is_some(),
+            );
             let choice = renderer.choice(
                 i,
-                &texts[i],
+                (echo.as_ref(), &texts[i]),
                 &tokens[i],
                 Some(finish_reason(&finishes[i].reason)),
                 false,
@@ -524,6 +570,8 @@ struct Streaming {
     held: Vec<Held>,
     running: RunningUsage,
     prompt_named: Vec<bool>,
+    /// Per choice, whether its prompt is still to echo (in its first chunk).
+    echo_due: Vec<bool>,
     finishes: Vec<Option<Finish>>,
     ended: bool,
 }
@@ -531,10 +579,10 @@ struct Streaming {
 impl Streaming {
     /// A chunk of choice `index`'s new text with the logprobs and ids held for it (and, the first time, a text
     /// completion's prompt ids).
-    fn text_chunk(&mut self, index: usize, text: &Text) -> SseEvent {
+    fn text_chunk(&mut self, index: usize, echo: Option<&Echo>, text: &Text) -> SseEvent {
         let (logprobs, ids) = std::mem::take(&mut self.held[index]);
         let renderer = &self.renderer;
-        let choice = renderer.choice(index, text, &logprobs, None, true);
+        let choice = renderer.choice(index, (echo, text), &logprobs, None, true);
         let prompt_ids = match std::mem::replace(&mut self.prompt_named[index], true) {
             false => self.choices.text_prompt_ids(renderer, index),
             true => None,
@@ -548,25 +596,33 @@ impl Streaming {
         let index = next.index;
         self.held[index].0.extend(next.logprobs);
         self.held[index].1.extend(next.token_ids);
+        let echo = match std::mem::replace(&mut self.echo_due[index], false) {
+            true => {
+                let logprobs = self.renderer.logprobs_of.is_some();
+                self.choices.echo(index, next.prompt_logprobs, logprobs)
+            }
+            false => None,
+        };
         match next.output {
             Output::Pieces(pieces) => {
                 // One output of pieces a generated token.
                 self.running.completion += 1;
                 let text = Text::of(&self.renderer, index, &pieces);
-                match text.is_empty() {
+                match text.is_empty() && echo.is_none() {
                     true => vec![],
-                    false => vec![self.text_chunk(index, &text)],
+                    false => vec![self.text_chunk(index, echo.as_ref(), &text)],
                 }
             }
             Output::Finished(pieces, finish) => {
                 let text = Text::of(&self.renderer, index, &pieces);
                 let mut out = vec![];
-                if !text.is_empty() || !self.held[index].0.is_empty() || !self.held[index].1.is_empty() {
-                    out.push(self.text_chunk(index, &text));
+                let held = !self.held[index].0.is_empty() || !self.held[index].1.is_empty();
+                if !text.is_empty() || held || echo.is_some() {
+                    out.push(self.text_chunk(index, echo.as_ref(), &text));
                 }
                 let renderer = &self.renderer;
                 let reason = finish_reason(&finish.reason);
-                let last = renderer.choice(index, &Text::default(), &[], Some(reason), true);
+                let last = renderer.choice(index, (None, &Text::default()), &[], Some(reason), true);
                 out.push(renderer.chunk(last, &self.running));
                 self.finishes[index] = Some(finish);
                 if let Some(finishes) = self.finishes.iter().cloned().collect::<Option<Vec<Finish>>>() {
@@ -600,12 +656,14 @@ fn respond_streamed(renderer: Renderer, choices: Choices) -> Response {
     };
     let opening = renderer.opening(&running, chat_prompt_ids);
     let count = choices.count;
+    let echoing = choices.echoes.is_some();
     let streaming = Streaming {
         renderer,
         choices,
         held: vec![(vec![], vec![]); count],
         running,
         prompt_named: vec![false; count],
+        echo_due: vec![echoing; count],
         finishes: vec![None; count],
         ended: false,
     };
@@ -648,7 +706,7 @@ fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         .map_err(|e| options.as_sent(e))?;
     let logprobs_of = chat.params.logprobs.map(|_| model.clone());
     let splits_reasoning = parser.splits_reasoning();
-    let choices = Choices::start(state, &model, options.choices, vec![(request, parser)])?;
+    let choices = Choices::start(state, &model, options.choices, vec![(request, parser)], false)?;
     let renderer = Renderer::new(
         state,
         Endpoint::Chat,
@@ -663,6 +721,7 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     let CompletionBody {
         prompts,
         params,
+        echo,
         options,
     } = CompletionBody::parse(&Body::parse(body)?)?;
     check_model_name(state, options.model.as_deref())?;
@@ -675,7 +734,7 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| options.as_sent(e))?;
     let logprobs_of = params.logprobs.map(|_| model.clone());
-    let choices = Choices::start(state, &model, options.choices, prompts)?;
+    let choices = Choices::start(state, &model, options.choices, prompts, echo)?;
     let renderer = Renderer::new(state, Endpoint::Text, (&options, choices.count), false, logprobs_of);
     Ok((renderer, choices, params.stream))
 }

@@ -59,6 +59,9 @@ pub struct CompletionBody {
     /// One prompt or several (a batch: each gets `n` choices, in prompt order).
     pub prompts: Vec<Prompt>,
     pub params: GenerationParams,
+    /// Each choice repeats its prompt before its output, with the prompt's tokens' logprobs when `logprobs` asks
+    /// for logprobs (`echo`).
+    pub echo: bool,
     pub options: OpenAiOptions,
 }
 
@@ -98,8 +101,10 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         min_p: body.number_in("min_p", 0.0, 1.0)?,
         repetition_penalty: repetition_penalty(body)?,
         logit_bias: sampling::logit_bias(body)?,
-        // Chat and text completions spell it differently: their parsers fill it in.
+        // Chat and text completions spell it differently: their parsers fill it in (and a text completion's
+        // `echo` the prompt's).
         logprobs: None,
+        prompt_logprobs: None,
         response_format: match (sampling::response_format(body)?, sampling::structured_outputs(body)?) {
             (Some(_), Some(_)) => {
                 return Err(ApiError::invalid_param(
@@ -381,11 +386,11 @@ impl CompletionBody {
                 .collect::<Result<_, _>>()?,
             Some(_) => return Err(bad_prompt()),
         };
-        if body.boolean("echo")? {
-            return Err(ApiError::invalid_param("echo", "`echo` is not supported"));
-        }
+        let echo = body.boolean("echo")?;
+        let logprobs = sampling::completion_logprobs(body)?;
         let params = GenerationParams {
-            logprobs: sampling::completion_logprobs(body)?,
+            logprobs,
+            prompt_logprobs: logprobs.filter(|_| echo),
             ..generation_params(body, &["max_tokens"])?
         };
         let options = options(body)?;
@@ -393,6 +398,7 @@ impl CompletionBody {
         Ok(CompletionBody {
             prompts,
             params,
+            echo,
             options,
         })
     }
@@ -590,8 +596,20 @@ mod tests {
         ] {
             assert_eq!(parse(bad.clone()).unwrap_err().param, Some("prompt".into()), "{bad}");
         }
+        // `echo` asks for the prompt's logprobs only with logprobs.
+        let echoed = parse(json!({"prompt": "x", "echo": true})).unwrap();
+        assert!(echoed.echo && echoed.params.prompt_logprobs.is_none());
+        let scored = parse(json!({"prompt": "x", "echo": true, "logprobs": 2})).unwrap();
+        assert_eq!(scored.params.prompt_logprobs, Some(2));
         assert_eq!(
-            parse(json!({"prompt": "x", "echo": true})).unwrap_err().param,
+            parse(json!({"prompt": "x", "logprobs": 2}))
+                .unwrap()
+                .params
+                .prompt_logprobs,
+            None
+        );
+        assert_eq!(
+            parse(json!({"prompt": "x", "echo": "yes"})).unwrap_err().param,
             Some("echo".into())
         );
     }

@@ -233,24 +233,36 @@ pub fn chat_json(model: &LoadedModel, tokens: &[(u32, TokenLogprobs)]) -> Value 
 
 /// A text completion's `logprobs`: `{tokens, token_logprobs, top_logprobs, text_offset}`, offsets counted in bytes
 /// from `offset` (where these tokens start in the completion); each `top_logprobs` entry holds the chosen token and
-/// its alternatives.
-pub fn completion_json(model: &LoadedModel, tokens: &[(u32, TokenLogprobs)], offset: &mut usize) -> Value {
+/// its alternatives. A token without logprobs (an echoed prompt's first) has null for both.
+pub fn completion_json<'a>(
+    model: &LoadedModel,
+    tokens: impl IntoIterator<Item = (u32, Option<&'a TokenLogprobs>)>,
+    offset: &mut usize,
+) -> Value {
     let mut texts = Vec::new();
     let mut logprobs = Vec::new();
     let mut tops = Vec::new();
     let mut offsets = Vec::new();
     for (id, lp) in tokens {
-        let text = token_text(model, *id);
+        let text = token_text(model, id);
         offsets.push(*offset);
         *offset += text.len();
-        let mut top = Map::new();
-        top.insert(text.clone(), lp.logprob.into());
-        for &(alt, logprob) in &lp.top {
-            top.insert(token_text(model, alt), logprob.into());
+        match lp {
+            Some(lp) => {
+                let mut top = Map::new();
+                top.insert(text.clone(), lp.logprob.into());
+                for &(alt, logprob) in &lp.top {
+                    top.insert(token_text(model, alt), logprob.into());
+                }
+                logprobs.push(lp.logprob.into());
+                tops.push(Value::Object(top));
+            }
+            None => {
+                logprobs.push(Value::Null);
+                tops.push(Value::Null);
+            }
         }
         texts.push(text);
-        logprobs.push(lp.logprob);
-        tops.push(Value::Object(top));
     }
     json!({"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
 }

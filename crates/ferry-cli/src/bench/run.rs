@@ -93,6 +93,7 @@ impl Phase {
                     Event::Token { .. } => self.generated[i] += 1,
                     Event::Finished { .. } => self.finished += 1,
                     Event::Failed { message } => bail!("a benchmark request failed: {message}"),
+                    Event::PromptToken { .. } => bail!("a benchmark request was scored, which it never asks"),
                 }
             }
         }

@@ -57,6 +57,11 @@ pub struct Request {
     /// Report each token's logprob and this many most likely alternatives (at most [`MAX_TOP_LOGPROBS`]); None:
     /// no logprobs.
     pub logprobs: Option<usize>,
+    /// Report each prompt token's logprob (from the second on, under the model's raw logits) and this many most
+    /// likely alternatives, as [`Event::PromptToken`]s before the first generated token (OpenAI's `echo` with
+    /// `logprobs`). Such a prompt is computed a token a step, none of it taken from the prefix cache, so that every
+    /// position's logits are seen.
+    pub prompt_logprobs: Option<usize>,
     /// Structured output: only tokens this grammar allows are sampled (see constraint.rs).
     pub constraint: Option<Constraint>,
     pub stop_strings: Vec<String>,
@@ -81,6 +86,7 @@ impl Request {
             logit_bias: Vec::new(),
             allowed_token_ids: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
             constraint: None,
             stop_strings: Vec::new(),
             stop: StopRules::default(),
@@ -164,10 +170,12 @@ impl Request {
                 )));
             }
         }
-        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
-            return Err(Error::Request(format!(
-                "logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token, got {n}"
-            )));
+        for (name, asked) in [("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)] {
+            if let Some(n) = asked.filter(|&n| n > MAX_TOP_LOGPROBS) {
+                return Err(Error::Request(format!(
+                    "{name}: at most {MAX_TOP_LOGPROBS} alternatives per token, got {n}"
+                )));
+            }
         }
         Ok(())
     }
@@ -201,6 +209,12 @@ pub enum Event {
         id: u32,
         text: String,
         logprobs: Option<TokenLogprobs>,
+    },
+    /// Prompt token `id` (the second of the prompt or a later one) had this logprob and alternatives where it
+    /// stands, when the request asked for prompt logprobs; each comes once, in prompt order, before any `Token`.
+    PromptToken {
+        id: u32,
+        logprobs: TokenLogprobs,
     },
     Finished {
         reason: FinishReason,
@@ -257,7 +271,10 @@ mod tests {
         curious.logprobs = Some(20);
         curious.validate(16, 16).unwrap();
         curious.logprobs = Some(21);
-        assert!(refusal(curious).contains("logprobs: at most 20"));
+        assert!(refusal(curious.clone()).contains("logprobs: at most 20"));
+        curious.logprobs = None;
+        curious.prompt_logprobs = Some(21);
+        assert!(refusal(curious).contains("prompt_logprobs: at most 20"));
         let mut stopped_everywhere = request(&[1]);
         stopped_everywhere.stop_strings = (0..190_000).map(|i| i.to_string()).collect();
         assert!(refusal(stopped_everywhere).contains("`stop`"));

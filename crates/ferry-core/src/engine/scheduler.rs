@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 use super::emit::Emitter;
 use super::executor::Executor;
+use super::logprobs::token_logprobs;
 use super::request::{Event, EventSink, Request, RequestId};
 use crate::backend::SeqSlice;
 use crate::kv::{PrefixStats, SeqId};
@@ -66,9 +67,33 @@ struct Sequence {
     sink: EventSink,
     /// Runs in a batch of its own, until it has recomputed its tokens: a batch it was in failed.
     solo: bool,
+    /// Under `prompt_logprobs`, the next prompt token whose logprob is to be sent (the first has none): a prompt
+    /// recomputed after a preemption sends none twice.
+    next_scored: usize,
 }
 
 impl Sequence {
+    /// Whether the step after position `computed` should score the next prompt token: prompt logprobs were asked
+    /// for and that token is a prompt token.
+    fn scores_prompt(&self) -> bool {
+        self.request.prompt_logprobs.is_some() && self.computed + 1 < self.request.prompt_ids.len()
+    }
+
+    /// Sends the logprob of prompt token `computed` (the next one) under `logits`, the last position's, unless it
+    /// was sent before; false once nobody listens.
+    fn send_prompt_logprobs(&mut self, logits: &[f32]) -> bool {
+        let (next, top) = (self.computed, self.request.prompt_logprobs.unwrap_or(0));
+        if next < self.next_scored {
+            return true;
+        }
+        self.next_scored = next + 1;
+        let id = self.request.prompt_ids[next];
+        (self.sink)(Event::PromptToken {
+            id,
+            logprobs: token_logprobs(logits, id, top),
+        })
+    }
+
     fn generated(&self) -> usize {
         self.tokens.len() - self.request.prompt_ids.len()
     }
@@ -213,6 +238,7 @@ impl<E: Executor> Scheduler<E> {
             request,
             sink,
             solo: false,
+            next_scored: 1,
         });
         Ok(())
     }
@@ -304,7 +330,12 @@ impl<E: Executor> Scheduler<E> {
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
             let mut kv = self.executor.kv_mut().alloc_seq();
-            let reused = match self.reuse_prefix(kv, &seq.tokens) {
+            // A prompt whose logprobs are asked for is computed whole: each position's logits score the next.
+            let reused = match seq.request.prompt_logprobs {
+                Some(_) => Ok(0),
+                None => self.reuse_prefix(kv, &seq.tokens),
+            };
+            let reused = match reused {
                 Ok(reused) => reused,
                 Err(e) => {
                     // Reusing is an optimisation: start afresh (a failed restore may have left cached blocks
@@ -357,6 +388,8 @@ impl<E: Executor> Scheduler<E> {
         let seq = &self.running[i];
         let kv = self.executor.kv_mut();
         let room = kv.blocks().max_tokens_for(seq.kv()).saturating_sub(seq.computed);
+        // A forward pass gives the logits of a slice's last token: a prompt being scored goes a token a step.
+        let budget = if seq.scores_prompt() { budget.min(1) } else { budget };
         let mut len = seq.pending().min(budget).min(room);
         if kv.has_recurrent_state() && kv.blocks().caches_prefixes() {
             len = anchored_chunk(
@@ -448,11 +481,15 @@ impl<E: Executor> Scheduler<E> {
         let mut report = StepReport::default();
         let mut retired = Vec::new();
         for (row, &(i, len)) in plan.iter().enumerate() {
+            let scores_prompt = self.running[i].scores_prompt();
             self.running[i].computed += len;
             self.cache_prefix(i);
             let seq = &mut self.running[i];
             if seq.pending() > 0 {
                 report.prefill_tokens += len;
+                if scores_prompt && !seq.send_prompt_logprobs(&logits[row * vocab..(row + 1) * vocab]) {
+                    retired.push((i, None));
+                }
                 continue;
             }
             if len == 1 {

@@ -64,6 +64,7 @@ fn answers<B: Backend>(
                 Event::Token { id, .. } => ids.push(id),
                 Event::Finished { cached_tokens, .. } => cached = Some(cached_tokens),
                 Event::Failed { message } => panic!("{message}"),
+                Event::PromptToken { .. } => panic!("prompt logprobs were not asked for"),
             }
         }
         out.push((ids, cached.expect("finished")));
