@@ -1,6 +1,7 @@
-//! A text completion's `echo` over real HTTP on the bundled fixture: each choice repeats its prompt before its
-//! output and, with `logprobs`, scores the prompt's tokens (the first without a score) as generation scores the same
-//! tokens in the same place; plain and streamed alike.
+//! Prompt logprobs over real HTTP on the bundled fixture. A text completion's `echo`: each choice repeats its prompt
+//! before its output and, with `logprobs`, scores the prompt's tokens (the first without a score) as generation
+//! scores the same tokens in the same place, plain and streamed alike. vLLM's `prompt_logprobs`: each prompt
+//! token's logprob, rank and alternatives, on completions and chat.
 
 mod common;
 
@@ -112,5 +113,74 @@ fn echoed_prompts_are_scored_as_generation_scores_them_plain_and_streamed() {
         let choice = &batch["choices"][i];
         assert!(choice["text"].as_str().unwrap().starts_with(prompt), "{choice}");
         assert!(choice["logprobs"]["token_logprobs"][0].is_null(), "{choice}");
+    }
+}
+
+#[test]
+fn vllms_prompt_logprobs_rank_each_prompt_token_with_its_alternatives() {
+    let server = Server::start(&[]);
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2,
+                      "echo": true, "logprobs": 1});
+    let response = ok(&server, "/v1/completions", &body);
+    let choice = &response["choices"][0];
+    let scores = choice["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(
+        scores.len() as u64,
+        response["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert!(scores[0].is_null());
+    let (tokens, echoed, _) = legacy(&choice["logprobs"]);
+    let ids: Vec<u64> =
+        serde_json::from_value(ok(&server, "/tokenize", &json!({"prompt": "Once upon a time"}))["tokens"].clone())
+            .unwrap();
+    for (i, score) in scores.iter().enumerate().skip(1) {
+        let entries = score.as_object().unwrap();
+        assert!((1..=3).contains(&entries.len()), "{score}");
+        let own = &entries[&ids[i].to_string()];
+        // The same number the echo shows, and a rank that counts the more likely tokens.
+        assert_eq!(own["logprob"], echoed[i], "{score}");
+        assert_eq!(own["decoded_token"], json!(tokens[i]));
+        let rank = own["rank"].as_u64().unwrap();
+        let better = entries
+            .values()
+            .filter(|e| e["logprob"].as_f64() > own["logprob"].as_f64())
+            .count() as u64;
+        assert!(rank > better, "{score}");
+        assert!(
+            entries
+                .values()
+                .filter(|e| e != &own)
+                .all(|e| e["rank"].as_u64().unwrap() <= 2),
+            "{score}"
+        );
+    }
+    // The echo's logprobs show their own count of alternatives: one each (and the token itself).
+    assert!(choice["logprobs"]["top_logprobs"][1].as_object().unwrap().len() <= 2);
+
+    // Chat: one list for the rendered prompt, beside the choices.
+    let chat = json!({"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2,
+                      "temperature": 0, "prompt_logprobs": 0});
+    let answer = ok(&server, "/v1/chat/completions", &chat);
+    let scores = answer["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(scores.len() as u64, answer["usage"]["prompt_tokens"].as_u64().unwrap());
+    assert!(
+        scores[1..].iter().all(|s| s.as_object().unwrap().len() == 1),
+        "only the token itself"
+    );
+
+    // Not with a stream, and within 0-20.
+    for (extra, param) in [
+        (json!({"stream": true}), "prompt_logprobs"),
+        (json!({"prompt_logprobs": 21}), "prompt_logprobs"),
+        (json!({"prompt_logprobs": -1}), "prompt_logprobs"),
+    ] {
+        let mut bad = chat.clone();
+        bad.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, error) = server.post("/v1/chat/completions", &bad);
+        assert_eq!(
+            (status, error["error"]["param"].clone()),
+            (400, json!(param)),
+            "{extra}"
+        );
     }
 }

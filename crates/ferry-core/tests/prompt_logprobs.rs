@@ -14,6 +14,8 @@ use ferry_core::model::Model;
 /// What a request heard: its prompt tokens' (id, logprobs), then its generated ones'.
 #[derive(Debug, PartialEq)]
 struct Heard {
+    /// Each scored prompt token's rank (1: the most likely).
+    ranks: Vec<usize>,
     prompt: Vec<(u32, TokenLogprobs)>,
     generated: Vec<(u32, TokenLogprobs)>,
 }
@@ -52,14 +54,16 @@ fn run(requests: Vec<Request>, step_tokens: usize, kv_tokens: usize) -> (Vec<Hea
         .iter()
         .map(|rx| {
             let mut heard = Heard {
+                ranks: vec![],
                 prompt: vec![],
                 generated: vec![],
             };
             for event in rx.try_iter() {
                 match event {
-                    Event::PromptToken { id, logprobs } => {
+                    Event::PromptToken { id, logprobs, rank } => {
                         assert!(heard.generated.is_empty(), "a prompt token after a generated one");
                         heard.prompt.push((id, logprobs));
+                        heard.ranks.push(rank);
                     }
                     Event::Token { id, logprobs, .. } => heard.generated.push((id, logprobs.unwrap())),
                     Event::Finished { .. } => {}
@@ -97,8 +101,17 @@ fn prompt_tokens_are_scored_as_generation_scores_them() {
         whole[1..].to_vec(),
         "every prompt token after the first, once, in order"
     );
-    // Where the generated tokens stand, their scores are the generation's.
+    // Where the generated tokens stand, their scores are the generation's, and greedy's tokens rank first.
     assert_eq!(&scored[prompt.len() - 1..], &generated[..]);
+    let ranks = &run(vec![request(&whole, 1, Some(3))], 256, 64).0[0].ranks;
+    assert!(ranks[prompt.len() - 1..].iter().all(|&rank| rank == 1), "{ranks:?}");
+    // A token's rank counts the more likely ones: its place among the top alternatives when it is there.
+    for ((id, lp), &rank) in scored.iter().zip(ranks) {
+        match lp.top.iter().position(|(alt, _)| alt == id) {
+            Some(place) => assert_eq!(rank, place + 1, "{lp:?}"),
+            None => assert!(rank > lp.top.len(), "{lp:?}"),
+        }
+    }
     assert!(scored.iter().all(|(_, lp)| lp.top.len() == 3 && lp.logprob <= 0.0));
 }
 

@@ -276,8 +276,17 @@ pub struct Generation {
     logprobs: Vec<(u32, TokenLogprobs)>,
     /// The tokens generated since a renderer last took them.
     token_ids: Vec<u32>,
-    /// Logprobs of the prompt's tokens after its first, until a renderer takes them (when the request asked).
-    prompt_logprobs: Vec<(u32, TokenLogprobs)>,
+    /// Scores of the prompt's tokens after its first, until a renderer takes them (when the request asked).
+    prompt_logprobs: Vec<PromptScore>,
+}
+
+/// A prompt token's score as the engine sent it (`Request::prompt_logprobs`): its logprob and alternatives, and its
+/// rank among the vocabulary (1: the most likely).
+#[derive(Clone, Debug)]
+pub struct PromptScore {
+    pub id: u32,
+    pub logprobs: TokenLogprobs,
+    pub rank: usize,
 }
 
 impl Generation {
@@ -330,7 +339,9 @@ impl Generation {
         }
         let event = loop {
             match self.events.recv().await {
-                Some(Event::PromptToken { id, logprobs }) => self.prompt_logprobs.push((id, logprobs)),
+                Some(Event::PromptToken { id, logprobs, rank }) => {
+                    self.prompt_logprobs.push(PromptScore { id, logprobs, rank })
+                }
                 Some(event) => break event,
                 None => return Some(self.fail("the engine stopped".into())),
             }
@@ -366,8 +377,8 @@ impl Generation {
         })
     }
 
-    /// The logprobs of the prompt's tokens after its first, once (empty unless the request asked for them).
-    pub fn take_prompt_logprobs(&mut self) -> Vec<(u32, TokenLogprobs)> {
+    /// The scores of the prompt's tokens after its first, once (empty unless the request asked for them).
+    pub fn take_prompt_logprobs(&mut self) -> Vec<PromptScore> {
         std::mem::take(&mut self.prompt_logprobs)
     }
 

@@ -20,7 +20,9 @@ use serde_json::{json, Map, Value};
 use crate::body::Body;
 use crate::chat::check_model_name;
 use crate::error::ApiError;
-use crate::generation::{admit, record_refusal, Finish, FinishReason, Generation, Output, Piece, PieceParser, Slot};
+use crate::generation::{
+    admit, record_refusal, Finish, FinishReason, Generation, Output, Piece, PieceParser, PromptScore, Slot,
+};
 use crate::params::{ChatBody, CompletionBody, OpenAiOptions};
 use crate::sampling;
 use crate::{unix_seconds, AppState, LoadedModel};
@@ -47,6 +49,10 @@ struct Renderer {
     splits_reasoning: bool,
     /// The model whose tokens logprobs name, when the request asked for logprobs.
     logprobs_of: Option<Arc<LoadedModel>>,
+    /// The alternatives a token the request asked logprobs for shows (an echoed prompt's too).
+    logprobs_asked: Option<usize>,
+    /// vLLM's `prompt_logprobs`: the alternatives each prompt token shows, and the model that names them.
+    prompt_logprobs: Option<(usize, Arc<LoadedModel>)>,
     /// Per choice, where its next token starts in a text completion's output (its logprobs' `text_offset`).
     text_offsets: Vec<Cell<usize>>,
 }
@@ -148,7 +154,7 @@ impl Renderer {
         endpoint: Endpoint,
         (options, choices): (&OpenAiOptions, usize),
         splits_reasoning: bool,
-        logprobs_of: Option<Arc<LoadedModel>>,
+        (model, logprobs): (&Arc<LoadedModel>, Option<usize>),
     ) -> Self {
         let prefix = match endpoint {
             Endpoint::Chat => "chatcmpl",
@@ -163,7 +169,9 @@ impl Renderer {
             continuous_usage: options.continuous_usage,
             return_token_ids: options.return_token_ids,
             splits_reasoning,
-            logprobs_of,
+            logprobs_of: logprobs.map(|_| model.clone()),
+            logprobs_asked: logprobs,
+            prompt_logprobs: options.prompt_logprobs.map(|top| (top, model.clone())),
             text_offsets: (0..choices).map(|_| Cell::new(0)).collect(),
         }
     }
@@ -188,6 +196,12 @@ impl Renderer {
                 rendered
             }
         }
+    }
+
+    /// vLLM's `prompt_logprobs` of a prompt scored so, when the request asked for them.
+    fn prompt_scores(&self, scores: &[PromptScore]) -> Option<Value> {
+        let (top, model) = self.prompt_logprobs.as_ref()?;
+        Some(sampling::prompt_logprobs_json(model, scores, *top))
     }
 
     /// The id of choice `choice`'s call `index`, unique within the response (whose id it carries) and so within
@@ -333,8 +347,8 @@ struct ChoiceOutput {
     output: Output,
     logprobs: Vec<(u32, TokenLogprobs)>,
     token_ids: Vec<u32>,
-    /// The prompt's tokens' logprobs, with the choice's first output (when the request asked for them).
-    prompt_logprobs: Vec<(u32, TokenLogprobs)>,
+    /// The prompt's tokens' scores, with the choice's first output (when the request asked for them).
+    prompt_logprobs: Vec<PromptScore>,
 }
 
 /// The choices of one response, `per_prompt` for each of its prompts (choice `p * per_prompt + j` is prompt p's
@@ -421,14 +435,20 @@ impl Choices {
     }
 
     /// Choice `index`'s echoed prompt (None unless the choices echo theirs), with its tokens when the request asked
-    /// for logprobs: the first without one, the others as `scored` (the prompt logprobs the choice heard) has them.
-    fn echo(&self, index: usize, scored: Vec<(u32, TokenLogprobs)>, logprobs: bool) -> Option<Echo> {
+    /// for `logprobs` alternatives: the first without a logprob, the others as `scored` (the prompt scores the
+    /// choice heard) has them.
+    fn echo(&self, index: usize, scored: &[PromptScore], logprobs: Option<usize>) -> Option<Echo> {
         let prompt = index / self.per_prompt;
         let text = self.echoes.as_ref()?.get(prompt)?.clone();
         let tokens = match (logprobs, self.prompt_ids[prompt].first()) {
-            (true, Some(&first)) => std::iter::once((first, None))
-                .chain(scored.into_iter().map(|(id, lp)| (id, Some(lp))))
-                .collect(),
+            (Some(top), Some(&first)) => {
+                let score = |s: &PromptScore| {
+                    let mut logprobs = s.logprobs.clone();
+                    logprobs.top.truncate(top);
+                    (s.id, Some(logprobs))
+                };
+                std::iter::once((first, None)).chain(scored.iter().map(score)).collect()
+            }
             _ => vec![],
         };
         Some(Echo { text, tokens })
@@ -492,7 +512,7 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
     let mut texts: Vec<Text> = (0..count).map(|_| Text::default()).collect();
     let mut tokens: Vec<Vec<(u32, TokenLogprobs)>> = vec![vec![]; count];
     let mut ids: Vec<Vec<u32>> = vec![vec![]; count];
-    let mut prompts_scored: Vec<Vec<(u32, TokenLogprobs)>> = vec![vec![]; count];
+    let mut prompts_scored: Vec<Vec<PromptScore>> = vec![vec![]; count];
     let mut finishes: Vec<Option<Finish>> = vec![None; count];
     while let Some(ChoiceOutput {
         index,
@@ -519,24 +539,27 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
     };
     let rendered = (0..count)
         .map(|i| {
-            let echo = choices.echo(
-                i,
-                std::mem::take(&mut prompts_scored[i]),
-                renderer.logprobs_of.is_some(),
-            );
-            let choice = renderer.choice(
+            let echo = choices.echo(i, &prompts_scored[i], renderer.logprobs_asked);
+            let mut choice = renderer.choice(
                 i,
                 (echo.as_ref(), &texts[i]),
                 &tokens[i],
                 Some(finish_reason(&finishes[i].reason)),
                 false,
             );
+            if let (Endpoint::Text, Some(scores)) = (renderer.endpoint, renderer.prompt_scores(&prompts_scored[i])) {
+                choice["prompt_logprobs"] = scores;
+            }
             renderer.with_ids(choice, &ids[i], choices.text_prompt_ids(&renderer, i))
         })
         .collect();
     let mut body = renderer.envelope(rendered, false);
     if let (true, Endpoint::Chat, [prompt]) = (renderer.return_token_ids, renderer.endpoint, &choices.prompt_ids[..]) {
         body.insert("prompt_token_ids".into(), prompt.as_slice().into());
+    }
+    // A chat answer's one prompt, scored by its first choice.
+    if let (Endpoint::Chat, Some(scores)) = (renderer.endpoint, renderer.prompt_scores(&prompts_scored[0])) {
+        body.insert("prompt_logprobs".into(), scores);
     }
     body.insert("usage".into(), usage(&finishes, choices.per_prompt));
     Json(Value::Object(body)).into_response()
@@ -597,10 +620,9 @@ impl Streaming {
         self.held[index].0.extend(next.logprobs);
         self.held[index].1.extend(next.token_ids);
         let echo = match std::mem::replace(&mut self.echo_due[index], false) {
-            true => {
-                let logprobs = self.renderer.logprobs_of.is_some();
-                self.choices.echo(index, next.prompt_logprobs, logprobs)
-            }
+            true => self
+                .choices
+                .echo(index, &next.prompt_logprobs, self.renderer.logprobs_asked),
             false => None,
         };
         match next.output {
@@ -704,7 +726,6 @@ fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         .prepare(&model)
         .and_then(|prompt| prompt.start(state, &model, &chat.params, "messages"))
         .map_err(|e| options.as_sent(e))?;
-    let logprobs_of = chat.params.logprobs.map(|_| model.clone());
     let splits_reasoning = parser.splits_reasoning();
     let choices = Choices::start(state, &model, options.choices, vec![(request, parser)], false)?;
     let renderer = Renderer::new(
@@ -712,7 +733,7 @@ fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         Endpoint::Chat,
         (&options, choices.count),
         splits_reasoning,
-        logprobs_of,
+        (&model, chat.params.logprobs),
     );
     Ok((renderer, choices, chat.params.stream))
 }
@@ -733,9 +754,14 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         .map(|prompt| prompt.prepare(&model)?.start(state, &model, &params, "prompt"))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| options.as_sent(e))?;
-    let logprobs_of = params.logprobs.map(|_| model.clone());
     let choices = Choices::start(state, &model, options.choices, prompts, echo)?;
-    let renderer = Renderer::new(state, Endpoint::Text, (&options, choices.count), false, logprobs_of);
+    let renderer = Renderer::new(
+        state,
+        Endpoint::Text,
+        (&options, choices.count),
+        false,
+        (&model, params.logprobs),
+    );
     Ok((renderer, choices, params.stream))
 }
 

@@ -3,7 +3,7 @@
 //! implement is a 400 naming it too, never a 200 that ignored it (the few that ask nothing of a server are listed in
 //! [`NO_ACTION_FIELDS`]).
 
-use ferry_core::engine::validate_stop_strings;
+use ferry_core::engine::{validate_stop_strings, MAX_TOP_LOGPROBS};
 use ferry_core::loader::{ChatEnding, ChatMessage};
 use serde_json::{Map, Value};
 
@@ -34,6 +34,9 @@ pub struct OpenAiOptions {
     pub structured_outputs: bool,
     /// vLLM's `return_token_ids`: the prompt's and each choice's token ids with the text.
     pub return_token_ids: bool,
+    /// vLLM's `prompt_logprobs`: each prompt token's logprob, rank and this many most likely alternatives, with
+    /// the answer (not with a stream, as vLLM).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl OpenAiOptions {
@@ -204,7 +207,24 @@ fn options(body: &Body) -> Result<OpenAiOptions, ApiError> {
             (include_usage, continuous_usage)
         }
     };
+    let prompt_logprobs = match body.integer("prompt_logprobs")? {
+        None => None,
+        Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+        Some(n) => {
+            return Err(ApiError::invalid_param(
+                "prompt_logprobs",
+                format!("`prompt_logprobs` must be between 0 and {MAX_TOP_LOGPROBS} alternatives a token, got {n}"),
+            ))
+        }
+    };
+    if prompt_logprobs.is_some() && body.boolean("stream")? {
+        return Err(ApiError::invalid_param(
+            "prompt_logprobs",
+            "`prompt_logprobs` are given with a whole answer, not with a stream",
+        ));
+    }
     Ok(OpenAiOptions {
+        prompt_logprobs,
         model: body.string("model")?,
         include_usage,
         continuous_usage,
@@ -338,7 +358,7 @@ impl ChatBody {
             None | Some(Value::Null) => true,
             Some(_) => body.boolean("add_generation_prompt")?,
         };
-        let chat = ChatRequest {
+        let mut chat = ChatRequest {
             messages: messages(body)?,
             template_kwargs: template_kwargs(body)?,
             thinking: None,
@@ -352,6 +372,7 @@ impl ChatBody {
             ending: chat_ending(add_generation_prompt, body.boolean("continue_final_message")?)?,
         };
         let options = options(body)?;
+        chat.params.prompt_logprobs = options.prompt_logprobs;
         body.refuse_unread(NO_ACTION_FIELDS)?;
         Ok(ChatBody { chat, options })
     }
@@ -388,12 +409,13 @@ impl CompletionBody {
         };
         let echo = body.boolean("echo")?;
         let logprobs = sampling::completion_logprobs(body)?;
+        let options = options(body)?;
         let params = GenerationParams {
             logprobs,
-            prompt_logprobs: logprobs.filter(|_| echo),
+            // Scored for the echo's logprobs, vLLM's prompt_logprobs, or both (as many alternatives as either asks).
+            prompt_logprobs: logprobs.filter(|_| echo).max(options.prompt_logprobs),
             ..generation_params(body, &["max_tokens"])?
         };
-        let options = options(body)?;
         body.refuse_unread(NO_ACTION_FIELDS)?;
         Ok(CompletionBody {
             prompts,

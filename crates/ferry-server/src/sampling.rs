@@ -12,6 +12,7 @@ use serde_json::{json, Map, Value};
 
 use crate::body::{wrong_type, Body};
 use crate::error::ApiError;
+use crate::generation::PromptScore;
 use crate::LoadedModel;
 
 /// Most alternatives per token a text completion may ask for (OpenAI's limit for `logprobs` there).
@@ -229,6 +230,25 @@ pub fn token_json(model: &LoadedModel, id: u32, lp: &TokenLogprobs) -> Value {
 pub fn chat_json(model: &LoadedModel, tokens: &[(u32, TokenLogprobs)]) -> Value {
     let content: Vec<Value> = tokens.iter().map(|(id, lp)| token_json(model, *id, lp)).collect();
     json!({ "content": content })
+}
+
+/// vLLM's `prompt_logprobs`: null for the prompt's first token, then for each other one `{id: {logprob, rank,
+/// decoded_token}}` of the token and of its `top` most likely alternatives (ranked 1, 2, ... in that order).
+pub fn prompt_logprobs_json(model: &LoadedModel, scores: &[PromptScore], top: usize) -> Value {
+    let entry = |id: u32, logprob: f32, rank: usize| json!({"logprob": logprob, "rank": rank, "decoded_token": token_text(model, id)});
+    let mut tokens = vec![Value::Null];
+    for score in scores {
+        let mut alternatives = Map::new();
+        for (place, &(id, logprob)) in score.logprobs.top.iter().take(top).enumerate() {
+            alternatives.insert(id.to_string(), entry(id, logprob, place + 1));
+        }
+        alternatives.insert(
+            score.id.to_string(),
+            entry(score.id, score.logprobs.logprob, score.rank),
+        );
+        tokens.push(Value::Object(alternatives));
+    }
+    Value::Array(tokens)
 }
 
 /// A text completion's `logprobs`: `{tokens, token_logprobs, top_logprobs, text_offset}`, offsets counted in bytes

@@ -211,10 +211,12 @@ pub enum Event {
         logprobs: Option<TokenLogprobs>,
     },
     /// Prompt token `id` (the second of the prompt or a later one) had this logprob and alternatives where it
-    /// stands, when the request asked for prompt logprobs; each comes once, in prompt order, before any `Token`.
+    /// stands, and this rank among the vocabulary (1: the most likely), when the request asked for prompt
+    /// logprobs; each comes once, in prompt order, before any `Token`.
     PromptToken {
         id: u32,
         logprobs: TokenLogprobs,
+        rank: usize,
     },
     Finished {
         reason: FinishReason,

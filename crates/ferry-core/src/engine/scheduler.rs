@@ -88,9 +88,11 @@ impl Sequence {
         }
         self.next_scored = next + 1;
         let id = self.request.prompt_ids[next];
+        let logit = logits[id as usize];
         (self.sink)(Event::PromptToken {
             id,
             logprobs: token_logprobs(logits, id, top),
+            rank: 1 + logits.iter().filter(|&&l| l > logit).count(),
         })
     }
 
