@@ -2,12 +2,14 @@
 //! CPU: each prompt token after the first is scored once, in order, by the same numbers a generation gives the
 //! same token at the same place; beside other requests, and across preemptions, nothing changes.
 
+mod engine_common;
+
 use std::path::Path;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
-use ferry_core::engine::{Event, ModelExecutor, Request, RequestId, Scheduler, SchedulerConfig, TokenLogprobs};
+use ferry_core::engine::{Event, ModelExecutor, Request, Scheduler, SchedulerConfig, TokenLogprobs};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::Model;
 
@@ -36,29 +38,15 @@ fn run(requests: Vec<Request>, step_tokens: usize, kv_tokens: usize) -> (Vec<Hea
         sampled_vocab: None,
     };
     let mut scheduler = Scheduler::new(config, ModelExecutor::new(backend, model, kv), tokenizer).unwrap();
-    let receivers: Vec<_> = requests
+    let heard = engine_common::run_to_the_end(&mut scheduler, requests)
         .into_iter()
-        .enumerate()
-        .map(|(i, request)| {
-            let (tx, rx) = mpsc::channel();
-            scheduler
-                .submit(RequestId(i as u64), request, Box::new(move |e| tx.send(e).is_ok()))
-                .unwrap();
-            rx
-        })
-        .collect();
-    while !scheduler.is_idle() {
-        scheduler.step();
-    }
-    let heard = receivers
-        .iter()
-        .map(|rx| {
+        .map(|events| {
             let mut heard = Heard {
                 ranks: vec![],
                 prompt: vec![],
                 generated: vec![],
             };
-            for event in rx.try_iter() {
+            for event in events {
                 match event {
                     Event::PromptToken { id, logprobs, rank } => {
                         assert!(heard.generated.is_empty(), "a prompt token after a generated one");

@@ -2,13 +2,15 @@
 //! random model would say, every `json_schema` output must parse and validate against its schema, and every
 //! `json_object` output must be a JSON object, for greedy and sampled requests batched together.
 
+mod engine_common;
+
 use std::path::Path;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
 use ferry_core::engine::{
-    Event, FinishReason, GrammarCompiler, ModelExecutor, Request, RequestId, ResponseFormat, SamplingParams, Scheduler,
+    Event, FinishReason, GrammarCompiler, ModelExecutor, Request, ResponseFormat, SamplingParams, Scheduler,
     SchedulerConfig,
 };
 use ferry_core::loader::{Checkpoint, Tokenizer};
@@ -45,36 +47,25 @@ fn generate(format: &ResponseFormat) -> Vec<(String, FinishReason)> {
     )
     .unwrap();
     let samplings = [None, Some(1), Some(2), Some(3), Some(4)];
-    let receivers: Vec<_> = samplings
-        .iter()
-        .enumerate()
-        .map(|(i, seed)| {
-            let prompt: Vec<u32> = (0..7 + i as u32).map(|t| (t * 41 + 3) % 500).collect();
-            let mut request = Request::new(prompt, MAX_TOKENS);
-            if let Some(seed) = seed {
-                request.sampling = SamplingParams {
-                    temperature: 1.0,
-                    seed: Some(*seed),
-                    ..SamplingParams::default()
-                };
-            }
-            request.stop.eos_token_ids = eos.clone();
-            request.constraint = Some(constraint.clone());
-            let (tx, rx) = mpsc::channel();
-            scheduler
-                .submit(RequestId(i as u64), request, Box::new(move |e| tx.send(e).is_ok()))
-                .unwrap();
-            rx
-        })
-        .collect();
-    while !scheduler.is_idle() {
-        scheduler.step();
-    }
-    receivers
-        .iter()
-        .map(|rx| {
+    let requests = samplings.iter().enumerate().map(|(i, seed)| {
+        let prompt: Vec<u32> = (0..7 + i as u32).map(|t| (t * 41 + 3) % 500).collect();
+        let mut request = Request::new(prompt, MAX_TOKENS);
+        if let Some(seed) = seed {
+            request.sampling = SamplingParams {
+                temperature: 1.0,
+                seed: Some(*seed),
+                ..SamplingParams::default()
+            };
+        }
+        request.stop.eos_token_ids = eos.clone();
+        request.constraint = Some(constraint.clone());
+        request
+    });
+    engine_common::run_to_the_end(&mut scheduler, requests)
+        .into_iter()
+        .map(|events| {
             let mut text = String::new();
-            for event in rx.try_iter() {
+            for event in events {
                 match event {
                     Event::Token { text: piece, .. } => text.push_str(&piece),
                     Event::Finished { reason, .. } => return (text, reason),
