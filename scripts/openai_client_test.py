@@ -193,6 +193,20 @@ def test_a_client_that_times_out_on_a_plain_request_frees_its_kv_too(server):
     assert server.metric(cancelled) == cancelled_before + 1, "the request ran on instead of being cancelled"
 
 
+def test_echo_scores_the_prompt_as_lm_eval_reads_it(server):
+    # lm-eval's loglikelihood: the context and continuation as token ids, echoed with logprobs, one token generated.
+    context = server.client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=4, temperature=0,
+                                               logprobs=1, extra_body={"return_token_ids": True})
+    ids = context.choices[0].model_extra["prompt_token_ids"] + context.choices[0].model_extra["token_ids"]
+    scored = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                              logprobs=1)
+    logprobs = scored.choices[0].logprobs
+    assert len(logprobs.tokens) == len(ids) + 1 and logprobs.token_logprobs[0] is None, logprobs
+    continuation = logprobs.token_logprobs[len(ids) - 4:len(ids)]
+    assert continuation == context.choices[0].logprobs.token_logprobs, (continuation, context.choices[0].logprobs)
+    assert scored.choices[0].text == "".join(logprobs.tokens)
+
+
 def test_stop_strings_cut_the_output(server):
     kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0)
     full = server.client.completions.create(**kwargs).choices[0].text
