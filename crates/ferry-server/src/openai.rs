@@ -383,10 +383,21 @@ impl Choices {
         echo: bool,
     ) -> Result<Choices, ApiError> {
         let count = choice_count(state, per_prompt, prompts.len())?;
-        let echoes = echo.then(|| {
-            let read = |request: &Request| model.tokenizer.decode(&request.prompt_ids, false).unwrap_or_default();
-            prompts.iter().map(|(request, _)| read(request)).collect()
-        });
+        let read = |request: &Request| {
+            model
+                .tokenizer
+                .decode(&request.prompt_ids, false)
+                .map_err(|e| ApiError::internal(format!("echoing the prompt: {e}")))
+        };
+        let echoes = match echo {
+            true => Some(
+                prompts
+                    .iter()
+                    .map(|(request, _)| read(request))
+                    .collect::<Result<_, _>>()?,
+            ),
+            false => None,
+        };
         let prompt_tokens = prompts.iter().map(|(request, _)| request.prompt_ids.len()).sum();
         let prompt_ids = prompts.iter().map(|(request, _)| request.prompt_ids.clone()).collect();
         let mut slots = admit(state, count)?.into_iter();
