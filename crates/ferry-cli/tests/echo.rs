@@ -168,6 +168,25 @@ fn vllms_prompt_logprobs_rank_each_prompt_token_with_its_alternatives() {
         "only the token itself"
     );
 
+    // Several choices: one list for the prompt, computed once; each text choice of a prompt shows it.
+    let mut several = chat.clone();
+    several["n"] = json!(2);
+    assert_eq!(
+        ok(&server, "/v1/chat/completions", &several)["prompt_logprobs"],
+        answer["prompt_logprobs"]
+    );
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1, "n": 2});
+    let both = ok(&server, "/v1/completions", &body);
+    assert_eq!(
+        both["choices"][0]["prompt_logprobs"],
+        both["choices"][1]["prompt_logprobs"]
+    );
+    assert_eq!(
+        both["choices"][1]["prompt_logprobs"].as_array().unwrap().len() as u64,
+        both["usage"]["prompt_tokens"].as_u64().unwrap(),
+        "{both}"
+    );
+
     // Not with a stream, and within 0-20.
     for (extra, param) in [
         (json!({"stream": true}), "prompt_logprobs"),

@@ -406,10 +406,16 @@ impl Choices {
         for (p, (request, parser)) in prompts.into_iter().enumerate() {
             let mut slot = || slots.next().expect("a slot admitted for every choice");
             let first = slot();
+            // A prompt's scores are the same for each of its choices: its first computes them, the others only where
+            // an echo shows them with each choice's first chunk.
+            let rescored = echo && request.logprobs.is_some();
             let rest = (1..per_prompt)
                 .map(|j| {
                     let mut request = request.clone();
                     request.sampling.seed = request.sampling.seed.map(|seed| seed.wrapping_add(j as u64));
+                    if !rescored {
+                        request.prompt_logprobs = None;
+                    }
                     (p * per_prompt + j, slot(), request, parser.clone())
                 })
                 .collect();
@@ -558,7 +564,9 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
                 Some(finish_reason(&finishes[i].reason)),
                 false,
             );
-            if let (Endpoint::Text, Some(scores)) = (renderer.endpoint, renderer.prompt_scores(&prompts_scored[i])) {
+            let first_of_prompt = i / choices.per_prompt * choices.per_prompt;
+            let scored = &prompts_scored[first_of_prompt];
+            if let (Endpoint::Text, Some(scores)) = (renderer.endpoint, renderer.prompt_scores(scored)) {
                 choice["prompt_logprobs"] = scores;
             }
             renderer.with_ids(choice, &ids[i], choices.text_prompt_ids(&renderer, i))
