@@ -4,7 +4,7 @@
 //! what it used. Dropping a [`Generation`]
 //! before it finished (the client went away) cancels it in the engine, which frees its KV at once.
 //!
-//! Not here: reading requests (chat.rs, params.rs, anthropic/), JSON and event shapes (openai.rs, anthropic/).
+//! Not here: reading requests (chat.rs, params.rs, anthropic/), JSON and event shapes (openai/, anthropic/).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -6,7 +6,7 @@
 //! the browser never sends the request. It applies with a key set too: every route takes JSON, so no client loses
 //! anything, and the server behaves the same whatever the operator chose.
 //!
-//! Not here: validating the request body (params.rs), admission limits (openai.rs).
+//! Not here: validating the request body (params.rs), admission limits (openai/).
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
