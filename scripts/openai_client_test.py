@@ -538,6 +538,24 @@ def streamed_response(client, **kwargs):
     return events[-1].response
 
 
+def test_responses_in_the_background_are_read_later_and_cancelled(server):
+    kwargs = dict(model=MODEL, input="Tell me about ferries.", max_output_tokens=12, temperature=0)
+    whole = server.client.responses.create(**kwargs)
+    started = server.client.responses.create(background=True, **kwargs)
+    assert started.status == "in_progress" and started.background is True, started
+    deadline = time.time() + 60
+    read = server.client.responses.retrieve(started.id)
+    while read.status == "in_progress":
+        assert time.time() < deadline, read
+        time.sleep(0.02)
+        read = server.client.responses.retrieve(started.id)
+    assert read.output_text == whole.output_text, (read, whole)
+    long = server.client.responses.create(background=True, **{**kwargs, "max_output_tokens": 3000})
+    cancelled = server.client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled", cancelled
+    assert server.client.responses.retrieve(long.id).status == "cancelled"
+
+
 def test_responses_plain_and_streamed_agree(server):
     kwargs = dict(model=MODEL, input="Tell me about ferries.", instructions="Be brief.", max_output_tokens=24,
                   temperature=0, metadata={"run": "sdk"})

@@ -132,6 +132,8 @@ struct Shared {
     grammar: sampling::Compiler,
     /// The Responses API's kept responses.
     responses: Mutex<responses::ResponseStore>,
+    /// The Responses API's background responses still being generated, by id: the handle that stops each.
+    background: Mutex<std::collections::HashMap<String, tokio::task::AbortHandle>>,
 }
 
 /// The server's state, shared by every handler.
@@ -156,6 +158,7 @@ impl AppState {
             started_at: unix_seconds(),
             grammar: Default::default(),
             responses: Mutex::new(responses::ResponseStore::new(responses::STORE_BYTES)),
+            background: Mutex::new(Default::default()),
         }))
     }
 
@@ -240,6 +243,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/responses", post(responses::responses))
         .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
         .route("/v1/responses/{id}/input_items", get(responses::list_input_items))
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/v1/models", get(endpoints::models))
         .route("/v1/models/{id}", get(endpoints::model))
         .route("/tokenize", post(endpoints::tokenize_route))

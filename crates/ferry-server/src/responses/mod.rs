@@ -1,7 +1,8 @@
 //! OpenAI's Responses API, `POST /v1/responses`, over the protocol-neutral layer (chat.rs, generation.rs): one
 //! response object (`output` items: `reasoning`, `message`, `function_call`), or its event stream (stream.rs); kept
 //! unless `store` is false (store.rs), to be continued by `previous_response_id`, read or deleted at
-//! `/v1/responses/{id}`, its request's input items listed at `/v1/responses/{id}/input_items` (input_items.rs).
+//! `/v1/responses/{id}`, its request's input items listed at `/v1/responses/{id}/input_items` (input_items.rs);
+//! with `background`, answered at once and generated after, until done or cancelled (`/v1/responses/{id}/cancel`).
 //! Errors keep the server's OpenAI shape.
 //!
 //! Not here: reading the request (request.rs, tools.rs), turning pieces into items and events (output.rs).
@@ -152,9 +153,10 @@ fn in_responses_terms(mut error: ApiError) -> ApiError {
     error
 }
 
-async fn respond_whole(meta: ResponseMeta, mut generation: Generation) -> Response {
+/// The finished response object, once `generation` has ended, or why it failed.
+async fn generated(meta: &ResponseMeta, mut generation: Generation) -> Result<Value, ApiError> {
     let mut items = meta.items();
-    // A plain response has no use for the events.
+    // A whole response has no use for the events.
     let mut events = vec![];
     while let Some(output) = generation.next().await {
         events.clear();
@@ -163,14 +165,51 @@ async fn respond_whole(meta: ResponseMeta, mut generation: Generation) -> Respon
             Output::Finished(pieces, finish) => {
                 items.pieces(&pieces, &mut events);
                 items.close(status(&finish), &mut events);
-                let object = meta.object(items.items(), Some((&finish, items.reasoning_tokens)));
-                meta.kept(&object);
-                return Json(object).into_response();
+                return Ok(meta.object(items.items(), Some((&finish, items.reasoning_tokens))));
             }
-            Output::Failed(error) => return error.into_response(),
+            Output::Failed(error) => return Err(error),
         }
     }
-    ApiError::internal("generation failed: no output").into_response()
+    Err(ApiError::internal("generation failed: no output"))
+}
+
+async fn respond_whole(meta: ResponseMeta, generation: Generation) -> Response {
+    match generated(&meta, generation).await {
+        Ok(object) => {
+            meta.kept(&object);
+            Json(object).into_response()
+        }
+        Err(error) => error.into_response(),
+    }
+}
+
+/// `background`: answers at once with the response in progress (kept, so that `GET /v1/responses/{id}` reads it),
+/// and generates it in a task of its own, kept again when it ends (`failed`, with the error, if it fails) unless
+/// `POST /v1/responses/{id}/cancel` stopped it first. The registry of background tasks decides between the two:
+/// whichever takes the response's entry out of it first has the last word.
+fn respond_in_background(state: &AppState, meta: ResponseMeta, generation: Generation) -> Response {
+    let in_progress = meta.object(vec![], None);
+    meta.kept(&in_progress);
+    let (id, task_state) = (meta.id.clone(), state.clone());
+    // Registered before the task can end: it takes its own entry out under the same lock.
+    let mut registry = state.0.background.lock().unwrap_or_else(|e| e.into_inner());
+    let task = tokio::spawn(async move {
+        let object = match generated(&meta, generation).await {
+            Ok(object) => object,
+            Err(error) => {
+                let mut object = meta.object(vec![], None);
+                object["status"] = "failed".into();
+                object["error"] = json!({"code": "server_error", "message": error.message});
+                object
+            }
+        };
+        let mut registry = task_state.0.background.lock().unwrap_or_else(|e| e.into_inner());
+        if registry.remove(&meta.id).is_some() {
+            meta.kept(&object);
+        }
+    });
+    registry.insert(id, task.abort_handle());
+    Json(in_progress).into_response()
 }
 
 /// `truncation: "auto"`: the prompt with as few of the conversation's earliest turns left out as let it fit the
@@ -226,7 +265,9 @@ fn prepare_truncated(chat: &ChatRequest, model: &LoadedModel) -> Result<Prepared
 }
 
 /// A request read, admitted and submitted: how to render it, its output, whether to stream it.
-type Started = (ResponseMeta, Generation, bool);
+/// A request read and submitted: its response's fields, its generation, and whether it streams or runs in the
+/// background.
+type Started = (ResponseMeta, Generation, bool, bool);
 
 /// A request's own `input` as items (a string is one user message).
 fn input_items(body: &Body) -> Vec<Value> {
@@ -272,6 +313,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         encrypted_reasoning,
         namespaces,
         truncate,
+        background,
     } = ResponsesBody::parse(&body, keeps_reasoning)?;
     check_model_name(state, name.as_deref())?;
     let prepared = match truncate {
@@ -293,14 +335,15 @@ fn start(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
         keep,
         logprobs_of,
     };
-    Ok((meta, generation, chat.params.stream))
+    Ok((meta, generation, chat.params.stream, background))
 }
 
 /// `POST /v1/responses`.
 pub async fn responses(State(state): State<AppState>, body: Bytes) -> Response {
     match crate::prompt_work::off_runtime(&state, move |state| start(state, &body)).await {
-        Ok((meta, generation, true)) => stream::respond(meta, generation),
-        Ok((meta, generation, false)) => respond_whole(meta, generation).await,
+        Ok((meta, generation, _, true)) => respond_in_background(&state, meta, generation),
+        Ok((meta, generation, true, false)) => stream::respond(meta, generation),
+        Ok((meta, generation, false, false)) => respond_whole(meta, generation).await,
         Err(error) => {
             record_refusal(&state, &error);
             error.into_response()
@@ -317,8 +360,37 @@ pub async fn retrieve(State(state): State<AppState>, Path(id): Path<String>) -> 
     }
 }
 
+/// `POST /v1/responses/{id}/cancel`: stops a background response still being generated (its generation is
+/// dropped, which frees its place in the engine) and keeps it as `cancelled`, which it answers with. A response that
+/// is not in progress in the background cannot be cancelled: a 400, or a 404 for an id not kept.
+pub async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    let mut registry = state.0.background.lock().unwrap_or_else(|e| e.into_inner());
+    let mut store = state.0.responses.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(task) = registry.remove(&id) else {
+        return match store.get(&id) {
+            Some(_) => ApiError::invalid_param(
+                "response_id",
+                "only a background response still in progress can be cancelled",
+            )
+            .into_response(),
+            None => ApiError::not_found("response", &id).into_response(),
+        };
+    };
+    task.abort();
+    let Some(mut object) = store.get(&id).cloned() else {
+        return ApiError::not_found("response", &id).into_response();
+    };
+    object["status"] = "cancelled".into();
+    store.replace(&id, object.clone());
+    Json(object).into_response()
+}
+
 /// `DELETE /v1/responses/{id}`: forgets a kept response (a conversation that continued it can no longer go on).
 pub async fn delete(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    // A background response still being generated stops, and is not kept when it would have ended.
+    if let Some(task) = state.0.background.lock().unwrap_or_else(|e| e.into_inner()).remove(&id) {
+        task.abort();
+    }
     let mut store = state.0.responses.lock().unwrap_or_else(|e| e.into_inner());
     match store.remove(&id) {
         true => Json(json!({"id": id, "object": "response", "deleted": true})).into_response(),

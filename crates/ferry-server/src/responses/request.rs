@@ -54,6 +54,8 @@ pub struct ResponsesBody {
     pub namespaces: Namespaces,
     /// `truncation: "auto"`: a conversation too long for the context window loses its earliest turns (mod.rs).
     pub truncate: bool,
+    /// `background`: the request is answered at once, the response generated after and kept (mod.rs).
+    pub background: bool,
 }
 
 /// `include` for reasoning items that carry their text for a later turn.
@@ -130,6 +132,21 @@ impl ResponsesBody {
             return Err(ApiError::invalid_param("top_p", "`top_p` must be greater than 0"));
         }
         let user = body.string("user")?;
+        let background = body.boolean("background")?;
+        let stream = body.boolean("stream")?;
+        if background && !store {
+            return Err(ApiError::invalid_param(
+                "background",
+                "a background response is kept to be read later: it needs `store` true",
+            ));
+        }
+        if background && stream {
+            return Err(ApiError::invalid_param(
+                "background",
+                "a background response is read with GET /v1/responses/{id}; it cannot also be streamed",
+            ));
+        }
+        echo.insert("background".into(), background.into());
         echo.insert("instructions".into(), instructions.into());
         echo.insert("max_output_tokens".into(), max_tokens.into());
         echo.insert("metadata".into(), metadata(body)?);
@@ -159,7 +176,7 @@ impl ResponsesBody {
                 temperature,
                 top_p,
                 response_format,
-                stream: body.boolean("stream")?,
+                stream,
                 logprobs,
                 ..GenerationParams::default()
             },
@@ -173,6 +190,7 @@ impl ResponsesBody {
             encrypted_reasoning: include.encrypted_reasoning,
             namespaces,
             truncate,
+            background,
         })
     }
 }

@@ -37,11 +37,15 @@ impl ResponseStore {
     }
 
     /// Keeps the response `object` (its id is the key), which continued `previous` with `input`, evicting the oldest
-    /// ones past the budget; one that alone outgrows the budget is not kept.
+    /// ones past the budget; one that alone outgrows the budget is not kept. A response kept again (a background
+    /// one, in progress, then ended) replaces what was kept.
     pub fn insert(&mut self, previous: Option<String>, input: Vec<Value>, object: Value) {
         let Some(id) = object["id"].as_str().map(str::to_string) else {
             return;
         };
+        if self.remove(&id) {
+            self.order.retain(|kept| kept != &id);
+        }
         let bytes = input.iter().map(|item| item.to_string().len()).sum::<usize>() + object.to_string().len();
         if bytes > self.budget {
             return;
@@ -78,6 +82,16 @@ impl ResponseStore {
     /// The input items response `id`'s own request sent (not those of the responses it continued).
     pub fn input(&self, id: &str) -> Option<&[Value]> {
         self.responses.get(id).map(|stored| stored.input.as_slice())
+    }
+
+    /// Replaces the object kept as `id` (its input and the response it continued stay); false if it is not kept.
+    pub fn replace(&mut self, id: &str, object: Value) -> bool {
+        let Some(stored) = self.responses.get(id) else {
+            return false;
+        };
+        let (previous, input) = (stored.previous.clone(), stored.input.clone());
+        self.insert(previous, input, object);
+        true
     }
 
     /// Forgets `id`; false if it was not kept.
@@ -168,6 +182,27 @@ mod tests {
         // A response larger than the whole budget is not kept, and evicts nothing.
         store.insert(None, user(&"x".repeat(3 * one)), response("big", "y"));
         assert!(store.get("big").is_none() && store.get("r2").is_some());
+    }
+
+    #[test]
+    fn a_response_kept_again_replaces_itself_and_keeps_its_place_in_the_conversation() {
+        let one = {
+            let mut store = ResponseStore::new(STORE_BYTES);
+            store.insert(None, user("hi"), response("r1", "hello"));
+            store.bytes
+        };
+        let mut store = ResponseStore::new(2 * one + 10);
+        store.insert(None, user("hi"), response("r1", "hello"));
+        store.insert(Some("r1".into()), user("hi"), response("r2", "....."));
+        // r2 ended: its object replaced, its input and the response it continued kept, its bytes counted once.
+        assert!(store.replace("r2", response("r2", "hello")));
+        assert_eq!(store.bytes, 2 * one);
+        assert_eq!(store.get("r2").unwrap()["output"][0]["content"][0]["text"], "hello");
+        assert_eq!(store.conversation("r2").unwrap().len(), 4);
+        // The next one evicts the oldest, r1, not the replaced r2.
+        store.insert(Some("r2".into()), user("hi"), response("r3", "hello"));
+        assert!(store.get("r1").is_none() && store.get("r2").is_some() && store.get("r3").is_some());
+        assert!(!store.replace("r1", response("r1", "x")), "r1 went");
     }
 
     #[test]
