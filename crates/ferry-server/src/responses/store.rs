@@ -106,8 +106,12 @@ impl ResponseStore {
     }
 
     /// The conversation up to and including response `id`, as input items: every earlier turn's input and output
-    /// in order. An error naming the response that is not kept (`id` itself or one it continued).
+    /// in order. An error naming the response that is not kept (`id` itself or one it continued), or `id` when it is
+    /// still being generated in the background (its output is not there yet).
     pub fn conversation(&self, id: &str) -> Result<Vec<Value>, String> {
+        if self.get(id).is_some_and(|object| object["status"] == "in_progress") {
+            return Err(format!("the response {id:?} is still in progress"));
+        }
         let mut chain = vec![];
         let mut next = Some(id);
         while let Some(id) = next {
@@ -203,6 +207,11 @@ mod tests {
         store.insert(Some("r2".into()), user("hi"), response("r3", "hello"));
         assert!(store.get("r1").is_none() && store.get("r2").is_some() && store.get("r3").is_some());
         assert!(!store.replace("r1", response("r1", "x")), "r1 went");
+        // A response still in progress cannot be continued yet.
+        let mut running = response("r4", "");
+        running["status"] = "in_progress".into();
+        store.insert(Some("r3".into()), user("hi"), running);
+        assert!(store.conversation("r4").unwrap_err().contains("in progress"));
     }
 
     #[test]
