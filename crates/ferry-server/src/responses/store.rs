@@ -148,6 +148,18 @@ mod tests {
         vec![json!({"role": "user", "content": text})]
     }
 
+    /// A store with room for two small responses, holding one (r1), and the bytes one takes.
+    fn room_for_two() -> (ResponseStore, usize) {
+        let one = {
+            let mut store = ResponseStore::new(STORE_BYTES);
+            store.insert(None, user("hi"), response("r1", "hello"));
+            store.bytes
+        };
+        let mut store = ResponseStore::new(2 * one + 10);
+        store.insert(None, user("hi"), response("r1", "hello"));
+        (store, one)
+    }
+
     #[test]
     fn a_conversation_is_every_turns_input_and_output_in_order() {
         let mut store = ResponseStore::new(STORE_BYTES);
@@ -170,13 +182,7 @@ mod tests {
 
     #[test]
     fn the_oldest_go_past_the_budget_and_a_broken_chain_is_an_error() {
-        let one = {
-            let mut store = ResponseStore::new(STORE_BYTES);
-            store.insert(None, user("hi"), response("r1", "hello"));
-            store.bytes
-        };
-        let mut store = ResponseStore::new(2 * one + 10);
-        store.insert(None, user("hi"), response("r1", "hello"));
+        let (mut store, one) = room_for_two();
         store.insert(Some("r1".into()), user("hi"), response("r2", "hello"));
         store.insert(Some("r2".into()), user("hi"), response("r3", "hello"));
         assert!(store.get("r1").is_none() && store.get("r2").is_some() && store.get("r3").is_some());
@@ -190,13 +196,7 @@ mod tests {
 
     #[test]
     fn a_response_kept_again_replaces_itself_and_keeps_its_place_in_the_conversation() {
-        let one = {
-            let mut store = ResponseStore::new(STORE_BYTES);
-            store.insert(None, user("hi"), response("r1", "hello"));
-            store.bytes
-        };
-        let mut store = ResponseStore::new(2 * one + 10);
-        store.insert(None, user("hi"), response("r1", "hello"));
+        let (mut store, one) = room_for_two();
         store.insert(Some("r1".into()), user("hi"), response("r2", "....."));
         // r2 ended: its object replaced, its input and the response it continued kept, its bytes counted once.
         assert!(store.replace("r2", response("r2", "hello")));
