@@ -100,6 +100,17 @@ fn required<T>(body: &Body, name: &str, value: Option<T>) -> Result<T, ApiError>
     value.ok_or_else(|| ApiError::invalid_param(&param, format!("`{param}` is required")))
 }
 
+/// The function a `{"type": "function", "function": {"name": ...}}` object names (a named `tool_choice`, or a tool
+/// of `allowed_tools`), its function's other fields refused; the object's own fields are the caller's to check.
+fn named_function(object: &Body) -> Result<String, ApiError> {
+    check_function_type(object)?;
+    let function = required(object, "function", object.get("function"))?;
+    let function = nested(&object.param("function"), function)?;
+    let name = required(&function, "name", function.string("name")?)?;
+    function.refuse_unread(&[])?;
+    Ok(name)
+}
+
 /// `type` is optional but, when given, must be "function".
 fn check_function_type(body: &Body) -> Result<(), ApiError> {
     match body.string("type")?.as_deref() {
@@ -148,14 +159,10 @@ fn allowed_tools(choice: &Body) -> Result<ToolChoice, ApiError> {
     let mut names: Vec<String> = vec![];
     for (i, tool) in tools.iter().enumerate() {
         let tool = nested(&format!("{param}[{i}]"), tool)?;
-        check_function_type(&tool)?;
-        let function = required(&tool, "function", tool.get("function"))?;
-        let function = nested(&tool.param("function"), function)?;
-        let name = required(&function, "name", function.string("name")?)?;
-        function.refuse_unread(&[])?;
+        let name = named_function(&tool)?;
         tool.refuse_unread(&[])?;
         if names.contains(&name) {
-            let param = function.param("name");
+            let param = format!("{}.name", tool.param("function"));
             return Err(ApiError::invalid_param(
                 &param,
                 format!("`{param}`: `{name}` is allowed twice"),
@@ -246,11 +253,7 @@ impl ToolRequest {
             }
             Some(choice @ Value::Object(_)) => {
                 let choice = nested("tool_choice", choice)?;
-                check_function_type(&choice)?;
-                let function = required(&choice, "function", choice.get("function"))?;
-                let function = nested(&choice.param("function"), function)?;
-                let name = required(&function, "name", function.string("name")?)?;
-                function.refuse_unread(&[])?;
+                let name = named_function(&choice)?;
                 choice.refuse_unread(&[])?;
                 ToolChoice::Function(name)
             }
