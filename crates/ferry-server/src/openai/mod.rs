@@ -49,12 +49,12 @@ struct Renderer {
     return_token_ids: bool,
     /// The model may reason: a whole chat answer then says `reasoning_content: null` when it did not.
     splits_reasoning: bool,
-    /// The model whose tokens logprobs name, when the request asked for logprobs.
-    logprobs_of: Option<Arc<LoadedModel>>,
-    /// The alternatives a token the request asked logprobs for shows (an echoed prompt's too).
+    /// The model whose tokens logprobs name.
+    tokens_of: Arc<LoadedModel>,
+    /// The alternatives each token shows when the request asked for logprobs (an echoed prompt's too).
     logprobs_asked: Option<usize>,
-    /// vLLM's `prompt_logprobs`: the alternatives each prompt token shows, and the model that names them.
-    prompt_logprobs: Option<(usize, Arc<LoadedModel>)>,
+    /// vLLM's `prompt_logprobs`: the alternatives each prompt token shows, when asked for.
+    prompt_logprobs: Option<usize>,
     /// Per choice, where its next token starts in a text completion's output (its logprobs' `text_offset`).
     text_offsets: Vec<Cell<usize>>,
 }
@@ -171,9 +171,9 @@ impl Renderer {
             continuous_usage: options.continuous_usage,
             return_token_ids: options.return_token_ids,
             splits_reasoning,
-            logprobs_of: logprobs.map(|_| model.clone()),
+            tokens_of: model.clone(),
             logprobs_asked: logprobs,
-            prompt_logprobs: options.prompt_logprobs.map(|top| (top, model.clone())),
+            prompt_logprobs: options.prompt_logprobs,
             text_offsets: (0..choices).map(|_| Cell::new(0)).collect(),
         }
     }
@@ -181,9 +181,10 @@ impl Renderer {
     /// The `logprobs` field of choice `choice` holding these tokens (after an echoed prompt's): null unless the
     /// request asked for logprobs.
     fn logprobs(&self, choice: usize, echo: Option<&Echo>, tokens: &[(u32, TokenLogprobs)]) -> Value {
-        let Some(model) = &self.logprobs_of else {
+        if self.logprobs_asked.is_none() {
             return Value::Null;
-        };
+        }
+        let model = &self.tokens_of;
         match self.endpoint {
             Endpoint::Chat => sampling::chat_json(model, tokens),
             Endpoint::Text => {
@@ -202,8 +203,8 @@ impl Renderer {
 
     /// vLLM's `prompt_logprobs` of a prompt scored so, when the request asked for them.
     fn prompt_scores(&self, scores: &[PromptScore]) -> Option<Value> {
-        let (top, model) = self.prompt_logprobs.as_ref()?;
-        Some(sampling::prompt_logprobs_json(model, scores, *top))
+        let top = self.prompt_logprobs?;
+        Some(sampling::prompt_logprobs_json(&self.tokens_of, scores, top))
     }
 
     /// The id of choice `choice`'s call `index`, unique within the response (whose id it carries) and so within
