@@ -49,11 +49,18 @@ kernel_constants! {
     /// Keys per tile of the flash prefill attention at most (the tile of heads of 64 and smaller).
     FLASH_MAX_KEYS_PER_TILE: usize = 64;
 
-    /// The largest compressed kv of multi-head latent attention (DeepSeek-V3's 512): an mla_attend lane keeps
-    /// `MLA_MAX_RANK / 32` accumulators.
+    /// The largest compressed kv of multi-head latent attention (DeepSeek-V3's 512): mla_attend keeps o_c of a
+    /// group's heads in registers, 8 features of 4 heads a thread, and mla_expand holds a head's o_c in shared memory.
     MLA_MAX_RANK: usize = 512;
-    /// Warps per mla_attend block, each taking every MLA_ATTEND_WARPS-th key.
-    MLA_ATTEND_WARPS: usize = 8;
+    /// Heads of one mla_attend block, which score each key row read into shared memory against all of them.
+    MLA_GROUP_HEADS: usize = 16;
+    /// Key rows per shared-memory tile of mla_attend.
+    MLA_KEYS_PER_TILE: usize = 16;
+    /// Threads per block of mla_attend and mla_expand.
+    MLA_ATTEND_THREADS: usize = 256;
+    /// Rows one round of MLA's kernels takes (mla.rs loops over a longer batch): bounds the latent queries, o_c and
+    /// the splits' partials that a round holds, whatever the step's length.
+    MLA_ROWS_PER_LAUNCH: usize = 64;
 
     /// The largest key head of the gated delta rule: the state column a thread keeps in registers.
     MAX_K_HEAD_DIM: usize = 128;

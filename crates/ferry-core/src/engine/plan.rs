@@ -110,6 +110,10 @@ fn activation_shapes(spec: &ModelSpec, info: &ModelInfo) -> ActivationShapes {
         expert_intermediate,
         vocab: spec.vocab_size,
         largest_fp8_matrix: info.largest_fp8_dense_linear as usize,
+        mla_heads_latent: spec
+            .mla
+            .as_ref()
+            .map_or(0, |m| spec.num_heads * (m.kv_lora_rank + m.qk_rope_head_dim)),
     }
 }
 

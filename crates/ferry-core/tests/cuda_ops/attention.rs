@@ -286,10 +286,14 @@ fn prefill_attention_lengths_groups_windows_sinks() {
 }
 
 /// The batches of [`latent_attention_prefill_then_decode`]: (sequence, start, len) slices per call.
-const MLA_CALLS: [&[(usize, usize, usize)]; 3] = [
+/// The fourth call's 71 rows take two rounds of the kernels (MLA_ROWS_PER_LAUNCH); the last decodes at 110 keys,
+/// split among blocks.
+const MLA_CALLS: [&[(usize, usize, usize)]; 5] = [
     &[(0, 0, 37), (1, 0, 5)],
     &[(0, 37, 1), (1, 5, 1)],
     &[(1, 6, 20), (0, 38, 1)],
+    &[(0, 39, 70), (1, 26, 1)],
+    &[(0, 109, 1), (1, 27, 1)],
 ];
 
 /// Runs each call's (q, compressed kv) through `mla_attention` over one latent KV layer of two sequences.
@@ -304,7 +308,7 @@ fn mla_calls<B: Backend>(
     let mut kv = be
         .new_kv(KvSpec {
             layers: vec![KvLayerSpec::latent(params.latent_width())],
-            capacity_tokens: 128,
+            capacity_tokens: 256,
             recurrent: None,
         })
         .unwrap();
@@ -339,15 +343,20 @@ fn mla_calls<B: Backend>(
 }
 
 /// Multi-head latent attention against the CPU backend: DeepSeek-V3's head shape (rank 512, the kernels' largest;
-/// nope 128, rope 64 interleaved, values of 128) with 16 heads, and a small rotate-half shape; a prefill of two
-/// sequences, a decode step of both, then a prefill chunk batched with a decode row; kv_b in bf16 and in FP8.
+/// nope 128, rope 64 interleaved, values of 128) with 16 heads (one group of mla_attend), a small rotate-half shape
+/// of 4 heads and one of 20 (a group and part of another; a latent width not a multiple of 4); a prefill of two
+/// sequences, a decode step of both, then prefill chunks batched with a decode row, then decode at a longer
+/// context; kv_b in bf16 and in FP8.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn latent_attention_prefill_then_decode() {
     let p = pair();
     let mut rng = Rng::new(11);
-    for (heads, rank, nope, rope_dim, v_dim, interleaved) in [(16, 512, 128, 64, 128, true), (4, 32, 16, 8, 12, false)]
-    {
+    for (heads, rank, nope, rope_dim, v_dim, interleaved) in [
+        (16, 512, 128, 64, 128, true),
+        (4, 32, 16, 8, 12, false),
+        (20, 64, 32, 6, 24, false),
+    ] {
         let params = MlaParams {
             num_heads: heads,
             kv_lora_rank: rank,

@@ -156,43 +156,48 @@ impl BlockShape {
 
 /// How each row's keys are divided among blocks: `count` splits of `len` keys.
 #[derive(Debug, PartialEq, Eq)]
-struct Splits {
-    count: usize,
-    len: usize,
+pub(super) struct Splits {
+    pub(super) count: usize,
+    pub(super) len: usize,
 }
 
-/// Splits rows of up to `max_keys` keys so that the `row_blocks` blocks of one split each (rows x kv heads) become
-/// about `resident_blocks`, what the GPU runs at once: decode fills the GPU in one wave, each block with its
-/// tiles all in flight; prefill, with blocks enough, takes one split and needs no combine.
-fn split_keys(row_blocks: usize, max_keys: usize, resident_blocks: usize) -> Splits {
-    let tiles = max_keys.div_ceil(KEYS_PER_TILE).max(1);
+/// Splits rows of up to `max_keys` keys, in tiles of `tile_keys`, so that the `row_blocks` blocks of one split
+/// each (rows x kv heads) become about `resident_blocks`, what the GPU runs at once: decode fills the GPU in one
+/// wave, each block with its tiles all in flight; prefill, with blocks enough, takes one split and needs no combine.
+pub(super) fn split_keys(row_blocks: usize, max_keys: usize, tile_keys: usize, resident_blocks: usize) -> Splits {
+    let tiles = max_keys.div_ceil(tile_keys).max(1);
     let wanted = resident_blocks.div_ceil(row_blocks.max(1));
     let count = wanted
         .min(tiles.div_ceil(MIN_TILES_PER_SPLIT))
         .clamp(1, ATTENTION_MAX_SPLITS);
-    let len = tiles.div_ceil(count) * KEYS_PER_TILE;
+    let len = tiles.div_ceil(count) * tile_keys;
     Splits {
         count: max_keys.div_ceil(len).max(1),
         len,
     }
 }
 
-/// Attention blocks of `threads` threads and `shared_bytes` of shared memory one multiprocessor runs at once.
-fn blocks_per_multiprocessor(cuda: &CudaBackend, shape: &BlockShape) -> Result<usize> {
-    let threads = (shape.warps * 32) as u32;
+/// Blocks of kernel `name` (`threads` threads, `shared_bytes` of dynamic shared memory) one multiprocessor runs
+/// at once.
+pub(super) fn blocks_per_multiprocessor(
+    cuda: &CudaBackend,
+    name: &'static str,
+    threads: u32,
+    shared_bytes: usize,
+) -> Result<usize> {
     let mut known = cuda
         .attention_blocks_per_multiprocessor
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    let key = (shape.kernel, threads, shape.shared_bytes);
+    let key = (name, threads, shared_bytes);
     if let Some(&blocks) = known.get(&key) {
         return Ok(blocks);
     }
     // The occupancy query, unlike a launch, does not make the context current itself.
     cuda.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
     let blocks = cuda
-        .function(shape.kernel)?
-        .occupancy_max_active_blocks_per_multiprocessor(threads, shape.shared_bytes, None)
+        .function(name)?
+        .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes, None)
         .map_err(cuda_err("attention occupancy"))? as usize;
     known.insert(key, blocks);
     Ok(blocks)
@@ -284,7 +289,8 @@ pub(super) fn attend(
         return flash_attention::attend(cuda, q, sinks, pools, batch, slices, p);
     }
     let shape = BlockShape::new(p.num_heads / p.num_kv_heads, p.head_dim, cuda.max_shared_per_block)?;
-    let per_multiprocessor = blocks_per_multiprocessor(cuda, &shape)?;
+    let per_multiprocessor =
+        blocks_per_multiprocessor(cuda, shape.kernel, (shape.warps * 32) as u32, shape.shared_bytes)?;
     let max_keys = match p.sliding_window {
         Some(window) if window > 0 => window.min(batch.key_span),
         _ => batch.key_span,
@@ -292,6 +298,7 @@ pub(super) fn attend(
     let splits = split_keys(
         q.rows * p.num_kv_heads,
         max_keys,
+        KEYS_PER_TILE,
         per_multiprocessor.max(1) * cuda.multiprocessors,
     );
     let out = cuda.tensor(q.rows, q.cols)?;
@@ -329,23 +336,44 @@ pub(super) fn attend(
     };
     attention.launch_kernel(cuda, shape.kernel, cfg)?;
     if splits.count > 1 {
-        let combine = AttentionCombine {
-            partial_out: ptr(&partial_out),
-            partial_stats: ptr(&partial_stats),
+        let partials = (&partial_out, &partial_stats);
+        combine_splits(
+            cuda,
+            partials,
             sinks,
-            out: ptr(&out.data),
-            num_heads: p.num_heads as i32,
-            head_dim: p.head_dim as i32,
-            splits: splits.count as i32,
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (q.rows as u32, p.num_heads as u32, 1),
-            block_dim: (ATTENTION_COMBINE_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        combine.launch(cuda, cfg)?;
+            ptr(&out.data),
+            (q.rows, p.num_heads, p.head_dim),
+            splits.count,
+        )?;
     }
     Ok(out)
+}
+
+/// attention_combine: the `splits` partials (outputs, then (max, denominator) pairs) of each (row, head) merged
+/// into `out`, `[rows, heads * head_dim]`, each head's sink (`sinks` may be null) in its denominator.
+pub(super) fn combine_splits(
+    cuda: &CudaBackend,
+    (partial_out, partial_stats): (&CudaSlice<f32>, &CudaSlice<f32>),
+    sinks: Ptr<f32>,
+    out: Ptr<f32>,
+    (rows, heads, head_dim): (usize, usize, usize),
+    splits: usize,
+) -> Result<()> {
+    let combine = AttentionCombine {
+        partial_out: ptr(partial_out),
+        partial_stats: ptr(partial_stats),
+        sinks,
+        out,
+        num_heads: heads as i32,
+        head_dim: head_dim as i32,
+        splits: splits as i32,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, heads as u32, 1),
+        block_dim: (ATTENTION_COMBINE_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    combine.launch(cuda, cfg)
 }
 
 #[cfg(test)]
@@ -402,13 +430,16 @@ mod tests {
     #[test]
     fn decode_splits_fill_the_gpu_and_prefill_takes_one_split() {
         // Decode at a 4K context, 4 kv heads, 132 multiprocessors with 2 blocks each: 64 splits of 2 tiles.
-        assert_eq!(split_keys(4, 4096, 264), Splits { count: 64, len: 64 });
+        assert_eq!(split_keys(4, 4096, KEYS_PER_TILE, 264), Splits { count: 64, len: 64 });
         // Prefill: more blocks than the GPU holds.
-        assert_eq!(split_keys(2048 * 4, 4096, 264), Splits { count: 1, len: 4096 });
-        assert_eq!(split_keys(4, 5, 264), Splits { count: 1, len: 32 });
+        assert_eq!(
+            split_keys(2048 * 4, 4096, KEYS_PER_TILE, 264),
+            Splits { count: 1, len: 4096 }
+        );
+        assert_eq!(split_keys(4, 5, KEYS_PER_TILE, 264), Splits { count: 1, len: 32 });
         for row_blocks in [1, 3, 4, 20, 100, 263, 264, 10_000] {
             for max_keys in [1, 31, 32, 33, 100, 1000, 4097, 100_000, 1_000_000] {
-                let s = split_keys(row_blocks, max_keys, 264);
+                let s = split_keys(row_blocks, max_keys, KEYS_PER_TILE, 264);
                 assert!(s.count >= 1 && s.count <= ATTENTION_MAX_SPLITS, "{s:?}");
                 assert!(s.len.is_multiple_of(KEYS_PER_TILE), "{s:?}");
                 // Every key has a split and no split is empty for the longest row.

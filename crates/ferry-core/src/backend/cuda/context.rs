@@ -9,7 +9,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
 
 use super::memory::keep_freed_memory_pooled;
-use super::{attention, flash_attention, gdn, libs, linear, CudaBackend};
+use super::{attention, flash_attention, gdn, libs, linear, mla, CudaBackend};
 use crate::{Error, Result};
 
 pub(super) fn cuda_err(context: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -52,7 +52,7 @@ const KERNELS: &[(&str, &[&str])] = &[
     ("attention", &attention::KERNELS),
     ("flash_attention", &flash_attention::FLASH_KERNELS),
     ("qkv", &["qkv_rope_kv_append"]),
-    ("mla", &["mla_latent_append", "mla_attend"]),
+    ("mla", &mla::KERNELS),
     (
         "moe",
         &[
@@ -156,6 +156,7 @@ impl CudaBackend {
             allow_shared_bytes(&functions, name, max_shared_per_block)?;
         }
         allow_shared_bytes(&functions, "gated_delta_rule_chunked", gdn::CHUNKED_MAX_SHARED_BYTES)?;
+        allow_shared_bytes(&functions, "mla_attend", max_shared_per_block)?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
         let device = format!(
             "{} (sm_{major}{minor}, {:.1} GiB)",

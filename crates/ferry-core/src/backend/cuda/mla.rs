@@ -7,9 +7,12 @@
 //! checkpoints) is dequantized on each call into bf16 halves `hi + lo` (linear.rs), which the kernel sums: its
 //! weights keep 16 significant bits, where bf16 alone would round them to 8.
 
-use cudarc::driver::LaunchConfig;
-use ferry_kernels::constants::{MLA_ATTEND_WARPS, MLA_MAX_RANK};
+use cudarc::driver::{CudaSlice, LaunchConfig};
+use ferry_kernels::constants::{
+    MLA_ATTEND_THREADS, MLA_GROUP_HEADS, MLA_KEYS_PER_TILE, MLA_MAX_RANK, MLA_ROWS_PER_LAUNCH,
+};
 
+use super::attention::{blocks_per_multiprocessor, combine_splits, split_keys};
 use super::kv::{DeviceBatch, DeviceKv};
 use super::launch::{kernel, per_row, ptr, Ptr};
 use super::{CudaBackend, CudaRope, CudaTensor, CudaWeight};
@@ -34,16 +37,16 @@ kernel! {
 }
 
 kernel! {
-    /// Block per (row, head): the head's query taken into latent space, causal attention over the sequence's latent
-    /// rows, the head's output `W_v o_c`.
-    struct MlaAttend = "mla_attend" {
+    /// Block per (row, head) of a round of rows: the head's query in latent space, `[W_k[h]^T q_nope, rope(q_rope)]`.
+    struct MlaAbsorbQuery = "mla_absorb_query" {
         q: Ptr<f32>,
-        kv_b: Ptr<u16>,
-        kv_b_lo: Ptr<u16>,
-        pool: Ptr<f32>,
+        kv_b_bf16: Ptr<u16>,
+        kv_b_fp8: Ptr<u8>,
+        kv_b_scales: Ptr<f32>,
+        block_rows: i32,
+        block_cols: i32,
         row_pos: Ptr<u32>,
-        row_table: Ptr<u32>,
-        block_tables: Ptr<u32>,
+        first_row: i32,
         inv_freq: Ptr<f32>,
         interleaved: i32,
         rope_scale: f32,
@@ -52,18 +55,106 @@ kernel! {
         nope: i32,
         rope_dim: i32,
         v_dim: i32,
+        q_lat: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// Block per (row, group of heads, split): the group's attention over the split's latent rows, o_c (one split)
+    /// or its partials for attention_combine.
+    struct MlaAttend = "mla_attend" {
+        q_lat: Ptr<f32>,
+        pool: Ptr<f32>,
+        row_pos: Ptr<u32>,
+        row_table: Ptr<u32>,
+        block_tables: Ptr<u32>,
+        first_row: i32,
+        heads: i32,
+        rank: i32,
+        width: i32,
         scale: f32,
+        split_len: i32,
+        oc: Ptr<f32>,
+        partial_out: Ptr<f32>,
+        partial_stats: Ptr<f32>,
+    }
+}
+
+kernel! {
+    /// Block per (row, head) of a round: the head's output `W_v[h] o_c`.
+    struct MlaExpand = "mla_expand" {
+        oc: Ptr<f32>,
+        kv_b_bf16: Ptr<u16>,
+        kv_b_fp8: Ptr<u8>,
+        kv_b_scales: Ptr<f32>,
+        block_rows: i32,
+        block_cols: i32,
+        first_row: i32,
+        heads: i32,
+        rank: i32,
+        nope: i32,
+        v_dim: i32,
         out: Ptr<f32>,
     }
+}
+
+/// Every kernel of mla.cu.
+pub(super) const KERNELS: [&str; 4] = ["mla_latent_append", "mla_absorb_query", "mla_attend", "mla_expand"];
+
+/// kv_b_proj as the kernels read it: bf16, or E4M3 with its block scales (the other pointers null).
+struct KvB {
+    bf16: Ptr<u16>,
+    fp8: Ptr<u8>,
+    scales: Ptr<f32>,
+    block: [i32; 2],
+    rows: usize,
+    cols: usize,
+}
+
+impl KvB {
+    fn of(w: &CudaWeight) -> Result<Self> {
+        Ok(match w.fp8_matrix() {
+            Some(m) => KvB {
+                bf16: Ptr::null(),
+                fp8: m.data,
+                scales: m.scales,
+                block: m.block.map(|b| b as i32),
+                rows: m.rows,
+                cols: m.cols,
+            },
+            None => {
+                let m = w.matrix()?;
+                KvB {
+                    bf16: m.data,
+                    fp8: Ptr::null(),
+                    scales: Ptr::null(),
+                    block: [1, 1],
+                    rows: m.rows,
+                    cols: m.cols,
+                }
+            }
+        })
+    }
+}
+
+/// Bytes of shared memory of an mla_attend block for latent rows of `width` floats: the group's queries and a tile
+/// of keys (rows padded as mla.cu pads them), the tile's probabilities and scores, the heads' softmax state.
+pub(super) fn attend_shared_bytes(width: usize) -> usize {
+    let stride = width.div_ceil(4) * 4 + 4;
+    let (g, kt) = (MLA_GROUP_HEADS, MLA_KEYS_PER_TILE);
+    4 * ((g + kt) * stride + kt * g + g * (kt + 1) + 3 * g)
 }
 
 /// Threads per block of the append kernel.
 const APPEND_THREADS: u32 = 128;
 
-/// A grid of one block per (row, head).
-fn per_row_and_head(rows: usize, heads: usize, threads: u32, shared_mem_bytes: u32) -> LaunchConfig {
+/// Threads per block of the query absorption.
+const ABSORB_THREADS: u32 = 128;
+
+/// A grid of `x * y * z` blocks of `threads` threads.
+fn grid(x: usize, y: usize, z: usize, threads: u32, shared_mem_bytes: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (rows as u32, heads as u32, 1),
+        grid_dim: (x as u32, y as u32, z as u32),
         block_dim: (threads, 1, 1),
         shared_mem_bytes,
     }
@@ -84,11 +175,7 @@ pub(super) fn mla_attention(
     p: &MlaParams,
 ) -> Result<CudaTensor> {
     let (rank, rope_dim) = (p.kv_lora_rank, p.qk_rope_head_dim);
-    let fp8_halves = kv_b.fp8_matrix().map(|w| cuda.dequantize_fp8(w)).transpose()?;
-    let (kv_b, kv_b_lo) = match &fp8_halves {
-        Some(halves) => (halves.hi(), halves.lo().data),
-        None => (kv_b.matrix()?, Ptr::null()),
-    };
+    let kv_b = KvB::of(kv_b)?;
     if q.cols != p.q_width()
         || compressed.cols != p.latent_width()
         || compressed.rows != q.rows
@@ -106,7 +193,7 @@ pub(super) fn mla_attention(
         )));
     }
     let pool = kv.latent_pool(layer, p.latent_width())?;
-    let (rows, heads) = (q.rows, p.num_heads);
+    let (rows, heads, width) = (q.rows, p.num_heads, p.latent_width());
     let interleaved = p.rope_interleaved as i32;
     MlaLatentAppend {
         compressed: ptr(&compressed.data),
@@ -123,29 +210,95 @@ pub(super) fn mla_attention(
     }
     .launch(cuda, per_row(rows, APPEND_THREADS))?;
     let out = cuda.tensor(rows, p.out_width())?;
-    let shared_floats = p.latent_width() + rank + MLA_ATTEND_WARPS * (rank + 2);
-    MlaAttend {
-        q: ptr(&q.data),
-        kv_b: kv_b.data,
-        kv_b_lo,
-        pool: ptr(pool),
-        row_pos: batch.positions,
-        row_table: batch.row_table,
-        block_tables: batch.block_tables,
-        inv_freq: ptr(&rope.inv_freq),
-        interleaved,
-        rope_scale: rope.attention_factor,
-        heads: heads as i32,
-        rank: rank as i32,
-        nope: p.qk_nope_head_dim as i32,
-        rope_dim: rope_dim as i32,
-        v_dim: p.v_head_dim as i32,
-        scale: p.scale,
-        out: ptr(&out.data),
+    let groups = heads.div_ceil(MLA_GROUP_HEADS);
+    let shared_bytes = attend_shared_bytes(width);
+    let per_multiprocessor =
+        blocks_per_multiprocessor(cuda, "mla_attend", MLA_ATTEND_THREADS as u32, shared_bytes)?.max(1);
+    // Splits fill the GPU at decode, but never past MLA_ROWS_PER_LAUNCH rows' worth of partials per round.
+    let resident = (per_multiprocessor * cuda.multiprocessors).min(MLA_ROWS_PER_LAUNCH * groups);
+    for first in (0..rows).step_by(MLA_ROWS_PER_LAUNCH) {
+        let round = MLA_ROWS_PER_LAUNCH.min(rows - first);
+        let q_lat: CudaSlice<f32> = cuda.alloc(round * heads * width)?;
+        MlaAbsorbQuery {
+            q: ptr(&q.data),
+            kv_b_bf16: kv_b.bf16,
+            kv_b_fp8: kv_b.fp8,
+            kv_b_scales: kv_b.scales,
+            block_rows: kv_b.block[0],
+            block_cols: kv_b.block[1],
+            row_pos: batch.positions,
+            first_row: first as i32,
+            inv_freq: ptr(&rope.inv_freq),
+            interleaved,
+            rope_scale: rope.attention_factor,
+            heads: heads as i32,
+            rank: rank as i32,
+            nope: p.qk_nope_head_dim as i32,
+            rope_dim: rope_dim as i32,
+            v_dim: p.v_head_dim as i32,
+            q_lat: ptr(&q_lat),
+        }
+        .launch(cuda, grid(round, heads, 1, ABSORB_THREADS, 0))?;
+        let splits = split_keys(round * groups, batch.key_span, MLA_KEYS_PER_TILE, resident);
+        let oc: CudaSlice<f32> = cuda.alloc(round * heads * rank)?;
+        let partials = if splits.count > 1 {
+            round * heads * splits.count
+        } else {
+            0
+        };
+        let partial_out: CudaSlice<f32> = cuda.alloc(partials * rank)?;
+        let partial_stats: CudaSlice<f32> = cuda.alloc(partials * 2)?;
+        MlaAttend {
+            q_lat: ptr(&q_lat),
+            pool: ptr(pool),
+            row_pos: batch.positions,
+            row_table: batch.row_table,
+            block_tables: batch.block_tables,
+            first_row: first as i32,
+            heads: heads as i32,
+            rank: rank as i32,
+            width: width as i32,
+            scale: p.scale,
+            split_len: splits.len as i32,
+            oc: ptr(&oc),
+            partial_out: ptr(&partial_out),
+            partial_stats: ptr(&partial_stats),
+        }
+        .launch(
+            cuda,
+            grid(
+                round,
+                groups,
+                splits.count,
+                MLA_ATTEND_THREADS as u32,
+                shared_bytes as u32,
+            ),
+        )?;
+        if splits.count > 1 {
+            combine_splits(
+                cuda,
+                (&partial_out, &partial_stats),
+                Ptr::null(),
+                ptr(&oc),
+                (round, heads, rank),
+                splits.count,
+            )?;
+        }
+        MlaExpand {
+            oc: ptr(&oc),
+            kv_b_bf16: kv_b.bf16,
+            kv_b_fp8: kv_b.fp8,
+            kv_b_scales: kv_b.scales,
+            block_rows: kv_b.block[0],
+            block_cols: kv_b.block[1],
+            first_row: first as i32,
+            heads: heads as i32,
+            rank: rank as i32,
+            nope: p.qk_nope_head_dim as i32,
+            v_dim: p.v_head_dim as i32,
+            out: ptr(&out.data),
+        }
+        .launch(cuda, grid(round, heads, 1, MLA_ATTEND_THREADS as u32, 0))?;
     }
-    .launch(
-        cuda,
-        per_row_and_head(rows, heads, (MLA_ATTEND_WARPS * 32) as u32, (4 * shared_floats) as u32),
-    )?;
     Ok(out)
 }

@@ -3,6 +3,8 @@
 //! model) describes the model's activation widths in [`ActivationShapes`]; the backend, which knows how it
 //! allocates, turns them into bytes. Not a model description: only the widths these formulas read.
 
+use ferry_kernels::constants::MLA_ROWS_PER_LAUNCH;
+
 /// Rows the grouped (prefill) expert path takes at once: a longer step runs its experts in groups of this many
 /// rows, so the expert part of the workspace stops growing with the step.
 pub const MOE_GROUP_ROWS: usize = 2048;
@@ -30,6 +32,9 @@ pub struct ActivationShapes {
     /// Weights of the largest dense FP8 matrix (0 without dense FP8 weights): products of more rows than a GEMV
     /// takes dequantize it into two bf16 halves for as long as they run (linear.rs).
     pub largest_fp8_matrix: usize,
+    /// Multi-head latent attention's heads times its latent width (0 without MLA): a round of its kernels holds
+    /// latent queries, o_c and split partials of this width per row (mla.rs).
+    pub mla_heads_latent: usize,
 }
 
 /// Activations of one forward pass of `rows` tokens, with room for the memory pool's rounding, plus cuBLAS's
@@ -48,8 +53,11 @@ pub fn workspace_bytes(shapes: &ActivationShapes, rows: usize) -> u64 {
     let activations = ((rows * per_row + grouped_experts) * 4) as u64;
     let logits = (8 * shapes.vocab * 4) as u64;
     let fp8_halves = (shapes.largest_fp8_matrix * 2 * 2) as u64;
+    // A round of MLA_ROWS_PER_LAUNCH rows: latent queries and o_c, and splits' partials of at most twice that many
+    // rows (mla.rs caps the splits so).
+    let mla_round = (4 * MLA_ROWS_PER_LAUNCH * shapes.mla_heads_latent * 4) as u64;
     const CUBLAS_AND_POOL: u64 = 256 << 20;
-    2 * activations + logits + fp8_halves + CUBLAS_AND_POOL
+    2 * activations + logits + fp8_halves + mla_round + CUBLAS_AND_POOL
 }
 
 #[cfg(test)]
@@ -69,6 +77,7 @@ mod tests {
             expert_intermediate: 96,
             vocab: 1000,
             largest_fp8_matrix: 0,
+            mla_heads_latent: 0,
         };
         let per_row = |rows: usize| workspace_bytes(&shapes, rows) - workspace_bytes(&shapes, rows - 1);
         let expert_pairs_per_row = (2 * 4 * (64 + 96) * 4 * 2) as u64;
