@@ -114,6 +114,13 @@ struct KvB {
 impl KvB {
     fn of(w: &CudaWeight) -> Result<Self> {
         Ok(match w.fp8_matrix() {
+            Some(m) if !m.block[1].is_multiple_of(4) => {
+                return Err(Error::Shape(format!(
+                    "an FP8 kv_b_proj with scale blocks {} columns wide: the MLA kernels read 4 weights of one \
+                     scale at a time",
+                    m.block[1]
+                )))
+            }
             Some(m) => KvB {
                 bf16: Ptr::null(),
                 fp8: m.data,
@@ -138,18 +145,16 @@ impl KvB {
 }
 
 /// Bytes of shared memory of an mla_attend block for latent rows of `width` floats: the group's queries and a tile
-/// of keys (rows padded as mla.cu pads them), the tile's probabilities and scores, the heads' softmax state.
+/// of keys (rows padded as mla.cu pads them), the tile's probabilities, the heads' correction, max and denominator,
+/// the tile's slots.
 pub(super) fn attend_shared_bytes(width: usize) -> usize {
     let stride = width.div_ceil(4) * 4 + 4;
     let (g, kt) = (MLA_GROUP_HEADS, MLA_KEYS_PER_TILE);
-    4 * ((g + kt) * stride + kt * g + g * (kt + 1) + 3 * g)
+    4 * ((g + kt) * stride + kt * g + 3 * g + kt)
 }
 
 /// Threads per block of the append kernel.
 const APPEND_THREADS: u32 = 128;
-
-/// Threads per block of the query absorption.
-const ABSORB_THREADS: u32 = 128;
 
 /// A grid of `x * y * z` blocks of `threads` threads.
 fn grid(x: usize, y: usize, z: usize, threads: u32, shared_mem_bytes: u32) -> LaunchConfig {
@@ -180,6 +185,7 @@ pub(super) fn mla_attention(
         || compressed.cols != p.latent_width()
         || compressed.rows != q.rows
         || (kv_b.rows, kv_b.cols) != (p.kv_b_rows(), rank)
+        || kv_b.rows * kv_b.cols > i32::MAX as usize
         || rope.rotary_dim != rope_dim
     {
         return Err(Error::Shape(format!(
@@ -238,7 +244,7 @@ pub(super) fn mla_attention(
             v_dim: p.v_head_dim as i32,
             q_lat: ptr(&q_lat),
         }
-        .launch(cuda, grid(round, heads, 1, ABSORB_THREADS, 0))?;
+        .launch(cuda, grid(round, heads, 1, MLA_ATTEND_THREADS as u32, 0))?;
         let splits = split_keys(round * groups, batch.key_span, MLA_KEYS_PER_TILE, resident);
         let oc: CudaSlice<f32> = cuda.alloc(round * heads * rank)?;
         let partials = if splits.count > 1 {
