@@ -526,6 +526,14 @@ pub trait Backend: Send + Sync + Sized {
         let _ = (experts, routing);
         Ok(())
     }
+    /// [`Backend::guess_routing`] for a guess made where no MoE layer runs before the guessed one (a dense layer
+    /// just before the first MoE layer), so that no router's wait would bring it to the host in time: an
+    /// offloading backend reads it at once (one wait for the device) and copies the guessed experts while the
+    /// layers before compute.
+    fn guess_routing_now(&self, experts: &Self::Experts, routing: Self::Routing) -> Result<()> {
+        let _ = (experts, routing);
+        Ok(())
+    }
     /// The rows `rows` of `x`, in that order.
     fn select_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
 }

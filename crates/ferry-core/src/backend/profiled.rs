@@ -124,6 +124,9 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn guess_routing(&self, experts: &Self::Experts, routing: Self::Routing) -> Result<()> {
         self.inner.guess_routing(experts, routing)
     }
+    fn guess_routing_now(&self, experts: &Self::Experts, routing: Self::Routing) -> Result<()> {
+        self.inner.guess_routing_now(experts, routing)
+    }
     timed_ops! {
         fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Self::Batch;
         fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;

@@ -457,6 +457,50 @@ impl<B: Backend> MoeBlock<B> {
         }
     }
 
+    /// A guess of how this block (MoE layer `moe_layer`) will route the rows of `x`, an earlier layer's input:
+    /// its router applied to `x`, or, when `replaying` (a tap that replaces the routers' choices), the tap's guess
+    /// if it makes one (the router could not predict replayed routes).
+    fn guess(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        moe_layer: usize,
+        replaying: Option<&mut (dyn RoutingTap + '_)>,
+    ) -> Result<Option<B::Routing>> {
+        let Some(tap) = replaying else {
+            return be
+                .route_linear(x, &self.router, self.router_bias.as_ref(), self.router())
+                .map(Some);
+        };
+        let Some(ids) = tap.guess(moe_layer, be.shape(x).0, self.top_k)? else {
+            return Ok(None);
+        };
+        let weights = vec![1.0 / self.top_k as f32; ids.len()];
+        be.routing_from_host(&ids, &weights, self.top_k).map(Some)
+    }
+
+    /// Before a dense layer's MLP whose next layer is this block's (MoE layer `moe_layer`): when the backend
+    /// wants guesses, this block's guess from the MLP's input `x`, read at once ([`Backend::guess_routing_now`]),
+    /// so that the first MoE layer's experts are copied while the dense layer and the next attention compute
+    /// (no MoE layer before it hands its guess over). `tap` as in [`MoeBlock::forward`].
+    pub fn guess_ahead(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        moe_layer: usize,
+        tap: Option<&mut (dyn RoutingTap + '_)>,
+    ) -> Result<()> {
+        if !be.wants_routing_guess(be.shape(x).0) {
+            return Ok(());
+        }
+        // A tap that only records leaves guessing to the router; one that replays guesses itself, if at all.
+        let replaying = tap.filter(|t| t.replays());
+        if let Some(guess) = self.guess(be, x, moe_layer, replaying)? {
+            be.guess_routing_now(&self.experts, guess)?;
+        }
+        Ok(())
+    }
+
     /// `moe_layer` is this block's index among the model's MoE layers; `tap` sees (and may replace) its routing.
     /// `next`, the model's next MoE block: when the backend wants a guess of its routing (expert offload in
     /// decode), its router is applied to this block's input `x`, available before this block's experts run, so
@@ -496,19 +540,7 @@ impl<B: Backend> MoeBlock<B> {
             }
         }
         if let Some(next) = next.filter(|_| be.wants_routing_guess(rows)) {
-            // Replayed routes are guessed by the tap, if at all.
-            let guess = match (replayed, tap) {
-                (false, _) => Some(be.route_linear(x, &next.router, next.router_bias.as_ref(), next.router())?),
-                (true, Some(tap)) => match tap.guess(moe_layer + 1, rows, next.top_k)? {
-                    Some(ids) => {
-                        let weights = vec![1.0 / next.top_k as f32; ids.len()];
-                        Some(be.routing_from_host(&ids, &weights, next.top_k)?)
-                    }
-                    None => None,
-                },
-                (true, None) => None,
-            };
-            if let Some(guess) = guess {
+            if let Some(guess) = next.guess(be, x, moe_layer + 1, replayed.then_some(()).and(tap))? {
                 be.guess_routing(&next.experts, guess)?;
             }
         }

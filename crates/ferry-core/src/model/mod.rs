@@ -292,7 +292,12 @@ impl<B: Backend> Model<B> {
                 eps,
             };
             normed = match &layer.ffn {
-                Ffn::Dense(mlp) => mlp.forward_into(be, &normed, into)?,
+                Ffn::Dense(mlp) => {
+                    if let Some(Ffn::Moe(next)) = self.layers.get(i + 1).map(|l| &l.ffn) {
+                        next.guess_ahead(be, &normed, moe_layer, tap.as_deref_mut())?;
+                    }
+                    mlp.forward_into(be, &normed, into)?
+                }
                 Ffn::Moe(moe) => {
                     moe_layer += 1;
                     let next = self.layers[i + 1..].iter().find_map(|l| match &l.ffn {

@@ -25,6 +25,11 @@ pub trait RoutingTap {
     fn guess(&mut self, _layer: usize, _rows: usize, _top_k: usize) -> Result<Option<Vec<u32>>> {
         Ok(None)
     }
+    /// Whether [`routed`](Self::routed) replaces the router's choices (then only [`guess`](Self::guess) may guess
+    /// them).
+    fn replays(&self) -> bool {
+        false
+    }
 }
 
 /// Writes each row of each forward pass as one token of a routing trace (rows in batch order: use it with one
@@ -147,6 +152,10 @@ impl RoutingTap for TraceReplayer {
         false
     }
 
+    fn replays(&self) -> bool {
+        true
+    }
+
     fn routed(&mut self, layer: usize, rows: usize, top_k: usize, _: Option<&[u32]>) -> Result<Option<Vec<u32>>> {
         let ids = true_routes(&self.trace, self.next_token, layer, rows, top_k)?.concat();
         if layer + 1 == self.trace.header().num_layers as usize {
@@ -215,6 +224,10 @@ impl HeldRouting {
 impl RoutingTap for HeldRouting {
     fn wants_router_choice(&self) -> bool {
         false
+    }
+
+    fn replays(&self) -> bool {
+        true
     }
 
     fn routed(&mut self, layer: usize, rows: usize, top_k: usize, _: Option<&[u32]>) -> Result<Option<Vec<u32>>> {

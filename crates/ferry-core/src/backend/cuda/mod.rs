@@ -522,6 +522,16 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn guess_routing_now(&self, experts: &CudaExperts, routing: CudaRouting) -> Result<()> {
+        if let (Some(offload), CudaExperts::Offloaded { layer, .. }) = (&self.offload, experts) {
+            offload
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .guess_now(&self.stream, *layer, routing)?;
+        }
+        Ok(())
+    }
+
     fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
         elementwise::select_rows(self, x, rows)
     }

@@ -245,6 +245,17 @@ impl Offload {
         self.guess = Some(RoutingGuess { layer, routing });
     }
 
+    /// Reads `routing`, a guess of how MoE layer `layer` will route that no earlier layer's wait would read, at
+    /// once (a wait for `compute`), and starts copying its misses: they are pumped as [`Offload::copy_guesses`]
+    /// pumps a next-layer guess, and scored and dropped when the layer's own ids arrive.
+    pub fn guess_now(&mut self, compute: &Arc<CudaStream>, layer: usize, routing: CudaRouting) -> Result<()> {
+        let ids = self.read_ids(compute, &[&routing], None)?;
+        self.guess_in_flight = None;
+        self.keep_guess(layer, &ids);
+        self.copy_guesses()?;
+        Ok(())
+    }
+
     /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
     /// returns the layer's index.
     pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors], glu: ExpertGlu) -> Result<usize> {
