@@ -540,7 +540,7 @@ impl<B: Backend> MoeBlock<B> {
             }
         }
         if let Some(next) = next.filter(|_| be.wants_routing_guess(rows)) {
-            if let Some(guess) = next.guess(be, x, moe_layer + 1, replayed.then_some(()).and(tap))? {
+            if let Some(guess) = next.guess(be, x, moe_layer + 1, tap.filter(|_| replayed))? {
                 be.guess_routing(&next.experts, guess)?;
             }
         }
