@@ -230,13 +230,16 @@ pub(super) fn bench_on<B: Backend>(
 }
 
 /// Seconds a decode step takes with nothing to copy: a sequence of the main prompt's length prefilled and decoded
-/// under the held routing now set, whose experts are resident once its prompt is in, timed over its decode. None
-/// when its decode still missed (a split that computes misses on the CPU never caches them).
+/// under the held routing now set, whose experts are resident once its prompt and a first decode step are in,
+/// timed over the rest of its decode. None when that still missed (a split that computes misses on the CPU never
+/// caches them).
 fn resident_step_seconds<B: Backend>(
     scheduler: &mut Scheduler<BenchExecutor<'_, B>>,
     workload: &Workload,
 ) -> Result<Option<f64>> {
-    let (mut phase, _) = prefill(scheduler, &workload.prompt, workload.decode_tokens + 1)?;
+    let (mut phase, _) = prefill(scheduler, &workload.prompt, workload.decode_tokens + 2)?;
+    // One decode step first, untimed, so that whatever the prefill left to copy is in.
+    phase.step_until(scheduler, |p| p.generated.iter().all(|&n| n > 1))?;
     let before = scheduler.offload_stats();
     let started = Instant::now();
     phase.step_until(scheduler, Phase::finished)?;

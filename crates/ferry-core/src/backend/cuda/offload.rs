@@ -44,6 +44,8 @@ use crate::moe::{
 };
 use crate::{Error, Result};
 
+mod guess;
+
 /// How experts are offloaded: the GPU cache's slots (each holds one expert of any MoE layer) and the policy that
 /// picks which expert leaves a slot.
 pub struct OffloadConfig {
@@ -240,22 +242,6 @@ impl Offload {
         self.decode_prefetch && rows <= decode_rows && self.split != SplitRule::Cpu
     }
 
-    /// Keeps `routing`, a guess of how MoE layer `layer` will route, to be read with the next layer's own ids.
-    pub fn guess_next(&mut self, layer: usize, routing: CudaRouting) {
-        self.guess = Some(RoutingGuess { layer, routing });
-    }
-
-    /// Reads `routing`, a guess of how MoE layer `layer` will route that no earlier layer's wait would read, at
-    /// once (a wait for `compute`), and starts copying its misses: they are pumped as [`Offload::copy_guesses`]
-    /// pumps a next-layer guess, and scored and dropped when the layer's own ids arrive.
-    pub fn guess_now(&mut self, compute: &Arc<CudaStream>, layer: usize, routing: CudaRouting) -> Result<()> {
-        let ids = self.read_ids(compute, &[&routing], None)?;
-        self.guess_in_flight = None;
-        self.keep_guess(layer, &ids);
-        self.copy_guesses()?;
-        Ok(())
-    }
-
     /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
     /// returns the layer's index.
     pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors], glu: ExpertGlu) -> Result<usize> {
@@ -410,51 +396,6 @@ impl Offload {
             return Err(Error::Cuda("no routing buffer".into()));
         };
         Ok(host.as_slice().map_err(cuda_err("routing buffer"))?[..len].to_vec())
-    }
-
-    /// Queues the next guessed expert's copy unless the last guessed copy is still in flight; returns whether
-    /// guessed copies remain (queued now or still to queue), so that the caller knows whether polling can still
-    /// start one. Cheap when there is nothing to copy: every kernel launch under offload calls it.
-    pub fn copy_guesses(&mut self) -> Result<bool> {
-        let Some(guess) = self.next_guess.as_mut() else {
-            return Ok(false);
-        };
-        if guess.to_copy.is_empty() {
-            return Ok(false);
-        }
-        if let Some(last) = &self.guess_in_flight {
-            if !last.try_is_complete().map_err(cuda_err("copy event"))? {
-                return Ok(true);
-            }
-        }
-        let (layer, expert) = match guess.to_copy.pop() {
-            Some(expert) => (guess.layer, expert),
-            None => return Ok(false),
-        };
-        let more = !guess.to_copy.is_empty();
-        if self.cache.slot_of((layer as u32, expert)).is_some() {
-            return Ok(more);
-        }
-        let (Some(bank), Some(slab)) = (self.bank.as_mut(), self.slab.as_ref()) else {
-            return Err(Error::Cuda(
-                "expert offload used before any MoE layer was loaded".into(),
-            ));
-        };
-        let blocks = &self
-            .layers
-            .get(layer)
-            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?
-            .bank_blocks;
-        let plan = self.cache.plan_prefetch(layer as u32, &[expert])?;
-        let base = slab.device_ptr(&self.copy_stream).0;
-        let fetched = Self::apply(&mut self.cache, bank, blocks, &plan, base, &self.copy_stream)?;
-        self.counters.copies += fetched.len() as u64;
-        self.counters.prefetched += fetched.len() as u64;
-        self.counters.guesses_copied += fetched.len() as u64;
-        if let Some((_, event)) = fetched.into_iter().last() {
-            self.guess_in_flight = Some(event);
-        }
-        Ok(more)
     }
 
     /// Makes the routed experts of `layer` resident for this step, or leaves them to the CPU lane: reads the routed
@@ -673,31 +614,6 @@ impl Offload {
             .as_mut()
             .ok_or_else(|| Error::Cuda("the CPU lane is off".into()))?
             .queue_products(compute, products)
-    }
-
-    /// Keeps the guessed experts of `layer` (`ids`, as read) to copy while the host waits for that layer's router:
-    /// the misses among them, as many as the cache has room for beside the experts of the layer computing (those
-    /// it runs from slots and those the CPU lane computes alike), which a prefetch must spare.
-    fn keep_guess(&mut self, layer: usize, ids: &[i32]) {
-        let mut experts: Vec<u32> = Vec::new();
-        for &e in ids {
-            if !experts.contains(&(e as u32)) {
-                experts.push(e as u32);
-            }
-        }
-        let mut to_copy: Vec<u32> = experts
-            .iter()
-            .copied()
-            .filter(|&e| self.cache.slot_of((layer as u32, e)).is_none())
-            .collect();
-        to_copy.truncate(self.cache.prefetch_room(layer as u32));
-        // Copied from the end: the first guessed (the most likely) first.
-        to_copy.reverse();
-        self.next_guess = Some(NextLayerGuess {
-            layer,
-            experts,
-            to_copy,
-        });
     }
 
     pub fn stats(&self) -> OffloadStats {
