@@ -1,11 +1,12 @@
 //! Multi-head latent attention on the GPU (mla.cu): the latent row of each token appended to its layer's latent
-//! pool, then, for prefill and decode alike, one block per (row, head) that takes the head's query into latent
-//! space, attends over the latent rows and expands the head's values from the attended latent. The form is the CPU
-//! backend's (`cpu/mla.rs`), so the two agree to rounding. Simple rather than fast: each block reads its head's
-//! `kv_b_proj` rows and its sequence's latent rows by itself (FlashMLA's kind of kernel, many heads of a row sharing
-//! each key tile in shared memory and tensor-core products, is the step after). An FP8 `kv_b_proj` (DeepSeek-V3's
-//! checkpoints) is dequantized on each call into bf16 halves `hi + lo` (linear.rs), which the kernel sums: its
-//! weights keep 16 significant bits, where bf16 alone would round them to 8.
+//! pool, then, for prefill and decode alike, rounds of at most MLA_ROWS_PER_LAUNCH rows (their temporaries bounded
+//! whatever the step's length, and counted in the workspace): each row's queries taken into latent space
+//! (`mla_absorb_query`), attended over the latent rows by blocks of 16 heads that share every key tile they read
+//! (`mla_attend`, the keys split among blocks to fill the GPU at decode and merged by attention.cu's
+//! `attention_combine`), and the values expanded from the attended latent (`mla_expand`). The form is the CPU
+//! backend's (`cpu/mla.rs`), so the two agree to rounding. `kv_b_proj` is read as stored: bf16, or E4M3 times its
+//! block's f32 scale (DeepSeek-V3's checkpoints; the CPU reference's dequantized weight exactly). CUDA cores in f32:
+//! a tensor-core kernel (FlashMLA's kind) is the step after.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{
