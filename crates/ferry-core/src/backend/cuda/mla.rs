@@ -148,7 +148,7 @@ impl KvB {
 /// Bytes of shared memory of an mla_attend block for latent rows of `width` floats: the group's queries and a tile
 /// of keys (rows padded as mla.cu pads them), the tile's probabilities, the heads' correction, max and denominator,
 /// the tile's slots.
-pub(super) fn attend_shared_bytes(width: usize) -> usize {
+fn attend_shared_bytes(width: usize) -> usize {
     let stride = width.div_ceil(4) * 4 + 4;
     let (g, kt) = (MLA_GROUP_HEADS, MLA_KEYS_PER_TILE);
     4 * ((g + kt) * stride + kt * g + 3 * g + kt)
