@@ -16,7 +16,7 @@ use ferry_core::backend::cuda::workspace::MOE_GROUP_ROWS;
 use ferry_core::backend::cuda::{CudaBackend, OffloadConfig};
 use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::argmax;
-use ferry_core::engine::plan::{plan_memory, BudgetRequest, OffloadMode, MAX_BATCH_TOKENS};
+use ferry_core::engine::plan::{plan_memory, BudgetRequest, MemoryPlan, OffloadMode, MAX_BATCH_TOKENS};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, FfnKind, Model, ModelInfo};
@@ -449,12 +449,31 @@ fn offload_equals_resident_for_q30_with_a_small_cache() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn what_ferry_allocates_stays_under_the_budget() {
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/q30.json");
-    let config = std::env::var_os("FERRY_BENCH_DIR").map_or(config, |d| PathBuf::from(d).join("q30.json"));
+    let plan = allocate_the_largest_pass("q30.json", 8 << 30);
+    assert!(
+        plan.step_tokens > MOE_GROUP_ROWS,
+        "the step runs its experts in several groups"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn what_ferry_allocates_for_latent_attention_stays_under_the_budget() {
+    // DeepSeek-V3's shape cut to 3 dense layers and 1 MoE layer, in FP8: its workspace counts the compressed
+    // key-value and query widths, not per-head keys and values.
+    let plan = allocate_the_largest_pass("dsv3-4layers-fp8.json", 20 << 30);
+    assert!(plan.step_tokens >= 1024, "{plan:?}");
+}
+
+/// Plans `budget` bytes for the synthetic checkpoint of the bench config `name` under offload, runs the largest
+/// pass the plan allows (a full step of prompt, then decode steps) and checks that what the GPU lost to ferry
+/// stays under the budget.
+fn allocate_the_largest_pass(name: &str, budget: u64) -> MemoryPlan {
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench").join(name);
+    let config = std::env::var_os("FERRY_BENCH_DIR").map_or(config, |d| PathBuf::from(d).join(name));
     let checkpoint = Checkpoint::synthetic(&config, 0).unwrap();
     let spec = spec_for(&checkpoint.model_type, &checkpoint.config).unwrap();
     let info = ModelInfo::new(&spec, checkpoint.weight_format());
-    let budget: u64 = 8 << 30;
     let request = BudgetRequest {
         budget_bytes: budget,
         mode: OffloadMode::Auto,
@@ -464,19 +483,15 @@ fn what_ferry_allocates_stays_under_the_budget() {
         snapshot_slots: 0,
     };
     let plan = plan_memory(&info, &spec, &request).unwrap();
-    assert!(plan.offload);
-    assert!(
-        plan.step_tokens > MOE_GROUP_ROWS,
-        "the step runs its experts in several groups"
-    );
+    assert!(plan.offload, "{name}: {plan:?}");
     let gpu = CudaBackend::builder(0).unwrap();
     let (free_before, _) = gpu.memory_info().unwrap();
     let backend = gpu.offload(lru(plan.slots, true)).build().unwrap();
     let model = Model::load(&backend, &checkpoint).unwrap();
     let mut kv = backend.new_kv(model.kv_spec(plan.kv_tokens)).unwrap();
-    // The largest pass the plan allows: a full prefill chunk, then decode steps.
     let seq = kv.alloc_seq();
-    let prompt: Vec<u32> = (0..plan.step_tokens as u32).map(|i| i * 31 % 151_936).collect();
+    let vocab = spec.vocab_size as u32;
+    let prompt: Vec<u32> = (0..plan.step_tokens as u32).map(|i| i * 31 % vocab).collect();
     let logits = model
         .forward(
             &backend,
@@ -508,13 +523,14 @@ fn what_ferry_allocates_stays_under_the_budget() {
     let (free_after, _) = backend.memory_info().unwrap();
     let used = (free_before - free_after) as u64;
     println!(
-        "budget {budget} bytes, ferry allocated {used} bytes ({:.1} %)",
+        "{name}: budget {budget} bytes, ferry allocated {used} bytes ({:.1} %)",
         100.0 * used as f64 / budget as f64
     );
     assert!(
         used <= budget,
-        "ferry allocated {used} bytes on the GPU, over its budget of {budget}"
+        "{name}: ferry allocated {used} bytes on the GPU, over its budget of {budget}"
     );
+    plan
 }
 
 /// Greedy decode of `steps` tokens after each of `prompts`, all in one batch: the prompts prefilled in one pass

@@ -102,7 +102,10 @@ fn activation_shapes(spec: &ModelSpec, info: &ModelInfo) -> ActivationShapes {
     ActivationShapes {
         hidden: spec.hidden_size,
         q_width: spec.num_heads * spec.head_dim,
-        kv_width: spec.num_kv_heads * spec.head_dim,
+        // MLA keeps no per-head keys or values: its rows hold the compressed key-value and query instead.
+        kv_width: spec.mla.as_ref().map_or(spec.num_kv_heads * spec.head_dim, |m| {
+            m.kv_lora_rank + m.qk_rope_head_dim + m.q_lora_rank.unwrap_or(0)
+        }),
         widest_mlp: widest_dense.max(shared),
         gdn_conv,
         gdn_value,

@@ -18,7 +18,8 @@ pub struct ActivationShapes {
     pub hidden: usize,
     /// Query heads times head size.
     pub q_width: usize,
-    /// Key (or value) heads times head size.
+    /// Key (or value) heads times head size; under multi-head latent attention, the compressed key-value width
+    /// (latent and RoPE features) plus the query's low rank.
     pub kv_width: usize,
     /// The widest dense MLP or shared expert intermediate (0 if none).
     pub widest_mlp: usize,
