@@ -244,8 +244,17 @@ fn resident_step_seconds<B: Backend>(
     let started = Instant::now();
     phase.step_until(scheduler, Phase::finished)?;
     let seconds = started.elapsed().as_secs_f64() / workload.decode_tokens as f64;
-    let missed = |s: Option<ferry_core::moe::OffloadStats>| s.map(|s| (s.copies, s.host_experts));
-    Ok((missed(before) == missed(scheduler.offload_stats())).then_some(seconds))
+    let missed = |s: Option<ferry_core::moe::OffloadStats>| s.map_or((0, 0), |s| (s.copies, s.host_experts));
+    let (before, after) = (missed(before), missed(scheduler.offload_stats()));
+    if before != after {
+        tracing::warn!(
+            "no resident step: the held routing's decode still copied {} experts and left {} to the CPU lane",
+            after.0 - before.0,
+            after.1 - before.1
+        );
+        return Ok(None);
+    }
+    Ok(Some(seconds))
 }
 
 /// What one variant's phases measured.
