@@ -110,7 +110,7 @@ for workload in "$@"; do
         # FP8, a 4K prompt then 6 decode steps; prefill and decode launches of one kernel differ in grid, so
         # bench/ncu_summary.py keeps them apart (each decode kernel's median is one layer's cost at a 4K context).
         ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
-            --launch-count 1500 "$ferry" bench --synthetic bench/dsv3-4layers-fp8.json --device cuda \
+            --launch-count 6000 "$ferry" bench --synthetic bench/dsv3-4layers-fp8.json --device cuda \
             --prompt-tokens 4096 --decode-tokens 6 --concurrency 2 >"$out/dsv3x4-profile.csv" \
             2>"$out/dsv3x4-profile.log" || echo "dsv3x4-profile failed"
         python3 bench/ncu_summary.py "$out/dsv3x4-profile.csv" --min-launches 6 | tee "$out/dsv3x4-profile.txt"

@@ -50,14 +50,16 @@ kernel_constants! {
     FLASH_MAX_KEYS_PER_TILE: usize = 64;
 
     /// The largest compressed kv of multi-head latent attention (DeepSeek-V3's 512): mla_attend keeps o_c of a
-    /// group's heads in registers, 8 features of 4 heads a thread, and mla_expand holds a head's o_c in shared memory.
+    /// group's heads in registers, and mla_expand holds a chunk of rows' o_c of a head in shared memory.
     MLA_MAX_RANK: usize = 512;
     /// Heads of one mla_attend block, which score each key row read into shared memory against all of them.
     MLA_GROUP_HEADS: usize = 16;
     /// Key rows per shared-memory tile of mla_attend.
     MLA_KEYS_PER_TILE: usize = 16;
-    /// Threads per block of mla_attend and mla_expand.
+    /// Threads per block of mla_absorb_query, mla_attend and mla_expand.
     MLA_ATTEND_THREADS: usize = 256;
+    /// Rows of a round that one mla_absorb_query or mla_expand block takes (each weight it reads serves them all).
+    MLA_CHUNK_ROWS: usize = 16;
     /// Rows one round of MLA's kernels takes (mla.rs loops over a longer batch): bounds the latent queries, o_c and
     /// the splits' partials that a round holds, whatever the step's length.
     MLA_ROWS_PER_LAUNCH: usize = 64;

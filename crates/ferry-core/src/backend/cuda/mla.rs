@@ -1,16 +1,17 @@
 //! Multi-head latent attention on the GPU (mla.cu): the latent row of each token appended to its layer's latent
 //! pool, then, for prefill and decode alike, rounds of at most MLA_ROWS_PER_LAUNCH rows (their temporaries bounded
-//! whatever the step's length, and counted in the workspace): each row's queries taken into latent space
-//! (`mla_absorb_query`), attended over the latent rows by blocks of 16 heads that share every key tile they read
+//! whatever the step's length, and counted in the workspace): the rows' queries taken into latent space
+//! (`mla_absorb_query`, a block per head and chunk of MLA_CHUNK_ROWS rows, so that each weight it reads serves the
+//! chunk), attended over the latent rows on tensor cores by blocks of 16 heads that share every key tile they read
 //! (`mla_attend`, the keys split among blocks to fill the GPU at decode and merged by attention.cu's
-//! `attention_combine`), and the values expanded from the attended latent (`mla_expand`). The form is the CPU
-//! backend's (`cpu/mla.rs`), so the two agree to rounding. `kv_b_proj` is read as stored: bf16, or E4M3 times its
-//! block's f32 scale (DeepSeek-V3's checkpoints; the CPU reference's dequantized weight exactly). CUDA cores in f32:
-//! a tensor-core kernel (FlashMLA's kind) is the step after.
+//! `attention_combine`), and the values expanded from the attended latent (`mla_expand`, chunked like the
+//! queries). The form is the CPU backend's (`cpu/mla.rs`), so the two agree to rounding: products in f32, or in
+//! 3xTF32 on the tensor cores. `kv_b_proj` is read as stored: bf16, or E4M3 times its block's f32 scale
+//! (DeepSeek-V3's checkpoints; the CPU reference's dequantized weight exactly).
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferry_kernels::constants::{
-    MLA_ATTEND_THREADS, MLA_GROUP_HEADS, MLA_KEYS_PER_TILE, MLA_MAX_RANK, MLA_ROWS_PER_LAUNCH,
+    MLA_ATTEND_THREADS, MLA_CHUNK_ROWS, MLA_GROUP_HEADS, MLA_KEYS_PER_TILE, MLA_MAX_RANK, MLA_ROWS_PER_LAUNCH,
 };
 
 use super::attention::{blocks_per_multiprocessor, combine_splits, split_keys};
@@ -38,7 +39,8 @@ kernel! {
 }
 
 kernel! {
-    /// Block per (row, head) of a round of rows: the head's query in latent space, `[W_k[h]^T q_nope, rope(q_rope)]`.
+    /// Block per (head, chunk of rows) of a round of rows: the head's query in latent space,
+    /// `[W_k[h]^T q_nope, rope(q_rope)]`.
     struct MlaAbsorbQuery = "mla_absorb_query" {
         q: Ptr<f32>,
         kv_b_bf16: Ptr<u16>,
@@ -48,6 +50,7 @@ kernel! {
         block_cols: i32,
         row_pos: Ptr<u32>,
         first_row: i32,
+        round_rows: i32,
         inv_freq: Ptr<f32>,
         interleaved: i32,
         rope_scale: f32,
@@ -82,7 +85,7 @@ kernel! {
 }
 
 kernel! {
-    /// Block per (row, head) of a round: the head's output `W_v[h] o_c`.
+    /// Block per (head, chunk of rows) of a round: the head's output `W_v[h] o_c`.
     struct MlaExpand = "mla_expand" {
         oc: Ptr<f32>,
         kv_b_bf16: Ptr<u16>,
@@ -91,6 +94,7 @@ kernel! {
         block_rows: i32,
         block_cols: i32,
         first_row: i32,
+        round_rows: i32,
         heads: i32,
         rank: i32,
         nope: i32,
@@ -146,12 +150,12 @@ impl KvB {
 }
 
 /// Bytes of shared memory of an mla_attend block for latent rows of `width` floats: the group's queries and a tile
-/// of keys (rows padded as mla.cu pads them), the tile's probabilities, the heads' correction, max and denominator,
-/// the tile's slots.
+/// of keys (rows padded as mla.cu pads them), the score quarters and probabilities of the tile (probability rows
+/// padded by 4), the heads' correction, max and denominator, the tile's slots.
 fn attend_shared_bytes(width: usize) -> usize {
-    let stride = width.div_ceil(4) * 4 + 4;
+    let stride = width.div_ceil(32) * 32 + 4;
     let (g, kt) = (MLA_GROUP_HEADS, MLA_KEYS_PER_TILE);
-    4 * ((g + kt) * stride + kt * g + 3 * g + kt)
+    4 * ((g + kt) * stride + 4 * g * kt + g * (kt + 4) + 3 * g + kt)
 }
 
 /// Threads per block of the append kernel.
@@ -225,6 +229,7 @@ pub(super) fn mla_attention(
     let resident = (per_multiprocessor * cuda.multiprocessors).min(MLA_ROWS_PER_LAUNCH * groups);
     for first in (0..rows).step_by(MLA_ROWS_PER_LAUNCH) {
         let round = MLA_ROWS_PER_LAUNCH.min(rows - first);
+        let chunks = round.div_ceil(MLA_CHUNK_ROWS);
         let q_lat: CudaSlice<f32> = cuda.alloc(round * heads * width)?;
         MlaAbsorbQuery {
             q: ptr(&q.data),
@@ -235,6 +240,7 @@ pub(super) fn mla_attention(
             block_cols: kv_b.block[1],
             row_pos: batch.positions,
             first_row: first as i32,
+            round_rows: round as i32,
             inv_freq: ptr(&rope.inv_freq),
             interleaved,
             rope_scale: rope.attention_factor,
@@ -245,7 +251,7 @@ pub(super) fn mla_attention(
             v_dim: p.v_head_dim as i32,
             q_lat: ptr(&q_lat),
         }
-        .launch(cuda, grid(round, heads, 1, MLA_ATTEND_THREADS as u32, 0))?;
+        .launch(cuda, grid(heads, chunks, 1, MLA_ATTEND_THREADS as u32, 0))?;
         let splits = split_keys(round * groups, batch.key_span, MLA_KEYS_PER_TILE, resident);
         let oc: CudaSlice<f32> = cuda.alloc(round * heads * rank)?;
         let partials = if splits.count > 1 {
@@ -299,13 +305,14 @@ pub(super) fn mla_attention(
             block_rows: kv_b.block[0],
             block_cols: kv_b.block[1],
             first_row: first as i32,
+            round_rows: round as i32,
             heads: heads as i32,
             rank: rank as i32,
             nope: p.qk_nope_head_dim as i32,
             v_dim: p.v_head_dim as i32,
             out: ptr(&out.data),
         }
-        .launch(cuda, grid(round, heads, 1, MLA_ATTEND_THREADS as u32, 0))?;
+        .launch(cuda, grid(heads, chunks, 1, MLA_ATTEND_THREADS as u32, 0))?;
     }
     Ok(out)
 }
