@@ -12,7 +12,7 @@
 # q36-15.8 (4K and 32K prompts) | q36-22.3-uniform | q36-22.3-locality (q36-22.3 under each trace) | serve-q30 |
 # serve-q36 (bench/serve_bench.py against `ferry serve`; SERVE_BENCH_ARGS passes more arguments to it) | agent-q30 |
 # agent-q36 (serve_bench.py's agent loop with prefix caching, then with --no-prefix-cache, whose greedy replies must
-# be identical) | dsv3x4-profile (ncu's time of every kernel of DeepSeek-V3's shape cut to 4 layers, resident in FP8, at a
+# be identical) | dsv3x4-profile (ncu's time of each MLA kernel of DeepSeek-V3's shape cut to 4 layers, resident in FP8, at a
 # 4K context) | dsv3-10 (DeepSeek-V3's shape cut to its 3 dense + 7 MoE layers, in FP8 as DeepSeek ships it, dense
 # linears and experts: 73.5 GiB of the full model's 650 GB bank, which does not fit the host's 128 GB) | glm45air-fp8
 # (GLM-4.5-Air's shape in FP8 likewise: a 97 GiB bank), both under the uniform and the locality trace | q30-fp8 (issue 18: q30 in BF16
@@ -106,12 +106,13 @@ for workload in "$@"; do
         fi
         ;;
     dsv3x4-profile)
-        # MLA's decode kernels under ncu: DeepSeek-V3's shape cut to 3 dense layers and 1 MoE layer, all resident in
-        # FP8, a 4K prompt then 6 decode steps; prefill and decode launches of one kernel differ in grid, so
-        # bench/ncu_summary.py keeps them apart (each decode kernel's median is one layer's cost at a 4K context).
+        # MLA's kernels under ncu (those alone: a 4K prefill launches thousands of others): DeepSeek-V3's shape cut
+        # to 3 dense layers and 1 MoE layer, all resident in FP8, a 4K prompt then 6 decode steps; prefill and decode
+        # launches of one kernel differ in grid, so bench/ncu_summary.py keeps them apart (each decode kernel's
+        # median is one layer's cost at a 4K context).
         ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
-            --launch-count 6000 "$ferry" bench --synthetic bench/dsv3-4layers-fp8.json --device cuda \
-            --prompt-tokens 4096 --decode-tokens 6 --concurrency 2 >"$out/dsv3x4-profile.csv" \
+            --kernel-name "regex:mla_|attention_combine" --launch-count 3000 "$ferry" bench \
+            --synthetic bench/dsv3-4layers-fp8.json --device cuda --prompt-tokens 4096 --decode-tokens 6 --concurrency 2 >"$out/dsv3x4-profile.csv" \
             2>"$out/dsv3x4-profile.log" || echo "dsv3x4-profile failed"
         python3 bench/ncu_summary.py "$out/dsv3x4-profile.csv" --min-launches 6 | tee "$out/dsv3x4-profile.txt"
         ;;

@@ -58,11 +58,16 @@ struct KvB {
     const uint8_t* fp8;
     const float* scales;
     int cols, block_rows, block_cols;
-    // The scale of weights (r, c .. c + 3); 1 for bf16.
-    __device__ __forceinline__ float scale(int r, int c) const {
-        if (bf16 != nullptr) return 1.0f;
-        const int scales_per_row = (cols + block_cols - 1) / block_cols;
-        return scales[(r / block_rows) * scales_per_row + c / block_cols];
+    // The scale of weights (r, c .. c + 3); 1 for bf16. In two halves for callers that hoist them out of their
+    // loops (the divisions cost more than the loads they scale): where row r's scale blocks start, the block of
+    // column c.
+    __device__ __forceinline__ float scale(int r, int c) const { return scale_at(scale_row(r), scale_column(c)); }
+    __device__ __forceinline__ int scale_row(int r) const {
+        return bf16 != nullptr ? 0 : r / block_rows * ((cols + block_cols - 1) / block_cols);
+    }
+    __device__ __forceinline__ int scale_column(int c) const { return bf16 != nullptr ? 0 : c / block_cols; }
+    __device__ __forceinline__ float scale_at(int row, int column) const {
+        return bf16 != nullptr ? 1.0f : scales[row + column];
     }
     // Weights (r, c .. c + 3), times `scale` (this->scale(r, c), which a caller hoists out of its loops).
     __device__ __forceinline__ void load4(int r, int c, float scale, float (&w)[4]) const {
@@ -102,7 +107,8 @@ __device__ __forceinline__ void absorb_chunk(const float* __restrict__ q, const 
         // The scale changes only where the rows cross a scale block.
         int scale_row = -1;
         float scale = 1.0f;
-#pragma unroll 4
+        // A decode row keeps 8 weight loads in flight; a chunk's rows have the work to hide 4.
+#pragma unroll(R == 1 ? 8 : 4)
         for (int i = half; i < nope; i += 2) {
             if (kv_b.bf16 == nullptr && (w_k + i) / kv_b.block_rows != scale_row) {
                 scale_row = (w_k + i) / kv_b.block_rows;
@@ -248,24 +254,35 @@ extern "C" __global__ void __launch_bounds__(MLA_ATTEND_THREADS, 2)
         }
         __syncthreads();
         {
-            // hi*hi apart from the cross terms: two independent accumulation chains.
-            float main_part[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cross_part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            // Products accumulate in six independent chains (hi*hi, hi*lo and lo*hi, each for even and odd steps),
+            // so that consecutive products do not wait on each other.
+            float parts[6][4] = {};
             const float* key_row = keys + (8 * key_tile + g) * stride;
             for (int step = first_step; step < last_step; ++step) {
-                const int c0 = 8 * step;
+                const int c0 = 8 * step, chain = 3 * (step & 1);
                 uint32_t q_hi[4], q_lo[4], k0_hi, k0_lo, k1_hi, k1_lo;
                 load_a_split(queries + c0, stride, 1, g, t, q_hi, q_lo);
                 split_tf32(key_row[c0 + t], k0_hi, k0_lo);
                 split_tf32(key_row[c0 + t + 4], k1_hi, k1_lo);
-                mma_tf32(main_part, q_hi, k0_hi, k1_hi);
-                mma_tf32(cross_part, q_hi, k0_lo, k1_lo);
-                mma_tf32(cross_part, q_lo, k0_hi, k1_hi);
+                if (chain == 0) {
+                    mma_tf32(parts[0], q_hi, k0_hi, k1_hi);
+                    mma_tf32(parts[1], q_hi, k0_lo, k1_lo);
+                    mma_tf32(parts[2], q_lo, k0_hi, k1_hi);
+                } else {
+                    mma_tf32(parts[3], q_hi, k0_hi, k1_hi);
+                    mma_tf32(parts[4], q_hi, k0_lo, k1_lo);
+                    mma_tf32(parts[5], q_lo, k0_hi, k1_hi);
+                }
             }
+            float score[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                score[e] = (parts[0][e] + parts[3][e]) + (parts[1][e] + parts[2][e]) + (parts[4][e] + parts[5][e]);
             float* part = score_parts + quarter * G * KT + 8 * key_tile + 2 * t;
-            part[g * KT] = main_part[0] + cross_part[0];
-            part[g * KT + 1] = main_part[1] + cross_part[1];
-            part[(g + 8) * KT] = main_part[2] + cross_part[2];
-            part[(g + 8) * KT + 1] = main_part[3] + cross_part[3];
+            part[g * KT] = score[0];
+            part[g * KT + 1] = score[1];
+            part[(g + 8) * KT] = score[2];
+            part[(g + 8) * KT + 1] = score[3];
         }
         __syncthreads();
         {
@@ -372,8 +389,14 @@ __device__ __forceinline__ void expand_chunk(const float* __restrict__ oc, const
     }
     __syncthreads();
     const int w_v = head * (nope + v_dim) + nope;
+    int scale_column[STEPS];
+#pragma unroll
+    for (int step = 0; step < STEPS; ++step) scale_column[step] = kv_b.scale_column(4 * lane + 128 * step);
     for (int d0 = warp * FEATURES; d0 < v_dim; d0 += warps * FEATURES) {
         float sum[FEATURES][R] = {};
+        int scale_row[FEATURES];
+#pragma unroll
+        for (int f = 0; f < FEATURES; ++f) scale_row[f] = kv_b.scale_row(w_v + d0 + f);
 #pragma unroll
         for (int step = 0; step < STEPS; ++step) {
             const int c = 4 * lane + 128 * step;
@@ -382,7 +405,7 @@ __device__ __forceinline__ void expand_chunk(const float* __restrict__ oc, const
 #pragma unroll
             for (int f = 0; f < FEATURES; ++f) {
                 if (d0 + f < v_dim)
-                    kv_b.load4(w_v + d0 + f, c, kv_b.scale(w_v + d0 + f, c), w[f]);
+                    kv_b.load4(w_v + d0 + f, c, kv_b.scale_at(scale_row[f], scale_column[step]), w[f]);
                 else
                     w[f][0] = w[f][1] = w[f][2] = w[f][3] = 0.0f;
             }
