@@ -82,7 +82,7 @@ impl Phase {
     }
 
     /// Steps `scheduler` until `done` holds.
-    fn step_until<E: Executor>(&mut self, scheduler: &mut Scheduler<E>, done: fn(&Phase) -> bool) -> Result<()> {
+    fn step_until<E: Executor>(&mut self, scheduler: &mut Scheduler<E>, done: impl Fn(&Phase) -> bool) -> Result<()> {
         while !done(self) {
             if scheduler.is_idle() {
                 bail!("the engine went idle before the benchmark's requests were done");
@@ -230,22 +230,30 @@ pub(super) fn bench_on<B: Backend>(
 }
 
 /// Seconds a decode step takes with nothing to copy: a sequence of the main prompt's length prefilled and decoded
-/// under the held routing now set, whose experts are resident once its prompt and a first decode step are in,
-/// timed over the rest of its decode. None when that still missed (a split that computes misses on the CPU never
-/// caches them).
+/// under the held routing now set, timed from the first step that copies nothing. Untimed steps come first: one
+/// brings in what the prefill left, and a policy that weighs frequency may evict the held experts for a few more
+/// (the earlier variants' favourites outrank them at first), up to as many as the decode is long. None when the
+/// timed steps still copied (a split that computes misses on the CPU never caches them).
 fn resident_step_seconds<B: Backend>(
     scheduler: &mut Scheduler<BenchExecutor<'_, B>>,
     workload: &Workload,
 ) -> Result<Option<f64>> {
-    let (mut phase, _) = prefill(scheduler, &workload.prompt, workload.decode_tokens + 2)?;
-    // One decode step first, untimed, so that whatever the prefill left to copy is in.
-    phase.step_until(scheduler, |p| p.generated.iter().all(|&n| n > 1))?;
-    let before = scheduler.offload_stats();
+    let warm_up_limit = workload.decode_tokens;
+    let (mut phase, _) = prefill(scheduler, &workload.prompt, 1 + warm_up_limit + workload.decode_tokens)?;
+    let missed = |s: Option<ferry_core::moe::OffloadStats>| s.map_or((0, 0), |s| (s.copies, s.host_experts));
+    for _ in 0..warm_up_limit {
+        let before = missed(scheduler.offload_stats());
+        let next = phase.generated[0] + 1;
+        phase.step_until(scheduler, |p| p.generated[0] >= next)?;
+        if missed(scheduler.offload_stats()) == before {
+            break;
+        }
+    }
+    let (before, timed_from) = (missed(scheduler.offload_stats()), phase.generated[0]);
     let started = Instant::now();
     phase.step_until(scheduler, Phase::finished)?;
-    let seconds = started.elapsed().as_secs_f64() / workload.decode_tokens as f64;
-    let missed = |s: Option<ferry_core::moe::OffloadStats>| s.map_or((0, 0), |s| (s.copies, s.host_experts));
-    let (before, after) = (missed(before), missed(scheduler.offload_stats()));
+    let seconds = started.elapsed().as_secs_f64() / (phase.generated[0] - timed_from).max(1) as f64;
+    let after = missed(scheduler.offload_stats());
     if before != after {
         tracing::warn!(
             "no resident step: the held routing's decode still copied {} experts and left {} to the CPU lane",
