@@ -254,35 +254,24 @@ extern "C" __global__ void __launch_bounds__(MLA_ATTEND_THREADS, 2)
         }
         __syncthreads();
         {
-            // Products accumulate in six independent chains (hi*hi, hi*lo and lo*hi, each for even and odd steps),
-            // so that consecutive products do not wait on each other.
-            float parts[6][4] = {};
+            // hi*hi apart from the cross terms: two independent accumulation chains.
+            float main_part[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cross_part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             const float* key_row = keys + (8 * key_tile + g) * stride;
             for (int step = first_step; step < last_step; ++step) {
-                const int c0 = 8 * step, chain = 3 * (step & 1);
+                const int c0 = 8 * step;
                 uint32_t q_hi[4], q_lo[4], k0_hi, k0_lo, k1_hi, k1_lo;
                 load_a_split(queries + c0, stride, 1, g, t, q_hi, q_lo);
                 split_tf32(key_row[c0 + t], k0_hi, k0_lo);
                 split_tf32(key_row[c0 + t + 4], k1_hi, k1_lo);
-                if (chain == 0) {
-                    mma_tf32(parts[0], q_hi, k0_hi, k1_hi);
-                    mma_tf32(parts[1], q_hi, k0_lo, k1_lo);
-                    mma_tf32(parts[2], q_lo, k0_hi, k1_hi);
-                } else {
-                    mma_tf32(parts[3], q_hi, k0_hi, k1_hi);
-                    mma_tf32(parts[4], q_hi, k0_lo, k1_lo);
-                    mma_tf32(parts[5], q_lo, k0_hi, k1_hi);
-                }
+                mma_tf32(main_part, q_hi, k0_hi, k1_hi);
+                mma_tf32(cross_part, q_hi, k0_lo, k1_lo);
+                mma_tf32(cross_part, q_lo, k0_hi, k1_hi);
             }
-            float score[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                score[e] = (parts[0][e] + parts[3][e]) + (parts[1][e] + parts[2][e]) + (parts[4][e] + parts[5][e]);
             float* part = score_parts + quarter * G * KT + 8 * key_tile + 2 * t;
-            part[g * KT] = score[0];
-            part[g * KT + 1] = score[1];
-            part[(g + 8) * KT] = score[2];
-            part[(g + 8) * KT + 1] = score[3];
+            part[g * KT] = main_part[0] + cross_part[0];
+            part[g * KT + 1] = main_part[1] + cross_part[1];
+            part[(g + 8) * KT] = main_part[2] + cross_part[2];
+            part[(g + 8) * KT + 1] = main_part[3] + cross_part[3];
         }
         __syncthreads();
         {
