@@ -23,17 +23,27 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Programmatic dependent launch (sm_90 on): every kernel's first statement. It waits until the kernel before it on
-// the stream has finished and its writes are visible (at once for a kernel launched without the launch attribute),
-// then lets the kernel after it launch: that kernel's blocks take multiprocessors as this one's free them and wait
-// here in turn, so each launch's latency overlaps the tail of the kernel before it instead of following it. Every
-// kernel waits before it touches memory, so the stream's order holds as without it.
+// Programmatic dependent launch (sm_90 on): every kernel's first statement, but for the GEMVs', which first start
+// copying their weights (warp_rows_dot's inputs_ready). It waits until the kernel before it on the stream has
+// finished and its writes are visible (at once for a kernel launched without the launch attribute), then lets the
+// kernel after it launch: that kernel's blocks take multiprocessors as this one's free them and wait here in turn,
+// so each launch's latency overlaps the tail of the kernel before it instead of following it. Every kernel waits
+// before it touches memory that a kernel writes, so the stream's order holds as without it.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// warp_rows_dot's inputs_ready: in a kernel whose weights no kernel writes, the wait itself; in one that has waited
+// already, nothing.
+struct WaitForPreviousKernel {
+    __device__ __forceinline__ void operator()() const { wait_for_previous_kernel(); }
+};
+struct AlreadyWaited {
+    __device__ __forceinline__ void operator()() const {}
+};
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -201,10 +211,15 @@ __device__ __forceinline__ void wait_copies() {
 // the rows when k is split). Each activation value loaded serves all ROWS rows. acc[r][t] ends as the lane's
 // partial sum; the caller reduces across the warp and the slices. Rows or activations not 16-byte aligned (k not
 // a multiple of 8, odd strides) take a scalar path, which leaves the staging slots unused.
-template <int ROWS, int TOKENS>
+//
+// inputs_ready() runs once the lane's first two stages of weights are in flight and before x is read: a kernel
+// whose weights no kernel writes passes WaitForPreviousKernel, so that under programmatic dependent launch its
+// first weights stream while the kernel before it finishes (the last block's norm or top-k epilogue, the tail of
+// its last wave) rather than after; one that waited already passes AlreadyWaited.
+template <int ROWS, int TOKENS, typename InputsReady>
 __device__ __forceinline__ void warp_rows_dot(const uint16_t* const (&w)[ROWS], const float* __restrict__ x,
                                               int x_stride, int k, int slice, int slices, WarpStaging& staging,
-                                              float (&acc)[ROWS][TOKENS]) {
+                                              float (&acc)[ROWS][TOKENS], InputsReady inputs_ready) {
     static_assert(STAGE_COPIES % ROWS == 0, "a stage holds whole k-steps of every row");
     constexpr int STEPS = STAGE_COPIES / ROWS;  // k-steps per stage
     const int lane = threadIdx.x & 31;
@@ -230,10 +245,13 @@ __device__ __forceinline__ void warp_rows_dot(const uint16_t* const (&w)[ROWS], 
             }
             commit_copies();
         };
+        // Stage c & 1 holds chunk c; both stages start in flight, before the inputs are.
         if (chunks > 0) fetch(0);
+        if (chunks > 1) fetch(1);
+        inputs_ready();
         for (int c = 0; c < chunks; ++c) {
             if (c + 1 < chunks) {
-                fetch(c + 1);
+                if (c > 0) fetch(c + 1);
                 wait_copies<1>();
             } else {
                 wait_copies<0>();
@@ -267,6 +285,7 @@ __device__ __forceinline__ void warp_rows_dot(const uint16_t* const (&w)[ROWS], 
             }
         }
     } else {
+        inputs_ready();
         for (int col = slice * 32 + lane; col < k; col += slices * 32) {
             float wv[ROWS];
 #pragma unroll

@@ -72,7 +72,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     const uint16_t* rows[2] = {block + static_cast<size_t>(i) * hidden,
                                block + static_cast<size_t>(inter + i) * hidden};
     float acc[2][1] = {};
-    warp_rows_dot<2, 1>(rows, x + static_cast<size_t>(pair / top_k) * hidden, hidden, hidden, 0, 1, staging[warp], acc);
+    warp_rows_dot<2, 1>(rows, x + static_cast<size_t>(pair / top_k) * hidden, hidden, hidden, 0, 1, staging[warp], acc,
+                        AlreadyWaited());
     const float gs = warp_sum(acc[0][0]), us = warp_sum(acc[1][0]);
     if ((threadIdx.x & 31) == 0)
         act[static_cast<size_t>(pair) * inter + i] =
@@ -132,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
         }
         float acc[MOE_DOWN_ROWS][1] = {};
         warp_rows_dot<MOE_DOWN_ROWS, 1>(rows, act + static_cast<size_t>(pair) * inter, inter, inter, 0, 1,
-                                        staging[warp], acc);
+                                        staging[warp], acc, AlreadyWaited());
 #pragma unroll
         for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
             const float s = with_down_bias(biases, inter, features[j], warp_sum(acc[j][0]));
@@ -166,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = down + static_cast<size_t>(min(first + j, hidden - 1)) * inter;
     float acc[MOE_DOWN_ROWS][1] = {};
     warp_rows_dot<MOE_DOWN_ROWS, 1>(rows, act + static_cast<size_t>(pair) * inter, inter, inter, 0, 1, staging[warp],
-                                    acc);
+                                    acc, AlreadyWaited());
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
         const float s = with_down_bias(biases, inter, min(first + j, hidden - 1), warp_sum(acc[j][0]));

@@ -24,8 +24,22 @@ __device__ __forceinline__ void warp_argmax(float& best, int& best_id) {
     }
 }
 
-// One row's softmax over its experts' logits, then the top_k largest in order (ties to the lower id) into ids and
-// weights (top_k each), the weights renormalised over the chosen ones when asked. Every lane of the warp calls it.
+// An order-preserving key of a softmax weight e in [0, 1] for the warp's unsigned max (redux.sync): its bits plus
+// one; 0 for an expert taken, absent or NaN (e not >= 0), which never wins while another is left.
+__device__ __forceinline__ unsigned softmax_key(float e) { return e >= 0.0f ? __float_as_uint(e) + 1u : 0u; }
+
+// An order-preserving key of any f32 for the warp's unsigned max: negatives' bits inverted, the sign bit set on
+// the others; 0 (below every key, -infinity's included) for NaN, which never wins while another is left.
+__device__ __forceinline__ unsigned ordered_key(float v) {
+    const unsigned bits = __float_as_uint(v);
+    return v != v ? 0u : (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+}
+
+// One row's softmax over its experts' logits, then the top_k (at most 32, ROUTER_MAX_TOP_K) largest in order, ties
+// to the lower id, into ids and weights (top_k each), the weights renormalised over the chosen ones when asked.
+// Each round takes the warp's largest key and then the lowest id holding it, one redux.sync each, where an argmax
+// by shuffles takes ten dependent ones; lane k keeps round k's choice and stores it at the end. Every lane of the
+// warp calls it.
 __device__ __forceinline__ void route_row_softmax_topk(const float* row, int num_experts, int top_k, int renormalize,
                                                        int* __restrict__ ids, float* __restrict__ weights) {
     const int lane = threadIdx.x & 31;
@@ -46,38 +60,44 @@ __device__ __forceinline__ void route_row_softmax_topk(const float* row, int num
         if (x < num_experts) local_sum += e[i];
     }
     const float total = warp_sum(local_sum);
-    float kept = 0.0f;
+    float kept = 0.0f, mine = 0.0f;
+    int mine_id = 0;
     for (int k = 0; k < top_k; ++k) {
-        float best = -1.0f;
-        int best_id = 0x7fffffff;
+        // The lane's largest key, at its lowest index among equals (x grows with i).
+        unsigned key = 0;
+        int id = 0x7fffffff;
 #pragma unroll
         for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-            const int x = lane + 32 * i;
-            if (e[i] > best || (e[i] == best && x < best_id)) {
-                best = e[i];
-                best_id = x;
+            const unsigned candidate = softmax_key(e[i]);
+            if (candidate > key) {
+                key = candidate;
+                id = lane + 32 * i;
             }
         }
-        warp_argmax(best, best_id);
-        const float p = best / total;
+        const unsigned best = __reduce_max_sync(0xffffffffu, key);
+        // In bounds even for a row of NaN logits.
+        const int best_id = min(__reduce_min_sync(0xffffffffu, key == best ? id : 0x7fffffff), num_experts - 1);
+        const float p = (best == 0 ? 0.0f : __uint_as_float(best - 1u)) / total;
         kept += p;
-        if (lane == 0) {
-            ids[k] = best_id;
-            weights[k] = p;
+        if (lane == k) {
+            mine = p;
+            mine_id = best_id;
         }
 #pragma unroll
         for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i)
             if (lane + 32 * i == best_id) e[i] = -1.0f;
     }
-    if (renormalize && lane == 0)
-        for (int k = 0; k < top_k; ++k) weights[k] /= kept;
+    if (lane < top_k) {
+        ids[lane] = mine_id;
+        weights[lane] = renormalize ? mine / kept : mine;
+    }
 }
 
 // One row of DeepSeek-V3's and GLM-4.5's router (RouterKind::SigmoidGroupedTopK), as the CPU backend computes it.
 // score = sigmoid(logit) and choice = score + bias[e]; the n_group groups of consecutive experts rank by the sum of
 // their two best choices, the experts of the best topk_group groups (the others are out) give the top_k best
-// choices in order, ties to the lower id (groups likewise); weight = score / (sum of the chosen scores + 1e-20,
-// when renormalize) * scaling. `scratch`: router_scratch_floats(num_experts, n_group) floats of shared memory the
+// choices in order (at most 32, ROUTER_MAX_TOP_K; by redux.sync as route_row_softmax_topk's), ties to the lower id
+// (groups likewise); weight = score / (sum of the chosen scores + 1e-20, when renormalize) * scaling. `scratch`: router_scratch_floats(num_experts, n_group) floats of shared memory the
 // warp owns. Every lane of the warp calls it.
 __device__ __forceinline__ void route_row_sigmoid_grouped(const float* row, const float* __restrict__ bias,
                                                           int num_experts, int n_group, int topk_group, int top_k,
@@ -134,26 +154,29 @@ __device__ __forceinline__ void route_row_sigmoid_grouped(const float* row, cons
         candidate[i] = taken[i] ? -INFINITY : choices[x];
     }
     float total = 0.0f;
+    int mine_id = 0;
     for (int k = 0; k < top_k; ++k) {
-        float best = -INFINITY;
-        int best_id = 0x7fffffff;
+        unsigned key = 0;
+        int id = 0x7fffffff;
 #pragma unroll
         for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
-            const int x = lane + 32 * i;
-            if (!taken[i] && (candidate[i] > best || (candidate[i] == best && x < best_id))) {
-                best = candidate[i];
-                best_id = x;
+            const unsigned c = taken[i] ? 0u : ordered_key(candidate[i]);
+            if (c > key) {
+                key = c;
+                id = lane + 32 * i;
             }
         }
-        warp_argmax(best, best_id);
-        best_id = min(best_id, num_experts - 1);
+        const unsigned best = __reduce_max_sync(0xffffffffu, key);
+        const int best_id = min(__reduce_min_sync(0xffffffffu, key == best ? id : 0x7fffffff), num_experts - 1);
         total += scores[best_id];
-        if (lane == 0) ids[k] = best_id;
+        if (lane == k) mine_id = best_id;
 #pragma unroll
         for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i)
             if (lane + 32 * i == best_id) taken[i] = true;
     }
     const float denominator = renormalize ? total + 1e-20f : 1.0f;
-    if (lane == 0)
-        for (int k = 0; k < top_k; ++k) weights[k] = scores[ids[k]] / denominator * scaling;
+    if (lane < top_k) {
+        ids[lane] = mine_id;
+        weights[lane] = scores[mine_id] / denominator * scaling;
+    }
 }

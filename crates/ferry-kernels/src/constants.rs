@@ -22,6 +22,8 @@ kernel_constants! {
     MOE_DOWN_ROWS: usize = 4;
     /// Experts the router kernel handles: one warp, 16 per lane.
     ROUTER_MAX_EXPERTS: usize = 512;
+    /// Experts a row the router kernel chooses at most: lane k of its warp keeps the k-th choice.
+    ROUTER_MAX_TOP_K: usize = 32;
     /// Floats of scratch a warp of the fused router GEMV (gemv.cu's gemv_route_R) has for the grouped sigmoid
     /// router, in its 4 KiB of staging slots: 2 x experts + 2 x groups must fit (route.cuh).
     FUSED_ROUTER_SCRATCH_FLOATS: usize = 1024;

@@ -3,7 +3,7 @@
 //! to and from the host (offload's plan, replayed traces).
 
 use cudarc::driver::CudaSlice;
-use ferry_kernels::constants::{FUSED_ROUTER_SCRATCH_FLOATS, GEMV_MAX_ROWS, ROUTER_MAX_EXPERTS};
+use ferry_kernels::constants::{FUSED_ROUTER_SCRATCH_FLOATS, GEMV_MAX_ROWS, ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K};
 
 use crate::backend::cuda::launch::{kernel, per_row, ptr, Ptr};
 use crate::backend::cuda::linear::{gemv_route_kernel, gemv_shape};
@@ -89,6 +89,11 @@ pub(in crate::backend::cuda) fn route(
             logits.cols
         )));
     }
+    if top_k > ROUTER_MAX_TOP_K {
+        return Err(Error::Cuda(format!(
+            "top-{top_k} routing is over the router kernel's {ROUTER_MAX_TOP_K} experts a row"
+        )));
+    }
     let ids: CudaSlice<i32> = cuda.alloc(logits.rows * top_k)?;
     let weights: CudaSlice<f32> = cuda.alloc(logits.rows * top_k)?;
     let grid = per_row(logits.rows, 32);
@@ -157,7 +162,11 @@ pub(in crate::backend::cuda) fn route_linear(
         } => (true, n_group, topk_group, renormalize, scaling),
     };
     let scratch_fits = !grouped || 2 * experts + 2 * n_group <= FUSED_ROUTER_SCRATCH_FLOATS;
-    if !(1..=GEMV_MAX_ROWS).contains(&x.rows) || experts > ROUTER_MAX_EXPERTS || !scratch_fits {
+    if !(1..=GEMV_MAX_ROWS).contains(&x.rows)
+        || experts > ROUTER_MAX_EXPERTS
+        || top_k > ROUTER_MAX_TOP_K
+        || !scratch_fits
+    {
         return Ok(None);
     }
     if x.cols != w.cols {
