@@ -23,12 +23,13 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Programmatic dependent launch (sm_90 on): every kernel's first statement, but for the GEMVs', which first start
-// copying their weights (warp_rows_dot's inputs_ready). It waits until the kernel before it on the stream has
-// finished and its writes are visible (at once for a kernel launched without the launch attribute), then lets the
-// kernel after it launch: that kernel's blocks take multiprocessors as this one's free them and wait here in turn,
-// so each launch's latency overlaps the tail of the kernel before it instead of following it. Every kernel waits
-// before it touches memory that a kernel writes, so the stream's order holds as without it.
+// Programmatic dependent launch (sm_90 on): every kernel's first statement, but for the GEMVs' and moe_down's,
+// which first start copying their weights (warp_rows_dot's inputs_ready). It waits until the kernel before it on
+// the stream has finished and its writes are visible (at once for a kernel launched without the launch
+// attribute), then lets the kernel after it launch: that kernel's blocks take multiprocessors as this one's free
+// them and wait here in turn, so each launch's latency overlaps the tail of the kernel before it instead of
+// following it. Every kernel waits before it touches memory that a kernel writes, so the stream's order holds as
+// without it.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

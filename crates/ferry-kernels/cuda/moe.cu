@@ -106,12 +106,15 @@ __device__ __forceinline__ void down_finish(const float* products, const float* 
 // (expert, group) items in turn, so the experts of a row are read in parallel rather than one after another, and
 // the block sums their products in router order (deterministic). feature_groups = MOE_WARPS / top_k (at least 1)
 // keeps every warp busy when top_k is small.
+//
+// moe_gate_up runs just before it (moe_decode), and waited for the router's ids and the table: both were written
+// before this kernel launched, so its first weights are copied before it waits for moe_gate_up's act (ids and
+// table read through L2, where those writes are), and every thread waits before the sums.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
              const float* __restrict__ weights, const uint16_t* const* __restrict__ experts, long long bias_at,
              int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
              const float* __restrict__ norm, float eps, unsigned int* counter) {
-    wait_for_previous_kernel();
     __shared__ WarpStaging staging[MOE_WARPS];
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -120,7 +123,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
         const int k = item / feature_groups, group = item % feature_groups;
         const int pair = r * top_k + k;
-        const uint16_t* block = experts[ids[pair]];
+        const uint16_t* block = reinterpret_cast<const uint16_t*>(
+            __ldcg(reinterpret_cast<const unsigned long long*>(experts) + __ldcg(ids + pair)));
         const uint16_t* down = block + 2 * static_cast<size_t>(inter) * hidden;
         const float* biases = expert_biases(block, bias_at);
         // Features past hidden (the last block) repeat feature hidden - 1 and are not stored.
@@ -132,14 +136,17 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
             rows[j] = down + static_cast<size_t>(features[j]) * inter;
         }
         float acc[MOE_DOWN_ROWS][1] = {};
+        // After the first item the wait returns at once.
         warp_rows_dot<MOE_DOWN_ROWS, 1>(rows, act + static_cast<size_t>(pair) * inter, inter, inter, 0, 1,
-                                        staging[warp], acc, AlreadyWaited());
+                                        staging[warp], acc, WaitForPreviousKernel());
 #pragma unroll
         for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
             const float s = with_down_bias(biases, inter, features[j], warp_sum(acc[j][0]));
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = s;
         }
     }
+    // Warps without an item wait here, before down_finish reads the weights and the residual.
+    wait_for_previous_kernel();
     down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
 }
 

@@ -62,8 +62,10 @@ pub(super) fn gemv_route_kernel(rows: usize) -> &'static str {
 }
 
 /// Blocks a GEMV launch should have at least, so that every SM of a large GPU gets work: products with fewer rows
-/// split k between the warps of a block until they do.
-const GEMV_MIN_BLOCKS: usize = 256;
+/// split k between the warps of a block until they do. 512 (four blocks an H200 SM) rather than 256: a block's
+/// warps copy their first two stages before waiting on the kernel before them (gemv.cu), so more warps a product
+/// put more of its weights in flight during that kernel.
+const GEMV_MIN_BLOCKS: usize = 512;
 
 kernel! {
     /// gemv.cu's `gemv_bf16_R` (one kernel per row count R of x): `out = x W^T (+ bias)` for W `[n, k]`, each
