@@ -52,6 +52,13 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// An order-preserving key of any f32 for a warp's unsigned max (redux.sync): negatives' bits inverted, the sign
+// bit set on the others; 0 (below every key, -infinity's included) for NaN, which never wins while another is left.
+__device__ __forceinline__ unsigned ordered_key(float v) {
+    const unsigned bits = __float_as_uint(v);
+    return v != v ? 0u : (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float partial[32];

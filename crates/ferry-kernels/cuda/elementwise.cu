@@ -97,6 +97,43 @@ extern "C" __global__ void select_rows(const float* __restrict__ x, const uint32
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
 }
 
+// out[r] = the index of row r's largest value among its first `cols` (the lowest index among equals; NaN below
+// every number; 0 for a row of NaN), rows `stride` apart: the greedy sampler's choice, so that only the ids cross
+// to the host. One block per row; each thread keeps its best (strictly greater: its lowest index), then a warp's
+// best key and the lowest index holding it by redux.sync, then the warps' through shared memory likewise.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, int stride, uint32_t* __restrict__ out) {
+    wait_for_previous_kernel();
+    __shared__ unsigned warp_key[32];
+    __shared__ int warp_index[32];
+    const float* row = x + static_cast<size_t>(blockIdx.x) * stride;
+    unsigned key = 0;
+    int index = 0x7fffffff;
+#pragma unroll 8
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const unsigned k = ordered_key(row[i]);
+        if (k > key) {
+            key = k;
+            index = i;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned best = __reduce_max_sync(0xffffffffu, key);
+    int best_index = __reduce_min_sync(0xffffffffu, key == best ? index : 0x7fffffff);
+    if (lane == 0) {
+        warp_key[warp] = best;
+        warp_index[warp] = best_index;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const bool held = lane < (blockDim.x >> 5);
+        key = held ? warp_key[lane] : 0u;
+        index = held ? warp_index[lane] : 0x7fffffff;
+        best = __reduce_max_sync(0xffffffffu, key);
+        best_index = __reduce_min_sync(0xffffffffu, key == best ? index : 0x7fffffff);
+        if (lane == 0) out[blockIdx.x] = best_index == 0x7fffffff ? 0u : static_cast<uint32_t>(best_index);
+    }
+}
+
 // x = hi + lo with hi, lo bf16: products of bf16 are exact in f32, so two bf16 GEMMs (hi and lo) give
 // f32-accurate results on the tensor cores.
 extern "C" __global__ void split_bf16(const float* __restrict__ x, uint16_t* __restrict__ hi,

@@ -28,13 +28,6 @@ __device__ __forceinline__ void warp_argmax(float& best, int& best_id) {
 // one; 0 for an expert taken, absent or NaN (e not >= 0), which never wins while another is left.
 __device__ __forceinline__ unsigned softmax_key(float e) { return e >= 0.0f ? __float_as_uint(e) + 1u : 0u; }
 
-// An order-preserving key of any f32 for the warp's unsigned max: negatives' bits inverted, the sign bit set on
-// the others; 0 (below every key, -infinity's included) for NaN, which never wins while another is left.
-__device__ __forceinline__ unsigned ordered_key(float v) {
-    const unsigned bits = __float_as_uint(v);
-    return v != v ? 0u : (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
-}
-
 // One row's softmax over its experts' logits, then the top_k (at most 32, ROUTER_MAX_TOP_K) largest in order, ties
 // to the lower id, into ids and weights (top_k each), the weights renormalised over the chosen ones when asked.
 // Each round takes the warp's largest key and then the lowest id holding it, one redux.sync each, where an argmax

@@ -353,6 +353,10 @@ pub trait Backend: Send + Sync + Sized {
     /// A tensor holding `data` (`rows * cols` values).
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
+    /// Each row's argmax over its first `cols` values (1 to x's cols): the index of the largest, the lowest among
+    /// equals, NaN below every number, 0 for a row of NaN ([`cpu::argmax`]). The greedy sampler's choice made
+    /// where the logits are, so that only the ids come to the host.
+    fn argmax_rows(&self, x: &Self::Tensor, cols: usize) -> Result<Vec<u32>>;
     fn shape(&self, x: &Self::Tensor) -> (usize, usize);
 
     /// Rows of `table` for `ids`.

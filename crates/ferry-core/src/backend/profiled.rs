@@ -130,6 +130,7 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     timed_ops! {
         fn prepare_batch(&self, kv: &mut Self::Kv, batch: &[SeqSlice]) -> Self::Batch;
         fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+        fn argmax_rows(&self, x: &Self::Tensor, cols: usize) -> Vec<u32>;
         fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
         fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, group: usize, eps: f32) -> Self::Tensor;
         fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>) -> Self::Tensor;

@@ -13,7 +13,7 @@ use super::request::{FinishReason, Request, ThinkingBudget};
 use super::sampler::{apply_logit_bias, apply_penalties, apply_repetition_penalty, Sampler};
 use super::stop::StopStrings;
 use crate::loader::{Detokenizer, TextDecoder};
-use crate::Result;
+use crate::{Error, Result};
 
 /// A request's output state: what it has generated so far, as the penalties, the grammar, the detokenizer and the
 /// stop strings need it.
@@ -101,12 +101,69 @@ impl Emitter {
     ) -> Result<Emitted> {
         let generated = tokens.len() - request.prompt_ids.len();
         let logits = self.shaped_logits(request, logits, generated)?;
-        let forced = self.thinking.as_ref().and_then(Thinking::forced);
-        let id = forced.unwrap_or_else(|| self.sampler.sample(&logits));
+        let id = self.forced().unwrap_or_else(|| self.sampler.sample(&logits));
+        let logprobs = request.logprobs.map(|top_n| token_logprobs(&logits, id, top_n));
+        self.emit(request, tokens, id, logprobs, decoder, max_model_len)
+    }
+
+    /// [`Emitter::next_token`] where the logits' argmax (over the sampled vocabulary) was taken elsewhere, for a
+    /// request whose choice it is ([`Emitter::argmax_decides`]; an error otherwise).
+    pub(super) fn next_token_from_argmax(
+        &mut self,
+        request: &Request,
+        tokens: &mut Vec<u32>,
+        argmax: u32,
+        decoder: &dyn TextDecoder,
+        max_model_len: usize,
+    ) -> Result<Emitted> {
+        if !self.argmax_decides(request, tokens.len() - request.prompt_ids.len()) {
+            return Err(Error::Request(
+                "internal error: a token chosen by argmax for a request that samples otherwise".into(),
+            ));
+        }
+        let id = self.forced().unwrap_or(argmax);
+        self.emit(request, tokens, id, None, decoder, max_model_len)
+    }
+
+    /// Whether `request`'s next token, `generated` tokens into its output, is its last logits' argmax and needs
+    /// nothing else of them: a greedy sampler, no logprobs, and nothing [`Emitter::shaped_logits`] would change
+    /// (no penalty, bias, allowed list, grammar, nor ends that min_tokens holds back). Such a token can be chosen
+    /// where the logits are (the scheduler's argmax steps).
+    pub(super) fn argmax_decides(&self, request: &Request, generated: usize) -> bool {
+        let rules = &request.stop;
+        let ends_held_back = generated < rules.min_tokens
+            && ((!rules.ignore_eos && !rules.eos_token_ids.is_empty()) || !rules.stop_token_ids.is_empty());
+        self.sampler.is_greedy()
+            && request.logprobs.is_none()
+            && request.repetition_penalty == 1.0
+            && request.presence_penalty == 0.0
+            && request.frequency_penalty == 0.0
+            && request.logit_bias.is_empty()
+            && request.allowed_token_ids.is_empty()
+            && !ends_held_back
+            && self.constraint.is_none()
+    }
+
+    /// The token a spent thinking budget forces next, if any.
+    fn forced(&self) -> Option<u32> {
+        self.thinking.as_ref().and_then(Thinking::forced)
+    }
+
+    /// Appends the chosen `id` to `tokens` and applies the stop rules (the grammar's commit, eos, the length limits,
+    /// the detokenizer and the stop strings).
+    fn emit(
+        &mut self,
+        request: &Request,
+        tokens: &mut Vec<u32>,
+        id: u32,
+        logprobs: Option<TokenLogprobs>,
+        decoder: &dyn TextDecoder,
+        max_model_len: usize,
+    ) -> Result<Emitted> {
+        let generated = tokens.len() - request.prompt_ids.len();
         if let Some(thinking) = &mut self.thinking {
             thinking.saw(id);
         }
-        let logprobs = request.logprobs.map(|top_n| token_logprobs(&logits, id, top_n));
         let grammar_complete = match &mut self.constraint {
             Some(constraint) => constraint.commit(id)?,
             None => false,
@@ -219,6 +276,7 @@ impl TextDecoder for NoText {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+    use crate::engine::{argmax, SamplingParams};
 
     /// Token t reads as the letter 'a' + t.
     pub(in crate::engine) struct Letters;
@@ -438,5 +496,85 @@ pub(super) mod tests {
         bounded.thinking_budget = Some(budget);
         bounded.max_tokens = 5;
         assert_eq!(emit_all(&bounded, &short, 16).0, "fbgbb");
+    }
+
+    #[test]
+    fn argmax_decides_only_for_greedy_requests_whose_logits_are_not_shaped() {
+        let emitter_says =
+            |request: &Request, generated: usize| Emitter::new(request).argmax_decides(request, generated);
+        let plain = request(4);
+        assert!(emitter_says(&plain, 0));
+        let mut top_one = request(4);
+        top_one.sampling = SamplingParams {
+            temperature: 0.7,
+            top_k: Some(1),
+            ..SamplingParams::default()
+        };
+        assert!(emitter_says(&top_one, 0));
+        let edits: [fn(&mut Request); 7] = [
+            |r| r.sampling.temperature = 0.7,
+            |r| r.logprobs = Some(0),
+            |r| r.repetition_penalty = 1.1,
+            |r| r.presence_penalty = 0.5,
+            |r| r.frequency_penalty = 0.5,
+            |r| r.logit_bias = vec![(3, 1.0)],
+            |r| r.allowed_token_ids = vec![1, 2],
+        ];
+        for edit in edits {
+            let mut edited = request(4);
+            edit(&mut edited);
+            assert!(!emitter_says(&edited, 0), "{edited:?}");
+        }
+        // min_tokens holds eos back (the logits change) until it is reached; without ends to hold, nothing changes.
+        let mut held = request(4);
+        held.stop.min_tokens = 2;
+        held.stop.eos_token_ids = vec![7];
+        assert!(!emitter_says(&held, 1));
+        assert!(emitter_says(&held, 2));
+        held.stop.ignore_eos = true;
+        assert!(emitter_says(&held, 1));
+        held.stop.stop_token_ids = vec![8];
+        assert!(!emitter_says(&held, 1));
+    }
+
+    #[test]
+    fn a_token_chosen_by_argmax_elsewhere_emits_what_sampling_the_logits_does() {
+        let budget = ThinkingBudget {
+            max_tokens: 1,
+            start_id: 5,
+            end_id: 6,
+            starts_inside: true,
+        };
+        let mut thinking = request(6);
+        thinking.thinking_budget = Some(budget);
+        thinking.stop.eos_token_ids = vec![9];
+        let logits = steps(&[1, 1, 2, 3, 9, 4]);
+        for request in [request(6), thinking] {
+            let mut emitter = Emitter::new(&request);
+            let mut tokens = request.prompt_ids.clone();
+            let mut emitted = Vec::new();
+            for step in &logits {
+                let e = emitter
+                    .next_token_from_argmax(&request, &mut tokens, argmax(step) as u32, &Letters, 16)
+                    .unwrap();
+                let end = e.finish.is_some();
+                emitted.push(e);
+                if end {
+                    break;
+                }
+            }
+            let text: String = emitted.iter().map(|e| e.text.as_str()).collect();
+            let (expected, ids, finish) = emit_all(&request, &logits, 16);
+            assert_eq!(
+                (text, tokens[1..].to_vec(), emitted.last().unwrap().finish),
+                (expected, ids, finish)
+            );
+        }
+        let mut sampled = request(2);
+        sampled.sampling.temperature = 0.7;
+        let mut tokens = sampled.prompt_ids.clone();
+        assert!(Emitter::new(&sampled)
+            .next_token_from_argmax(&sampled, &mut tokens, 1, &Letters, 16)
+            .is_err());
     }
 }

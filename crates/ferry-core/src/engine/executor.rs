@@ -4,6 +4,7 @@
 use std::borrow::Borrow;
 use std::time::{Duration, Instant};
 
+use crate::backend::cpu::argmax;
 use crate::backend::{Backend, ForwardStep, SeqSlice};
 use crate::kv::{KvCache, SeqId};
 use crate::model::Model;
@@ -18,6 +19,18 @@ pub trait Executor: Send {
     /// Runs one batch (`ids` are the rows of `batch`'s slices, in order) and returns the logits of each slice's
     /// last token, `batch.len()` rows of `vocab_size()` values one after another.
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>>;
+    /// Runs one batch as [`Executor::forward`] does and returns each slice's argmax over the first `cols` logits
+    /// of its last token ([`crate::backend::Backend::argmax_rows`]: where the logits are, so that a step whose
+    /// tokens are all chosen greedily brings only their ids to the host). This default takes the logits to the
+    /// host first.
+    fn forward_argmax(&mut self, ids: &[u32], batch: &[SeqSlice], cols: usize) -> Result<Vec<u32>> {
+        let logits = self.forward(ids, batch)?;
+        let vocab = self.vocab_size();
+        Ok(logits
+            .chunks(vocab)
+            .map(|row| argmax(&row[..cols.min(vocab)]) as u32)
+            .collect())
+    }
     /// Copies `seq`'s recurrent state into the cache's snapshot slot `slot` ([`Backend::save_state`]).
     fn save_state(&mut self, seq: SeqId, slot: usize) -> Result<()>;
     /// Replaces `seq`'s recurrent state with snapshot `slot`'s ([`Backend::restore_state`]).
@@ -82,6 +95,31 @@ impl<B: Backend, Be: Borrow<B> + Send> Executor for ModelExecutor<'_, B, Be> {
     }
 
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>> {
+        let logits = self.logits(ids, batch)?;
+        self.backend.borrow().to_host(&logits)
+    }
+
+    fn forward_argmax(&mut self, ids: &[u32], batch: &[SeqSlice], cols: usize) -> Result<Vec<u32>> {
+        let logits = self.logits(ids, batch)?;
+        self.backend.borrow().argmax_rows(&logits, cols)
+    }
+
+    fn save_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
+        self.backend.borrow().save_state(&mut self.kv, seq, slot)
+    }
+
+    fn restore_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
+        self.backend.borrow().restore_state(&mut self.kv, seq, slot)
+    }
+
+    fn offload_stats(&self) -> Option<OffloadStats> {
+        self.backend.borrow().offload_stats()
+    }
+}
+
+impl<B: Backend, Be: Borrow<B>> ModelExecutor<'_, B, Be> {
+    /// The forward pass of one batch, issued: each slice's last logits, still on the backend.
+    fn logits(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<B::Tensor> {
         let backend = self.backend.borrow();
         let issued = Instant::now();
         let logits = match self.tap.as_deref_mut() {
@@ -103,18 +141,6 @@ impl<B: Backend, Be: Borrow<B> + Send> Executor for ModelExecutor<'_, B, Be> {
             }
         };
         self.issue_time += issued.elapsed();
-        backend.to_host(&logits)
-    }
-
-    fn save_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
-        self.backend.borrow().save_state(&mut self.kv, seq, slot)
-    }
-
-    fn restore_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
-        self.backend.borrow().restore_state(&mut self.kv, seq, slot)
-    }
-
-    fn offload_stats(&self) -> Option<OffloadStats> {
-        self.backend.borrow().offload_stats()
+        Ok(logits)
     }
 }

@@ -13,13 +13,14 @@ mod scheduler;
 mod service;
 mod stop;
 
+pub use crate::backend::cpu::argmax;
 pub use constraint::{choice_alternatives, regex_terminal, Constraint, GrammarCompiler, ResponseFormat};
 pub use emit::NoText;
 pub use executor::{Executor, ModelExecutor};
 pub use logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use plan::MAX_BATCH_TOKENS;
 pub use request::{Event, EventSink, FinishReason, Request, RequestId, StopRules, ThinkingBudget};
-pub use sampler::{apply_penalties, argmax, Sampler, SamplingParams};
+pub use sampler::{apply_penalties, Sampler, SamplingParams};
 pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats, StepReport};
 pub use service::{EngineHandle, EngineStatus, Heartbeat};
 pub use stop::{partial_match_len, validate_stop_strings, StopStrings};

@@ -6,6 +6,8 @@ use std::collections::{HashMap, HashSet};
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+use crate::backend::cpu::argmax;
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
     /// 0 means greedy.
@@ -52,17 +54,6 @@ pub struct Sampler {
     rng: StdRng,
 }
 
-/// Index of the largest value; the lowest index among equals, as torch's argmax.
-pub fn argmax(values: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, v) in values.iter().enumerate() {
-        if *v > values[best] {
-            best = i;
-        }
-    }
-    best
-}
-
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         let rng = match params.seed {
@@ -72,11 +63,17 @@ impl Sampler {
         Sampler { params, rng }
     }
 
+    /// Whether this sampler always takes the most likely token (temperature 0, or top-k 1): then
+    /// [`crate::backend::Backend::argmax_rows`] makes its choice.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0 || self.params.top_k == Some(1)
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if p.temperature == 0.0 || p.top_k == Some(1) {
+        if self.is_greedy() {
             return argmax(logits) as u32;
         }
+        let p = &self.params;
         let mut order: Vec<usize> = (0..logits.len()).collect();
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         if let Some(k) = p.top_k.filter(|&k| k > 0) {

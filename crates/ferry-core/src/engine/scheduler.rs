@@ -100,6 +100,16 @@ impl Sequence {
         self.tokens.len() - self.request.prompt_ids.len()
     }
 
+    /// Whether a step computing its next `len` tokens needs no more of its logits than their argmax: its token is
+    /// the argmax ([`Emitter::argmax_decides`]), or, with prompt tokens still to compute, the logits go unused
+    /// (unless they score the prompt).
+    fn argmax_decides(&self, len: usize) -> bool {
+        match self.pending() > len {
+            true => !self.scores_prompt(),
+            false => self.emitter.argmax_decides(&self.request, self.generated()),
+        }
+    }
+
     fn pending(&self) -> usize {
         self.tokens.len() - self.computed
     }
@@ -107,6 +117,18 @@ impl Sequence {
     fn kv(&self) -> SeqId {
         self.kv.expect("running sequences hold KV")
     }
+}
+
+/// What a step brings back: every row's last logits, or, when each row's token is their argmax, those alone.
+enum StepScores {
+    Logits(Vec<f32>),
+    Argmax(Vec<u32>),
+}
+
+/// One row's part of [`StepScores`] (its logits cut to the sampled vocabulary).
+enum RowScores<'a> {
+    Logits(&'a [f32]),
+    Argmax(u32),
 }
 
 /// Counts a metrics exporter reads between steps.
@@ -468,18 +490,24 @@ impl<E: Executor> Scheduler<E> {
                 len,
             });
         }
+        let vocab = self.executor.vocab_size();
+        let sampled = self.config.sampled_vocab.map_or(vocab, |n| n.min(vocab));
+        // When every row's token is its logits' argmax (or its logits go unused), the argmax is taken where the
+        // logits are and only the ids come back.
+        let by_argmax = plan.iter().all(|&(i, len)| self.running[i].argmax_decides(len));
         let executor = &mut self.executor;
-        let result = catch_unwind(AssertUnwindSafe(|| executor.forward(&ids, &slices)))
-            .unwrap_or_else(|_| Err(Error::Request("internal error in the forward pass".into())));
-        let logits = match result {
-            Ok(logits) => logits,
+        let result = catch_unwind(AssertUnwindSafe(|| match by_argmax {
+            true => executor.forward_argmax(&ids, &slices, sampled).map(StepScores::Argmax),
+            false => executor.forward(&ids, &slices).map(StepScores::Logits),
+        }))
+        .unwrap_or_else(|_| Err(Error::Request("internal error in the forward pass".into())));
+        let scores = match result {
+            Ok(scores) => scores,
             Err(e) => {
                 self.isolate_failure(&plan, e);
                 return StepReport::default();
             }
         };
-        let vocab = self.executor.vocab_size();
-        let sampled = self.config.sampled_vocab.map_or(vocab, |n| n.min(vocab));
         let mut report = StepReport::default();
         let mut retired = Vec::new();
         for (row, &(i, len)) in plan.iter().enumerate() {
@@ -489,8 +517,10 @@ impl<E: Executor> Scheduler<E> {
             let seq = &mut self.running[i];
             if seq.pending() > 0 {
                 report.prefill_tokens += len;
-                if scores_prompt && !seq.send_prompt_logprobs(&logits[row * vocab..(row + 1) * vocab]) {
-                    retired.push((i, None));
+                if let (true, StepScores::Logits(logits)) = (scores_prompt, &scores) {
+                    if !seq.send_prompt_logprobs(&logits[row * vocab..(row + 1) * vocab]) {
+                        retired.push((i, None));
+                    }
                 }
                 continue;
             }
@@ -501,7 +531,11 @@ impl<E: Executor> Scheduler<E> {
             }
             // Recomputed alone up to its next token, it is not what failed the batch: back to the shared batch.
             seq.solo = false;
-            match self.emit_next_token(i, &logits[row * vocab..row * vocab + sampled]) {
+            let row_scores = match &scores {
+                StepScores::Logits(logits) => RowScores::Logits(&logits[row * vocab..row * vocab + sampled]),
+                StepScores::Argmax(ids) => RowScores::Argmax(ids[row]),
+            };
+            match self.emit_next_token(i, row_scores) {
                 Next::Running => {}
                 Next::Finished(event) => retired.push((i, Some(event))),
                 Next::ListenerGone => retired.push((i, None)),
@@ -517,16 +551,20 @@ impl<E: Executor> Scheduler<E> {
         report
     }
 
-    /// Samples running request `i`'s next token from `logits` (its last position's) and hands it to its sink.
-    fn emit_next_token(&mut self, i: usize, logits: &[f32]) -> Next {
+    /// Samples running request `i`'s next token from its last position's scores and hands it to its sink.
+    fn emit_next_token(&mut self, i: usize, scores: RowScores<'_>) -> Next {
         let seq = &mut self.running[i];
-        let emitted = seq.emitter.next_token(
-            &seq.request,
-            &mut seq.tokens,
-            logits,
-            self.decoder.as_ref(),
-            self.config.max_model_len,
-        );
+        let (decoder, max_model_len) = (self.decoder.as_ref(), self.config.max_model_len);
+        let emitted = match scores {
+            RowScores::Logits(logits) => {
+                seq.emitter
+                    .next_token(&seq.request, &mut seq.tokens, logits, decoder, max_model_len)
+            }
+            RowScores::Argmax(id) => {
+                seq.emitter
+                    .next_token_from_argmax(&seq.request, &mut seq.tokens, id, decoder, max_model_len)
+            }
+        };
         let emitted = match emitted {
             Ok(emitted) => emitted,
             Err(e) => return Next::Finished(Event::Failed { message: e.to_string() }),

@@ -258,3 +258,37 @@ mod attention;
 mod experts;
 mod fused;
 mod recurrent;
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn argmax_rows_chooses_as_the_cpu_does() {
+    let p = pair();
+    let mut rng = Rng::new(3);
+    for (cols, sampled) in [(151_936, 151_936), (151_936, 151_665), (1_001, 997), (7, 7)] {
+        let mut rows: Vec<Vec<f32>> = (0..4).map(|_| rng.values(cols, 20.0)).collect();
+        // The largest value twice (the lower index wins), NaN among numbers (at the front too), a row of -inf,
+        // a row of NaN.
+        let (first, second) = (cols / 3, 2 * cols / 3);
+        rows[1][first] = 100.0;
+        rows[1][second] = 100.0;
+        rows[2][0] = f32::NAN;
+        rows[2][cols / 2] = f32::NAN;
+        rows[3][cols - 1] = f32::NAN;
+        rows.push(vec![f32::NEG_INFINITY; cols]);
+        rows.push(vec![f32::NAN; cols]);
+        let data: Vec<f32> = rows.concat();
+        let cpu = p
+            .cpu
+            .argmax_rows(&p.cpu.upload(&data, rows.len(), cols).unwrap(), sampled)
+            .unwrap();
+        let gpu = p
+            .gpu
+            .argmax_rows(&p.gpu.upload(&data, rows.len(), cols).unwrap(), sampled)
+            .unwrap();
+        assert_eq!(gpu, cpu, "{cols} columns, {sampled} sampled");
+        assert_eq!(cpu[1], first as u32);
+        assert_eq!(&cpu[4..], &[0, 0]);
+    }
+    let x = p.gpu.upload(&[1.0; 6], 2, 3).unwrap();
+    assert!(matches!(p.gpu.argmax_rows(&x, 4), Err(Error::Shape(_))));
+}

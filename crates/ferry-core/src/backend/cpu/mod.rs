@@ -235,6 +235,13 @@ impl Backend for CpuBackend {
         Ok(x.data.clone())
     }
 
+    fn argmax_rows(&self, x: &CpuTensor, cols: usize) -> Result<Vec<u32>> {
+        check_shape((1..=x.cols).contains(&cols), || {
+            format!("argmax_rows: {cols} columns of {}", x.cols)
+        })?;
+        Ok((0..x.rows).map(|r| argmax(&x.row(r)[..cols]) as u32).collect())
+    }
+
     fn shape(&self, x: &CpuTensor) -> (usize, usize) {
         (x.rows, x.cols)
     }
@@ -447,6 +454,18 @@ impl Backend for CpuBackend {
     }
 }
 
+/// The index of the largest of `values`, the lowest among equals (torch's argmax); NaN counts as below every number,
+/// and a slice of NaN (or an empty one) gives 0.
+pub fn argmax(values: &[f32]) -> usize {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in values.iter().enumerate() {
+        if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best.map_or(0, |(i, _)| i)
+}
+
 /// Host memory read bandwidth in GB/s with rayon's threads: the best of a few parallel sums over `bytes`.
 pub fn measure_read_bandwidth(bytes: usize) -> f64 {
     let words: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
@@ -461,4 +480,28 @@ pub fn measure_read_bandwidth(bytes: usize) -> f64 {
             bytes as f64 / started.elapsed().as_secs_f64() / 1e9
         })
         .fold(0.0, f64::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_takes_the_lowest_index_of_the_largest_and_passes_over_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, -1.0, f32::NAN, 0.5]), 3);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(argmax(&[]), 0);
+    }
+
+    #[test]
+    fn argmax_rows_reads_each_rows_first_columns() {
+        let be = CpuBackend;
+        let x = be.upload(&[0.0, 1.0, 9.0, 5.0, 4.0, 9.0], 2, 3).unwrap();
+        assert_eq!(be.argmax_rows(&x, 3).unwrap(), vec![2, 2]);
+        assert_eq!(be.argmax_rows(&x, 2).unwrap(), vec![1, 0]);
+        assert!(matches!(be.argmax_rows(&x, 4), Err(Error::Shape(_))));
+        assert!(matches!(be.argmax_rows(&x, 0), Err(Error::Shape(_))));
+    }
 }

@@ -1,12 +1,12 @@
 //! The row-wise and elementwise ops of the CUDA backend (elementwise.cu, and gdn.cu's elementwise output gate):
 //! embedding lookup, RMSNorm (alone and fused with the residual add), the residual add, SiLU-gating, the sigmoid
-//! gates and row selection.
+//! gates, row selection and each row's argmax (the greedy sampler's choice).
 
 use cudarc::driver::CudaSlice;
 use ferry_kernels::constants::{GEMV_WARPS, MOE_WARPS};
 
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
-use super::{CudaBackend, CudaTensor, CudaWeight};
+use super::{cuda_err, CudaBackend, CudaTensor, CudaWeight};
 use crate::{Error, Result};
 
 kernel! {
@@ -68,6 +68,17 @@ kernel! {
         x: Ptr<f32>,
         gate: Ptr<f32>,
         cols: i32,
+    }
+}
+
+kernel! {
+    /// elementwise.cu's `argmax_rows`: each row's argmax over its first `cols` values, rows `stride` apart, one
+    /// block per row.
+    struct ArgmaxRows = "argmax_rows" {
+        x: Ptr<f32>,
+        cols: i32,
+        stride: i32,
+        out: Ptr<u32>,
     }
 }
 
@@ -219,6 +230,25 @@ pub(super) fn sigmoid_gate(cuda: &CudaBackend, x: &mut CudaTensor, gate: &CudaTe
         cols: x.cols as i32,
     };
     sigmoid_gate.launch(cuda, per_row(x.rows, BLOCK_THREADS))
+}
+
+/// [`crate::backend::Backend::argmax_rows`]: one block of 1024 threads per row; only the ids come to the host.
+pub(super) fn argmax_rows(cuda: &CudaBackend, x: &CudaTensor, cols: usize) -> Result<Vec<u32>> {
+    if !(1..=x.cols).contains(&cols) {
+        return Err(Error::Shape(format!("argmax_rows: {cols} columns of {}", x.cols)));
+    }
+    if x.rows == 0 {
+        return Ok(Vec::new());
+    }
+    let out: CudaSlice<u32> = cuda.alloc(x.rows)?;
+    let argmax = ArgmaxRows {
+        x: ptr(&x.data),
+        cols: cols as i32,
+        stride: x.cols as i32,
+        out: ptr(&out),
+    };
+    argmax.launch(cuda, per_row(x.rows, 1024))?;
+    cuda.stream.clone_dtoh(&out).map_err(cuda_err("copy argmax to host"))
 }
 
 pub(super) fn select_rows(cuda: &CudaBackend, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {

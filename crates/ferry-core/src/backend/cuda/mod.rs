@@ -327,6 +327,10 @@ impl Backend for CudaBackend {
         self.tensor_to_host(x)
     }
 
+    fn argmax_rows(&self, x: &CudaTensor, cols: usize) -> Result<Vec<u32>> {
+        elementwise::argmax_rows(self, x, cols)
+    }
+
     fn shape(&self, x: &CudaTensor) -> (usize, usize) {
         (x.rows, x.cols)
     }

@@ -6,7 +6,7 @@ use std::sync::mpsc;
 
 use super::*;
 use crate::engine::emit::tests::Letters;
-use crate::engine::FinishReason;
+use crate::engine::{argmax, FinishReason, SamplingParams};
 use crate::kv::{BlockAllocator, KvCache};
 
 const VOCAB: usize = 16;
@@ -69,6 +69,8 @@ impl KvCache for FakeKv {
 struct FakeModel {
     kv: FakeKv,
     batches: Vec<Vec<usize>>,
+    /// Steps that brought back only each row's argmax.
+    argmax_steps: usize,
 }
 
 impl FakeModel {
@@ -84,6 +86,7 @@ impl FakeModel {
         FakeModel {
             kv,
             batches: Vec::new(),
+            argmax_steps: 0,
         }
     }
 
@@ -146,6 +149,12 @@ impl Executor for FakeModel {
             logits.extend((0..VOCAB as u32).map(|t| if t == next % 13 { 1.0 } else { 0.0 }));
         }
         Ok(logits)
+    }
+
+    fn forward_argmax(&mut self, ids: &[u32], batch: &[SeqSlice], cols: usize) -> Result<Vec<u32>> {
+        self.argmax_steps += 1;
+        let logits = self.forward(ids, batch)?;
+        Ok(logits.chunks(VOCAB).map(|row| argmax(&row[..cols]) as u32).collect())
     }
 
     fn save_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
@@ -409,6 +418,40 @@ fn a_cache_shorter_than_the_context_window_is_refused() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("hold 12 tokens"), "{err}");
+}
+
+/// Greedy requests' steps bring back only each row's argmax; a step with a request that samples, asks for
+/// logprobs or has a penalty brings back the logits. The greedy text is the same either way.
+#[test]
+fn steps_of_greedy_requests_bring_back_only_the_argmax() {
+    let run = |greedy: Request, other: Option<Request>| {
+        let mut s = scheduler(2, 64, 16);
+        let greedy_rx = submit(&mut s, 0, greedy);
+        let other_rx = other.map(|r| submit(&mut s, 1, r));
+        run_to_idle(&mut s);
+        let text = outcome(&greedy_rx).0;
+        (text, other_rx.map(|rx| outcome(&rx).0), s.executor.argmax_steps)
+    };
+    let (alone_text, _, argmax_steps) = run(request(&[1, 2, 3], 6), None);
+    assert_eq!(argmax_steps, 6, "the prompt's step and five decode steps");
+    let mut sampled = request(&[4, 5], 6);
+    sampled.sampling = SamplingParams {
+        temperature: 0.8,
+        seed: Some(7),
+        ..SamplingParams::default()
+    };
+    let mut logprobs = request(&[4, 5], 6);
+    logprobs.logprobs = Some(2);
+    let mut penalised = request(&[4, 5], 6);
+    penalised.presence_penalty = 0.5;
+    for other in [sampled, logprobs, penalised] {
+        let (text, _, argmax_steps) = run(request(&[1, 2, 3], 6), Some(other));
+        assert_eq!(text, alone_text);
+        assert_eq!(argmax_steps, 0, "every step had a row that needs its logits");
+    }
+    let (text, other_text, argmax_steps) = run(request(&[1, 2, 3], 6), Some(request(&[4, 5], 6)));
+    assert_eq!((text, argmax_steps), (alone_text, 6));
+    assert_eq!(other_text.as_deref(), Some(alone(&[4, 5], 6).as_str()));
 }
 
 mod prefix;
