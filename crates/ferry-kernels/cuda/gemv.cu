@@ -21,12 +21,12 @@ static_assert(sizeof(WarpStaging) >= FUSED_ROUTER_SCRATCH_FLOATS * sizeof(float)
 
 // The product of `TOKENS` rows of x with W into out, each value through store_or_add: stored, or added to the
 // residual when there is one. `staging` is the block's shared staging (the fused router reuses it afterwards).
-// The kernel's wait for the one before it: W is a model's weight, which no kernel writes, so its first stages are
-// copied before the wait (warp_rows_dot's inputs_ready) and everything else after.
-template <int TOKENS>
+// The kernels pass WaitForPreviousKernel as inputs_ready: W is a model's weight, which no kernel writes, so its
+// first stages are copied before the wait and everything else after.
+template <int TOKENS, typename InputsReady>
 __device__ __forceinline__ void gemv(const float* __restrict__ x, int k, const uint16_t* __restrict__ w, int n,
                                      int k_slices, const float* __restrict__ bias, WarpStaging (&staging)[GEMV_WARPS],
-                                     float* residual, float* __restrict__ out) {
+                                     float* residual, float* __restrict__ out, InputsReady inputs_ready) {
     // Each activation value a lane loads serves ROWS weight rows, which keeps the activation reads of many tokens
     // from outgrowing the weight stream.
     constexpr int ROWS = GEMV_ROWS_PER_WARP[TOKENS - 1];
@@ -40,7 +40,7 @@ __device__ __forceinline__ void gemv(const float* __restrict__ x, int k, const u
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) rows[r] = w + static_cast<size_t>(min(first_row + group * ROWS + r, n - 1)) * k;
     float acc[ROWS][TOKENS] = {};
-    warp_rows_dot<ROWS, TOKENS>(rows, x, k, k, slice, k_slices, staging[warp], acc, WaitForPreviousKernel());
+    warp_rows_dot<ROWS, TOKENS>(rows, x, k, k, slice, k_slices, staging[warp], acc, inputs_ready);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -68,7 +68,7 @@ __device__ __forceinline__ void gemv(const float* __restrict__ x, int k, const u
                            int k_slices, const float* __restrict__ bias, float* __restrict__ out, float* residual, \
                            const float* __restrict__ norm, float eps, unsigned int* counter) {                     \
         __shared__ WarpStaging staging[GEMV_WARPS];                                                                 \
-        gemv<TOKENS>(x, k, w, n, k_slices, bias, staging, residual, out);                                           \
+        gemv<TOKENS>(x, k, w, n, k_slices, bias, staging, residual, out, WaitForPreviousKernel());                  \
         if (residual != nullptr) last_block_rms_norm(residual, norm, eps, counter, TOKENS, n, out);                 \
     }
 
@@ -93,7 +93,7 @@ GEMV_KERNEL(8)
                             int n_group, int topk_group, float scaling, int* __restrict__ ids,                     \
                             float* __restrict__ weights) {                                                         \
         __shared__ WarpStaging staging[GEMV_WARPS];                                                                 \
-        gemv<TOKENS>(x, k, w, n, k_slices, bias, staging, nullptr, logits);                                         \
+        gemv<TOKENS>(x, k, w, n, k_slices, bias, staging, nullptr, logits, WaitForPreviousKernel());                \
         const int warp = threadIdx.x >> 5;                                                                          \
         if (!last_block_done(counter) || warp >= TOKENS) return;                                                    \
         const float* row = logits + static_cast<size_t>(warp) * n;                                                  \
