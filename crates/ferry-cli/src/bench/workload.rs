@@ -189,6 +189,22 @@ impl<B: Backend> Executor for BenchExecutor<'_, B> {
         Ok(logits)
     }
 
+    /// The argmax where the logits are, then on synthetic weights the same random token [`Self::forward`] forces
+    /// (the forced token is its row's argmax when it is among the first `cols`).
+    fn forward_argmax(&mut self, ids: &[u32], batch: &[SeqSlice], cols: usize) -> ferry_core::Result<Vec<u32>> {
+        let mut chosen = self.model.forward_argmax(ids, batch, cols)?;
+        if let Some(rng) = &mut self.random_tokens {
+            let vocab = self.model.vocab_size();
+            for token in &mut chosen {
+                let forced = rng.random_range(0..vocab);
+                if forced < cols {
+                    *token = forced as u32;
+                }
+            }
+        }
+        Ok(chosen)
+    }
+
     fn save_state(&mut self, seq: SeqId, slot: usize) -> ferry_core::Result<()> {
         self.model.save_state(seq, slot)
     }

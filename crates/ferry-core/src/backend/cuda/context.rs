@@ -34,6 +34,7 @@ const KERNELS: &[(&str, &[&str])] = &[
             "silu_mul_halves",
             "sigmoid_gate",
             "select_rows",
+            "argmax_rows",
             "split_bf16",
             "read_mapped",
         ],
