@@ -50,6 +50,11 @@ fn bench_on_the_cpu_reports_speeds_and_the_bound() {
     ] {
         assert!(report[field].as_f64().unwrap() > 0.0, "{field} in {report}");
     }
+    // A token's time: issuing its step, waiting for it, and the scheduling around it.
+    let issue = report["decode_host_seconds_per_token"].as_f64().unwrap();
+    let wait = report["decode_wait_seconds_per_token"].as_f64().unwrap();
+    let token = 1.0 / report["decode_tok_s_batch1"].as_f64().unwrap();
+    assert!(issue > 0.0 && wait >= 0.0 && issue + wait <= token, "{report}");
     // One token reads the dense weights plus top-k experts per MoE layer, in bf16.
     let info = &report["model_info"];
     assert_eq!(

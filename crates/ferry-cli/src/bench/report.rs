@@ -102,8 +102,11 @@ pub(super) struct BenchReport {
     pub(super) long_prefill: Option<Prefill>,
     pub(super) decode_tokens: usize,
     pub(super) decode_tok_s_batch1: f64,
-    /// Seconds the host spends issuing one batch-1 decode step (the rest of the step is waiting for the device).
+    /// Seconds the host spends issuing one batch-1 decode step.
     pub(super) decode_host_seconds_per_token: f64,
+    /// Seconds it then waits for the step to finish (its logits or their argmax on the host); the rest of a token's
+    /// time is the scheduling around the step (the scheduler, the emitter), while the device has no step to run.
+    pub(super) decode_wait_seconds_per_token: f64,
     pub(super) concurrency: usize,
     pub(super) decode_tok_s_aggregate: f64,
     /// Bytes of weights one decoded token reads at batch 1.
@@ -247,9 +250,13 @@ pub(super) fn print_report(r: &BenchReport) {
         (
             "decode, batch 1",
             format!(
-                "{:.1} tok/s (host issues a step in {:.2} ms)",
+                "{:.1} tok/s (host issues a step in {:.2} ms, waits {:.2} ms for it, schedules {:.2} ms)",
                 r.decode_tok_s_batch1,
-                r.decode_host_seconds_per_token * 1e3
+                r.decode_host_seconds_per_token * 1e3,
+                r.decode_wait_seconds_per_token * 1e3,
+                (1.0 / r.decode_tok_s_batch1 - r.decode_host_seconds_per_token - r.decode_wait_seconds_per_token)
+                    .max(0.0)
+                    * 1e3
             ),
         ),
         (

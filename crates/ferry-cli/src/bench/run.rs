@@ -209,6 +209,7 @@ pub(super) fn bench_on<B: Backend>(
             decode_tokens: workload.decode_tokens,
             decode_tok_s_batch1: measured.decode_batch1,
             decode_host_seconds_per_token: measured.host_seconds_per_token,
+            decode_wait_seconds_per_token: measured.wait_seconds_per_token,
             concurrency: args.concurrency,
             decode_tok_s_aggregate: measured.decode_aggregate,
             bytes_per_token,
@@ -270,6 +271,7 @@ struct Measured {
     prefill: Prefill,
     decode_batch1: f64,
     host_seconds_per_token: f64,
+    wait_seconds_per_token: f64,
     decode_aggregate: f64,
     offload: Option<OffloadReport>,
     offload_concurrent: Option<OffloadReport>,
@@ -300,11 +302,15 @@ fn measure<'t, B: Backend>(
         scheduler.executor_mut().model.set_tap(recording);
     }
     let before = scheduler.offload_stats();
-    let issued_before = scheduler.executor().model.issue_time();
+    let (issued_before, waited_before) = (
+        scheduler.executor().model.issue_time(),
+        scheduler.executor().model.wait_time(),
+    );
     let started = Instant::now();
     phase.step_until(scheduler, Phase::finished)?;
     let decode_seconds = started.elapsed().as_secs_f64();
     let host_seconds = (scheduler.executor().model.issue_time() - issued_before).as_secs_f64();
+    let wait_seconds = (scheduler.executor().model.wait_time() - waited_before).as_secs_f64();
     let decode_batch1 = decode_tokens as f64 / decode_seconds;
     let offload = offload_report(
         before,
@@ -353,6 +359,7 @@ fn measure<'t, B: Backend>(
         prefill: prefill_measured,
         decode_batch1,
         host_seconds_per_token: host_seconds / decode_tokens as f64,
+        wait_seconds_per_token: wait_seconds / decode_tokens as f64,
         decode_aggregate,
         offload,
         offload_concurrent,

@@ -51,6 +51,8 @@ pub struct ModelExecutor<'t, B: Backend, Be: Borrow<B> = B> {
     tap: Option<&'t mut (dyn RoutingTap + Send)>,
     /// Time spent issuing forward passes, not counting the wait for their logits.
     issue_time: Duration,
+    /// Time spent waiting for the device to finish them (their logits, or argmax, coming to the host).
+    wait_time: Duration,
     /// This executor's id among the process's: a backend replays a step it captured only for the same model and
     /// cache ([`ForwardStep::owner`]).
     owner: u64,
@@ -64,6 +66,7 @@ impl<'t, B: Backend, Be: Borrow<B>> ModelExecutor<'t, B, Be> {
             kv,
             tap: None,
             issue_time: Duration::ZERO,
+            wait_time: Duration::ZERO,
             owner: ForwardStep::new_owner(),
         }
     }
@@ -78,6 +81,12 @@ impl<'t, B: Backend, Be: Borrow<B>> ModelExecutor<'t, B, Be> {
     /// the scheduling around it): where `ferry bench` finds the host's share of a decode step.
     pub fn issue_time(&self) -> Duration {
         self.issue_time
+    }
+
+    /// Time the host has spent waiting for forward passes to finish so far: with [`Self::issue_time`], what the
+    /// rest of a step (the scheduling around it) is found from.
+    pub fn wait_time(&self) -> Duration {
+        self.wait_time
     }
 }
 
@@ -96,12 +105,18 @@ impl<B: Backend, Be: Borrow<B> + Send> Executor for ModelExecutor<'_, B, Be> {
 
     fn forward(&mut self, ids: &[u32], batch: &[SeqSlice]) -> Result<Vec<f32>> {
         let logits = self.logits(ids, batch)?;
-        self.backend.borrow().to_host(&logits)
+        let waited = Instant::now();
+        let host = self.backend.borrow().to_host(&logits);
+        self.wait_time += waited.elapsed();
+        host
     }
 
     fn forward_argmax(&mut self, ids: &[u32], batch: &[SeqSlice], cols: usize) -> Result<Vec<u32>> {
         let logits = self.logits(ids, batch)?;
-        self.backend.borrow().argmax_rows(&logits, cols)
+        let waited = Instant::now();
+        let chosen = self.backend.borrow().argmax_rows(&logits, cols);
+        self.wait_time += waited.elapsed();
+        chosen
     }
 
     fn save_state(&mut self, seq: SeqId, slot: usize) -> Result<()> {
