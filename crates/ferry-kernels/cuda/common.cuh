@@ -84,27 +84,31 @@ constexpr int ROW_LOADS = 8;
 // thread calls it). Thread i takes columns i, i + blockDim.x, ... (ROW_LOADS of them at once) and the block sums
 // the squares with block_sum, so wherever it runs with the same block size (add_rms_norm, and the fused residual
 // epilogues below, all at 256 threads) the result is the same to the bit. x is read through L2 (ld.global.cg): in
-// a fused epilogue other blocks wrote it.
+// a fused epilogue other blocks wrote it. A row of at most ROW_LOADS values a thread (q30's 2048 at 256 threads) is
+// read once, its weights with it, and stays in registers for the second pass: a fused epilogue's last block then
+// waits on one round of loads instead of two.
 __device__ __forceinline__ void block_rms_norm_row(const float* x, const float* __restrict__ weight,
                                                    float* __restrict__ out, int cols, float eps) {
     const int stride = blockDim.x;
+    const bool one_round = cols <= ROW_LOADS * stride;
+    float v[ROW_LOADS], w[ROW_LOADS];
+    auto load = [&](int first, bool with_weights) {
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j) {
+            const int i = first + j * stride;
+            v[j] = i < cols ? __ldcg(x + i) : 0.0f;
+            if (with_weights) w[j] = i < cols ? weight[i] : 0.0f;
+        }
+    };
     float sum = 0.0f;
     for (int first = threadIdx.x; first < cols; first += ROW_LOADS * stride) {
-        float v[ROW_LOADS];
-#pragma unroll
-        for (int j = 0; j < ROW_LOADS; ++j) v[j] = first + j * stride < cols ? __ldcg(x + first + j * stride) : 0.0f;
+        load(first, one_round);
 #pragma unroll
         for (int j = 0; j < ROW_LOADS; ++j) sum += v[j] * v[j];
     }
     const float inv = 1.0f / sqrtf(block_sum(sum) / cols + eps);
     for (int first = threadIdx.x; first < cols; first += ROW_LOADS * stride) {
-        float v[ROW_LOADS], w[ROW_LOADS];
-#pragma unroll
-        for (int j = 0; j < ROW_LOADS; ++j) {
-            const int i = first + j * stride;
-            v[j] = i < cols ? __ldcg(x + i) : 0.0f;
-            w[j] = i < cols ? weight[i] : 0.0f;
-        }
+        if (!one_round) load(first, true);
 #pragma unroll
         for (int j = 0; j < ROW_LOADS; ++j)
             if (first + j * stride < cols) out[first + j * stride] = v[j] * inv * w[j];
