@@ -12,19 +12,16 @@
 #include "tensor_core.cuh"
 
 constexpr uint32_t NO_SLOT = 0xffffffffu;
+// The slot of a row's own key (at its position) in a tile copied before the kernel waits: the kernel just before
+// (qkv_rope_kv_append) writes that key, so it is copied after the wait (see attend_split).
+constexpr uint32_t LATE_SLOT = 0xfffffffeu;
 // Warps that share a block's key tiles and a group's heads: each takes 16 of a tile's keys.
 constexpr int KEY_WARPS = 2;
 static_assert(KEYS_PER_TILE == 16 * KEY_WARPS, "a tile is the 16-key m of each key warp's products");
 static_assert(ATTENTION_MAX_WARPS == KEY_WARPS * 4, "up to four blocks of 8 heads: groups of up to 32 heads");
-
-// Waits until at most `pending` (stages - 2) of this thread's latest copy groups are in flight.
-static_assert(ATTENTION_MAX_STAGES - 2 <= 1, "cp_async_wait takes pending 0 or 1");
-__device__ __forceinline__ void cp_async_wait(int pending) {
-    if (pending == 0)
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    else
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
+static_assert(ATTENTION_MAX_STAGES - 2 <= 2, "wait_copies takes up to two pending groups");
+// Splits' partial chunks an attention_combine thread holds in registers, loaded with the splits' statistics.
+constexpr int COMBINE_HELD = 16;
 
 __device__ __forceinline__ void fma4(float p, const float4& v, float4& acc) {
     acc.x = fmaf(p, v.x, acc.x);
@@ -72,8 +69,11 @@ __host__ __device__ constexpr int value_stride() {
 }
 
 // One block's work (see `attention_d*`). D: head_dim padded up to a multiple of 16 (the padding is zeros).
-template <int D>
-__device__ __forceinline__ void attend_split(const AttentionArgs& a) {
+// inputs_ready() runs once the first tiles' copies are in flight: a decode step's keys before each row's position
+// were appended by earlier steps and its batch metadata uploaded before its first kernel, so only the row's own key
+// and the queries (the kernel before this one writes both) wait for it.
+template <int D, typename InputsReady>
+__device__ __forceinline__ void attend_split(const AttentionArgs& a, InputsReady inputs_ready) {
     constexpr int KS = key_stride<D>(), VS = value_stride<D>();
     constexpr int STEPS = D / 8;  // k-steps of a score product
     constexpr int FEATURE_BLOCKS = D / 16;  // m16 blocks of the output's features
@@ -108,20 +108,23 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
                 0.0f;
     }
 
-    // Lane l's key in tile n: its slot in the pool, or NO_SLOT past the split's end.
-    auto lane_slot = [&](int n) -> uint32_t {
+    // Lane l's key in tile n: its slot in the pool, or NO_SLOT past the split's end; LATE_SLOT for the row's own
+    // key in a tile copied before the wait (`early`).
+    auto lane_slot = [&](int n, bool early) -> uint32_t {
         const uint32_t j = begin + static_cast<uint32_t>(n) * KEYS_PER_TILE + lane;
-        return n < tiles && j < end ? table[j / KV_BLOCK_SIZE] * KV_BLOCK_SIZE + j % KV_BLOCK_SIZE : NO_SLOT;
+        if (n >= tiles || j >= end) return NO_SLOT;
+        return early && j == pos ? LATE_SLOT : table[j / KV_BLOCK_SIZE] * KV_BLOCK_SIZE + j % KV_BLOCK_SIZE;
     };
     // Starts the copy of a tile (the slot of key `lane` in `slot`) into stage `stage`: a warp per key row, so each
     // row's slot is looked up once and its copy is one contiguous run of 16-byte pieces, a lane's pieces at most
-    // D / 128 (rounded up), unrolled.
+    // D / 128 (rounded up), unrolled. A LATE_SLOT key is copied after the wait, through registers.
     constexpr int CHUNK_ROUNDS = (D / 4 + 31) / 32;
     auto issue = [&](uint32_t slot, int stage) {
         float* k_dst = pipeline + stage * STAGE_FLOATS;
         float* v_dst = k_dst + KEYS_PER_TILE * KS;
         for (int key = warp; key < KEYS_PER_TILE; key += warps) {
             const uint32_t key_slot = __shfl_sync(0xffffffffu, slot, key);
+            if (key_slot == LATE_SLOT) continue;
             const bool present = key_slot != NO_SLOT;
             const size_t at = static_cast<size_t>(present ? key_slot : 0) * kv_width +
                               static_cast<size_t>(kv_head) * a.head_dim;
@@ -139,12 +142,33 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
     // Pipeline: tiles k + 1 .. k + stages - 1 are in flight while tile k is computed. Copy group g holds tile g
     // (empty past the last tile), so waiting for all but the latest stages - 2 groups means tile k has landed.
     // The slot of the next tile to copy is loaded one tile ahead, so a copy never waits on the block table.
-    uint32_t next_slot = lane_slot(0);
+    // The first stages - 1 tiles are copied before the wait, the rest after it.
+    uint32_t next_slot = lane_slot(0, true);
     for (int n = 0; n < a.stages - 1; ++n) {
-        const uint32_t following = lane_slot(n + 1);
+        const uint32_t following = lane_slot(n + 1, n + 1 < a.stages - 1);
         if (n < tiles) issue(next_slot, n);
         commit_copies();
         next_slot = following;
+    }
+    inputs_ready();
+    // The row's own key, if one of those tiles holds it: its warp copies it through registers, before the first
+    // tile's barrier.
+    if (pos >= begin && pos < end && (pos - begin) / KEYS_PER_TILE < static_cast<uint32_t>(a.stages - 1)) {
+        const int n = static_cast<int>((pos - begin) / KEYS_PER_TILE);
+        const int key = static_cast<int>((pos - begin) % KEYS_PER_TILE);
+        if (key % warps == warp) {
+            const size_t at = static_cast<size_t>(table[pos / KV_BLOCK_SIZE] * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE) *
+                                  kv_width +
+                              static_cast<size_t>(kv_head) * a.head_dim;
+            float* k_dst = pipeline + n * STAGE_FLOATS;
+            float* v_dst = k_dst + KEYS_PER_TILE * KS;
+            for (int chunk = lane; chunk < chunks; chunk += 32) {
+                *reinterpret_cast<float4*>(k_dst + key * KS + 4 * chunk) =
+                    __ldcg(reinterpret_cast<const float4*>(a.k_pool + at) + chunk);
+                *reinterpret_cast<float4*>(v_dst + key * VS + 4 * chunk) =
+                    __ldcg(reinterpret_cast<const float4*>(a.v_pool + at) + chunk);
+            }
+        }
     }
     // Query fragments: B (feature t or t + 4 of k-step s, head g); heads past the group and features past
     // head_dim are zeros. Built while the first tiles are on their way: every thread builds D / 16 (the block has
@@ -176,10 +200,10 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
     float* probs = probs_all + warp * 16 * 8;
 
     for (int k = 0; k < tiles; ++k) {
-        cp_async_wait(a.stages - 2);
+        wait_copies(a.stages - 2);
         __syncthreads();  // tile k is visible to all; every warp is done with tile k - 1, whose stage is reused
         const int n = k + a.stages - 1;
-        const uint32_t following = lane_slot(n + 1);
+        const uint32_t following = lane_slot(n + 1, false);
         if (n < tiles) issue(next_slot, n % a.stages);
         commit_copies();
         next_slot = following;
@@ -326,8 +350,9 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
 // heads on tensor cores (see the top of the file), with an online softmax in f32 (no scores matrix is stored);
 // the key warps then merge. With one split the block writes the output; with several it writes its partial
 // (max, denominator, unnormalised output) for attention_combine. `sinks` (null: none) holds a logit per query
-// head that joins the softmax's denominator only. attention_d{D}: D the head_dim padded up (attention.rs's
-// BlockShape gives the kernel and its dynamic shared memory).
+// head that joins the softmax's denominator only. The first tiles' copies start before the wait for the kernel
+// before it (attend_split). attention_d{D}: D the head_dim padded up (attention.rs's BlockShape gives the kernel
+// and its dynamic shared memory).
 #define ATTENTION_KERNEL(D)                                                                                         \
     extern "C" __global__ void __launch_bounds__(ATTENTION_MAX_WARPS * 32) attention_d##D(                         \
         const float* __restrict__ q, const float* __restrict__ k_pool, const float* __restrict__ v_pool,           \
@@ -335,11 +360,10 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a) {
         const uint32_t* __restrict__ row_pos, const uint32_t* __restrict__ row_table,                              \
         const uint32_t* __restrict__ block_tables, const float* __restrict__ sinks, int num_heads, int num_kv_heads, \
         int head_dim, float scale, int window, int split_len, int stages) {                                         \
-        wait_for_previous_kernel();                                                                                \
         const AttentionArgs a{q,         k_pool,       v_pool, out,       partial_out,  partial_stats,             \
                               row_pos,   row_table,    block_tables, sinks,     num_heads,    num_kv_heads,        \
                               head_dim,  scale,        window, split_len, stages};                                  \
-        attend_split<D>(a);                                                                                        \
+        attend_split<D>(a, WaitForPreviousKernel());                                                               \
     }
 
 ATTENTION_KERNEL(16)
@@ -349,8 +373,9 @@ ATTENTION_KERNEL(128)
 ATTENTION_KERNEL(256)
 // Merges the splits' partials of every (row, head): block (r, h). Warp 0 turns the splits' maxima into weights;
 // then every thread sums one float4 chunk of head_dim over an interleaved share of the splits, and the shares
-// are added in shared memory; the head's sink (if `sinks` is not null) joins the denominator.
-// splits <= ATTENTION_MAX_SPLITS, head_dim / 4 <= ATTENTION_COMBINE_THREADS.
+// are added in shared memory; the head's sink (if `sinks` is not null) joins the denominator. A thread loads its
+// first COMBINE_HELD splits' chunks together with warp 0's loads of the maxima, so that the block waits on one
+// round of loads, not two. splits <= ATTENTION_MAX_SPLITS, head_dim / 4 <= ATTENTION_COMBINE_THREADS.
 extern "C" __global__ void __launch_bounds__(ATTENTION_COMBINE_THREADS)
     attention_combine(const float* __restrict__ partial_out, const float* __restrict__ partial_stats,
                       const float* __restrict__ sinks, float* __restrict__ out, int num_heads, int head_dim,
@@ -361,6 +386,18 @@ extern "C" __global__ void __launch_bounds__(ATTENTION_COMBINE_THREADS)
     __shared__ float4 shares[ATTENTION_COMBINE_THREADS];
     const size_t head = static_cast<size_t>(blockIdx.x) * num_heads + blockIdx.y;
     const float2* stats = reinterpret_cast<const float2*>(partial_stats) + head * splits;  // (max, denominator)
+    const int chunks = head_dim >> 2;
+    const int shares_n = blockDim.x / chunks;
+    const int share = threadIdx.x / chunks, chunk = threadIdx.x % chunks;
+    const float4* parts = reinterpret_cast<const float4*>(partial_out) + head * splits * chunks;
+    // Split share + i * shares_n's chunk, for the first COMBINE_HELD of the thread's splits.
+    float4 held[COMBINE_HELD];
+#pragma unroll
+    for (int i = 0; i < COMBINE_HELD; ++i) {
+        const int s = share + i * shares_n;
+        held[i] = share < shares_n && s < splits ? parts[static_cast<size_t>(s) * chunks + chunk]
+                                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
     if (threadIdx.x < 32) {
         constexpr int PER_LANE = ATTENTION_MAX_SPLITS / 32;
         float2 mine[PER_LANE];
@@ -385,14 +422,15 @@ extern "C" __global__ void __launch_bounds__(ATTENTION_COMBINE_THREADS)
         if (threadIdx.x == 0) denominator = with_sink(total, total_max, sinks, blockIdx.y);
     }
     __syncthreads();
-    const int chunks = head_dim >> 2;
-    const int shares_n = blockDim.x / chunks;
-    const int share = threadIdx.x / chunks, chunk = threadIdx.x % chunks;
-    const float4* parts = reinterpret_cast<const float4*>(partial_out) + head * splits * chunks;
     float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (share < shares_n) {
+#pragma unroll
+        for (int i = 0; i < COMBINE_HELD; ++i) {
+            const int s = share + i * shares_n;
+            if (s < splits) fma4(weight[s], held[i], sum);
+        }
 #pragma unroll 8
-        for (int s = share; s < splits; s += shares_n)
+        for (int s = share + COMBINE_HELD * shares_n; s < splits; s += shares_n)
             fma4(weight[s], parts[static_cast<size_t>(s) * chunks + chunk], sum);
     }
     shares[threadIdx.x] = sum;

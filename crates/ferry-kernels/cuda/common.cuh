@@ -212,10 +212,14 @@ __device__ __forceinline__ void copy16_async(uint4* dst, const uint16_t* src) {
 
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-// Waits until at most PENDING committed groups of this thread's copies are still in flight.
-template <int PENDING>
-__device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+// Waits until at most `pending` (0, 1 or 2) committed groups of this thread's copies are still in flight.
+__device__ __forceinline__ void wait_copies(int pending) {
+    if (pending == 0)
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+    else if (pending == 1)
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+    else
+        asm volatile("cp.async.wait_group 2;" ::: "memory");
 }
 
 // Dot products of ROWS bf16 weight rows of length k with the same TOKENS f32 activation rows (x + t * x_stride),
@@ -264,9 +268,9 @@ __device__ __forceinline__ void warp_rows_dot(const uint16_t* const (&w)[ROWS], 
         for (int c = 0; c < chunks; ++c) {
             if (c + 1 < chunks) {
                 if (c > 0) fetch(c + 1);
-                wait_copies<1>();
+                wait_copies(1);
             } else {
-                wait_copies<0>();
+                wait_copies(0);
             }
 #pragma unroll
             for (int s = 0; s < STEPS; ++s) {

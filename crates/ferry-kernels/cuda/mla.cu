@@ -245,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(MLA_ATTEND_THREADS, 2)
                 cp_async_16(keys + j * stride + 4 * x, pool + static_cast<size_t>(slots[j]) * width + 4 * x, true);
             }
             commit_copies();
-            wait_copies<0>();
+            wait_copies(0);
         } else {
             for (int i = tid; i < tile_keys * width; i += blockDim.x) {
                 const int j = i / width, c = i - j * width;

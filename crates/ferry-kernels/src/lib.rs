@@ -28,14 +28,15 @@ pub fn available() -> bool {
 mod tests {
     use std::path::Path;
 
-    /// Kernels that copy weights no kernel writes before they wait (common.cuh's warp_rows_dot with
-    /// `WaitForPreviousKernel()` as its inputs_ready): each passes it in its own body.
-    const COPY_BEFORE_WAITING: [&str; 3] = ["gemv_bf16_", "gemv_route_", "moe_down("];
+    /// Kernels that copy what no kernel of the step writes before they wait (weights, in common.cuh's
+    /// warp_rows_dot; the keys of earlier steps, in attention.cu's attend_split), passing
+    /// `WaitForPreviousKernel()` as their inputs_ready in their own body.
+    const COPY_BEFORE_WAITING: [&str; 4] = ["gemv_bf16_", "gemv_route_", "moe_down(", " attention_d"];
 
     /// The CUDA backend launches every kernel as a programmatic dependent of the one before it (sm_90 on), which
     /// keeps the stream's order only if each kernel waits for its predecessor before anything else
     /// (common.cuh's `wait_for_previous_kernel`): a kernel without it could read what the one before has not yet
-    /// written. The kernels of COPY_BEFORE_WAITING wait once their first weights are in flight.
+    /// written. The kernels of COPY_BEFORE_WAITING wait once their first copies are in flight.
     #[test]
     fn every_kernel_first_waits_for_the_one_before_it() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
