@@ -59,6 +59,20 @@ __device__ __forceinline__ unsigned ordered_key(float v) {
     return v != v ? 0u : (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
 }
 
+// The index a lane offers warp_best when it holds no candidate: above every real one.
+constexpr int NO_INDEX = 0x7fffffff;
+
+// The warp's largest key and the lowest index offered with it, by two redux.sync (max of the keys, then min of the
+// indices of the lanes holding that key), every lane offering one (key, index); every lane gets both.
+struct WarpBest {
+    unsigned key;
+    int index;
+};
+__device__ __forceinline__ WarpBest warp_best(unsigned key, int index) {
+    const unsigned best = __reduce_max_sync(0xffffffffu, key);
+    return {best, __reduce_min_sync(0xffffffffu, key == best ? index : NO_INDEX)};
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float partial[32];

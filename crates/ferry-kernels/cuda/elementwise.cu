@@ -107,7 +107,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, in
     __shared__ int warp_index[32];
     const float* row = x + static_cast<size_t>(blockIdx.x) * stride;
     unsigned key = 0;
-    int index = 0x7fffffff;
+    int index = NO_INDEX;
 #pragma unroll 8
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         const unsigned k = ordered_key(row[i]);
@@ -117,20 +117,16 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, in
         }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned best = __reduce_max_sync(0xffffffffu, key);
-    int best_index = __reduce_min_sync(0xffffffffu, key == best ? index : 0x7fffffff);
+    const WarpBest mine = warp_best(key, index);
     if (lane == 0) {
-        warp_key[warp] = best;
-        warp_index[warp] = best_index;
+        warp_key[warp] = mine.key;
+        warp_index[warp] = mine.index;
     }
     __syncthreads();
     if (warp == 0) {
         const bool held = lane < (blockDim.x >> 5);
-        key = held ? warp_key[lane] : 0u;
-        index = held ? warp_index[lane] : 0x7fffffff;
-        best = __reduce_max_sync(0xffffffffu, key);
-        best_index = __reduce_min_sync(0xffffffffu, key == best ? index : 0x7fffffff);
-        if (lane == 0) out[blockIdx.x] = best_index == 0x7fffffff ? 0u : static_cast<uint32_t>(best_index);
+        const WarpBest best = warp_best(held ? warp_key[lane] : 0u, held ? warp_index[lane] : NO_INDEX);
+        if (lane == 0) out[blockIdx.x] = best.index == NO_INDEX ? 0u : static_cast<uint32_t>(best.index);
     }
 }
 

@@ -58,7 +58,7 @@ __device__ __forceinline__ void route_row_softmax_topk(const float* row, int num
     for (int k = 0; k < top_k; ++k) {
         // The lane's largest key, at its lowest index among equals (x grows with i).
         unsigned key = 0;
-        int id = 0x7fffffff;
+        int id = NO_INDEX;
 #pragma unroll
         for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
             const unsigned candidate = softmax_key(e[i]);
@@ -67,10 +67,10 @@ __device__ __forceinline__ void route_row_softmax_topk(const float* row, int num
                 id = lane + 32 * i;
             }
         }
-        const unsigned best = __reduce_max_sync(0xffffffffu, key);
+        const WarpBest best = warp_best(key, id);
         // In bounds even for a row of NaN logits.
-        const int best_id = min(__reduce_min_sync(0xffffffffu, key == best ? id : 0x7fffffff), num_experts - 1);
-        const float p = (best == 0 ? 0.0f : __uint_as_float(best - 1u)) / total;
+        const int best_id = min(best.index, num_experts - 1);
+        const float p = (best.key == 0 ? 0.0f : __uint_as_float(best.key - 1u)) / total;
         kept += p;
         if (lane == k) {
             mine = p;
@@ -150,7 +150,7 @@ __device__ __forceinline__ void route_row_sigmoid_grouped(const float* row, cons
     int mine_id = 0;
     for (int k = 0; k < top_k; ++k) {
         unsigned key = 0;
-        int id = 0x7fffffff;
+        int id = NO_INDEX;
 #pragma unroll
         for (int i = 0; i < MAX_EXPERTS_PER_LANE; ++i) {
             const unsigned c = taken[i] ? 0u : ordered_key(candidate[i]);
@@ -159,8 +159,7 @@ __device__ __forceinline__ void route_row_sigmoid_grouped(const float* row, cons
                 id = lane + 32 * i;
             }
         }
-        const unsigned best = __reduce_max_sync(0xffffffffu, key);
-        const int best_id = min(__reduce_min_sync(0xffffffffu, key == best ? id : 0x7fffffff), num_experts - 1);
+        const int best_id = min(warp_best(key, id).index, num_experts - 1);
         total += scores[best_id];
         if (lane == k) mine_id = best_id;
 #pragma unroll
