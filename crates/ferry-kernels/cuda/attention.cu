@@ -108,12 +108,14 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a, InputsReady
                 0.0f;
     }
 
+    // Key j's slot in the pool.
+    auto slot_of = [&](uint32_t j) { return table[j / KV_BLOCK_SIZE] * KV_BLOCK_SIZE + j % KV_BLOCK_SIZE; };
     // Lane l's key in tile n: its slot in the pool, or NO_SLOT past the split's end; LATE_SLOT for the row's own
     // key in a tile copied before the wait (`early`).
     auto lane_slot = [&](int n, bool early) -> uint32_t {
         const uint32_t j = begin + static_cast<uint32_t>(n) * KEYS_PER_TILE + lane;
         if (n >= tiles || j >= end) return NO_SLOT;
-        return early && j == pos ? LATE_SLOT : table[j / KV_BLOCK_SIZE] * KV_BLOCK_SIZE + j % KV_BLOCK_SIZE;
+        return early && j == pos ? LATE_SLOT : slot_of(j);
     };
     // Starts the copy of a tile (the slot of key `lane` in `slot`) into stage `stage`: a warp per key row, so each
     // row's slot is looked up once and its copy is one contiguous run of 16-byte pieces, a lane's pieces at most
@@ -157,9 +159,7 @@ __device__ __forceinline__ void attend_split(const AttentionArgs& a, InputsReady
         const int n = static_cast<int>((pos - begin) / KEYS_PER_TILE);
         const int key = static_cast<int>((pos - begin) % KEYS_PER_TILE);
         if (key % warps == warp) {
-            const size_t at = static_cast<size_t>(table[pos / KV_BLOCK_SIZE] * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE) *
-                                  kv_width +
-                              static_cast<size_t>(kv_head) * a.head_dim;
+            const size_t at = static_cast<size_t>(slot_of(pos)) * kv_width + static_cast<size_t>(kv_head) * a.head_dim;
             float* k_dst = pipeline + n * STAGE_FLOATS;
             float* v_dst = k_dst + KEYS_PER_TILE * KS;
             for (int chunk = lane; chunk < chunks; chunk += 32) {

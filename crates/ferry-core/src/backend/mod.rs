@@ -156,6 +156,14 @@ pub(crate) fn check_upload(len: usize, rows: usize, cols: usize) -> Result<()> {
     Ok(())
 }
 
+/// Checks that [`Backend::argmax_rows`] is asked for 1 to `width` (the tensor's cols) columns.
+pub(crate) fn check_argmax_cols(cols: usize, width: usize) -> Result<()> {
+    if !(1..=width).contains(&cols) {
+        return Err(Error::Shape(format!("argmax_rows: {cols} columns of {width}")));
+    }
+    Ok(())
+}
+
 /// The q/k RMSNorm some families apply before RoPE (Qwen3, OLMoE): scales for the queries and the keys, each
 /// normalised per head (`per_head`, scales of `head_dim`) or over all its heads at once (scales of the full width).
 #[derive(Clone, Copy, Debug)]

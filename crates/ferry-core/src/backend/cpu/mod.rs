@@ -17,8 +17,8 @@ mod mxfp4;
 use rayon::prelude::*;
 
 use super::{
-    batch_positions, check_upload, AttentionParams, Backend, DeltaRuleParams, ExpertActivation, ExpertTensors,
-    MlaParams, QkNormWeights, Rope, Router, RouterKind, SeqSlice,
+    batch_positions, check_argmax_cols, check_upload, AttentionParams, Backend, DeltaRuleParams, ExpertActivation,
+    ExpertTensors, MlaParams, QkNormWeights, Rope, Router, RouterKind, SeqSlice,
 };
 use crate::kv::{HostKv, KvSpec, SeqId};
 use crate::loader::{DType, TensorRef};
@@ -236,9 +236,7 @@ impl Backend for CpuBackend {
     }
 
     fn argmax_rows(&self, x: &CpuTensor, cols: usize) -> Result<Vec<u32>> {
-        check_shape((1..=x.cols).contains(&cols), || {
-            format!("argmax_rows: {cols} columns of {}", x.cols)
-        })?;
+        check_argmax_cols(cols, x.cols)?;
         Ok((0..x.rows).map(|r| argmax(&x.row(r)[..cols]) as u32).collect())
     }
 

@@ -7,6 +7,7 @@ use ferry_kernels::constants::{GEMV_WARPS, MOE_WARPS};
 
 use super::launch::{grid_1d, kernel, per_row, ptr, Ptr, BLOCK_THREADS};
 use super::{cuda_err, CudaBackend, CudaTensor, CudaWeight};
+use crate::backend::check_argmax_cols;
 use crate::{Error, Result};
 
 kernel! {
@@ -234,9 +235,7 @@ pub(super) fn sigmoid_gate(cuda: &CudaBackend, x: &mut CudaTensor, gate: &CudaTe
 
 /// [`crate::backend::Backend::argmax_rows`]: one block of 1024 threads per row; only the ids come to the host.
 pub(super) fn argmax_rows(cuda: &CudaBackend, x: &CudaTensor, cols: usize) -> Result<Vec<u32>> {
-    if !(1..=x.cols).contains(&cols) {
-        return Err(Error::Shape(format!("argmax_rows: {cols} columns of {}", x.cols)));
-    }
+    check_argmax_cols(cols, x.cols)?;
     if x.rows == 0 {
         return Ok(Vec::new());
     }
