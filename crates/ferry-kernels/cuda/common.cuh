@@ -219,7 +219,7 @@ typedef uint4 WarpStaging[2][STAGE_COPIES][32];
 
 // 16 bytes global -> shared, cached in L2 only: weights are read once per product, so they leave L1 to the
 // activations, which every row reads.
-__device__ __forceinline__ void copy16_async(uint4* dst, const uint16_t* src) {
+__device__ __forceinline__ void copy16_async(uint4* dst, const void* src) {
     const uint32_t shared = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(src) : "memory");
 }
@@ -234,100 +234,6 @@ __device__ __forceinline__ void wait_copies(int pending) {
         asm volatile("cp.async.wait_group 1;" ::: "memory");
     else
         asm volatile("cp.async.wait_group 2;" ::: "memory");
-}
-
-// Dot products of ROWS bf16 weight rows of length k with the same TOKENS f32 activation rows (x + t * x_stride),
-// computed by one warp over the k-steps of WARP_STEP_COLS columns slice, slice + slices, ... (slices warps share
-// the rows when k is split). Each activation value loaded serves all ROWS rows. acc[r][t] ends as the lane's
-// partial sum; the caller reduces across the warp and the slices. Rows or activations not 16-byte aligned (k not
-// a multiple of 8, odd strides) take a scalar path, which leaves the staging slots unused.
-//
-// inputs_ready() runs once the lane's first two stages of weights are in flight and before x is read: a kernel
-// whose weights no kernel writes passes WaitForPreviousKernel, so that under programmatic dependent launch its
-// first weights stream while the kernel before it finishes (the last block's norm or top-k epilogue, the tail of
-// its last wave) rather than after; one that waited already passes AlreadyWaited.
-template <int ROWS, int TOKENS, typename InputsReady>
-__device__ __forceinline__ void warp_rows_dot(const uint16_t* const (&w)[ROWS], const float* __restrict__ x,
-                                              int x_stride, int k, int slice, int slices, WarpStaging& staging,
-                                              float (&acc)[ROWS][TOKENS], InputsReady inputs_ready) {
-    static_assert(STAGE_COPIES % ROWS == 0, "a stage holds whole k-steps of every row");
-    constexpr int STEPS = STAGE_COPIES / ROWS;  // k-steps per stage
-    const int lane = threadIdx.x & 31;
-    uintptr_t addresses = reinterpret_cast<uintptr_t>(x);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(w[r]);
-    if ((addresses & 15) == 0 && (k & 7) == 0 && (x_stride & 3) == 0) {
-        const int steps = (k + WARP_STEP_COLS - 1) / WARP_STEP_COLS;
-        const int own_steps = slice < steps ? (steps - 1 - slice) / slices + 1 : 0;
-        const int chunks = (own_steps + STEPS - 1) / STEPS;
-        // The lane's first column in step s of the warp's chunk c (its k-steps c * STEPS .. c * STEPS + STEPS - 1);
-        // columns at or past k (the last, partial k-step, or steps past the warp's own) are neither copied nor used.
-        auto column = [&](int c, int s) { return (slice + (c * STEPS + s) * slices) * WARP_STEP_COLS + lane * 8; };
-        // Into the stage summed in the previous iteration, if any.
-        auto fetch = [&](int c) {
-#pragma unroll
-            for (int s = 0; s < STEPS; ++s) {
-                const int col = column(c, s);
-                if (col < k) {
-#pragma unroll
-                    for (int r = 0; r < ROWS; ++r) copy16_async(&staging[c & 1][s * ROWS + r][lane], w[r] + col);
-                }
-            }
-            commit_copies();
-        };
-        // Stage c & 1 holds chunk c; both stages start in flight, before the inputs are.
-        if (chunks > 0) fetch(0);
-        if (chunks > 1) fetch(1);
-        inputs_ready();
-        for (int c = 0; c < chunks; ++c) {
-            if (c + 1 < chunks) {
-                if (c > 0) fetch(c + 1);
-                wait_copies(1);
-            } else {
-                wait_copies(0);
-            }
-#pragma unroll
-            for (int s = 0; s < STEPS; ++s) {
-                const int col = column(c, s);
-                if (col >= k) break;
-                float wf[ROWS][8];
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    const uint4 packed = staging[c & 1][s * ROWS + r][lane];
-                    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        wf[r][2 * j] = __uint_as_float(words[j] << 16);
-                        wf[r][2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
-                    }
-                }
-#pragma unroll
-                for (int t = 0; t < TOKENS; ++t) {
-                    const float* xt = x + static_cast<size_t>(t) * x_stride + col;
-                    const float4 a = __ldg(reinterpret_cast<const float4*>(xt));
-                    const float4 b = __ldg(reinterpret_cast<const float4*>(xt + 4));
-                    const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-                    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) acc[r][t] = fmaf(wf[r][j], xv[j], acc[r][t]);
-                }
-            }
-        }
-    } else {
-        inputs_ready();
-        for (int col = slice * 32 + lane; col < k; col += slices * 32) {
-            float wv[ROWS];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) wv[r] = bf16_to_float(w[r][col]);
-#pragma unroll
-            for (int t = 0; t < TOKENS; ++t) {
-                const float xv = x[static_cast<size_t>(t) * x_stride + col];
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) acc[r][t] = fmaf(wv[r], xv, acc[r][t]);
-            }
-        }
-    }
 }
 
 // An E4M3 (float8_e4m3fn) byte, the low 8 bits of `byte`, as f32: exact, and without subnormal f32 intermediates
@@ -359,61 +265,165 @@ __device__ __forceinline__ void fp8x4_e4m3_to_float(uint32_t word, float (&v)[4]
 #endif
 }
 
-// Dot products of ROWS E4M3 weight rows of length k (row r's f32 scales at scales[r], one per block_cols columns)
-// with TOKENS f32 activation rows (x + t * k), by one warp: dequantized in registers, accumulated in f32; acc[r][t]
-// ends as the lane's partial sum (the caller reduces across the warp). Aligned rows (16 bytes; k and block_cols
-// multiples of 16) take 16 weights per lane and step and scale each run's sum once (a run never crosses a block);
-// others take one weight at a time. The FP8 expert kernels (moe.cu) and the dense FP8 GEMV (gemv.cu) share it.
-template <int ROWS, int TOKENS>
-__device__ __forceinline__ void warp_rows_dot_fp8(const uint8_t* const (&w)[ROWS], const float* const (&scales)[ROWS],
-                                                  int block_cols, const float* __restrict__ x, int k,
-                                                  float (&acc)[ROWS][TOKENS]) {
+// The weight formats warp_rows_dot reads, each a warp's ROWS rows of one matrix: a lane's 16-byte copy of a row
+// holds COPY_COLS weights, which widen(...) turns into f32 exactly, and add_copy(...) adds a copy's products with
+// the activations to the accumulator as the format's reference sums them (scale() is the copy's factor).
+//
+// bf16 rows: each product added on its own.
+template <int ROWS>
+struct Bf16Rows {
+    static constexpr int COPY_COLS = 8;
+    const uint16_t* w[ROWS];
+
+    __device__ __forceinline__ bool copies_whole(int k) const { return (k & 7) == 0 && aligned(); }
+    __device__ __forceinline__ const void* at(int r, int col) const { return w[r] + col; }
+    __device__ __forceinline__ float scale(int, int) const { return 1.0f; }
+    __device__ __forceinline__ float value(int r, int col) const { return bf16_to_float(w[r][col]); }
+    __device__ __forceinline__ static void widen(const uint4& packed, float (&v)[COPY_COLS]) {
+        const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[2 * j] = __uint_as_float(words[j] << 16);
+            v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+        }
+    }
+    __device__ __forceinline__ static float add_copy(const float (&wf)[COPY_COLS], const float (&xv)[COPY_COLS], float,
+                                                     float acc) {
+#pragma unroll
+        for (int j = 0; j < COPY_COLS; ++j) acc = fmaf(wf[j], xv[j], acc);
+        return acc;
+    }
+
+   private:
+    __device__ __forceinline__ bool aligned() const {
+        uintptr_t addresses = 0;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(w[r]);
+        return (addresses & 15) == 0;
+    }
+};
+
+// E4M3 rows with f32 scales, row r's at scales[r], one per block_cols columns: a copy's 16 products are summed,
+// then scaled once (a copy never crosses a block when block_cols is a multiple of 16). A weight alone (the scalar
+// path) is its E4M3 value times its scale.
+template <int ROWS>
+struct Fp8Rows {
+    static constexpr int COPY_COLS = 16;
+    const uint8_t* w[ROWS];
+    const float* scales[ROWS];
+    int block_cols;
+
+    __device__ __forceinline__ bool copies_whole(int k) const {
+        uintptr_t addresses = 0;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(w[r]);
+        return (addresses & 15) == 0 && (k & 15) == 0 && (block_cols & 15) == 0;
+    }
+    __device__ __forceinline__ const void* at(int r, int col) const { return w[r] + col; }
+    __device__ __forceinline__ float scale(int r, int col) const { return scales[r][col / block_cols]; }
+    __device__ __forceinline__ float value(int r, int col) const { return fp8_e4m3_to_float(w[r][col]) * scale(r, col); }
+    __device__ __forceinline__ static void widen(const uint4& packed, float (&v)[COPY_COLS]) {
+        const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) fp8x4_e4m3_to_float(words[j], *reinterpret_cast<float(*)[4]>(&v[4 * j]));
+    }
+    __device__ __forceinline__ static float add_copy(const float (&wf)[COPY_COLS], const float (&xv)[COPY_COLS],
+                                                     float scale, float acc) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < COPY_COLS; ++j) sum = fmaf(wf[j], xv[j], sum);
+        return fmaf(sum, scale, acc);
+    }
+};
+
+// Dot products of a warp's ROWS weight rows of length k (`rows`, a format above) with the same TOKENS f32
+// activation rows (x + t * x_stride), computed by one warp over the k-steps (32 copies, 32 * COPY_COLS columns) of
+// slice, slice + slices, ... (slices warps share the rows when k is split). Each activation value loaded serves all
+// ROWS rows, and each weight is widened once for all tokens. acc[r][t] ends as the lane's partial sum; the caller
+// reduces across the warp and the slices. Rows or activations not 16-byte aligned (or a k the copies do not tile)
+// take a scalar path, which leaves the staging slots unused.
+//
+// inputs_ready() runs once the lane's first two stages of weights are in flight and before x (or a scale) is read:
+// a kernel whose weights no kernel writes passes WaitForPreviousKernel, so that under programmatic dependent launch
+// its first weights stream while the kernel before it finishes (the last block's norm or top-k epilogue, the tail
+// of its last wave) rather than after; one that waited already passes AlreadyWaited.
+template <int ROWS, int TOKENS, typename Rows, typename InputsReady>
+__device__ __forceinline__ void warp_rows_dot(const Rows& rows, const float* __restrict__ x, int x_stride, int k,
+                                              int slice, int slices, WarpStaging& staging, float (&acc)[ROWS][TOKENS],
+                                              InputsReady inputs_ready) {
+    static_assert(STAGE_COPIES % ROWS == 0, "a stage holds whole k-steps of every row");
+    static_assert(WARP_STEP_BYTES == 32 * sizeof(uint4), "a k-step is one 16-byte copy a lane");
+    constexpr int STEPS = STAGE_COPIES / ROWS;  // k-steps per stage
+    constexpr int COLS = Rows::COPY_COLS, STEP_COLS = 32 * COLS;
     const int lane = threadIdx.x & 31;
-    uintptr_t addresses = reinterpret_cast<uintptr_t>(x);
+    if (rows.copies_whole(k) && (reinterpret_cast<uintptr_t>(x) & 15) == 0 && (x_stride & 3) == 0) {
+        const int steps = (k + STEP_COLS - 1) / STEP_COLS;
+        const int own_steps = slice < steps ? (steps - 1 - slice) / slices + 1 : 0;
+        const int chunks = (own_steps + STEPS - 1) / STEPS;
+        // The lane's first column in step s of the warp's chunk c (its k-steps c * STEPS .. c * STEPS + STEPS - 1);
+        // columns at or past k (the last, partial k-step, or steps past the warp's own) are neither copied nor used.
+        auto column = [&](int c, int s) { return (slice + (c * STEPS + s) * slices) * STEP_COLS + lane * COLS; };
+        // Into the stage summed in the previous iteration, if any.
+        auto fetch = [&](int c) {
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(w[r]);
-    if ((addresses & 15) == 0 && (k & 15) == 0 && (block_cols & 15) == 0) {
-        for (int col = lane * 16; col < k; col += 32 * 16) {
-            uint32_t words[ROWS][4];
-            float scale[ROWS];
+            for (int s = 0; s < STEPS; ++s) {
+                const int col = column(c, s);
+                if (col < k) {
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                const uint4 packed = __ldg(reinterpret_cast<const uint4*>(w[r] + col));
-                words[r][0] = packed.x, words[r][1] = packed.y, words[r][2] = packed.z, words[r][3] = packed.w;
-                scale[r] = scales[r][col / block_cols];
-            }
-            // Each weight is widened once, for every token.
-            float wf[ROWS][16];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) fp8x4_e4m3_to_float(words[r][j], *reinterpret_cast<float(*)[4]>(&wf[r][4 * j]));
-#pragma unroll
-            for (int t = 0; t < TOKENS; ++t) {
-                const float* xt = x + static_cast<size_t>(t) * k + col;
-                float xv[16];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float4 v = __ldg(reinterpret_cast<const float4*>(xt) + j);
-                    xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
+                    for (int r = 0; r < ROWS; ++r) copy16_async(&staging[c & 1][s * ROWS + r][lane], rows.at(r, col));
                 }
+            }
+            commit_copies();
+        };
+        // Stage c & 1 holds chunk c; both stages start in flight, before the inputs are.
+        if (chunks > 0) fetch(0);
+        if (chunks > 1) fetch(1);
+        inputs_ready();
+        for (int c = 0; c < chunks; ++c) {
+            // The chunk's scales load while its copies land.
+            float scale[STEPS][ROWS];
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    float sum = 0.0f;
+            for (int s = 0; s < STEPS; ++s)
 #pragma unroll
-                    for (int j = 0; j < 16; ++j) sum = fmaf(wf[r][j], xv[j], sum);
-                    acc[r][t] = fmaf(sum, scale[r], acc[r][t]);
+                for (int r = 0; r < ROWS; ++r) scale[s][r] = column(c, s) < k ? rows.scale(r, column(c, s)) : 0.0f;
+            if (c + 1 < chunks) {
+                if (c > 0) fetch(c + 1);
+                wait_copies(1);
+            } else {
+                wait_copies(0);
+            }
+#pragma unroll
+            for (int s = 0; s < STEPS; ++s) {
+                const int col = column(c, s);
+                if (col >= k) break;
+                float wf[ROWS][COLS];
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) Rows::widen(staging[c & 1][s * ROWS + r][lane], wf[r]);
+#pragma unroll
+                for (int t = 0; t < TOKENS; ++t) {
+                    const float4* xt = reinterpret_cast<const float4*>(x + static_cast<size_t>(t) * x_stride + col);
+                    float xv[COLS];
+#pragma unroll
+                    for (int j = 0; j < COLS / 4; ++j) {
+                        const float4 v = __ldg(xt + j);
+                        xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
+                    }
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) acc[r][t] = Rows::add_copy(wf[r], xv, scale[s][r], acc[r][t]);
                 }
             }
         }
     } else {
-        for (int col = lane; col < k; col += 32) {
+        inputs_ready();
+        for (int col = slice * 32 + lane; col < k; col += slices * 32) {
+            float wv[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) wv[r] = rows.value(r, col);
 #pragma unroll
             for (int t = 0; t < TOKENS; ++t) {
-                const float xv = x[static_cast<size_t>(t) * k + col];
+                const float xv = x[static_cast<size_t>(t) * x_stride + col];
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r)
-                    acc[r][t] = fmaf(fp8_e4m3_to_float(w[r][col]) * scales[r][col / block_cols], xv, acc[r][t]);
+                for (int r = 0; r < ROWS; ++r) acc[r][t] = fmaf(wv[r], xv, acc[r][t]);
             }
         }
     }

@@ -1,15 +1,15 @@
 // out[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]) for a few tokens (decode): each weight row is read once for
-// every token. One kernel per token count, gemv_bf16_1 .. gemv_bf16_8, so that the loops over tokens and rows are
-// unrolled and the accumulators stay in registers.
+// every token. One kernel per token count and weight format, gemv_bf16_1 .. gemv_bf16_8 and gemv_fp8_1 ..
+// gemv_fp8_8, so that the loops over tokens and rows are unrolled and the accumulators stay in registers.
 //
 // A block of GEMV_WARPS warps covers GEMV_WARPS / k_slices groups of rows_per_warp consecutive rows; the
 // k_slices warps of a group split each row's k-steps between them and are summed in shared memory in slice order
 // (deterministic). k_slices > 1 is for small n, where one warp per row would leave most of the GPU idle.
 //
 // Two fused epilogues save a decode step a launch each (and the gap before it) where the next op needs the whole
-// product: gemv_bf16_R with a residual adds the product to the residual stream and its last block RMS-normalises
-// every row (an output projection followed by the next norm), and gemv_route_R routes each row in its last block
-// (the router GEMV followed by its top-k). Both count finished blocks on a counter (common.cuh's last_block_done).
+// product: gemv_bf16_R or gemv_fp8_R with a residual adds the product to the residual stream and its last block
+// RMS-normalises every row (an output projection followed by the next norm), and gemv_route_R routes each row in
+// its last block (the router GEMV followed by its top-k). Both count finished blocks on a counter (common.cuh's last_block_done).
 #include "common.cuh"
 #include "route.cuh"
 
@@ -19,13 +19,49 @@ static_assert(GEMV_WARPS * 32 == 256, "the fused norm runs at add_rms_norm's blo
 static_assert(sizeof(WarpStaging) >= FUSED_ROUTER_SCRATCH_FLOATS * sizeof(float),
               "the fused router's scratch lives in a warp's staging slots");
 
-// The product of `TOKENS` rows of x with W into out, each value through store_or_add: stored, or added to the
-// residual when there is one. `staging` is the block's shared staging (the fused router reuses it afterwards).
-// The kernels pass WaitForPreviousKernel as inputs_ready: W is a model's weight, which no kernel writes, so its
-// first stages are copied before the wait and everything else after.
-template <int TOKENS, typename InputsReady>
-__device__ __forceinline__ void gemv(const float* __restrict__ x, int k, const uint16_t* __restrict__ w, int n,
-                                     int k_slices, const float* __restrict__ bias, WarpStaging (&staging)[GEMV_WARPS],
+// The weight matrices of the GEMVs, W [n, k] row-major, and a warp's rows of them (common.cuh's formats).
+struct Bf16Matrix {
+    const uint16_t* w;
+    int k;
+
+    template <int ROWS>
+    __device__ __forceinline__ Bf16Rows<ROWS> rows(const int (&index)[ROWS]) const {
+        Bf16Rows<ROWS> rows;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) rows.w[r] = w + static_cast<size_t>(index[r]) * k;
+        return rows;
+    }
+};
+
+// E4M3 with f32 scales, [ceil(n / block_rows), ceil(k / block_cols)] row-major (per channel: one row per block,
+// block_cols = k), read exactly: an E4M3 value times its f32 scale needs more than bf16's 8 significant bits, so
+// these weights are never rounded to bf16.
+struct Fp8Matrix {
+    const uint8_t* w;
+    const float* scales;
+    int k, block_rows, block_cols;
+
+    template <int ROWS>
+    __device__ __forceinline__ Fp8Rows<ROWS> rows(const int (&index)[ROWS]) const {
+        Fp8Rows<ROWS> rows;
+        rows.block_cols = block_cols;
+        const size_t scales_per_row = (k + block_cols - 1) / block_cols;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            rows.w[r] = w + static_cast<size_t>(index[r]) * k;
+            rows.scales[r] = scales + static_cast<size_t>(index[r] / block_rows) * scales_per_row;
+        }
+        return rows;
+    }
+};
+
+// The product of `TOKENS` rows of x with W (a matrix above) into out, each value through store_or_add: stored, or
+// added to the residual when there is one. `staging` is the block's shared staging (the fused router reuses it
+// afterwards). The kernels pass WaitForPreviousKernel as inputs_ready: W is a model's weight, which no kernel
+// writes, so its first stages are copied before the wait and everything else after.
+template <int TOKENS, typename Matrix, typename InputsReady>
+__device__ __forceinline__ void gemv(const float* __restrict__ x, const Matrix& w, int n, int k_slices,
+                                     const float* __restrict__ bias, WarpStaging (&staging)[GEMV_WARPS],
                                      float* residual, float* __restrict__ out, InputsReady inputs_ready) {
     // Each activation value a lane loads serves ROWS weight rows, which keeps the activation reads of many tokens
     // from outgrowing the weight stream.
@@ -36,11 +72,12 @@ __device__ __forceinline__ void gemv(const float* __restrict__ x, int k, const u
     const int block_rows = GEMV_WARPS / k_slices * ROWS;
     const int first_row = blockIdx.x * block_rows;
     // Rows past n (the last block) repeat row n - 1 and are not stored, so that every warp reaches the barrier.
-    const uint16_t* rows[ROWS];
+    int index[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) rows[r] = w + static_cast<size_t>(min(first_row + group * ROWS + r, n - 1)) * k;
+    for (int r = 0; r < ROWS; ++r) index[r] = min(first_row + group * ROWS + r, n - 1);
     float acc[ROWS][TOKENS] = {};
-    warp_rows_dot<ROWS, TOKENS>(rows, x, k, k, slice, k_slices, staging[warp], acc, inputs_ready);
+    warp_rows_dot<ROWS, TOKENS>(w.template rows<ROWS>(index), x, w.k, w.k, slice, k_slices, staging[warp], acc,
+                                inputs_ready);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -68,7 +105,7 @@ __device__ __forceinline__ void gemv(const float* __restrict__ x, int k, const u
                            int k_slices, const float* __restrict__ bias, float* __restrict__ out, float* residual, \
                            const float* __restrict__ norm, float eps, unsigned int* counter) {                     \
         __shared__ WarpStaging staging[GEMV_WARPS];                                                                 \
-        gemv<TOKENS>(x, k, w, n, k_slices, bias, staging, residual, out, WaitForPreviousKernel());                  \
+        gemv<TOKENS>(x, Bf16Matrix{w, k}, n, k_slices, bias, staging, residual, out, WaitForPreviousKernel());      \
         if (residual != nullptr) last_block_rms_norm(residual, norm, eps, counter, TOKENS, n, out);                 \
     }
 
@@ -93,7 +130,7 @@ GEMV_KERNEL(8)
                             int n_group, int topk_group, float scaling, int* __restrict__ ids,                     \
                             float* __restrict__ weights) {                                                         \
         __shared__ WarpStaging staging[GEMV_WARPS];                                                                 \
-        gemv<TOKENS>(x, k, w, n, k_slices, bias, staging, nullptr, logits, WaitForPreviousKernel());                \
+        gemv<TOKENS>(x, Bf16Matrix{w, k}, n, k_slices, bias, staging, nullptr, logits, WaitForPreviousKernel());    \
         const int warp = threadIdx.x >> 5;                                                                          \
         if (!last_block_done(counter) || warp >= TOKENS) return;                                                    \
         const float* row = logits + static_cast<size_t>(warp) * n;                                                  \
@@ -114,38 +151,18 @@ GEMV_ROUTE_KERNEL(6)
 GEMV_ROUTE_KERNEL(7)
 GEMV_ROUTE_KERNEL(8)
 
-// ---- FP8 weights ------------------------------------------------------------------------------------------------
-// W [n, k] in E4M3 with f32 scales, [ceil(n / block_rows), ceil(k / block_cols)] row-major (per channel: one row per
-// block, block_cols = k), read exactly: an E4M3 value times its f32 scale needs more than bf16's 8 significant bits,
-// so these weights are never rounded to bf16.
-
-// gemv_fp8_R: the same product as gemv_bf16_R for an FP8 W, a warp per weight row, dequantized in registers and
-// accumulated in f32 (common.cuh's warp_rows_dot_fp8). No shared-memory staging: the row is half the bytes of a
-// bf16 one, and decode's dense FP8 products are a small part of a step's bytes beside the experts.
-template <int TOKENS>
-__device__ __forceinline__ void gemv_fp8(const float* __restrict__ x, int k, const uint8_t* __restrict__ w,
-                                         const float* __restrict__ scales, int block_rows, int block_cols, int n,
-                                         const float* __restrict__ bias, float* __restrict__ out) {
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= n) return;
-    const uint8_t* rows[1] = {w + static_cast<size_t>(row) * k};
-    const float* row_scales[1] = {scales + static_cast<size_t>(row / block_rows) * ((k + block_cols - 1) / block_cols)};
-    float acc[1][TOKENS] = {};
-    warp_rows_dot_fp8<1, TOKENS>(rows, row_scales, block_cols, x, k, acc);
-#pragma unroll
-    for (int t = 0; t < TOKENS; ++t) {
-        const float s = warp_sum(acc[0][t]);
-        if ((threadIdx.x & 31) == 0) out[static_cast<size_t>(t) * n + row] = s + (bias ? bias[row] : 0.0f);
-    }
-}
-
+// gemv_fp8_R: gemv_bf16_R for an FP8 W (gemv.cu's Fp8Matrix), dequantized in registers and accumulated in f32,
+// with the same warps, k-splits, staged copies and residual epilogue.
 #define GEMV_FP8_KERNEL(TOKENS)                                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                                  \
         gemv_fp8_##TOKENS(const float* __restrict__ x, int k, const uint8_t* __restrict__ w,                      \
-                          const float* __restrict__ scales, int block_rows, int block_cols, int n,                 \
-                          const float* __restrict__ bias, float* __restrict__ out) {                               \
-        wait_for_previous_kernel();                                                                                \
-        gemv_fp8<TOKENS>(x, k, w, scales, block_rows, block_cols, n, bias, out);                                    \
+                          const float* __restrict__ scales, int block_rows, int block_cols, int n, int k_slices,   \
+                          const float* __restrict__ bias, float* __restrict__ out, float* residual,                \
+                          const float* __restrict__ norm, float eps, unsigned int* counter) {                      \
+        __shared__ WarpStaging staging[GEMV_WARPS];                                                                 \
+        gemv<TOKENS>(x, Fp8Matrix{w, scales, k, block_rows, block_cols}, n, k_slices, bias, staging, residual, out, \
+                     WaitForPreviousKernel());                                                                      \
+        if (residual != nullptr) last_block_rms_norm(residual, norm, eps, counter, TOKENS, n, out);                 \
     }
 
 GEMV_FP8_KERNEL(1)

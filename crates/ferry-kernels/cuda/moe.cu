@@ -54,30 +54,59 @@ extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ 
                               top_k, renormalize, scaling, ids + r * top_k, weights + r * top_k, scratch);
 }
 
+// A bf16 expert's block, [inter, hidden] gate and up then [hidden, inter] down, and a warp's rows of it
+// (common.cuh's formats): the FP8 one (Fp8Layout, below) offers the same two, so one body of each decode kernel
+// serves both.
+struct Bf16Layout {
+    int inter, hidden;
+
+    // Gate's and up's row i.
+    __device__ __forceinline__ Bf16Rows<2> gate_up_rows(const void* block, int i) const {
+        const uint16_t* gate = static_cast<const uint16_t*>(block);
+        return {{gate + static_cast<size_t>(i) * hidden, gate + static_cast<size_t>(inter + i) * hidden}};
+    }
+    // Down's rows features[0..ROWS).
+    template <int ROWS>
+    __device__ __forceinline__ Bf16Rows<ROWS> down_rows(const void* block, const int (&features)[ROWS]) const {
+        const uint16_t* down = static_cast<const uint16_t*>(block) + 2 * static_cast<size_t>(inter) * hidden;
+        Bf16Rows<ROWS> rows;
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) rows.w[j] = down + static_cast<size_t>(features[j]) * inter;
+        return rows;
+    }
+};
+
 // act[(r * top_k + k), i] = expert_glu(gate_e[i] . x_r, up_e[i] . x_r), e = ids[r * top_k + k].
 // Grid: (ceil(inter / MOE_WARPS), pairs); one warp per output feature, its gate and up rows read together. Block y
 // takes pair order[y], or pair y when order is null: under offload a step runs the pairs of resident experts
 // first and each copied expert's pairs once its copy has landed, each pair computed exactly as in one launch.
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    moe_gate_up(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                const int* __restrict__ order, const uint16_t* const* __restrict__ experts, long long bias_at,
-                int clamped, float alpha, float limit, float* __restrict__ act) {
-    wait_for_previous_kernel();
+// The kernels wait for the kernel before them first: the router wrote ids, and the offload wrote the table.
+template <typename Layout>
+__device__ __forceinline__ void gate_up(const Layout& layout, const float* __restrict__ x, int top_k,
+                                        const int* __restrict__ ids, const int* __restrict__ order,
+                                        const void* const* __restrict__ experts, long long bias_at, int clamped,
+                                        float alpha, float limit, float* __restrict__ act) {
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
     const int i = blockIdx.x * MOE_WARPS + warp;
     const int pair = order != nullptr ? order[blockIdx.y] : blockIdx.y;
-    if (i >= inter) return;
-    const uint16_t* block = experts[ids[pair]];
-    const uint16_t* rows[2] = {block + static_cast<size_t>(i) * hidden,
-                               block + static_cast<size_t>(inter + i) * hidden};
+    if (i >= layout.inter) return;
+    const void* block = experts[ids[pair]];
     float acc[2][1] = {};
-    warp_rows_dot<2, 1>(rows, x + static_cast<size_t>(pair / top_k) * hidden, hidden, hidden, 0, 1, staging[warp], acc,
-                        AlreadyWaited());
+    warp_rows_dot<2, 1>(layout.gate_up_rows(block, i), x + static_cast<size_t>(pair / top_k) * layout.hidden,
+                        layout.hidden, layout.hidden, 0, 1, staging[warp], acc, AlreadyWaited());
     const float gs = warp_sum(acc[0][0]), us = warp_sum(acc[1][0]);
     if ((threadIdx.x & 31) == 0)
-        act[static_cast<size_t>(pair) * inter + i] =
-            expert_glu(expert_biases(block, bias_at), inter, i, gs, us, clamped, alpha, limit);
+        act[static_cast<size_t>(pair) * layout.inter + i] =
+            expert_glu(expert_biases(block, bias_at), layout.inter, i, gs, us, clamped, alpha, limit);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_gate_up(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
+                const int* __restrict__ order, const void* const* __restrict__ experts, long long bias_at,
+                int clamped, float alpha, float limit, float* __restrict__ act) {
+    wait_for_previous_kernel();
+    gate_up(Bf16Layout{inter, hidden}, x, top_k, ids, order, experts, bias_at, clamped, alpha, limit, act);
 }
 
 // moe_down's last step in every format, once the block's products are in shared memory: each feature's weighted
@@ -100,6 +129,24 @@ __device__ __forceinline__ void down_finish(const float* products, const float* 
     if (residual != nullptr) last_block_rms_norm(residual, norm, eps, counter, gridDim.y, hidden, out);
 }
 
+// The products of a warp's MOE_DOWN_ROWS down features from `first` with the pair's activations, plus the down
+// bias when the block has biases: features past hidden (the last group) repeat feature hidden - 1 (and are not
+// stored). moe_down and moe_down_pairs share it, so both sum the same products.
+template <typename Layout, typename InputsReady>
+__device__ __forceinline__ void down_products(const Layout& layout, const void* block, long long bias_at, int first,
+                                              const float* act_pair, WarpStaging& staging,
+                                              float (&sums)[MOE_DOWN_ROWS], InputsReady inputs_ready) {
+    int features[MOE_DOWN_ROWS];
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) features[j] = min(first + j, layout.hidden - 1);
+    float acc[MOE_DOWN_ROWS][1] = {};
+    warp_rows_dot<MOE_DOWN_ROWS, 1>(layout.down_rows(block, features), act_pair, layout.inter, layout.inter, 0, 1,
+                                    staging, acc, inputs_ready);
+    const float* biases = expert_biases(block, bias_at);
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j) sums[j] = with_down_bias(biases, layout.inter, features[j], warp_sum(acc[j][0]));
+}
+
 // out[r, h] = sum_k w[r, k] * (down_e[h] . act[r * top_k + k] + down bias_e[h]), summed in router order.
 // Grid: (ceil(hidden / (feature_groups * MOE_DOWN_ROWS)), rows); dynamic shared memory: top_k * feature_groups *
 // MOE_DOWN_ROWS floats. A block's features form feature_groups groups of MOE_DOWN_ROWS rows; its warps take the
@@ -109,12 +156,15 @@ __device__ __forceinline__ void down_finish(const float* products, const float* 
 //
 // moe_gate_up runs just before it (moe_decode), and waited for the router's ids and the table: both were written
 // before this kernel launched, so its first weights are copied before it waits for moe_gate_up's act (ids and
-// table read through L2, where those writes are), and every thread waits before the sums.
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    moe_down(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
-             const float* __restrict__ weights, const uint16_t* const* __restrict__ experts, long long bias_at,
-             int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
-             const float* __restrict__ norm, float eps, unsigned int* counter) {
+// table read through L2, where those writes are): the kernels pass WaitForPreviousKernel, and every thread waits
+// before the sums.
+template <typename Layout, typename InputsReady>
+__device__ __forceinline__ void down(const Layout& layout, const float* __restrict__ act, int top_k,
+                                     const int* __restrict__ ids, const float* __restrict__ weights,
+                                     const void* const* __restrict__ experts, long long bias_at, int feature_groups,
+                                     float* __restrict__ out, const float* __restrict__ shared, float* residual,
+                                     const float* __restrict__ norm, float eps, unsigned int* counter,
+                                     InputsReady inputs_ready) {
     __shared__ WarpStaging staging[MOE_WARPS];
     extern __shared__ float products[];  // [top_k][block_features]
     const int warp = threadIdx.x >> 5, r = blockIdx.y;
@@ -123,31 +173,29 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
         const int k = item / feature_groups, group = item % feature_groups;
         const int pair = r * top_k + k;
-        const uint16_t* block = reinterpret_cast<const uint16_t*>(
+        const void* block = reinterpret_cast<const void*>(
             __ldcg(reinterpret_cast<const unsigned long long*>(experts) + __ldcg(ids + pair)));
-        const uint16_t* down = block + 2 * static_cast<size_t>(inter) * hidden;
-        const float* biases = expert_biases(block, bias_at);
-        // Features past hidden (the last block) repeat feature hidden - 1 and are not stored.
-        int features[MOE_DOWN_ROWS];
-        const uint16_t* rows[MOE_DOWN_ROWS];
-#pragma unroll
-        for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
-            features[j] = min(first + group * MOE_DOWN_ROWS + j, hidden - 1);
-            rows[j] = down + static_cast<size_t>(features[j]) * inter;
-        }
-        float acc[MOE_DOWN_ROWS][1] = {};
+        float sums[MOE_DOWN_ROWS];
         // After the first item the wait returns at once.
-        warp_rows_dot<MOE_DOWN_ROWS, 1>(rows, act + static_cast<size_t>(pair) * inter, inter, inter, 0, 1,
-                                        staging[warp], acc, WaitForPreviousKernel());
+        down_products(layout, block, bias_at, first + group * MOE_DOWN_ROWS, act + static_cast<size_t>(pair) * layout.inter,
+                      staging[warp], sums, inputs_ready);
 #pragma unroll
-        for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
-            const float s = with_down_bias(biases, inter, features[j], warp_sum(acc[j][0]));
-            if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = s;
-        }
+        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+            if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
     }
     // Warps without an item wait here, before down_finish reads the weights and the residual.
-    wait_for_previous_kernel();
-    down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
+    inputs_ready();
+    down_finish(products, weights, r, top_k, first, block_features, layout.hidden, shared, residual, norm, eps,
+                counter, out);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
+             const float* __restrict__ weights, const void* const* __restrict__ experts, long long bias_at,
+             int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
+             const float* __restrict__ norm, float eps, unsigned int* counter) {
+    down(Bf16Layout{inter, hidden}, act, top_k, ids, weights, experts, bias_at, feature_groups, out, shared, residual,
+         norm, eps, counter, WaitForPreviousKernel());
 }
 
 // y[pair, h] = down_e[h] . act[pair] + down bias_e[h], e = ids[pair], for the pairs order[blockIdx.y]: moe_down's
@@ -155,31 +203,31 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // its copy has landed; moe_combine then sums a row's products in router order exactly as moe_down does, so the
 // result is the same to the bit. Grid: (ceil(hidden / (MOE_WARPS * MOE_DOWN_ROWS)), pairs of this launch); each
 // warp takes a group of MOE_DOWN_ROWS features, the same groups (multiples of MOE_DOWN_ROWS) as moe_down's.
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    moe_down_pairs(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
-                   const int* __restrict__ order, const uint16_t* const* __restrict__ experts, long long bias_at,
-                   float* __restrict__ y) {
-    wait_for_previous_kernel();
+template <typename Layout>
+__device__ __forceinline__ void down_pairs(const Layout& layout, const float* __restrict__ act,
+                                           const int* __restrict__ ids, const int* __restrict__ order,
+                                           const void* const* __restrict__ experts, long long bias_at,
+                                           float* __restrict__ y) {
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
     const int pair = order[blockIdx.y];
     const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
-    if (first >= hidden) return;
-    const uint16_t* block = experts[ids[pair]];
-    const uint16_t* down = block + 2 * static_cast<size_t>(inter) * hidden;
-    const float* biases = expert_biases(block, bias_at);
-    // Features past hidden (the last group) repeat feature hidden - 1 and are not stored, as in moe_down.
-    const uint16_t* rows[MOE_DOWN_ROWS];
+    if (first >= layout.hidden) return;
+    float sums[MOE_DOWN_ROWS];
+    down_products(layout, experts[ids[pair]], bias_at, first, act + static_cast<size_t>(pair) * layout.inter,
+                  staging[warp], sums, AlreadyWaited());
 #pragma unroll
-    for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = down + static_cast<size_t>(min(first + j, hidden - 1)) * inter;
-    float acc[MOE_DOWN_ROWS][1] = {};
-    warp_rows_dot<MOE_DOWN_ROWS, 1>(rows, act + static_cast<size_t>(pair) * inter, inter, inter, 0, 1, staging[warp],
-                                    acc, AlreadyWaited());
-#pragma unroll
-    for (int j = 0; j < MOE_DOWN_ROWS; ++j) {
-        const float s = with_down_bias(biases, inter, min(first + j, hidden - 1), warp_sum(acc[j][0]));
-        if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = s;
-    }
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+        if ((threadIdx.x & 31) == 0 && first + j < layout.hidden)
+            y[static_cast<size_t>(pair) * layout.hidden + first + j] = sums[j];
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down_pairs(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
+                   const int* __restrict__ order, const void* const* __restrict__ experts, long long bias_at,
+                   float* __restrict__ y) {
+    wait_for_previous_kernel();
+    down_pairs(Bf16Layout{inter, hidden}, act, ids, order, experts, bias_at, y);
 }
 
 // The grouped path's activation: act[p, i] = expert_glu(gate_up[p, i], gate_up[p, inter + i]) for the n values of
@@ -268,8 +316,8 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 // the next multiple of 16 bytes) their f32 scales: gate's and up's grids of [ceil(inter / gate_up_block_rows),
 // ceil(hidden / gate_up_block_cols)] and down's of [ceil(hidden / down_block_rows), ceil(inter / down_block_cols)],
 // each row-major. A weight's value is its E4M3 value times its block's scale (per channel: one row per block, the
-// block as wide as the row). The kernels dequantize in registers and accumulate in f32: no FP8 instructions, so every
-// architecture ferry builds for runs them.
+// block as wide as the row). The decode kernels are the bf16 ones' bodies over these rows (common.cuh's Fp8Rows:
+// dequantized in registers, accumulated in f32), without biases.
 struct Fp8Layout {
     int inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols;
 
@@ -290,105 +338,56 @@ struct Fp8Layout {
         const float* scales = reinterpret_cast<const float*>(block + scales_at) + m * gate_grid;
         return scales + static_cast<size_t>(r / block_rows(m)) * scales_per_row(m);
     }
+
+    // Bf16Layout's two.
+    __device__ __forceinline__ Fp8Rows<2> gate_up_rows(const void* block, int i) const {
+        const uint8_t* bytes = static_cast<const uint8_t*>(block);
+        return {{row(bytes, 0, i), row(bytes, 1, i)}, {scale_row(bytes, 0, i), scale_row(bytes, 1, i)},
+                gate_up_block_cols};
+    }
+    template <int ROWS>
+    __device__ __forceinline__ Fp8Rows<ROWS> down_rows(const void* block, const int (&features)[ROWS]) const {
+        const uint8_t* bytes = static_cast<const uint8_t*>(block);
+        Fp8Rows<ROWS> rows;
+        rows.block_cols = down_block_cols;
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+            rows.w[j] = row(bytes, 2, features[j]);
+            rows.scales[j] = scale_row(bytes, 2, features[j]);
+        }
+        return rows;
+    }
 };
 
-// Dot products of ROWS rows of matrix m of an FP8 expert block with the f32 activations x (cols(m) values), by
-// one warp (common.cuh's warp_rows_dot_fp8 over the rows and their scales); acc[r] ends as the lane's partial sum
-// (the caller reduces across the warp).
-template <int ROWS>
-__device__ __forceinline__ void expert_rows_dot_fp8(const Fp8Layout& layout, const uint8_t* block, int m,
-                                                    const int (&rows)[ROWS], const float* __restrict__ x,
-                                                    float (&acc)[ROWS]) {
-    const uint8_t* w[ROWS];
-    const float* scales[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        w[r] = layout.row(block, m, rows[r]);
-        scales[r] = layout.scale_row(block, m, rows[r]);
-    }
-    float sums[ROWS][1] = {};
-    warp_rows_dot_fp8<ROWS, 1>(w, scales, layout.block_cols(m), x, layout.cols(m), sums);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] = sums[r][0];
-}
-
-// moe_gate_up for FP8 expert blocks: the same grid, pairs and output.
+// moe_gate_up, moe_down and moe_down_pairs for FP8 expert blocks: the same grids, pairs, shared memory and sums.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_gate_up_fp8(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                    const int* __restrict__ order, const uint8_t* const* __restrict__ experts, int gate_up_block_rows,
+                    const int* __restrict__ order, const void* const* __restrict__ experts, int gate_up_block_rows,
                     int gate_up_block_cols, int down_block_rows, int down_block_cols, float* __restrict__ act) {
     wait_for_previous_kernel();
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
-    const int warp = threadIdx.x >> 5;
-    const int i = blockIdx.x * MOE_WARPS + warp;
-    const int pair = order != nullptr ? order[blockIdx.y] : blockIdx.y;
-    if (i >= inter) return;
-    const uint8_t* block = experts[ids[pair]];
-    const float* xr = x + static_cast<size_t>(pair / top_k) * hidden;
-    const int row[1] = {i};
-    float gate[1] = {}, up[1] = {};
-    expert_rows_dot_fp8<1>(layout, block, 0, row, xr, gate);
-    expert_rows_dot_fp8<1>(layout, block, 1, row, xr, up);
-    const float gs = warp_sum(gate[0]), us = warp_sum(up[0]);
-    if ((threadIdx.x & 31) == 0) act[static_cast<size_t>(pair) * inter + i] = gs / (1.0f + expf(-gs)) * us;
+    gate_up(layout, x, top_k, ids, order, experts, -1, 0, 0.0f, 0.0f, act);
 }
 
-// The MOE_DOWN_ROWS features from `first` of down_e . act for one (row, k) pair, by one warp: features past hidden
-// repeat feature hidden - 1 (moe_down_fp8 and moe_down_pairs_fp8 share it, so both sum the same products).
-__device__ __forceinline__ void down_rows_fp8(const Fp8Layout& layout, const uint8_t* block, int first,
-                                              const float* act_pair, float (&sums)[MOE_DOWN_ROWS]) {
-    int rows[MOE_DOWN_ROWS];
-#pragma unroll
-    for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = min(first + j, layout.hidden - 1);
-    float acc[MOE_DOWN_ROWS] = {};
-    expert_rows_dot_fp8<MOE_DOWN_ROWS>(layout, block, 2, rows, act_pair, acc);
-#pragma unroll
-    for (int j = 0; j < MOE_DOWN_ROWS; ++j) sums[j] = warp_sum(acc[j]);
-}
-
-// moe_down for FP8 expert blocks: the same grid, shared memory and router-order sum.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_fp8(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                 const float* __restrict__ weights, const uint8_t* const* __restrict__ experts,
-                 int gate_up_block_rows, int gate_up_block_cols, int down_block_rows, int down_block_cols,
-                 int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
-             const float* __restrict__ norm, float eps, unsigned int* counter) {
-    wait_for_previous_kernel();
+                 const float* __restrict__ weights, const void* const* __restrict__ experts, int gate_up_block_rows,
+                 int gate_up_block_cols, int down_block_rows, int down_block_cols, int feature_groups,
+                 float* __restrict__ out, const float* __restrict__ shared, float* residual,
+                 const float* __restrict__ norm, float eps, unsigned int* counter) {
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
-    extern __shared__ float products[];  // [top_k][block_features]
-    const int warp = threadIdx.x >> 5, r = blockIdx.y;
-    const int block_features = feature_groups * MOE_DOWN_ROWS;
-    const int first = blockIdx.x * block_features;
-    for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
-        const int k = item / feature_groups, group = item % feature_groups;
-        const int pair = r * top_k + k;
-        float sums[MOE_DOWN_ROWS];
-        down_rows_fp8(layout, experts[ids[pair]], first + group * MOE_DOWN_ROWS,
-                      act + static_cast<size_t>(pair) * inter, sums);
-#pragma unroll
-        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
-            if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
-    }
-    down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
+    down(layout, act, top_k, ids, weights, experts, -1, feature_groups, out, shared, residual, norm, eps, counter,
+         WaitForPreviousKernel());
 }
 
-// moe_down_pairs for FP8 expert blocks: the same grid and products as moe_down_fp8's, one pair at a time.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs_fp8(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
-                       const int* __restrict__ order, const uint8_t* const* __restrict__ experts,
+                       const int* __restrict__ order, const void* const* __restrict__ experts,
                        int gate_up_block_rows, int gate_up_block_cols, int down_block_rows, int down_block_cols,
                        float* __restrict__ y) {
     wait_for_previous_kernel();
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
-    const int warp = threadIdx.x >> 5;
-    const int pair = order[blockIdx.y];
-    const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
-    if (first >= hidden) return;
-    float sums[MOE_DOWN_ROWS];
-    down_rows_fp8(layout, experts[ids[pair]], first, act + static_cast<size_t>(pair) * inter, sums);
-#pragma unroll
-    for (int j = 0; j < MOE_DOWN_ROWS; ++j)
-        if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = sums[j];
+    down_pairs(layout, act, ids, order, experts, -1, y);
 }
 
 // Matrices first..first + count - 1 of an FP8 expert block dequantized to two bf16 halves (common.cuh's

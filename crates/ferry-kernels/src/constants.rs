@@ -5,8 +5,9 @@
 //! through common.cuh. Numbers only one side uses (a kernel's register tiling, a launch heuristic) live there.
 
 kernel_constants! {
-    /// Columns one warp covers per k-step of a bf16 dot product: 32 lanes x 8 weights, one 16-byte copy each.
-    WARP_STEP_COLS: usize = 256;
+    /// Bytes of a weight row one warp covers per k-step of a dot product: 32 lanes x one 16-byte copy (256 bf16
+    /// weights, 512 FP8 ones).
+    WARP_STEP_BYTES: usize = 512;
 
     /// Products with at most this many rows run as GEMV kernels, one kernel per row count (gemv.cu).
     GEMV_MAX_ROWS: usize = 8;

@@ -31,7 +31,14 @@ mod tests {
     /// Kernels that copy what no kernel of the step writes before they wait (weights, in common.cuh's
     /// warp_rows_dot; the keys of earlier steps, in attention.cu's attend_split), passing
     /// `WaitForPreviousKernel()` as their inputs_ready in their own body.
-    const COPY_BEFORE_WAITING: [&str; 4] = ["gemv_bf16_", "gemv_route_", "moe_down(", " attention_d"];
+    const COPY_BEFORE_WAITING: [&str; 6] = [
+        "gemv_bf16_",
+        "gemv_fp8_",
+        "gemv_route_",
+        "moe_down(",
+        "moe_down_fp8(",
+        " attention_d",
+    ];
 
     /// The CUDA backend launches every kernel as a programmatic dependent of the one before it (sm_90 on), which
     /// keeps the stream's order only if each kernel waits for its predecessor before anything else

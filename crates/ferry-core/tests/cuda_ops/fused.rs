@@ -134,31 +134,33 @@ fn linear_into<B: Backend>(
 }
 
 /// The output projection fused with the residual add and the next RMSNorm (gemv.cu's residual epilogue, its last
-/// block normalising): against the CPU's linear then add_rms_norm within f32's limit, and against the GPU's own
-/// unfused GEMV and add_rms_norm to the bit (the summation order is theirs), for every GEMV row count (9 rows take
-/// the unfused path), q30's o_proj shape, a bias with a partial last block of rows and k split between warps, and
-/// k not a multiple of 8. Each shape's launches follow one another, so a block counter left unreset shows.
+/// block normalising), with bf16 and with block-FP8 weights: against the CPU's linear then add_rms_norm within
+/// f32's limit, and against the GPU's own unfused GEMV and add_rms_norm to the bit (the summation order is theirs),
+/// for every GEMV row count (9 rows take the unfused path), q30's o_proj shape, a bias with a partial last block of
+/// rows and k split between warps, and k not a multiple of 8 (nor, for FP8, of 16: the scalar path). Each shape's
+/// launches follow one another, so a block counter left unreset shows.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
 fn fused_linear_residual_norm() {
     let p = pair();
     let mut rng = Rng::new(12);
     for (k, n, biased) in [(4096, 2048, false), (776, 200, true), (515, 33, true)] {
-        let w = rng.bf16("w", &[n, k], 0.05);
+        let bf16 = rng.bf16("w", &[n, k], 0.05);
+        let fp8 = quantize_fp8(&bf16, Fp8Scheme::BLOCK_128).unwrap();
         let bias = TensorRef::from_f32("bias", vec![n], &rng.values(n, 0.5)).unwrap();
-        for rows in 1..=GEMV_MAX_ROWS + 1 {
+        for (rows, (w, format)) in (1..=GEMV_MAX_ROWS + 1).flat_map(|r| [(r, (&bf16, "bf16")), (r, (&fp8, "FP8"))]) {
             let x = rng.values(rows * k, 1.0);
             let case = ResidualCase::new(&mut rng, rows, n);
             let bias = biased.then_some(&bias);
-            let what = format!("linear_add_rms_norm {n}x{k} bias={biased} rows={rows}");
-            let gpu = linear_into(&p.gpu, &case, &x, &w, bias, true);
+            let what = format!("linear_add_rms_norm {format} {n}x{k} bias={biased} rows={rows}");
+            let gpu = linear_into(&p.gpu, &case, &x, w, bias, true);
             check(
                 &what,
                 gpu.clone(),
-                linear_into(&p.cpu, &case, &x, &w, bias, true),
+                linear_into(&p.cpu, &case, &x, w, bias, true),
                 F32_LIMIT,
             );
-            let unfused = linear_into(&p.gpu, &case, &x, &w, bias, false);
+            let unfused = linear_into(&p.gpu, &case, &x, w, bias, false);
             check_same_bits(&what, &gpu, &unfused);
         }
     }

@@ -15,7 +15,7 @@
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{CudaSlice, LaunchConfig};
-use ferry_kernels::constants::{GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, WARP_STEP_COLS};
+use ferry_kernels::constants::{GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, WARP_STEP_BYTES};
 
 use super::launch::{grid_1d, kernel, ptr, Ptr, BLOCK_THREADS};
 use super::{blas_err, Bf16Matrix, CudaBackend, CudaTensor, Fp8Matrix};
@@ -88,8 +88,8 @@ kernel! {
 }
 
 kernel! {
-    /// gemv.cu's `gemv_fp8_R`: `out = x W^T (+ bias)` for an FP8 W `[n, k]` with f32 scales per `block_rows` x
-    /// `block_cols` block, a warp per weight row; `bias` may be null.
+    /// gemv.cu's `gemv_fp8_R`: [`Gemv`] for an FP8 W `[n, k]` with f32 scales per `block_rows` x `block_cols`
+    /// block.
     struct GemvFp8 {
         x: Ptr<f32>,
         k: i32,
@@ -98,8 +98,13 @@ kernel! {
         block_rows: i32,
         block_cols: i32,
         n: i32,
+        k_slices: i32,
         bias: Ptr<f32>,
         out: Ptr<f32>,
+        residual: Ptr<f32>,
+        norm: Ptr<f32>,
+        eps: f32,
+        counter: Ptr<u32>,
     }
 }
 
@@ -185,11 +190,36 @@ impl Fp8Halves {
     }
 }
 
+/// A linear layer's weight as the products read it: bf16, or FP8 with its scales.
+#[derive(Clone, Copy)]
+pub(super) enum LinearWeight {
+    Bf16(Bf16Matrix),
+    Fp8(Fp8Matrix),
+}
+
+impl LinearWeight {
+    /// `[rows, cols]`.
+    fn shape(self) -> (usize, usize) {
+        match self {
+            LinearWeight::Bf16(w) => (w.rows, w.cols),
+            LinearWeight::Fp8(w) => (w.rows, w.cols),
+        }
+    }
+
+    /// Bytes of one weight as stored.
+    fn weight_bytes(self) -> usize {
+        match self {
+            LinearWeight::Bf16(_) => 2,
+            LinearWeight::Fp8(_) => 1,
+        }
+    }
+}
+
 /// Warps of a GEMV block that split each weight row's k-steps between them (1, 2, 4 or 8): more when n is small,
 /// until the launch has `GEMV_MIN_BLOCKS` blocks or each warp is down to one k-step.
-fn gemv_k_slices(rows: usize, n: usize, k: usize) -> usize {
+fn gemv_k_slices(rows: usize, n: usize, k: usize, weight_bytes: usize) -> usize {
     let rows_per_warp = GEMV_ROWS_PER_WARP[rows - 1];
-    let steps = k.div_ceil(WARP_STEP_COLS);
+    let steps = (k * weight_bytes).div_ceil(WARP_STEP_BYTES);
     let mut slices = 1;
     while slices < GEMV_WARPS
         && n.div_ceil(GEMV_WARPS / slices * rows_per_warp) < GEMV_MIN_BLOCKS
@@ -200,10 +230,11 @@ fn gemv_k_slices(rows: usize, n: usize, k: usize) -> usize {
     slices
 }
 
-/// A bf16 GEMV of `rows` rows (1..=`GEMV_MAX_ROWS`) with W `[n, k]`: how many warps split each weight row's
-/// k-steps, and the grid.
-pub(super) fn gemv_shape(rows: usize, n: usize, k: usize) -> (i32, LaunchConfig) {
-    let slices = gemv_k_slices(rows, n, k);
+/// A GEMV of `rows` rows (1..=`GEMV_MAX_ROWS`) with W: how many warps split each weight row's k-steps, and the
+/// grid.
+pub(super) fn gemv_shape(rows: usize, w: LinearWeight) -> (i32, LaunchConfig) {
+    let (n, k) = w.shape();
+    let slices = gemv_k_slices(rows, n, k, w.weight_bytes());
     let block_rows = GEMV_WARPS / slices * GEMV_ROWS_PER_WARP[rows - 1];
     (slices as i32, gemv_grid(n.div_ceil(block_rows)))
 }
@@ -226,9 +257,10 @@ fn gemv_grid(blocks: usize) -> LaunchConfig {
 }
 
 impl CudaBackend {
-    /// `out = x W^T (+ bias)`.
-    pub(super) fn matmul(&self, x: &CudaTensor, w: Bf16Matrix, bias: Option<Ptr<f32>>) -> Result<CudaTensor> {
-        let out = self.product_output(x, w.rows, w.cols)?;
+    /// `out = x W^T (+ bias)`. An FP8 W is read exactly (see the file's comment).
+    pub(super) fn matmul(&self, x: &CudaTensor, w: LinearWeight, bias: Option<Ptr<f32>>) -> Result<CudaTensor> {
+        let (n, k) = w.shape();
+        let out = self.product_output(x, n, k)?;
         if x.rows == 0 {
             return Ok(out);
         }
@@ -237,7 +269,14 @@ impl CudaBackend {
             return Ok(out);
         }
         let halves = self.split_bf16(x)?;
-        self.gemm_split(&halves, 0, x.rows, w, &out)?;
+        match w {
+            LinearWeight::Bf16(w) => self.gemm_split(&halves, 0, x.rows, w, &out)?,
+            LinearWeight::Fp8(w) => {
+                let weight_halves = self.dequantize_fp8(w)?;
+                self.gemm_split(&halves, 0, x.rows, weight_halves.hi(), &out)?;
+                self.gemm_split_into(&halves, 0, x.rows, weight_halves.lo(), &out, true)?;
+            }
+        }
         self.add_bias(&out, bias)?;
         Ok(out)
     }
@@ -248,13 +287,14 @@ impl CudaBackend {
     pub(super) fn matmul_add_rms_norm(
         &self,
         x: &CudaTensor,
-        w: Bf16Matrix,
+        w: LinearWeight,
         bias: Option<Ptr<f32>>,
         residual: &mut CudaTensor,
         norm: Ptr<f32>,
         eps: f32,
     ) -> Result<CudaTensor> {
-        let out = self.product_output(x, w.rows, w.cols)?;
+        let (n, k) = w.shape();
+        let out = self.product_output(x, n, k)?;
         if (residual.rows, residual.cols) != (out.rows, out.cols) || !(1..=GEMV_MAX_ROWS).contains(&x.rows) {
             return Err(Error::Shape(format!(
                 "matmul_add_rms_norm: a [{}, {}] product into a [{}, {}] residual",
@@ -270,68 +310,61 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// gemv.cu's `gemv_bf16_R` for the 1..=[`GEMV_MAX_ROWS`] rows of x into `out`, with the residual epilogue when
-    /// given.
+    /// gemv.cu's `gemv_bf16_R` or `gemv_fp8_R` for the 1..=[`GEMV_MAX_ROWS`] rows of x into `out`, with the residual
+    /// epilogue when given.
     fn gemv(
         &self,
         x: &CudaTensor,
-        w: Bf16Matrix,
+        w: LinearWeight,
         bias: Option<Ptr<f32>>,
         out: &CudaTensor,
         epilogue: Option<AddNorm>,
     ) -> Result<()> {
-        let (slices, cfg) = gemv_shape(x.rows, w.rows, w.cols);
-        let epilogue = epilogue.unwrap_or(AddNorm {
+        let (n, k) = w.shape();
+        let (k_slices, cfg) = gemv_shape(x.rows, w);
+        let AddNorm { residual, norm, eps } = epilogue.unwrap_or(AddNorm {
             residual: Ptr::null(),
             norm: Ptr::null(),
             eps: 0.0,
         });
-        let gemv = Gemv {
-            x: ptr(&x.data),
-            k: w.cols as i32,
-            w: w.data,
-            n: w.rows as i32,
-            k_slices: slices,
-            bias: bias.unwrap_or(Ptr::null()),
-            out: ptr(&out.data),
-            residual: epilogue.residual,
-            norm: epilogue.norm,
-            eps: epilogue.eps,
-            counter: ptr(&self.block_counter),
-        };
-        gemv.launch_kernel(self, gemv_kernel(false, x.rows), cfg)
-    }
-
-    /// `out = x W^T (+ bias)` for an FP8 W, read exactly (see the file's comment).
-    pub(super) fn matmul_fp8(&self, x: &CudaTensor, w: Fp8Matrix, bias: Option<Ptr<f32>>) -> Result<CudaTensor> {
-        let out = self.product_output(x, w.rows, w.cols)?;
-        if x.rows == 0 {
-            return Ok(out);
-        }
-        let (n, k) = (w.rows, w.cols);
-        let [block_rows, block_cols] = w.block.map(|b| b as i32);
-        if x.rows <= GEMV_MAX_ROWS {
-            let cfg = gemv_grid(n.div_ceil(GEMV_WARPS));
-            let gemv = GemvFp8 {
-                x: ptr(&x.data),
+        let (x_ptr, out_ptr, bias) = (ptr(&x.data), ptr(&out.data), bias.unwrap_or(Ptr::null()));
+        let counter = ptr(&self.block_counter);
+        match w {
+            LinearWeight::Bf16(w) => Gemv {
+                x: x_ptr,
                 k: k as i32,
                 w: w.data,
-                scales: w.scales,
-                block_rows,
-                block_cols,
                 n: n as i32,
-                bias: bias.unwrap_or(Ptr::null()),
-                out: ptr(&out.data),
-            };
-            gemv.launch_kernel(self, gemv_kernel(true, x.rows), cfg)?;
-            return Ok(out);
+                k_slices,
+                bias,
+                out: out_ptr,
+                residual,
+                norm,
+                eps,
+                counter,
+            }
+            .launch_kernel(self, gemv_kernel(false, x.rows), cfg),
+            LinearWeight::Fp8(w) => {
+                let [block_rows, block_cols] = w.block.map(|b| b as i32);
+                GemvFp8 {
+                    x: x_ptr,
+                    k: k as i32,
+                    w: w.data,
+                    scales: w.scales,
+                    block_rows,
+                    block_cols,
+                    n: n as i32,
+                    k_slices,
+                    bias,
+                    out: out_ptr,
+                    residual,
+                    norm,
+                    eps,
+                    counter,
+                }
+                .launch_kernel(self, gemv_kernel(true, x.rows), cfg)
+            }
         }
-        let weight_halves = self.dequantize_fp8(w)?;
-        let halves = self.split_bf16(x)?;
-        self.gemm_split(&halves, 0, x.rows, weight_halves.hi(), &out)?;
-        self.gemm_split_into(&halves, 0, x.rows, weight_halves.lo(), &out, true)?;
-        self.add_bias(&out, bias)?;
-        Ok(out)
     }
 
     /// An uninitialised output for `x W^T` with W `[n, k]`, once x is checked to have k features.

@@ -57,6 +57,7 @@ pub use kv::{DeviceBatch, DeviceKv};
 pub use lane_ceilings::LaneCeilings;
 use launch::{ptr, Ptr};
 pub use libs::CudaLibraries;
+use linear::LinearWeight;
 pub use offload::OffloadConfig;
 
 /// A `[rows, cols]` f32 tensor in device memory.
@@ -96,6 +97,14 @@ impl CudaWeight {
             }),
             CudaWeight::Fp8Matrix { .. } => Err(Error::Shape("an FP8 weight where bf16 is read".into())),
             CudaWeight::Vector(_) => Err(Error::Shape("a vector weight used as a matrix".into())),
+        }
+    }
+
+    /// The weight as a linear layer's (bf16 or FP8) matrix.
+    fn linear(&self) -> Result<LinearWeight> {
+        match self.fp8_matrix() {
+            Some(fp8) => Ok(LinearWeight::Fp8(fp8)),
+            None => self.matrix().map(LinearWeight::Bf16),
         }
     }
 
@@ -350,10 +359,7 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> Result<CudaTensor> {
         let bias = bias.map(|b| b.vector()).transpose()?;
-        match w.fp8_matrix() {
-            Some(fp8) => self.matmul_fp8(x, fp8, bias),
-            None => self.matmul(x, w.matrix()?, bias),
-        }
+        self.matmul(x, w.linear()?, bias)
     }
 
     fn linear_add_rms_norm(
@@ -363,10 +369,10 @@ impl Backend for CudaBackend {
         bias: Option<&CudaWeight>,
         into: ResidualNorm<'_, CudaTensor, CudaWeight>,
     ) -> Result<CudaTensor> {
-        if matches!(w, CudaWeight::Matrix { .. }) && (1..=GEMV_MAX_ROWS).contains(&x.rows) {
+        if (1..=GEMV_MAX_ROWS).contains(&x.rows) {
             let bias = bias.map(|b| b.vector()).transpose()?;
             let norm = into.weight.vector()?;
-            return self.matmul_add_rms_norm(x, w.matrix()?, bias, into.residual, norm, into.eps);
+            return self.matmul_add_rms_norm(x, w.linear()?, bias, into.residual, norm, into.eps);
         }
         let y = self.linear(x, w, bias)?;
         self.add_rms_norm(into.residual, &y, into.weight, into.eps)

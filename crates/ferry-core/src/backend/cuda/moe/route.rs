@@ -6,7 +6,7 @@ use cudarc::driver::CudaSlice;
 use ferry_kernels::constants::{FUSED_ROUTER_SCRATCH_FLOATS, GEMV_MAX_ROWS, ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K};
 
 use crate::backend::cuda::launch::{kernel, per_row, ptr, Ptr};
-use crate::backend::cuda::linear::{gemv_route_kernel, gemv_shape};
+use crate::backend::cuda::linear::{gemv_route_kernel, gemv_shape, LinearWeight};
 use crate::backend::cuda::{cuda_err, CudaBackend, CudaRouting, CudaTensor, CudaWeight};
 use crate::backend::{Router, RouterKind};
 use crate::{Error, Result};
@@ -183,7 +183,7 @@ pub(in crate::backend::cuda) fn route_linear(
     let logits = cuda.tensor(x.rows, experts)?;
     let ids: CudaSlice<i32> = cuda.alloc(x.rows * top_k)?;
     let weights: CudaSlice<f32> = cuda.alloc(x.rows * top_k)?;
-    let (k_slices, config) = gemv_shape(x.rows, experts, w.cols);
+    let (k_slices, config) = gemv_shape(x.rows, LinearWeight::Bf16(w));
     GemvRoute {
         x: ptr(&x.data),
         k: w.cols as i32,
