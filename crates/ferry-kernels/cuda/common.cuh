@@ -303,6 +303,16 @@ struct Bf16Rows {
     }
 };
 
+// The add_copy of the formats whose copies share one scale: the copy's products summed in order, then scaled.
+template <int COLS>
+__device__ __forceinline__ float add_scaled_copy(const float (&wf)[COLS], const float (&xv)[COLS], float scale,
+                                                 float acc) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < COLS; ++j) sum = fmaf(wf[j], xv[j], sum);
+    return fmaf(sum, scale, acc);
+}
+
 // E4M3 rows with f32 scales, row r's at scales[r], one per block_cols columns: a copy's 16 products are summed,
 // then scaled once (a copy never crosses a block when block_cols is a multiple of 16). A weight alone (the scalar
 // path) is its E4M3 value times its scale.
@@ -329,10 +339,7 @@ struct Fp8Rows {
     }
     __device__ __forceinline__ static float add_copy(const float (&wf)[COPY_COLS], const float (&xv)[COPY_COLS],
                                                      float scale, float acc) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < COPY_COLS; ++j) sum = fmaf(wf[j], xv[j], sum);
-        return fmaf(sum, scale, acc);
+        return add_scaled_copy(wf, xv, scale, acc);
     }
 };
 

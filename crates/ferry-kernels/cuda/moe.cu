@@ -434,6 +434,56 @@ extern "C" __global__ void dequantize_fp8_expert(const uint8_t* __restrict__ blo
 // bias_at). hidden and inter are multiples of 32, so every row's values start 16-byte aligned. A weight is its
 // e2m1 value times its group's power of two: the decode kernels sum each group of 32 products of e2m1 values and
 // activations, then scale the sum (exact, a power of two); the grouped path widens experts to bf16, exactly.
+
+// An e2m1 nibble (sign, two exponent bits, one mantissa bit) as f32, exactly: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
+// their negatives.
+__device__ __forceinline__ float e2m1_to_float(uint32_t nibble) {
+    const uint32_t exponent = (nibble >> 1) & 3u, mantissa = nibble & 1u;
+    const float magnitude =
+        exponent != 0 ? __uint_as_float(((exponent + 126u) << 23) | (mantissa << 22)) : 0.5f * mantissa;
+    return (nibble & 8u) != 0 ? -magnitude : magnitude;
+}
+
+// An e8m0 scale, 2^(byte - 127), as f32 (byte 0 is the subnormal 2^-127; 255 infinity, as the CPU reads it).
+__device__ __forceinline__ float e8m0_to_float(uint32_t byte) {
+    return byte == 0 ? __uint_as_float(1u << 22) : __uint_as_float(byte << 23);
+}
+
+// A warp's MXFP4 rows for warp_rows_dot (common.cuh's formats): a 16-byte copy holds one group of 32 values, whose
+// products are summed, then scaled by the group's power of two.
+template <int ROWS>
+struct Mxfp4Rows {
+    static constexpr int COPY_COLS = 32;
+    const uint8_t* values[ROWS];
+    const uint8_t* scales[ROWS];
+
+    __device__ __forceinline__ bool copies_whole(int k) const {
+        uintptr_t addresses = 0;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(values[r]);
+        return (addresses & 15) == 0 && (k & 31) == 0;
+    }
+    __device__ __forceinline__ const void* at(int r, int col) const { return values[r] + col / 2; }
+    __device__ __forceinline__ float scale(int r, int col) const { return e8m0_to_float(scales[r][col / 32]); }
+    __device__ __forceinline__ float value(int r, int col) const {
+        const uint32_t byte = values[r][col / 2];
+        return e2m1_to_float(col % 2 == 0 ? byte & 15u : byte >> 4) * scale(r, col);
+    }
+    __device__ __forceinline__ static void widen(const uint4& packed, float (&v)[COPY_COLS]) {
+        const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const uint32_t byte = words[j / 4] >> (8 * (j % 4));
+            v[2 * j] = e2m1_to_float(byte & 15u);
+            v[2 * j + 1] = e2m1_to_float((byte >> 4) & 15u);
+        }
+    }
+    __device__ __forceinline__ static float add_copy(const float (&wf)[COPY_COLS], const float (&xv)[COPY_COLS],
+                                                     float scale, float acc) {
+        return add_scaled_copy(wf, xv, scale, acc);
+    }
+};
+
 struct Mxfp4Layout {
     int inter, hidden;
 
@@ -452,132 +502,49 @@ struct Mxfp4Layout {
         return block + m * matrix_bytes() + static_cast<size_t>(rows(m)) * cols(m) / 2 +
                static_cast<size_t>(r) * (cols(m) / 32);
     }
+
+    // Bf16Layout's two.
+    __device__ __forceinline__ Mxfp4Rows<2> gate_up_rows(const void* block, int i) const {
+        const uint8_t* bytes = static_cast<const uint8_t*>(block);
+        return {{values(bytes, 0, i), values(bytes, 1, i)}, {scales(bytes, 0, i), scales(bytes, 1, i)}};
+    }
+    template <int ROWS>
+    __device__ __forceinline__ Mxfp4Rows<ROWS> down_rows(const void* block, const int (&features)[ROWS]) const {
+        const uint8_t* bytes = static_cast<const uint8_t*>(block);
+        Mxfp4Rows<ROWS> rows;
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+            rows.values[j] = values(bytes, 2, features[j]);
+            rows.scales[j] = scales(bytes, 2, features[j]);
+        }
+        return rows;
+    }
 };
 
-// An e2m1 nibble (sign, two exponent bits, one mantissa bit) as f32, exactly: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
-// their negatives.
-__device__ __forceinline__ float e2m1_to_float(uint32_t nibble) {
-    const uint32_t exponent = (nibble >> 1) & 3u, mantissa = nibble & 1u;
-    const float magnitude =
-        exponent != 0 ? __uint_as_float(((exponent + 126u) << 23) | (mantissa << 22)) : 0.5f * mantissa;
-    return (nibble & 8u) != 0 ? -magnitude : magnitude;
-}
-
-// An e8m0 scale, 2^(byte - 127), as f32 (byte 0 is the subnormal 2^-127; 255 infinity, as the CPU reads it).
-__device__ __forceinline__ float e8m0_to_float(uint32_t byte) {
-    return byte == 0 ? __uint_as_float(1u << 22) : __uint_as_float(byte << 23);
-}
-
-// Dot products of ROWS rows of matrix m of an MXFP4 expert block with the f32 activations x (cols(m) values,
-// 16-byte aligned), by one warp, a group of 32 weights per lane and step (16 bytes of values, one scale); acc[r]
-// ends as the lane's partial sum (the caller reduces across the warp).
-template <int ROWS>
-__device__ __forceinline__ void warp_rows_dot_mxfp4(const Mxfp4Layout& layout, const uint8_t* block, int m,
-                                                    const int (&rows)[ROWS], const float* __restrict__ x,
-                                                    float (&acc)[ROWS]) {
-    const int lane = threadIdx.x & 31, groups = layout.cols(m) / 32;
-    for (int g = lane; g < groups; g += 32) {
-        float xv[32];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float4 v = __ldg(reinterpret_cast<const float4*>(x + g * 32) + j);
-            xv[4 * j] = v.x, xv[4 * j + 1] = v.y, xv[4 * j + 2] = v.z, xv[4 * j + 3] = v.w;
-        }
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const uint4 packed = __ldg(reinterpret_cast<const uint4*>(layout.values(block, m, rows[r])) + g);
-            const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const uint32_t byte = words[j / 4] >> (8 * (j % 4));
-                sum = fmaf(e2m1_to_float(byte & 15u), xv[2 * j], sum);
-                sum = fmaf(e2m1_to_float((byte >> 4) & 15u), xv[2 * j + 1], sum);
-            }
-            acc[r] = fmaf(sum, e8m0_to_float(layout.scales(block, m, rows[r])[g]), acc[r]);
-        }
-    }
-}
-
-// moe_gate_up for MXFP4 expert blocks: the same grid, pairs and output.
+// moe_gate_up, moe_down and moe_down_pairs for MXFP4 expert blocks: the same grids, pairs, shared memory and sums.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_gate_up_mxfp4(const float* __restrict__ x, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                      const int* __restrict__ order, const uint8_t* const* __restrict__ experts, long long bias_at,
+                      const int* __restrict__ order, const void* const* __restrict__ experts, long long bias_at,
                       int clamped, float alpha, float limit, float* __restrict__ act) {
     wait_for_previous_kernel();
-    const Mxfp4Layout layout{inter, hidden};
-    const int warp = threadIdx.x >> 5;
-    const int i = blockIdx.x * MOE_WARPS + warp;
-    const int pair = order != nullptr ? order[blockIdx.y] : blockIdx.y;
-    if (i >= inter) return;
-    const uint8_t* block = experts[ids[pair]];
-    const float* xr = x + static_cast<size_t>(pair / top_k) * hidden;
-    const int row[1] = {i};
-    float gate[1] = {}, up[1] = {};
-    warp_rows_dot_mxfp4<1>(layout, block, 0, row, xr, gate);
-    warp_rows_dot_mxfp4<1>(layout, block, 1, row, xr, up);
-    const float gs = warp_sum(gate[0]), us = warp_sum(up[0]);
-    if ((threadIdx.x & 31) == 0)
-        act[static_cast<size_t>(pair) * inter + i] =
-            expert_glu(expert_biases(block, bias_at), inter, i, gs, us, clamped, alpha, limit);
+    gate_up(Mxfp4Layout{inter, hidden}, x, top_k, ids, order, experts, bias_at, clamped, alpha, limit, act);
 }
 
-// The MOE_DOWN_ROWS features from `first` of down_e . act plus the down bias for one (row, k) pair, by one warp:
-// features past hidden repeat feature hidden - 1 (moe_down_mxfp4 and moe_down_pairs_mxfp4 share it, so both sum
-// the same products).
-__device__ __forceinline__ void down_rows_mxfp4(const Mxfp4Layout& layout, const uint8_t* block, long long bias_at,
-                                                int first, const float* act_pair, float (&sums)[MOE_DOWN_ROWS]) {
-    int rows[MOE_DOWN_ROWS];
-#pragma unroll
-    for (int j = 0; j < MOE_DOWN_ROWS; ++j) rows[j] = min(first + j, layout.hidden - 1);
-    float acc[MOE_DOWN_ROWS] = {};
-    warp_rows_dot_mxfp4<MOE_DOWN_ROWS>(layout, block, 2, rows, act_pair, acc);
-    const float* biases = expert_biases(block, bias_at);
-#pragma unroll
-    for (int j = 0; j < MOE_DOWN_ROWS; ++j) sums[j] = with_down_bias(biases, layout.inter, rows[j], warp_sum(acc[j]));
-}
-
-// moe_down for MXFP4 expert blocks: the same grid, shared memory and router-order sum.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_mxfp4(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                   const float* __restrict__ weights, const uint8_t* const* __restrict__ experts, long long bias_at,
+                   const float* __restrict__ weights, const void* const* __restrict__ experts, long long bias_at,
                    int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
-             const float* __restrict__ norm, float eps, unsigned int* counter) {
-    wait_for_previous_kernel();
-    const Mxfp4Layout layout{inter, hidden};
-    extern __shared__ float products[];  // [top_k][block_features]
-    const int warp = threadIdx.x >> 5, r = blockIdx.y;
-    const int block_features = feature_groups * MOE_DOWN_ROWS;
-    const int first = blockIdx.x * block_features;
-    for (int item = warp; item < top_k * feature_groups; item += MOE_WARPS) {
-        const int k = item / feature_groups, group = item % feature_groups;
-        const int pair = r * top_k + k;
-        float sums[MOE_DOWN_ROWS];
-        down_rows_mxfp4(layout, experts[ids[pair]], bias_at, first + group * MOE_DOWN_ROWS,
-                        act + static_cast<size_t>(pair) * inter, sums);
-#pragma unroll
-        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
-            if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
-    }
-    down_finish(products, weights, r, top_k, first, block_features, hidden, shared, residual, norm, eps, counter, out);
+                   const float* __restrict__ norm, float eps, unsigned int* counter) {
+    down(Mxfp4Layout{inter, hidden}, act, top_k, ids, weights, experts, bias_at, feature_groups, out, shared,
+         residual, norm, eps, counter, WaitForPreviousKernel());
 }
 
-// moe_down_pairs for MXFP4 expert blocks: the same grid and products as moe_down_mxfp4's, one pair at a time.
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs_mxfp4(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
-                         const int* __restrict__ order, const uint8_t* const* __restrict__ experts,
+                         const int* __restrict__ order, const void* const* __restrict__ experts,
                          long long bias_at, float* __restrict__ y) {
     wait_for_previous_kernel();
-    const Mxfp4Layout layout{inter, hidden};
-    const int warp = threadIdx.x >> 5;
-    const int pair = order[blockIdx.y];
-    const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
-    if (first >= hidden) return;
-    float sums[MOE_DOWN_ROWS];
-    down_rows_mxfp4(layout, experts[ids[pair]], bias_at, first, act + static_cast<size_t>(pair) * inter, sums);
-#pragma unroll
-    for (int j = 0; j < MOE_DOWN_ROWS; ++j)
-        if ((threadIdx.x & 31) == 0 && first + j < hidden) y[static_cast<size_t>(pair) * hidden + first + j] = sums[j];
+    down_pairs(Mxfp4Layout{inter, hidden}, act, ids, order, experts, bias_at, y);
 }
 
 // Matrices first..first + count - 1 of an MXFP4 expert block widened to bf16, back to back (gate and up as one

@@ -31,12 +31,13 @@ mod tests {
     /// Kernels that copy what no kernel of the step writes before they wait (weights, in common.cuh's
     /// warp_rows_dot; the keys of earlier steps, in attention.cu's attend_split), passing
     /// `WaitForPreviousKernel()` as their inputs_ready in their own body.
-    const COPY_BEFORE_WAITING: [&str; 6] = [
+    const COPY_BEFORE_WAITING: [&str; 7] = [
         "gemv_bf16_",
         "gemv_fp8_",
         "gemv_route_",
         "moe_down(",
         "moe_down_fp8(",
+        "moe_down_mxfp4(",
         " attention_d",
     ];
 
