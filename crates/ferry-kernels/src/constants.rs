@@ -14,8 +14,11 @@ kernel_constants! {
     /// Warps per block of the GEMV kernels.
     GEMV_WARPS: usize = 8;
     /// Weight rows one warp of the GEMV kernel for `r` rows sums at once, at index `r - 1`: each activation value a
-    /// lane loads serves that many weight rows.
-    GEMV_ROWS_PER_WARP: [usize; GEMV_MAX_ROWS] = [1, 2, 4, 4, 4, 4, 4, 4];
+    /// lane loads serves that many weight rows. At least 2 even for one row: a lane's activation loads (16 bytes
+    /// a lane, 32 or 64 bytes apart) touch 4x the L1 lines a coalesced load would, and at one weight row a warp
+    /// they, not the weights, bounded the batch-1 GEMVs (12-layer q30 on the H200: 2 rows a warp +3 % bf16, +8 %
+    /// FP8 against 1; 4 rows a warp between the two).
+    GEMV_ROWS_PER_WARP: [usize; GEMV_MAX_ROWS] = [2, 2, 4, 4, 4, 4, 4, 4];
 
     /// Warps per block of the MoE decode kernels (moe.cu's moe_gate_up and moe_down).
     MOE_WARPS: usize = 8;
