@@ -331,7 +331,9 @@ struct Fp8Rows {
     }
     __device__ __forceinline__ const void* at(int r, int col) const { return w[r] + col; }
     __device__ __forceinline__ float scale(int r, int col) const { return scales[r][col / block_cols]; }
-    __device__ __forceinline__ float value(int r, int col) const { return fp8_e4m3_to_float(w[r][col]) * scale(r, col); }
+    __device__ __forceinline__ float value(int r, int col) const {
+        return fp8_e4m3_to_float(w[r][col]) * scale(r, col);
+    }
     __device__ __forceinline__ static void widen(const uint4& packed, float (&v)[COPY_COLS]) {
         const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll

@@ -9,7 +9,8 @@
 // Two fused epilogues save a decode step a launch each (and the gap before it) where the next op needs the whole
 // product: gemv_bf16_R or gemv_fp8_R with a residual adds the product to the residual stream and its last block
 // RMS-normalises every row (an output projection followed by the next norm), and gemv_route_R routes each row in
-// its last block (the router GEMV followed by its top-k). Both count finished blocks on a counter (common.cuh's last_block_done).
+// its last block (the router GEMV followed by its top-k). Both count finished blocks on a counter (common.cuh's
+// last_block_done).
 #include "common.cuh"
 #include "route.cuh"
 

@@ -55,8 +55,8 @@ extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ 
 }
 
 // A bf16 expert's block, [inter, hidden] gate and up then [hidden, inter] down, and a warp's rows of it
-// (common.cuh's formats): the FP8 one (Fp8Layout, below) offers the same two, so one body of each decode kernel
-// serves both.
+// (common.cuh's formats): the FP8 and MXFP4 ones (Fp8Layout, Mxfp4Layout, below) offer the same two, so one body of
+// each decode kernel serves every format.
 struct Bf16Layout {
     int inter, hidden;
 
@@ -144,7 +144,8 @@ __device__ __forceinline__ void down_products(const Layout& layout, const void* 
                                     staging, acc, inputs_ready);
     const float* biases = expert_biases(block, bias_at);
 #pragma unroll
-    for (int j = 0; j < MOE_DOWN_ROWS; ++j) sums[j] = with_down_bias(biases, layout.inter, features[j], warp_sum(acc[j][0]));
+    for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+        sums[j] = with_down_bias(biases, layout.inter, features[j], warp_sum(acc[j][0]));
 }
 
 // out[r, h] = sum_k w[r, k] * (down_e[h] . act[r * top_k + k] + down bias_e[h]), summed in router order.
@@ -177,8 +178,8 @@ __device__ __forceinline__ void down(const Layout& layout, const float* __restri
             __ldcg(reinterpret_cast<const unsigned long long*>(experts) + __ldcg(ids + pair)));
         float sums[MOE_DOWN_ROWS];
         // After the first item the wait returns at once.
-        down_products(layout, block, bias_at, first + group * MOE_DOWN_ROWS, act + static_cast<size_t>(pair) * layout.inter,
-                      staging[warp], sums, inputs_ready);
+        down_products(layout, block, bias_at, first + group * MOE_DOWN_ROWS,
+                      act + static_cast<size_t>(pair) * layout.inter, staging[warp], sums, inputs_ready);
 #pragma unroll
         for (int j = 0; j < MOE_DOWN_ROWS; ++j)
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
