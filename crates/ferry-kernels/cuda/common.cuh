@@ -265,6 +265,15 @@ __device__ __forceinline__ void fp8x4_e4m3_to_float(uint32_t word, float (&v)[4]
 #endif
 }
 
+// Whether every one of a warp's ROWS weight rows starts on 16 bytes (the formats' copies_whole).
+template <int ROWS, typename T>
+__device__ __forceinline__ bool rows_aligned(const T* const (&rows)[ROWS]) {
+    uintptr_t addresses = 0;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(rows[r]);
+    return (addresses & 15) == 0;
+}
+
 // The weight formats warp_rows_dot reads, each a warp's ROWS rows of one matrix: a lane's 16-byte copy of a row
 // holds COPY_COLS weights, which widen(...) turns into f32 exactly, and add_copy(...) adds a copy's products with
 // the activations to the accumulator as the format's reference sums them (scale() is the copy's factor).
@@ -275,7 +284,7 @@ struct Bf16Rows {
     static constexpr int COPY_COLS = 8;
     const uint16_t* w[ROWS];
 
-    __device__ __forceinline__ bool copies_whole(int k) const { return (k & 7) == 0 && aligned(); }
+    __device__ __forceinline__ bool copies_whole(int k) const { return (k & 7) == 0 && rows_aligned(w); }
     __device__ __forceinline__ const void* at(int r, int col) const { return w[r] + col; }
     __device__ __forceinline__ float scale(int, int) const { return 1.0f; }
     __device__ __forceinline__ float value(int r, int col) const { return bf16_to_float(w[r][col]); }
@@ -292,14 +301,6 @@ struct Bf16Rows {
 #pragma unroll
         for (int j = 0; j < COPY_COLS; ++j) acc = fmaf(wf[j], xv[j], acc);
         return acc;
-    }
-
-   private:
-    __device__ __forceinline__ bool aligned() const {
-        uintptr_t addresses = 0;
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(w[r]);
-        return (addresses & 15) == 0;
     }
 };
 
@@ -324,10 +325,7 @@ struct Fp8Rows {
     int block_cols;
 
     __device__ __forceinline__ bool copies_whole(int k) const {
-        uintptr_t addresses = 0;
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(w[r]);
-        return (addresses & 15) == 0 && (k & 15) == 0 && (block_cols & 15) == 0;
+        return rows_aligned(w) && (k & 15) == 0 && (block_cols & 15) == 0;
     }
     __device__ __forceinline__ const void* at(int r, int col) const { return w[r] + col; }
     __device__ __forceinline__ float scale(int r, int col) const { return scales[r][col / block_cols]; }

@@ -458,12 +458,7 @@ struct Mxfp4Rows {
     const uint8_t* values[ROWS];
     const uint8_t* scales[ROWS];
 
-    __device__ __forceinline__ bool copies_whole(int k) const {
-        uintptr_t addresses = 0;
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) addresses |= reinterpret_cast<uintptr_t>(values[r]);
-        return (addresses & 15) == 0 && (k & 31) == 0;
-    }
+    __device__ __forceinline__ bool copies_whole(int k) const { return rows_aligned(values) && (k & 31) == 0; }
     __device__ __forceinline__ const void* at(int r, int col) const { return values[r] + col / 2; }
     __device__ __forceinline__ float scale(int r, int col) const { return e8m0_to_float(scales[r][col / 32]); }
     __device__ __forceinline__ float value(int r, int col) const {
