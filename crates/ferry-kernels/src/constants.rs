@@ -17,7 +17,8 @@ kernel_constants! {
     /// lane loads serves that many weight rows. At least 2 even for one row: a lane's activation loads (16 bytes
     /// a lane, 32 or 64 bytes apart) touch 4x the L1 lines a coalesced load would, and at one weight row a warp
     /// they, not the weights, bounded the batch-1 GEMVs (12-layer q30 on the H200: 2 rows a warp +3 % bf16, +8 %
-    /// FP8 against 1; 4 rows a warp between the two).
+    /// FP8 against 1; 4 rows a warp between the two). From 3 rows on, 4 a warp although their registers (80 bf16,
+    /// 140 FP8 at 4 rows) run q30's launches in two waves: at 4 sequences 2 rows a warp were -3 %, 1 row -16 %.
     GEMV_ROWS_PER_WARP: [usize; GEMV_MAX_ROWS] = [2, 2, 4, 4, 4, 4, 4, 4];
 
     /// Warps per block of the MoE decode kernels (moe.cu's moe_gate_up and moe_down).
