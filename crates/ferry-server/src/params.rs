@@ -91,7 +91,7 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         return Err(ApiError::invalid_param("top_p", "`top_p` must be greater than 0"));
     }
     let stop = body.strings("stop", true)?;
-    validate_stop_strings(&stop).map_err(|message| ApiError::invalid_param("stop", message))?;
+    validate_stop_strings("stop", &stop).map_err(|message| ApiError::invalid_param("stop", message))?;
     Ok(GenerationParams {
         max_tokens,
         temperature: body.number_in("temperature", 0.0, 2.0)?,
@@ -565,6 +565,11 @@ mod tests {
                 "{}",
                 error.message
             );
+        }
+        for stop in [json!(""), json!(["END", ""])] {
+            let error = chat(json!({"messages": user, "stop": stop})).unwrap_err();
+            assert_eq!(error.param, Some("stop".into()));
+            assert!(error.message.contains("is empty"), "{}", error.message);
         }
     }
 

@@ -101,7 +101,7 @@ impl Request {
         if self.prompt_ids.is_empty() {
             return Err(Error::Request("the prompt is empty".into()));
         }
-        validate_stop_strings(&self.stop_strings).map_err(Error::Request)?;
+        validate_stop_strings("stop", &self.stop_strings).map_err(Error::Request)?;
         if self.max_tokens == 0 {
             return Err(Error::Request("max_tokens must be at least 1".into()));
         }

@@ -10,17 +10,23 @@ pub const MAX_STOP_STRINGS: usize = 16;
 /// text it can hold back) small.
 pub const MAX_STOP_STRING_BYTES: usize = 256;
 
-/// Checks `stops` against the bounds above; the error names the request field `stop` and the bound.
-pub fn validate_stop_strings(stops: &[String]) -> Result<(), String> {
+/// Checks a request's stop strings (its field `field`) against the bounds above; an empty one is refused too (it
+/// would match before any text, so no request means it). The error names the field and the bound.
+pub fn validate_stop_strings(field: &str, stops: &[String]) -> Result<(), String> {
     if stops.len() > MAX_STOP_STRINGS {
         return Err(format!(
-            "`stop` holds {} strings; at most {MAX_STOP_STRINGS} are allowed",
+            "`{field}` holds {} strings; at most {MAX_STOP_STRINGS} are allowed",
             stops.len()
+        ));
+    }
+    if let Some(index) = stops.iter().position(String::is_empty) {
+        return Err(format!(
+            "`{field}[{index}]` is empty; a stop string needs at least one character"
         ));
     }
     match stops.iter().map(String::len).max() {
         Some(longest) if longest > MAX_STOP_STRING_BYTES => Err(format!(
-            "`stop` holds a string of {longest} bytes; each may be at most {MAX_STOP_STRING_BYTES} bytes"
+            "`{field}` holds a string of {longest} bytes; each may be at most {MAX_STOP_STRING_BYTES} bytes"
         )),
         _ => Ok(()),
     }
@@ -280,14 +286,16 @@ mod tests {
     }
 
     #[test]
-    fn too_many_or_too_long_stops_are_named() {
+    fn too_many_too_long_or_empty_stops_are_named() {
         let within = vec!["s".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS];
-        assert_eq!(validate_stop_strings(&within), Ok(()));
-        assert_eq!(validate_stop_strings(&[]), Ok(()));
-        let many = validate_stop_strings(&vec!["s".into(); MAX_STOP_STRINGS + 1]).unwrap_err();
+        assert_eq!(validate_stop_strings("stop", &within), Ok(()));
+        assert_eq!(validate_stop_strings("stop", &[]), Ok(()));
+        let many = validate_stop_strings("stop", &vec!["s".into(); MAX_STOP_STRINGS + 1]).unwrap_err();
         assert!(many.contains("`stop`") && many.contains("17 strings"), "{many}");
-        let long = validate_stop_strings(&["s".repeat(MAX_STOP_STRING_BYTES + 1)]).unwrap_err();
+        let long = validate_stop_strings("stop", &["s".repeat(MAX_STOP_STRING_BYTES + 1)]).unwrap_err();
         assert!(long.contains("`stop`") && long.contains("257 bytes"), "{long}");
+        let empty = validate_stop_strings("stop_sequences", &["s".into(), String::new()]).unwrap_err();
+        assert!(empty.contains("`stop_sequences[1]` is empty"), "{empty}");
     }
 
     #[test]

@@ -63,7 +63,8 @@ impl MessagesBody {
             messages.extend(messages_of(index, message, keeps_reasoning)?);
         }
         let stop = body.strings("stop_sequences", false)?;
-        validate_stop_strings(&stop).map_err(|message| ApiError::invalid_param("stop_sequences", message))?;
+        validate_stop_strings("stop_sequences", &stop)
+            .map_err(|message| ApiError::invalid_param("stop_sequences", message))?;
         let top_k = match body.integer("top_k")? {
             Some(k) if k < 1 => {
                 return Err(ApiError::invalid_param(
@@ -507,6 +508,7 @@ mod tests {
             (with("top_k", json!(0)), "top_k"),
             (with("stop_sequences", json!("x")), "stop_sequences"),
             (with("stop_sequences", json!(vec!["x"; 17])), "stop_sequences"),
+            (with("stop_sequences", json!(["x", ""])), "stop_sequences"),
             (with("thinking", json!({"type": "enabled"})), "thinking.budget_tokens"),
             (
                 with("thinking", json!({"type": "enabled", "budget_tokens": 5})),
