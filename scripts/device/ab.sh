@@ -13,7 +13,8 @@ out=${OUT:-/tmp}/ferry-ab
 rm -rf "$out" && mkdir -p "$out"
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=(bench/q30-12layers.json bench/q30-fp8-12layers.json)
-binaries=(stage)
+binaries=()
+[ -x .stage/ferry ] && binaries+=(stage)
 for packed in .stage/ab/*.xz; do
     [ -e "$packed" ] || continue
     xz -dkf "$packed"
