@@ -1,6 +1,7 @@
 //! The sampling surface of `ferry serve` over real HTTP on the bundled fixture (random weights): logprobs in
 //! OpenAI's chat and completions shapes (plain and streamed), `logit_bias` moving greedy's choice, `min_p` and
-//! `repetition_penalty` accepted, `response_format` output that validates, and bad values refused by name.
+//! `repetition_penalty` accepted, `response_format` output that validates, `allowed_token_ids` and `bad_words`
+//! narrowing the output, and bad values refused by name.
 
 mod common;
 
@@ -20,6 +21,16 @@ fn ok(server: &Server, path: &str, body: &Value) -> Value {
     let (status, response) = server.post(path, body);
     assert_eq!(status, 200, "{response}");
     response
+}
+
+/// `text`'s token ids, without special tokens, by the server's `/tokenize`.
+fn token_ids(server: &Server, text: &str) -> Vec<u64> {
+    let tokenized = ok(
+        server,
+        "/tokenize",
+        &json!({"prompt": text, "add_special_tokens": false}),
+    );
+    serde_json::from_value(tokenized["tokens"].clone()).unwrap()
 }
 
 #[test]
@@ -199,17 +210,7 @@ fn stop_token_ids_end_the_output_and_min_tokens_holds_them_back() {
     let free = ok(&server, "/v1/completions", &body);
     let tokens: Vec<String> = serde_json::from_value(free["choices"][0]["logprobs"]["tokens"].clone()).unwrap();
     // A token from the third on that is one token alone and new to the output: it will end it.
-    let id_of = |text: &str| -> Vec<u64> {
-        serde_json::from_value(
-            ok(
-                &server,
-                "/tokenize",
-                &json!({"prompt": text, "add_special_tokens": false}),
-            )["tokens"]
-                .clone(),
-        )
-        .unwrap()
-    };
+    let id_of = |text: &str| token_ids(&server, text);
     let (at, id) = (2..tokens.len())
         .find_map(|k| match id_of(&tokens[k])[..] {
             [id] if !tokens[..k].contains(&tokens[k]) => Some((k, id)),
@@ -499,4 +500,54 @@ fn bad_sampling_values_are_400s_naming_the_field() {
     let text = json!({"prompt": "hi", "max_tokens": 2, "logprobs": 6});
     let (status, error) = server.post("/v1/completions", &text);
     assert_eq!((status, error["error"]["param"].clone()), (400, json!("logprobs")));
+}
+
+#[test]
+fn a_bad_word_greedy_would_write_is_not_written() {
+    let server = Server::start(&[]);
+    let body = json!({"prompt": "Once upon", "max_tokens": 6, "temperature": 0, "ignore_eos": true, "logprobs": 0});
+    let tokens_of = |response: &Value| -> Vec<String> {
+        serde_json::from_value(response["choices"][0]["logprobs"]["tokens"].clone()).unwrap()
+    };
+    let greedy = tokens_of(&ok(&server, "/v1/completions", &body));
+    // The word of greedy's first token: banned as it reads alone and after a space, so neither token comes out.
+    let word = greedy[0].trim().to_string();
+    assert!(!word.is_empty(), "{greedy:?}");
+    let mut banned = body.clone();
+    banned["bad_words"] = json!([word]);
+    let answer = ok(&server, "/v1/completions", &banned);
+    let without = tokens_of(&answer);
+    assert_eq!(without.len(), 6);
+    for text in [word.clone(), format!(" {word}")] {
+        let ids = token_ids(&server, &text);
+        if ids.len() == 1 {
+            let spelled = ok(&server, "/detokenize", &json!({"tokens": ids}))["prompt"].clone();
+            assert!(!without.iter().any(|t| json!(t) == spelled), "{spelled} in {without:?}");
+        }
+    }
+    assert_ne!(without[0], greedy[0], "greedy's first token is the word itself");
+    // Streamed: the same tokens.
+    let mut streamed = banned.clone();
+    streamed["stream"] = json!(true);
+    let text: String = server
+        .post_stream("/v1/completions", &streamed)
+        .iter()
+        .filter(|c| *c != "[DONE]")
+        .map(|c| {
+            serde_json::from_str::<Value>(c).unwrap()["choices"][0]["text"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        })
+        .collect();
+    assert_eq!(text, answer["choices"][0]["text"].as_str().unwrap());
+    let (status, error) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "bad_words": [word], "structured_outputs": {"choice": ["a"]}}),
+    );
+    assert_eq!(
+        (status, &error["error"]["param"]),
+        (400, &json!("bad_words")),
+        "{error}"
+    );
 }

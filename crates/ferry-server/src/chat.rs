@@ -50,6 +50,8 @@ pub struct GenerationParams {
     pub stop_token_ids: Vec<u32>,
     /// Only these tokens may be generated (vLLM's `allowed_token_ids`); empty: any.
     pub allowed_token_ids: Vec<u32>,
+    /// Words never generated (vLLM's `bad_words`), tokenized where the request is made ([`bad_word_sequences`]).
+    pub bad_words: Vec<String>,
     /// Only the prompt's last this many tokens are read (vLLM's `truncate_prompt_tokens`).
     pub truncate_prompt_tokens: Option<usize>,
     /// No end before this many tokens (vLLM's `min_tokens`; see [`StopRules::min_tokens`]).
@@ -299,10 +301,12 @@ impl PreparedPrompt {
             )?),
             (None, None) => None,
         };
-        // A grammar may allow nothing but the end that min_tokens holds back, or none of the allowed tokens.
+        // A grammar may allow nothing but the end that min_tokens holds back, none of the allowed tokens, or only
+        // banned words.
         for (field, narrows) in [
             ("min_tokens", params.min_tokens > 0),
             ("allowed_token_ids", !params.allowed_token_ids.is_empty()),
+            ("bad_words", !params.bad_words.is_empty()),
         ] {
             if narrows && request.constraint.is_some() {
                 return Err(ApiError::invalid_param(
@@ -342,6 +346,22 @@ pub fn tokenize(model: &LoadedModel, text: &str, add_special_tokens: bool) -> Re
         .tokenizer
         .encode(text, add_special_tokens)
         .map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// vLLM's `bad_words` as the token sequences the engine bans: each word as it reads at the start of a text and
+/// after a space (mid-text, where most tokenizers fold the space into the word's first token), each distinct
+/// tokenization once.
+fn bad_word_sequences(model: &LoadedModel, words: &[String]) -> Result<Vec<Vec<u32>>, ApiError> {
+    let mut sequences: Vec<Vec<u32>> = Vec::new();
+    for word in words {
+        for text in [word.clone(), format!(" {word}")] {
+            let ids = tokenize(model, &text, false)?;
+            if !ids.is_empty() && !sequences.contains(&ids) {
+                sequences.push(ids);
+            }
+        }
+    }
+    Ok(sequences)
 }
 
 /// The engine request for `prompt_ids`, refusing a prompt that leaves no room in the context window (the error
@@ -405,6 +425,7 @@ fn engine_request(
         repetition_penalty: params.repetition_penalty.unwrap_or(1.0),
         logit_bias: params.logit_bias.clone(),
         allowed_token_ids: params.allowed_token_ids.clone(),
+        bad_words: bad_word_sequences(model, &params.bad_words)?,
         logprobs: params.logprobs,
         prompt_logprobs: params.prompt_logprobs,
         constraint: None,

@@ -120,6 +120,7 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         ignore_eos: body.boolean("ignore_eos")?,
         stop_token_ids: token_id_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS)?,
         allowed_token_ids: token_id_list(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)?,
+        bad_words: bad_words(body)?,
         truncate_prompt_tokens: body.positive("truncate_prompt_tokens")?,
         include_stop_string: body.boolean("include_stop_str_in_output")?,
         keep_special_tokens: match body.raw("skip_special_tokens") {
@@ -133,6 +134,47 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
 
 /// At most this many `stop_token_ids`: each generated token is looked up among them.
 const MAX_STOP_TOKEN_IDS: usize = 256;
+/// At most this many `bad_words`, each at most [`MAX_BAD_WORD_BYTES`] long: each step compares the output's end
+/// with each word's tokens (two tokenizations a word).
+const MAX_BAD_WORDS: usize = 64;
+const MAX_BAD_WORD_BYTES: usize = 256;
+
+/// vLLM's `bad_words`: words never generated as the tokens they tokenize to (chat.rs's `bad_word_sequences`), leading
+/// whitespace dropped (each is banned with and without a space before it); none blank.
+fn bad_words(body: &Body) -> Result<Vec<String>, ApiError> {
+    const FIELD: &str = "bad_words";
+    let words = body.strings(FIELD, false)?;
+    if words.len() > MAX_BAD_WORDS {
+        return Err(ApiError::invalid_param(
+            FIELD,
+            format!(
+                "`{FIELD}` holds {} words; at most {MAX_BAD_WORDS} are allowed",
+                words.len()
+            ),
+        ));
+    }
+    words
+        .iter()
+        .enumerate()
+        .map(|(i, word)| {
+            let word = word.trim_start();
+            if word.is_empty() {
+                return Err(ApiError::invalid_param(FIELD, format!("`{FIELD}[{i}]` is blank")));
+            }
+            if word.len() > MAX_BAD_WORD_BYTES {
+                return Err(ApiError::invalid_param(
+                    FIELD,
+                    format!(
+                        "`{FIELD}[{i}]` has {} bytes; at most {MAX_BAD_WORD_BYTES} are allowed",
+                        word.len()
+                    ),
+                ));
+            }
+            Ok(word.to_string())
+        })
+        .collect()
+}
+
 /// At most this many `allowed_token_ids` (a vocabulary's worth): each step keeps their logits.
 const MAX_ALLOWED_TOKEN_IDS: usize = 1 << 18;
 
@@ -570,6 +612,24 @@ mod tests {
             let error = chat(json!({"messages": user, "stop": stop})).unwrap_err();
             assert_eq!(error.param, Some("stop".into()));
             assert!(error.message.contains("is empty"), "{}", error.message);
+        }
+    }
+
+    #[test]
+    fn bad_words_are_read_without_leading_space_and_bounded() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let words = |value: Value| chat(json!({"messages": user, "bad_words": value})).map(|b| b.chat.params.bad_words);
+        assert_eq!(words(json!([" ferry", "boat "])).unwrap(), ["ferry", "boat "]);
+        assert_eq!(words(json!([])).unwrap(), Vec::<String>::new());
+        for (value, says) in [
+            (json!("ferry"), "an array of strings"),
+            (json!(["ferry", "  "]), "`bad_words[1]` is blank"),
+            (json!(vec!["w"; 65]), "at most 64"),
+            (json!(["w".repeat(257)]), "at most 256"),
+        ] {
+            let error = words(value).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some("bad_words"));
+            assert!(error.message.contains(says), "{}", error.message);
         }
     }
 

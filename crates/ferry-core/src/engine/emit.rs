@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use super::constraint::Constraint;
 use super::logprobs::{token_logprobs, TokenLogprobs};
 use super::request::{FinishReason, Request, ThinkingBudget};
-use super::sampler::{apply_logit_bias, apply_penalties, apply_repetition_penalty, Sampler};
+use super::sampler::{apply_logit_bias, apply_penalties, apply_repetition_penalty, ban_bad_words, Sampler};
 use super::stop::StopStrings;
 use crate::loader::{Detokenizer, TextDecoder};
 use crate::{Error, Result};
@@ -99,8 +99,7 @@ impl Emitter {
         decoder: &dyn TextDecoder,
         max_model_len: usize,
     ) -> Result<Emitted> {
-        let generated = tokens.len() - request.prompt_ids.len();
-        let logits = self.shaped_logits(request, logits, generated)?;
+        let logits = self.shaped_logits(request, logits, &tokens[request.prompt_ids.len()..])?;
         let id = self.forced().unwrap_or_else(|| self.sampler.sample(&logits));
         let logprobs = request.logprobs.map(|top_n| token_logprobs(&logits, id, top_n));
         self.emit(request, tokens, id, logprobs, decoder, max_model_len)
@@ -127,8 +126,8 @@ impl Emitter {
 
     /// Whether `request`'s next token, `generated` tokens into its output, is its last logits' argmax and needs
     /// nothing else of them: a greedy sampler, no logprobs, and nothing [`Emitter::shaped_logits`] would change
-    /// (no penalty, bias, allowed list, grammar, nor ends that min_tokens holds back). Such a token can be chosen
-    /// where the logits are (the scheduler's argmax steps).
+    /// (no penalty, bias, bad word, allowed list, grammar, nor ends that min_tokens holds back). Such a token can be
+    /// chosen where the logits are (the scheduler's argmax steps).
     pub(super) fn argmax_decides(&self, request: &Request, generated: usize) -> bool {
         let rules = &request.stop;
         let ends_held_back = generated < rules.min_tokens
@@ -140,6 +139,7 @@ impl Emitter {
             && request.frequency_penalty == 0.0
             && request.logit_bias.is_empty()
             && request.allowed_token_ids.is_empty()
+            && request.bad_words.is_empty()
             && !ends_held_back
             && self.constraint.is_none()
     }
@@ -203,10 +203,11 @@ impl Emitter {
         })
     }
 
-    /// The logits the sampler and logprobs see, `generated` tokens into the output: after the penalties, the bias,
-    /// the tokens not allowed, the ends that min_tokens holds back and the grammar's mask, in that order. Copied (a vocabulary's worth) only
-    /// when one of them applies.
-    fn shaped_logits<'a>(&mut self, request: &Request, logits: &'a [f32], generated: usize) -> Result<Cow<'a, [f32]>> {
+    /// The logits the sampler and logprobs see after `output` (the tokens generated so far): after the penalties,
+    /// the bias, the bad words, the tokens not allowed, the ends that min_tokens holds back and the grammar's mask,
+    /// in that order. Copied (a vocabulary's worth) only when one of them applies.
+    fn shaped_logits<'a>(&mut self, request: &Request, logits: &'a [f32], output: &[u32]) -> Result<Cow<'a, [f32]>> {
+        let generated = output.len();
         let mut logits = Cow::Borrowed(logits);
         if request.repetition_penalty != 1.0 {
             apply_repetition_penalty(logits.to_mut(), &self.seen, request.repetition_penalty);
@@ -221,6 +222,9 @@ impl Emitter {
         }
         if !request.logit_bias.is_empty() {
             apply_logit_bias(logits.to_mut(), &request.logit_bias);
+        }
+        if !request.bad_words.is_empty() {
+            ban_bad_words(logits.to_mut(), &request.bad_words, output);
         }
         if !request.allowed_token_ids.is_empty() {
             let logits = logits.to_mut();
@@ -472,6 +476,18 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn bad_words_never_end_the_output_whole() {
+        let repeat: Vec<_> = (0..3).map(|_| favouring(0, 1)).collect();
+        assert_eq!(emit_all(&request(3), &repeat, 16).0, "aaa");
+        // "aa" is banned: its second 'a' gives way to 'b' wherever the output ends with an 'a'.
+        let mut pair = request(3);
+        pair.bad_words = vec![vec![0, 0]];
+        assert_eq!(emit_all(&pair, &repeat, 16).0, "aba");
+        pair.bad_words = vec![vec![0]];
+        assert_eq!(emit_all(&pair, &repeat, 16).0, "bbb");
+    }
+
+    #[test]
     fn a_spent_thinking_budget_forces_the_end_of_thinking() {
         // 'f' (5) opens thinking and 'g' (6) ends it; the model would think ('b') forever.
         let budget = ThinkingBudget {
@@ -511,7 +527,7 @@ pub(super) mod tests {
             ..SamplingParams::default()
         };
         assert!(emitter_says(&top_one, 0));
-        let edits: [fn(&mut Request); 7] = [
+        let edits: [fn(&mut Request); 8] = [
             |r| r.sampling.temperature = 0.7,
             |r| r.logprobs = Some(0),
             |r| r.repetition_penalty = 1.1,
@@ -519,6 +535,7 @@ pub(super) mod tests {
             |r| r.frequency_penalty = 0.5,
             |r| r.logit_bias = vec![(3, 1.0)],
             |r| r.allowed_token_ids = vec![1, 2],
+            |r| r.bad_words = vec![vec![1]],
         ];
         for edit in edits {
             let mut edited = request(4);

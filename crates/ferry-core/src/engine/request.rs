@@ -54,6 +54,9 @@ pub struct Request {
     pub logit_bias: Vec<(u32, f32)>,
     /// Only these tokens may be generated (vLLM's `allowed_token_ids`); empty: any.
     pub allowed_token_ids: Vec<u32>,
+    /// Token sequences the output never ends with (vLLM's `bad_words`, tokenized): a sequence's last token is
+    /// banned wherever the output so far ends with the rest of it (a one-token sequence: everywhere).
+    pub bad_words: Vec<Vec<u32>>,
     /// Report each token's logprob and this many most likely alternatives (at most [`MAX_TOP_LOGPROBS`]); None:
     /// no logprobs.
     pub logprobs: Option<usize>,
@@ -85,6 +88,7 @@ impl Request {
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
             allowed_token_ids: Vec::new(),
+            bad_words: Vec::new(),
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
@@ -153,15 +157,27 @@ impl Request {
                 )));
             }
         }
+        for word in &self.bad_words {
+            if word.is_empty() {
+                return Err(Error::Request("bad_words: a word with no tokens".into()));
+            }
+            if let Some(bad) = word.iter().find(|&&id| id as usize >= vocab_size) {
+                return Err(Error::Request(format!(
+                    "bad_words: token id {bad} is outside the vocabulary (size {vocab_size})"
+                )));
+            }
+        }
         if self.stop.min_tokens > self.max_tokens {
             return Err(Error::Request(format!(
                 "min_tokens ({}) is more than max_tokens ({})",
                 self.stop.min_tokens, self.max_tokens
             )));
         }
-        // A grammar may allow none of the allowed tokens, or nothing but the end that min_tokens holds back.
+        // A grammar may allow none of the allowed tokens, only banned words, or nothing but the end that min_tokens
+        // holds back.
         for (name, narrows) in [
             ("allowed_token_ids", !self.allowed_token_ids.is_empty()),
+            ("bad_words", !self.bad_words.is_empty()),
             ("min_tokens", self.stop.min_tokens > 0),
         ] {
             if narrows && self.constraint.is_some() {
@@ -291,5 +307,10 @@ mod tests {
         let mut narrow = request(&[1]);
         narrow.allowed_token_ids = vec![2, 16];
         assert!(refusal(narrow).contains("allowed_token_ids: token id 16"));
+        let mut banned = request(&[1]);
+        banned.bad_words = vec![vec![2], vec![3, 16]];
+        assert!(refusal(banned.clone()).contains("bad_words: token id 16"));
+        banned.bad_words = vec![vec![]];
+        assert!(refusal(banned).contains("bad_words: a word with no tokens"));
     }
 }

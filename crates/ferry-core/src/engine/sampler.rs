@@ -154,9 +154,41 @@ pub fn apply_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
     }
 }
 
+/// Bans (to -infinity) the last token of each of `bad_words` (token sequences) where `output` ends with the rest of
+/// it, so no sequence is ever generated whole (vLLM's `bad_words`); a one-token sequence is banned everywhere.
+pub fn ban_bad_words(logits: &mut [f32], bad_words: &[Vec<u32>], output: &[u32]) {
+    for word in bad_words {
+        if let Some((&last, rest)) = word.split_last() {
+            if output.ends_with(rest) {
+                if let Some(logit) = logits.get_mut(last as usize) {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bad_word_is_banned_only_where_the_output_ends_with_the_rest_of_it() {
+        let words = [vec![3], vec![1, 2, 0]];
+        let mut logits = [0.0; 4];
+        ban_bad_words(&mut logits, &words, &[2, 1]);
+        assert_eq!(
+            logits,
+            [0.0, 0.0, 0.0, f32::NEG_INFINITY],
+            "one-token words everywhere; [1, 2] not yet"
+        );
+        let mut logits = [0.0; 4];
+        ban_bad_words(&mut logits, &words, &[0, 1, 2]);
+        assert_eq!(logits, [f32::NEG_INFINITY, 0.0, 0.0, f32::NEG_INFINITY]);
+        let mut logits = [0.0; 4];
+        ban_bad_words(&mut logits, &[vec![1, 2, 9]], &[1, 2]);
+        assert_eq!(logits, [0.0; 4], "a token outside the vocabulary bans nothing");
+    }
 
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
