@@ -388,3 +388,70 @@ fn every_request_is_logged_once_without_colour_codes() {
     assert_eq!(lines.len(), 1, "{log}");
     assert!(lines[0].contains(&counts), "{log}");
 }
+
+#[test]
+fn a_request_id_names_the_response_its_header_and_its_log_line() {
+    let server = Server::start(&[]);
+    let auth = format!("Bearer {KEY}");
+    let post = |path: &str, body: &Value, request_id: Option<&str>| {
+        let mut headers = vec![("Authorization", auth.as_str()), ("Content-Type", "application/json")];
+        headers.extend(request_id.map(|id| ("X-Request-Id", id)));
+        let (status, head, body) =
+            Server::response_with_head(server.send_with_headers("POST", path, Some(&body.to_string()), &headers));
+        let header = head
+            .lines()
+            .find_map(|l| l.strip_prefix("x-request-id: "))
+            .map(str::to_string);
+        (status, header, body)
+    };
+    let asked = chat("hi", json!({"max_tokens": 2, "request_id": "agent-7.turn:3"}));
+    let (status, header, body) = post("/v1/chat/completions", &asked, None);
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["id"], "chatcmpl-agent-7.turn:3");
+    assert_eq!(header.as_deref(), Some("agent-7.turn:3"));
+    let deadline = Instant::now() + PATIENCE;
+    while !server.log().contains("request_id=agent-7.turn:3 prompt_tokens=") {
+        assert!(
+            Instant::now() < deadline,
+            "no access line with the id:\n{}",
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The header wins over the body, as in vLLM; a stream's every chunk carries the id.
+    let (_, header, body) = post("/v1/chat/completions", &asked, Some("from-header"));
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (body["id"].as_str(), header.as_deref()),
+        (Some("chatcmpl-from-header"), Some("from-header"))
+    );
+    let streamed = json!({"prompt": "ferries", "max_tokens": 3, "stream": true, "request_id": "s-1"});
+    let (status, header, text) = post("/v1/completions", &streamed, None);
+    assert_eq!((status, header.as_deref()), (200, Some("s-1")));
+    let ids: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["id"].clone())
+        .collect();
+    assert!(!ids.is_empty() && ids.iter().all(|id| id == "cmpl-s-1"), "{ids:?}");
+    // Without one, a fresh id, the same in the body and the header.
+    let (_, header, body) = post("/v1/chat/completions", &chat("hi", json!({"max_tokens": 1})), None);
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["id"], format!("chatcmpl-{}", header.unwrap()));
+    let long = "x".repeat(129);
+    for (body_id, header_id, param) in [
+        (Some("two words"), None, "request_id"),
+        (Some(""), None, "request_id"),
+        (None, Some(long.as_str()), "X-Request-Id"),
+    ] {
+        let mut asked = chat("hi", json!({"max_tokens": 1}));
+        if let Some(id) = body_id {
+            asked["request_id"] = json!(id);
+        }
+        let (status, _, body) = post("/v1/chat/completions", &asked, header_id);
+        let body: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!((status, body["error"]["param"].as_str()), (400, Some(param)), "{body}");
+    }
+}

@@ -1,5 +1,6 @@
-//! One log line per request (target `ferry::access`), rejected ones included: method, path, status, latency, and
-//! for a generation its prompt and completion tokens and how it ended. The line is written when the response body
+//! One log line per request (target `ferry::access`), rejected ones included: method, path, status, latency, the
+//! request id its answer carries (the `X-Request-Id` response header of chat and text completions), and for a
+//! generation its prompt and completion tokens and how it ended. The line is written when the response body
 //! is done (a stream's last event, or the client hanging up), so a stream's latency is the whole of it.
 //!
 //! The generation handlers report their counts through [`record_generation`], which finds the request's record in
@@ -52,12 +53,17 @@ pub(crate) async fn log_requests(request: Request, next: Next) -> Response {
         method: request.method().clone(),
         path: quote(request.uri().path()).into_owned(),
         status: StatusCode::OK,
+        request_id: None,
         started: Instant::now(),
         record: Record::default(),
     };
     let response = RECORD.scope(line.record.clone(), next.run(request)).await;
     let line = Line {
         status: response.status(),
+        request_id: response
+            .headers()
+            .get(crate::openai::REQUEST_ID_HEADER)
+            .map(|id| quote(&String::from_utf8_lossy(id.as_bytes())).into_owned()),
         ..line
     };
     response.map(|body| Body::new(LoggedBody { body: Some(body), line }))
@@ -67,6 +73,7 @@ struct Line {
     method: Method,
     path: String,
     status: StatusCode,
+    request_id: Option<String>,
     started: Instant,
     record: Record,
 }
@@ -75,15 +82,20 @@ impl Line {
     fn write(&self) {
         let seconds = self.started.elapsed().as_secs_f64();
         let (method, path, status) = (&self.method, &self.path, self.status.as_u16());
+        let id = self
+            .request_id
+            .as_ref()
+            .map(|id| format!(" request_id={id}"))
+            .unwrap_or_default();
         match *self.record.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(g) => tracing::info!(
                 target: "ferry::access",
-                "{method} {path} {status} {seconds:.3}s prompt_tokens={} completion_tokens={} outcome={}",
+                "{method} {path} {status} {seconds:.3}s{id} prompt_tokens={} completion_tokens={} outcome={}",
                 g.prompt_tokens,
                 g.completion_tokens,
                 g.outcome
             ),
-            None => tracing::info!(target: "ferry::access", "{method} {path} {status} {seconds:.3}s"),
+            None => tracing::info!(target: "ferry::access", "{method} {path} {status} {seconds:.3}s{id}"),
         }
     }
 }

@@ -37,6 +37,10 @@ pub struct OpenAiOptions {
     /// vLLM's `prompt_logprobs`: each prompt token's logprob, rank and this many most likely alternatives, with
     /// the answer (not with a stream, as vLLM).
     pub prompt_logprobs: Option<usize>,
+    /// vLLM's `request_id`: the base of the response's id (`chatcmpl-{request_id}`), returned in its `X-Request-Id`
+    /// header and written in its access log line, so a caller can find its request in the server's log (an
+    /// `X-Request-Id` request header wins over it, as in vLLM); a fresh one when neither is given.
+    pub request_id: Option<String>,
 }
 
 impl OpenAiOptions {
@@ -273,7 +277,29 @@ fn options(body: &Body) -> Result<OpenAiOptions, ApiError> {
         choices: body.positive("n")?.unwrap_or(1),
         structured_outputs: body.get("structured_outputs").is_some(),
         return_token_ids: body.boolean("return_token_ids")?,
+        request_id: body
+            .string("request_id")?
+            .map(|id| checked_request_id("request_id", id))
+            .transpose()?,
     })
+}
+
+/// At most this many bytes of a request id: it becomes part of the response's id, an HTTP header and a log field.
+const MAX_REQUEST_ID_BYTES: usize = 128;
+
+/// `id` as a request id (`field` names where it came from): 1 to [`MAX_REQUEST_ID_BYTES`] printable ASCII characters,
+/// no spaces, so that it is a valid header value and one field of the log line.
+pub fn checked_request_id(field: &str, id: String) -> Result<String, ApiError> {
+    if id.is_empty() || id.len() > MAX_REQUEST_ID_BYTES || !id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ApiError::invalid_param(
+            field,
+            format!(
+                "`{field}` must be 1 to {MAX_REQUEST_ID_BYTES} printable ASCII characters without spaces, got {}",
+                crate::error::quote(&id)
+            ),
+        ));
+    }
+    Ok(id)
 }
 
 /// A message's content: a string, null, or a list of parts of which the text ones are joined.

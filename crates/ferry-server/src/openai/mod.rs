@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -22,7 +23,7 @@ use crate::error::ApiError;
 use crate::generation::{
     admit, record_refusal, Finish, FinishReason, Generation, Output, Piece, PieceParser, PromptScore, Slot,
 };
-use crate::params::{ChatBody, CompletionBody, OpenAiOptions};
+use crate::params::{checked_request_id, ChatBody, CompletionBody, OpenAiOptions};
 use crate::sampling;
 use crate::{unix_seconds, AppState, LoadedModel};
 use ferry_core::engine::{Request, TokenLogprobs};
@@ -39,6 +40,8 @@ enum Endpoint {
 /// How a response of one request is written: the fields every object repeats and what the request asked of it.
 struct Renderer {
     endpoint: Endpoint,
+    /// The request's id (given, or fresh), the base of `id`.
+    request_id: String,
     id: String,
     created: u64,
     model: String,
@@ -162,9 +165,14 @@ impl Renderer {
             Endpoint::Chat => "chatcmpl",
             Endpoint::Text => "cmpl",
         };
+        let request_id = options
+            .request_id
+            .clone()
+            .unwrap_or_else(|| format!("{:016x}", response_id()));
         Renderer {
             endpoint,
-            id: format!("{prefix}-{:016x}", response_id()),
+            id: format!("{prefix}-{request_id}"),
+            request_id,
             created: unix_seconds(),
             model: state.0.config.served_model_name.clone(),
             include_usage: options.include_usage,
@@ -586,18 +594,40 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
 type Started = (Renderer, Choices, bool);
 
 async fn respond(state: AppState, started: Result<Started, ApiError>) -> Response {
-    match started {
-        Ok((renderer, choices, true)) => respond_streamed(renderer, choices),
-        Ok((renderer, choices, false)) => respond_whole(renderer, choices).await,
+    let (renderer, choices, stream) = match started {
+        Ok(started) => started,
         Err(error) => {
             record_refusal(&state, &error);
-            error.into_response()
+            return error.into_response();
         }
+    };
+    // Checked printable ASCII (params.rs), so always a header value.
+    let request_id = HeaderValue::from_str(&renderer.request_id).ok();
+    let mut response = match stream {
+        true => respond_streamed(renderer, choices),
+        false => respond_whole(renderer, choices).await,
+    };
+    if let Some(id) = request_id {
+        response.headers_mut().insert(REQUEST_ID_HEADER, id);
     }
+    response
 }
 
-fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
+/// The header that names a request (vLLM's; it wins over the body's `request_id`) and that the answer carries back.
+pub(crate) const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The OpenAI options of a body, with the `X-Request-Id` header's id, if sent, as the request's.
+fn with_header_id(mut options: OpenAiOptions, headers: &HeaderMap) -> Result<OpenAiOptions, ApiError> {
+    if let Some(value) = headers.get(REQUEST_ID_HEADER) {
+        let id = String::from_utf8_lossy(value.as_bytes()).into_owned();
+        options.request_id = Some(checked_request_id("X-Request-Id", id)?);
+    }
+    Ok(options)
+}
+
+fn start_chat(state: &AppState, body: &[u8], headers: &HeaderMap) -> Result<Started, ApiError> {
     let ChatBody { chat, options } = ChatBody::parse(&Body::parse(body)?)?;
+    let options = with_header_id(options, headers)?;
     check_model_name(state, options.model.as_deref())?;
     let model = state.model()?;
     let (request, parser) = chat
@@ -616,13 +646,14 @@ fn start_chat(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     Ok((renderer, choices, chat.params.stream))
 }
 
-fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
+fn start_text(state: &AppState, body: &[u8], headers: &HeaderMap) -> Result<Started, ApiError> {
     let CompletionBody {
         prompts,
         params,
         echo,
         options,
     } = CompletionBody::parse(&Body::parse(body)?)?;
+    let options = with_header_id(options, headers)?;
     check_model_name(state, options.model.as_deref())?;
     // Before any prompt is tokenized.
     choice_count(state, options.choices, prompts.len())?;
@@ -643,12 +674,12 @@ fn start_text(state: &AppState, body: &[u8]) -> Result<Started, ApiError> {
     Ok((renderer, choices, params.stream))
 }
 
-pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
-    let started = crate::prompt_work::off_runtime(&state, move |state| start_chat(state, &body)).await;
+pub async fn chat_completions(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let started = crate::prompt_work::off_runtime(&state, move |state| start_chat(state, &body, &headers)).await;
     respond(state, started).await
 }
 
-pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
-    let started = crate::prompt_work::off_runtime(&state, move |state| start_text(state, &body)).await;
+pub async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let started = crate::prompt_work::off_runtime(&state, move |state| start_text(state, &body, &headers)).await;
     respond(state, started).await
 }
