@@ -7,6 +7,7 @@
 //!
 //! Not here: reading the request (request.rs, tools.rs), turning pieces into items and events (output.rs).
 
+mod conversation;
 mod input_items;
 mod output;
 mod request;
