@@ -3,7 +3,10 @@
 # named `stage`) and each candidate in .stage/ab/ (scripts/device/stage-ab.sh), one after another on each config,
 # the whole round ROUNDS times (default 2): one run's decode speed moves by 2-3 %, so only an alternated difference
 # larger than that says something. Prints a line per run (batch-1 and 4-sequence decode, prefill, in tok/s) and the
-# median of each binary's runs per config. Results (JSON) go to $OUT/ab, or /tmp/ferry-ab.
+# median of each binary's runs per config. With PROFILE=1, then each binary's decode kernels under ncu on each config
+# (batch 1 and 4 sequences, each kernel timed alone; bench/ncu_summary.py's medians, one layer's cost each): where a
+# difference comes from (ROUNDS=0 PROFILE=1: the profiles alone). Results (JSON, CSV) go to $OUT/ferry-ab, or
+# /tmp/ferry-ab.
 #   scripts/device/ab.sh [CONFIG...]
 # CONFIG: bench configs (default: q30 cut to 12 layers, bench/q30-12layers.json, in bf16 and in FP8).
 set -uo pipefail
@@ -47,3 +50,19 @@ for (config, binary), rows in sorted(runs.items()):
     medians = [statistics.median(column) for column in zip(*rows)]
     print(f"{config:24} {binary:16} batch 1 {medians[0]:8.1f}  concurrent {medians[1]:8.1f}  prefill {medians[2]:8.0f}")
 PY
+[ -n "${PROFILE:-}" ] || exit 0
+# The decode kernels only: prefill's launch thousands of others.
+decode_kernels='gemv|moe_gate_up|moe_down|attention_d|attention_combine|qkv_rope|route'
+for config in "${configs[@]}"; do
+    for binary in "${binaries[@]}"; do
+        path=.stage/ab/$binary
+        [ "$binary" = stage ] && path=.stage/ferry
+        name=$(basename "$config" .json)__${binary}
+        ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
+            --kernel-name "regex:$decode_kernels" --launch-count 2000 "$path" bench --synthetic "$config" \
+            --device cuda --decode-tokens 6 --concurrency 4 >"$out/$name.csv" 2>"$out/$name.ncu.log" \
+            || { echo "$name: ncu failed"; tail -3 "$out/$name.ncu.log"; continue; }
+        echo "== $name"
+        python3 bench/ncu_summary.py "$out/$name.csv" --min-launches 30 | head -24
+    done
+done
