@@ -16,21 +16,27 @@ out=${OUT:-/tmp}/ferry-ab
 rm -rf "$out" && mkdir -p "$out"
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=(bench/q30-12layers.json bench/q30-fp8-12layers.json)
+# Each binary's name (in the results) and path.
 binaries=()
-[ -x .stage/ferry ] && binaries+=(stage)
+declare -A path_of
+if [ -x .stage/ferry ]; then
+    binaries+=(stage)
+    path_of[stage]=.stage/ferry
+fi
 for packed in .stage/ab/*.xz; do
     [ -e "$packed" ] || continue
     xz -dkf "$packed"
     chmod +x "${packed%.xz}"
-    binaries+=("$(basename "${packed%.xz}")")
+    name=$(basename "${packed%.xz}")
+    binaries+=("$name")
+    path_of[$name]=${packed%.xz}
 done
 for round in $(seq "${ROUNDS:-2}"); do
     for config in "${configs[@]}"; do
         for binary in "${binaries[@]}"; do
-            path=.stage/ab/$binary
-            [ "$binary" = stage ] && path=.stage/ferry
             name=$(basename "$config" .json)__${binary}__$round
-            "$path" bench --synthetic "$config" --device cuda --decode-tokens 64 --output "$out/$name.json" \
+            "${path_of[$binary]}" bench --synthetic "$config" --device cuda --decode-tokens 64 \
+                --output "$out/$name.json" \
                 >"$out/$name.log" 2>&1 || { echo "$name failed:"; tail -3 "$out/$name.log"; }
         done
     done
@@ -44,7 +50,8 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     result = json.loads(path.read_text())
     row = (result["decode_tok_s_batch1"], result["decode_tok_s_aggregate"], result["prefill_tok_s"])
     runs[config, binary].append(row)
-    print(f"{path.stem:40} batch 1 {row[0]:8.1f}  {result['concurrency']} sequences {row[1]:8.1f}  prefill {row[2]:8.0f}")
+    sequences = result["concurrency"]
+    print(f"{path.stem:40} batch 1 {row[0]:8.1f}  {sequences} sequences {row[1]:8.1f}  prefill {row[2]:8.0f}")
 print("medians:")
 for (config, binary), rows in sorted(runs.items()):
     medians = [statistics.median(column) for column in zip(*rows)]
@@ -55,12 +62,11 @@ PY
 decode_kernels='gemv|moe_gate_up|moe_down|attention_d|attention_combine|qkv_rope|route'
 for config in "${configs[@]}"; do
     for binary in "${binaries[@]}"; do
-        path=.stage/ab/$binary
-        [ "$binary" = stage ] && path=.stage/ferry
         name=$(basename "$config" .json)__${binary}
         ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
-            --kernel-name "regex:$decode_kernels" --launch-count 2000 "$path" bench --synthetic "$config" \
-            --device cuda --decode-tokens 6 --concurrency 4 >"$out/$name.csv" 2>"$out/$name.ncu.log" \
+            --kernel-name "regex:$decode_kernels" --launch-count 2000 \
+            "${path_of[$binary]}" bench --synthetic "$config" --device cuda --decode-tokens 6 --concurrency 4 \
+            >"$out/$name.csv" 2>"$out/$name.ncu.log" \
             || { echo "$name: ncu failed"; tail -3 "$out/$name.ncu.log"; continue; }
         echo "== $name"
         python3 bench/ncu_summary.py "$out/$name.csv" --min-launches 30 | head -24
