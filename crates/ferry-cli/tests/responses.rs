@@ -150,6 +150,15 @@ fn a_response_and_its_stream_agree_and_a_cut_one_is_incomplete() {
             .unwrap()
             > 0
     );
+    // vLLM's cache_salt: another tenant's request finds none of it.
+    let mut salted = request.clone();
+    salted["cache_salt"] = json!("tenant-a");
+    let (status, isolated) = respond(&server, &salted);
+    assert_eq!(status, 200, "{isolated}");
+    assert_eq!(
+        isolated["usage"]["input_tokens_details"]["cached_tokens"], 0,
+        "{isolated}"
+    );
 }
 
 /// The message's tokens, each with its logprob and alternatives, checked: greedy's token first among them.

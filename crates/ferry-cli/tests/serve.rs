@@ -139,6 +139,41 @@ fn a_repeated_prompt_is_answered_from_the_prefix_cache_unless_it_is_off() {
 }
 
 #[test]
+fn a_cache_salt_shares_the_prefix_cache_only_with_its_own_salt() {
+    let server = Server::start(&[]);
+    let prompt = "Tell me about ferries. ".repeat(8);
+    let cached = |route: &str, salt: Option<&str>| {
+        let mut request = match route {
+            "/v1/chat/completions" => chat(&prompt, json!({"max_tokens": 4, "temperature": 0})),
+            _ => json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}),
+        };
+        if let Some(salt) = salt {
+            request["cache_salt"] = json!(salt);
+        }
+        let (status, body) = server.post(route, &request);
+        assert_eq!(status, 200, "{body}");
+        body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let chat_route = "/v1/chat/completions";
+    assert_eq!(cached(chat_route, Some("tenant-a")), 0);
+    assert!(cached(chat_route, Some("tenant-a")) > 0, "the same salt shares");
+    assert_eq!(cached(chat_route, Some("tenant-b")), 0, "another salt does not");
+    assert_eq!(cached(chat_route, None), 0, "nor does an unsalted request");
+    assert!(cached(chat_route, None) > 0);
+    // Text completions take it too.
+    assert_eq!(cached("/v1/completions", Some("tenant-c")), 0);
+    assert!(cached("/v1/completions", Some("tenant-c")) > 0);
+    let (status, body) = server.post(chat_route, &chat("hi", json!({"max_tokens": 1, "cache_salt": ""})));
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("cache_salt")),
+        "{body}"
+    );
+}
+
+#[test]
 fn n_choices_are_the_answers_of_their_seeds_share_the_prompt_and_stream_by_index() {
     let server = Server::start(&[]);
     let prompt = "Tell me about ferries. ".repeat(8);

@@ -60,6 +60,8 @@ pub struct GenerationParams {
     pub include_stop_string: bool,
     /// Special tokens write their text (vLLM's `skip_special_tokens: false`).
     pub keep_special_tokens: bool,
+    /// Prefix-cache blocks are shared only with requests of this salt (vLLM's `cache_salt`).
+    pub cache_salt: Option<String>,
     /// Answer as a stream of events rather than one object.
     pub stream: bool,
 }
@@ -438,6 +440,7 @@ fn engine_request(
             include_stop_string: params.include_stop_string,
         },
         skip_special_tokens: !params.keep_special_tokens,
+        cache_salt: params.cache_salt.clone(),
         thinking_budget: None,
         prompt_ids,
     };

@@ -132,8 +132,21 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
             Some(_) => !body.boolean("skip_special_tokens")?,
         },
         min_tokens: min_tokens(body, max_tokens)?,
+        cache_salt: cache_salt(body)?,
         stream: body.boolean("stream")?,
     })
+}
+
+/// vLLM's `cache_salt`: a non-empty string; requests share prefix-cache blocks only with requests of the same salt.
+pub fn cache_salt(body: &Body) -> Result<Option<String>, ApiError> {
+    const FIELD: &str = "cache_salt";
+    match body.string(FIELD)? {
+        Some(salt) if salt.is_empty() => Err(ApiError::invalid_param(
+            FIELD,
+            format!("`{FIELD}` must be a non-empty string"),
+        )),
+        salt => Ok(salt),
+    }
 }
 
 /// At most this many `stop_token_ids`: each generated token is looked up among them.
@@ -541,6 +554,8 @@ mod tests {
             1
         );
         assert_eq!(body.chat.template_kwargs["enable_thinking"], json!(false));
+        let salted = chat(json!({"messages": [{"role": "user", "content": "hi"}], "cache_salt": "tenant-7"}));
+        assert_eq!(salted.unwrap().chat.params.cache_salt.as_deref(), Some("tenant-7"));
     }
 
     #[test]
@@ -575,6 +590,8 @@ mod tests {
             ("chat_template_kwargs", json!([])),
             ("seed", json!(1.5)),
             ("model", json!(3)),
+            ("cache_salt", json!("")),
+            ("cache_salt", json!(7)),
         ] {
             let mut body = json!({"messages": user});
             body[name] = value.clone();

@@ -73,6 +73,10 @@ pub struct Request {
     pub thinking_budget: Option<ThinkingBudget>,
     /// Special tokens write no text (the default; vLLM's `skip_special_tokens`).
     pub skip_special_tokens: bool,
+    /// The prefix cache shares this request's blocks only with requests of the same salt (vLLM's `cache_salt`:
+    /// one per tenant, so that none learns from the cache's timing what another's prompts held); None: with
+    /// every unsalted request.
+    pub cache_salt: Option<String>,
 }
 
 impl Request {
@@ -96,6 +100,7 @@ impl Request {
             stop: StopRules::default(),
             thinking_budget: None,
             skip_special_tokens: true,
+            cache_salt: None,
         }
     }
 
@@ -106,6 +111,9 @@ impl Request {
             return Err(Error::Request("the prompt is empty".into()));
         }
         validate_stop_strings("stop", &self.stop_strings).map_err(Error::Request)?;
+        if self.cache_salt.as_deref() == Some("") {
+            return Err(Error::Request("cache_salt must not be empty".into()));
+        }
         if self.max_tokens == 0 {
             return Err(Error::Request("max_tokens must be at least 1".into()));
         }
@@ -277,6 +285,9 @@ mod tests {
         let mut hot = request(&[1]);
         hot.sampling.temperature = -1.0;
         assert!(refusal(hot).contains("temperature"));
+        let mut salted = request(&[1]);
+        salted.cache_salt = Some(String::new());
+        assert!(refusal(salted).contains("cache_salt"));
         let mut repeated = request(&[1]);
         repeated.repetition_penalty = 0.0;
         assert!(refusal(repeated).contains("repetition_penalty"));

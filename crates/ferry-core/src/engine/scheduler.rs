@@ -26,7 +26,7 @@ use super::executor::Executor;
 use super::logprobs::token_logprobs;
 use super::request::{Event, EventSink, Request, RequestId};
 use crate::backend::SeqSlice;
-use crate::kv::{PrefixStats, SeqId};
+use crate::kv::{KvCache, PrefixStats, SeqId};
 use crate::loader::TextDecoder;
 use crate::{Error, Result};
 
@@ -353,7 +353,7 @@ impl<E: Executor> Scheduler<E> {
                 break;
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
-            let mut kv = self.executor.kv_mut().alloc_seq();
+            let mut kv = start_seq(self.executor.kv_mut(), &seq.request);
             // A prompt whose logprobs are asked for is computed whole: each position's logits score the next.
             let reused = match seq.request.prompt_logprobs {
                 Some(_) => Ok(0),
@@ -369,7 +369,7 @@ impl<E: Executor> Scheduler<E> {
                         seq.id.0
                     );
                     self.executor.kv_mut().free_seq(kv);
-                    kv = self.executor.kv_mut().alloc_seq();
+                    kv = start_seq(self.executor.kv_mut(), &seq.request);
                     0
                 }
             };
@@ -618,12 +618,24 @@ impl<E: Executor> Scheduler<E> {
             if let Some(kv) = seq.kv.take() {
                 let cache = self.executor.kv_mut();
                 cache.free_seq(kv);
-                seq.kv = Some(cache.alloc_seq());
+                seq.kv = Some(start_seq(cache, &seq.request));
             }
             seq.computed = 0;
             seq.solo = true;
         }
     }
+}
+
+/// A new sequence in `cache` for `request`, its blocks keyed under the request's cache salt, if any.
+fn start_seq(cache: &mut dyn KvCache, request: &Request) -> SeqId {
+    let seq = cache.alloc_seq();
+    if let Some(salt) = &request.cache_salt {
+        cache
+            .blocks_mut()
+            .salt_prefixes(seq, salt)
+            .expect("a sequence just allocated holds nothing");
+    }
+    seq
 }
 
 /// The length of a hybrid model's chunk of `len` tokens from `computed`, cut so that it ends where an anchor can

@@ -21,6 +21,8 @@ struct SeqBlocks {
     len: usize,
     /// The keys of its first blocks, published or found in the prefix cache.
     keys: Vec<BlockKey>,
+    /// The parent key of its first block: its salt's ([`BlockAllocator::salt_prefixes`]), or None.
+    root: Option<BlockKey>,
 }
 
 /// What a sequence found in the prefix cache when it started.
@@ -112,6 +114,7 @@ impl BlockAllocator {
             blocks: Vec::new(),
             len: 0,
             keys: Vec::new(),
+            root: None,
         });
         match self.seqs.iter().position(Option::is_none) {
             Some(i) => {
@@ -155,10 +158,11 @@ impl BlockAllocator {
         if self.get(seq)?.len > 0 || self.held_by(seq) > 0 {
             return Err(Error::Kv(format!("sequence {} already holds tokens", seq.0)));
         }
+        let root = self.get(seq)?.root;
         let Some(prefix) = self.prefix.as_mut() else {
             return Ok(Reused::default());
         };
-        let hit = prefix.lookup(tokens, needs_snapshot);
+        let hit = prefix.lookup(root, tokens, needs_snapshot);
         for &block in &hit.blocks {
             prefix.reuse(block);
             self.refs[block as usize] += 1;
@@ -173,6 +177,17 @@ impl BlockAllocator {
         })
     }
 
+    /// Keys `seq`'s blocks under `salt` (vLLM's `cache_salt`): it reuses and publishes cached blocks only among
+    /// sequences of the same salt. Call it as the sequence starts, before it holds anything.
+    pub fn salt_prefixes(&mut self, seq: SeqId, salt: &str) -> Result<()> {
+        if self.get(seq)?.len > 0 || self.held_by(seq) > 0 {
+            return Err(Error::Kv(format!("sequence {} already holds tokens", seq.0)));
+        }
+        let root = self.prefix.as_ref().map(|prefix| prefix.salt_key(salt));
+        self.seqs[seq.0 as usize].as_mut().expect("checked above").root = root;
+        Ok(())
+    }
+
     /// Publishes `seq`'s full blocks that `tokens` (its tokens from position 0, at least as far as it has
     /// computed) describe, so later sequences may reuse them. A block whose prefix is already cached elsewhere
     /// stays this sequence's own.
@@ -184,7 +199,7 @@ impl BlockAllocator {
         let full = s.len.min(tokens.len()) / self.block_size;
         for i in s.keys.len()..full {
             let chunk = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let parent = s.keys.last().copied();
+            let parent = s.keys.last().copied().or(s.root);
             let key = prefix.key(parent, chunk);
             prefix.insert(s.blocks[i], key, parent, chunk);
             s.keys.push(key);

@@ -98,9 +98,17 @@ impl PrefixIndex {
         self.clock
     }
 
-    /// The key of the block holding `tokens` after the block keyed `parent` (None: the first block).
+    /// The key of the block holding `tokens` after the block keyed `parent` (None: the first block of an unsalted
+    /// chain).
     pub fn key(&self, parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
         self.hasher.hash_one((parent, tokens))
+    }
+
+    /// The parent key of the first block of a chain salted with `salt` (vLLM's `cache_salt`): chains of different
+    /// salts, or salted and not, share no block, so that one tenant's requests cannot learn from the cache's timing
+    /// what another's prompts held.
+    pub fn salt_key(&self, salt: &str) -> BlockKey {
+        self.hasher.hash_one(("cache_salt", salt))
     }
 
     /// The block cached under `key`, if it holds `tokens` after `parent`.
@@ -111,16 +119,17 @@ impl PrefixIndex {
     }
 
     /// The longest cached prefix of `tokens`' full blocks (`tokens` is what may be reused: the caller leaves out
-    /// what must be computed). With `needs_snapshot` (a hybrid model), only up to the deepest block that carries a
-    /// snapshot, since the recurrent state cannot resume anywhere else. Counts the query; takes nothing.
-    pub fn lookup(&mut self, tokens: &[u32], needs_snapshot: bool) -> PrefixHit {
+    /// what must be computed) in the chain under `root` (a salt's key; None: unsalted). With `needs_snapshot` (a
+    /// hybrid model), only up to the deepest block that carries a snapshot, since the recurrent state cannot resume
+    /// anywhere else. Counts the query; takes nothing.
+    pub fn lookup(&mut self, root: Option<BlockKey>, tokens: &[u32], needs_snapshot: bool) -> PrefixHit {
         let mut hit = PrefixHit {
             blocks: Vec::new(),
             keys: Vec::new(),
             snapshot: None,
         };
         let mut usable = 0;
-        let mut parent = None;
+        let mut parent = root;
         for chunk in tokens.chunks_exact(self.block_size) {
             let key = self.key(parent, chunk);
             let Some(block) = self.find(key, parent, chunk) else {

@@ -174,6 +174,7 @@ impl ResponsesBody {
                 response_format,
                 stream,
                 logprobs,
+                cache_salt: crate::params::cache_salt(body)?,
                 ..GenerationParams::default()
             },
         };

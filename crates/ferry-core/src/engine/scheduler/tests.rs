@@ -213,11 +213,13 @@ fn run_to_idle(s: &mut Scheduler<FakeModel>) {
 }
 
 /// The text of a finished request and how it finished.
+/// The text a request wrote and the event that ended it (its prompt's logprobs, if asked for, passed over).
 fn outcome(rx: &mpsc::Receiver<Event>) -> (String, Event) {
     let mut text = String::new();
     for event in rx.try_iter() {
         match event {
             Event::Token { text: piece, .. } => text.push_str(&piece),
+            Event::PromptToken { .. } => {}
             last => return (text, last),
         }
     }

@@ -55,6 +55,40 @@ fn a_prompt_reuses_the_full_blocks_of_its_longest_cached_prefix() {
     assert_eq!((stats.queries, stats.hit_tokens), (5, 16));
 }
 
+/// [`run`] for a sequence whose blocks are keyed under `salt`.
+fn run_salted(a: &mut BlockAllocator, salt: &str, tokens: &[u32]) -> Reused {
+    let s = a.alloc_seq();
+    a.salt_prefixes(s, salt).unwrap();
+    let reused = a.attach_prefix(s, &tokens[..tokens.len() - 1], false).unwrap();
+    a.extend(&[(s, reused.tokens, tokens.len() - reused.tokens)]).unwrap();
+    a.publish(s, tokens);
+    reused
+}
+
+#[test]
+fn salted_prompts_share_blocks_only_with_prompts_of_the_same_salt() {
+    let mut a = cache(32, 0);
+    let prompt: Vec<u32> = (0..10).collect();
+    assert_eq!(run_salted(&mut a, "tenant-a", &prompt).tokens, 0, "a cold cache");
+    assert_eq!(
+        run_salted(&mut a, "tenant-a", &prompt).tokens,
+        8,
+        "the same salt shares"
+    );
+    assert_eq!(
+        run_salted(&mut a, "tenant-b", &prompt).tokens,
+        0,
+        "another salt does not"
+    );
+    assert_eq!(run(&mut a, &prompt).1.tokens, 0, "nor does an unsalted prompt");
+    assert_eq!(run(&mut a, &prompt).1.tokens, 8, "which shares with the unsalted");
+    assert_eq!(run_salted(&mut a, "tenant-b", &prompt).tokens, 8);
+    // A salt applies only to a sequence that holds nothing yet.
+    let s = a.alloc_seq();
+    a.extend(&[(s, 0, 3)]).unwrap();
+    assert!(a.salt_prefixes(s, "late").is_err());
+}
+
 #[test]
 fn cached_blocks_outlive_their_sequence_until_room_is_needed() {
     let mut a = cache(4, 0);

@@ -83,6 +83,33 @@ fn cached_answers_equal_cold_ones() {
 }
 
 #[test]
+fn a_cache_salt_shares_blocks_only_within_its_salt() {
+    for hybrid in [false, true] {
+        let mut s = caching(2, 64, 64, hybrid);
+        let base = prompt(18, 1);
+        let salted = |id: u64, salt: Option<&str>, logprobs: Option<usize>, s: &mut Scheduler<FakeModel>| {
+            let mut r = request(&base, 5);
+            r.cache_salt = salt.map(str::to_string);
+            r.prompt_logprobs = logprobs;
+            let rx = submit(s, id, r);
+            run_to_idle(s);
+            match outcome(&rx) {
+                (text, Event::Finished { cached_tokens, .. }) => (text, cached_tokens),
+                (_, other) => panic!("{other:?}"),
+            }
+        };
+        let expected = cold(&base, 5, hybrid);
+        // A prompt computed whole for its logprobs publishes its blocks under its salt too.
+        assert_eq!(salted(0, Some("a"), Some(0), &mut s), (expected.clone(), 0));
+        assert_eq!(salted(1, Some("a"), None, &mut s), (expected.clone(), 16));
+        assert_eq!(salted(2, Some("b"), None, &mut s), (expected.clone(), 0));
+        assert_eq!(salted(3, None, None, &mut s), (expected.clone(), 0));
+        assert_eq!(salted(4, None, None, &mut s), (expected.clone(), 16));
+        assert_eq!(salted(5, Some("b"), None, &mut s), (expected, 16));
+    }
+}
+
+#[test]
 fn a_hybrid_prompt_is_cut_at_its_anchors() {
     let mut s = caching(1, 64, 64, true);
     let base = prompt(18, 3);
