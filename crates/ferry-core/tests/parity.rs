@@ -7,8 +7,9 @@
 
 use std::path::{Path, PathBuf};
 
-use ferry_core::backend::cpu::CpuBackend;
+use ferry_core::backend::cpu::{CpuBackend, HostSum};
 use ferry_core::backend::cuda::CudaBackend;
+use ferry_core::backend::expert_parallel::ExpertParallel;
 use ferry_core::backend::Backend;
 use ferry_core::backend::{ForwardStep, SeqSlice};
 use ferry_core::engine::{Sampler, SamplingParams, MAX_BATCH_TOKENS};
@@ -397,4 +398,41 @@ fn check_state_across_calls<B: Backend>(backend: &B, name: &str, tolerance: f32)
         short_diff <= tolerance,
         "{name}: a sequence batched with another differs from its own call by {short_diff}"
     );
+}
+
+/// CPU ranks of an expert-parallel group, as many as `ranks`.
+fn cpu_group(ranks: usize) -> ExpertParallel<CpuBackend> {
+    ExpertParallel::new(vec![CpuBackend; ranks], Box::new(HostSum)).unwrap()
+}
+
+/// Expert parallelism on CPU ranks: each rank computes its share of every MoE layer's experts and the shares are
+/// summed across ranks, so the families (plain, hybrid with a shared expert, latent attention with grouped routing
+/// and shared experts, biased MXFP4 experts, FP8) still match their references; a group of one rank computes
+/// exactly what its backend does alone.
+#[test]
+fn expert_parallel_groups_match_the_references() {
+    for ranks in [2, 3] {
+        let group = cpu_group(ranks);
+        for name in [
+            "qwen3_moe",
+            "qwen3_5_moe",
+            "deepseek_v3",
+            "gpt_oss_mxfp4",
+            "glm4_moe_fp8",
+        ] {
+            check_family(&group, name);
+        }
+    }
+    let checkpoint = Checkpoint::open(&fixtures().join("qwen3_moe")).unwrap();
+    let prompt: Vec<u32> = (0..24u32).map(|t| (t * 31 + 5) % 200).collect();
+    let alone = greedy_chunked(
+        &CpuBackend,
+        &Model::load(&CpuBackend, &checkpoint).unwrap(),
+        &prompt,
+        4,
+        8,
+    );
+    let group = cpu_group(1);
+    let grouped = greedy_chunked(&group, &Model::load(&group, &checkpoint).unwrap(), &prompt, 4, 8);
+    assert_eq!(grouped, alone, "one rank: the same bits");
 }

@@ -53,3 +53,17 @@ fn qwen3_5_moe_text_hybrid() {
 fn qwen3_next_hybrid() {
     check_family("qwen3_next");
 }
+
+/// The same on an expert-parallel group of two CPU ranks, whose every rank keeps its own cache of the same blocks
+/// (the scheduler's bookkeeping copied from the first rank), a hybrid's state snapshots included.
+#[test]
+fn expert_parallel_ranks_share_the_prefix_cache() {
+    use ferry_core::backend::cpu::HostSum;
+    use ferry_core::backend::expert_parallel::ExpertParallel;
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    for name in ["qwen3_moe", "qwen3_5_moe"] {
+        prefix_common::check_family(&fixtures, name, || {
+            ExpertParallel::new(vec![CpuBackend, CpuBackend], Box::new(HostSum)).unwrap()
+        });
+    }
+}

@@ -9,6 +9,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod expert_parallel;
 pub mod profiled;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -333,6 +334,17 @@ pub trait Backend: Send + Sync + Sized {
     fn check_router(&self, kind: RouterKind) -> Result<()>;
     /// One MoE layer's routed experts, each computing `activation` between its projections.
     fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<Self::Experts>;
+    /// One rank's part of a MoE layer's routed experts in an expert-parallel group
+    /// ([`expert_parallel::ExpertParallel`]): `experts[e]` is None for an expert another rank holds, and
+    /// [`Backend::moe_experts`] then sums only the pairs routed to this rank's experts, in router order. A backend
+    /// that cannot hold part of a layer says so.
+    fn expert_shard(&self, experts: Vec<Option<ExpertTensors>>, activation: ExpertActivation) -> Result<Self::Experts> {
+        let _ = (experts, activation);
+        Err(Error::Config(format!(
+            "the {} backend cannot hold part of a MoE layer's experts (expert parallelism)",
+            self.name()
+        )))
+    }
     fn rope_table(&self, rope: &Rope) -> Result<Self::RopeTable>;
     fn new_kv(&self, spec: KvSpec) -> Result<Self::Kv>;
     /// Reserves KV room for the batch's new tokens and prepares its per-row positions and slots; fails (before

@@ -100,6 +100,9 @@ impl<B: Backend> Backend for Profiled<'_, B> {
     fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<Self::Experts> {
         self.inner.experts(experts, activation)
     }
+    fn expert_shard(&self, experts: Vec<Option<ExpertTensors>>, activation: ExpertActivation) -> Result<Self::Experts> {
+        self.inner.expert_shard(experts, activation)
+    }
     fn rope_table(&self, rope: &Rope) -> Result<Self::RopeTable> {
         self.inner.rope_table(rope)
     }

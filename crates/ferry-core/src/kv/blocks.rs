@@ -15,6 +15,7 @@ use super::prefix::{BlockKey, PrefixIndex, PrefixStats};
 use super::SeqId;
 use crate::{Error, Result};
 
+#[derive(Clone)]
 struct SeqBlocks {
     blocks: Vec<u32>,
     /// Positions written (or being written by the batch in flight); the blocks may hold more.
@@ -34,6 +35,7 @@ pub struct Reused {
     pub snapshot: Option<usize>,
 }
 
+#[derive(Clone)]
 pub struct BlockAllocator {
     block_size: usize,
     num_blocks: usize,

@@ -33,6 +33,7 @@ pub struct PrefixStats {
 }
 
 /// A full block whose prefix is known.
+#[derive(Clone)]
 struct Entry {
     key: BlockKey,
     parent: Option<BlockKey>,
@@ -50,6 +51,7 @@ pub struct PrefixHit {
     pub snapshot: Option<usize>,
 }
 
+#[derive(Clone)]
 pub struct PrefixIndex {
     hasher: RandomState,
     block_size: usize,

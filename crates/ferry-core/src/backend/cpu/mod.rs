@@ -7,6 +7,7 @@
 //! mismatch with [`Error::Shape`], never a panic.
 
 mod attention;
+mod collective;
 mod gdn;
 pub mod gemv;
 pub mod lane;
@@ -23,6 +24,7 @@ use super::{
 use crate::kv::{HostKv, KvSpec, SeqId};
 use crate::loader::{DType, TensorRef};
 use crate::{Error, Result};
+pub use collective::HostSum;
 use gemv::{BlockScales, WeightDType, WeightEncoding};
 pub use moe::{CpuExperts, Routing};
 
@@ -88,7 +90,7 @@ fn check_vector(w: &TensorRef, len: usize, op: &str) -> Result<()> {
     })
 }
 
-#[derive(Default)]
+#[derive(Clone, Copy, Default)]
 pub struct CpuBackend;
 
 /// A batch as the CPU ops see it: its slices and each row's position.
@@ -196,6 +198,10 @@ impl Backend for CpuBackend {
 
     fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<CpuExperts> {
         CpuExperts::new(experts, activation)
+    }
+
+    fn expert_shard(&self, experts: Vec<Option<ExpertTensors>>, activation: ExpertActivation) -> Result<CpuExperts> {
+        CpuExperts::shard(experts, activation)
     }
 
     fn rope_table(&self, rope: &Rope) -> Result<Rope> {

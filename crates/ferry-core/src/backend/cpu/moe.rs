@@ -127,19 +127,28 @@ fn sigmoid_grouped_top_k(
     (order, weights)
 }
 
-/// One MoE layer's routed experts, read in place, and what each computes between its projections.
+/// One MoE layer's routed experts, read in place, and what each computes between its projections; in an
+/// expert-parallel group, only this rank's (None for another rank's: their pairs add nothing here).
 pub struct CpuExperts {
-    experts: Vec<ExpertTensors>,
+    experts: Vec<Option<ExpertTensors>>,
     activation: ExpertActivation,
+    hidden: usize,
 }
 
 impl CpuExperts {
     /// Checks that the experts share one shape, `gate` and `up` `[inter, hidden]`, `down` `[hidden, inter]`, with
     /// biases to match.
     pub(super) fn new(experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<Self> {
+        Self::shard(experts.into_iter().map(Some).collect(), activation)
+    }
+
+    /// [`CpuExperts::new`] for a rank's part of the layer: `experts[e]` None for another rank's expert.
+    pub(super) fn shard(experts: Vec<Option<ExpertTensors>>, activation: ExpertActivation) -> Result<Self> {
         let first = experts
-            .first()
-            .ok_or_else(|| Error::Config("a MoE layer without experts".into()))?;
+            .iter()
+            .flatten()
+            .next()
+            .ok_or_else(|| Error::Config("a MoE layer (or a rank's part of one) without experts".into()))?;
         let (inter, hidden) = match first.gate.shape.as_slice() {
             &[inter, hidden] => (inter, hidden),
             shape => {
@@ -149,7 +158,7 @@ impl CpuExperts {
                 ))
             }
         };
-        for e in &experts {
+        for e in experts.iter().flatten() {
             for (t, shape) in [
                 (&e.gate, [inter, hidden]),
                 (&e.up, [inter, hidden]),
@@ -163,12 +172,16 @@ impl CpuExperts {
                 }
             }
         }
-        Ok(CpuExperts { experts, activation })
+        Ok(CpuExperts {
+            experts,
+            activation,
+            hidden,
+        })
     }
 
     /// [`crate::backend::Backend::moe_experts`] on the CPU.
     pub(super) fn forward(&self, x: &CpuTensor, routing: &Routing) -> Result<CpuTensor> {
-        let hidden = self.experts[0].down.shape[0];
+        let hidden = self.hidden;
         check_shape(x.cols == hidden && routing.ids.len() == x.rows * routing.top_k, || {
             format!(
                 "moe_experts: [{}, {}] rows, {} routed slots of top-{}, experts of {hidden}",
@@ -196,17 +209,18 @@ impl CpuExperts {
         let per_expert: Vec<(usize, Vec<f32>)> = rows_of
             .par_iter()
             .enumerate()
-            .filter(|(_, slots)| !slots.is_empty())
-            .map(|(e, slots)| {
+            .filter_map(|(e, slots)| Some((e, slots, self.experts[e].as_ref()?)))
+            .filter(|(_, slots, _)| !slots.is_empty())
+            .map(|(e, slots, tensors)| {
                 let gathered: Vec<f32> = slots
                     .iter()
                     .flat_map(|&slot| x.row(slot / routing.top_k).iter().copied())
                     .collect();
-                Ok((e, self.expert_forward(&gathered, slots.len(), &self.experts[e])?))
+                Ok((e, self.expert_forward(&gathered, slots.len(), tensors)?))
             })
             .collect::<Result<_>>()?;
         // Scatter each (row, k) result, then sum every row's experts in router order: the sum does not depend on
-        // which other rows share the batch.
+        // which other rows share the batch. Another rank's pairs have no result and add nothing.
         let mut by_slot: Vec<&[f32]> = vec![&[]; routing.ids.len()];
         for (e, y) in &per_expert {
             for (slot, out) in rows_of[*e].iter().zip(y.chunks(x.cols)) {
@@ -416,7 +430,7 @@ mod tests {
         for (got, want) in out.data.iter().zip(want) {
             assert!((got - want).abs() < 1e-5, "{:?} against {want}", out.data);
         }
-        let silu = CpuExperts::new(experts.experts.clone(), ExpertActivation::SiluGlu).unwrap();
+        let silu = CpuExperts::shard(experts.experts.clone(), ExpertActivation::SiluGlu).unwrap();
         let plain = silu.forward(&x, &routing).unwrap();
         assert!((plain.data[0] - (1.5 / (1.0 + (-1.5f32).exp()) + 0.25)).abs() < 1e-6);
         assert!(
