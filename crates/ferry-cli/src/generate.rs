@@ -7,7 +7,8 @@ use std::sync::{mpsc, Arc};
 use anyhow::{bail, Context, Result};
 use ferry_core::backend::Backend;
 use ferry_core::engine::{
-    Event, ModelExecutor, NoText, Request, RequestId, SamplingParams, Scheduler, SchedulerConfig, StopRules,
+    Event, ModelExecutor, NoText, Request, RequestId, SamplingParams, Scheduler, SchedulerConfig, SchedulingPolicy,
+    StopRules,
 };
 use ferry_core::loader::{ChatMessage, Checkpoint, TextDecoder, Tokenizer};
 use ferry_core::model::{Model, ModelInfo};
@@ -156,6 +157,7 @@ fn generate_on<B: Backend>(
         step_tokens,
         max_model_len,
         sampled_vocab: None,
+        policy: SchedulingPolicy::Fcfs,
     };
     let mut scheduler = Scheduler::new(config, executor, decoder)?;
 

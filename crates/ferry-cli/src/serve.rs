@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use axum::http::HeaderValue;
 use ferry_core::backend::Backend;
 use ferry_core::engine::plan::{MemoryPlan, PREFIX_SNAPSHOT_SLOTS};
-use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig};
+use ferry_core::engine::{EngineHandle, ModelExecutor, Scheduler, SchedulerConfig, SchedulingPolicy};
 use ferry_core::kv::KvCache;
 use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
@@ -91,8 +91,19 @@ pub struct ServeArgs {
     /// requests' prefixes.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// The order requests are served in: `fcfs` (arrival) or `priority` (by each request's `priority`, lower
+    /// first, then arrival; the last in that order is preempted first when the KV cache runs short).
+    #[arg(long, value_enum, default_value_t = SchedulingPolicyArg::Fcfs)]
+    scheduling_policy: SchedulingPolicyArg,
     #[command(flatten)]
     limits: ConnectionArgs,
+}
+
+/// `--scheduling-policy`: vLLM's names.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum SchedulingPolicyArg {
+    Fcfs,
+    Priority,
 }
 
 /// How long clients may take, and how many connections may be open.
@@ -280,6 +291,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
         special_tokens_in_content: !args.no_special_tokens_in_content,
         tool_call_format,
         prefix_cache: !args.no_prefix_cache,
+        priority_scheduling: args.scheduling_policy == SchedulingPolicyArg::Priority,
     })
 }
 
@@ -357,6 +369,10 @@ fn start_engine<B: Backend + 'static>(
             step_tokens: args.offload.step_tokens(plan),
             max_model_len,
             sampled_vocab: args.synthetic.is_some().then(|| tokenizer.vocab_size()),
+            policy: match args.scheduling_policy {
+                SchedulingPolicyArg::Fcfs => SchedulingPolicy::Fcfs,
+                SchedulingPolicyArg::Priority => SchedulingPolicy::Priority,
+            },
         },
         ModelExecutor::new(backend, model, kv),
         tokenizer,

@@ -174,6 +174,33 @@ fn a_cache_salt_shares_the_prefix_cache_only_with_its_own_salt() {
 }
 
 #[test]
+fn a_priority_is_served_only_under_priority_scheduling() {
+    for (flags, accepted) in [(&["--scheduling-policy", "priority"][..], true), (&[][..], false)] {
+        let server = Server::start(flags);
+        for route in ["/v1/chat/completions", "/v1/completions"] {
+            let mut request = match route {
+                "/v1/chat/completions" => chat("hi", json!({"max_tokens": 2})),
+                _ => json!({"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+            };
+            request["priority"] = json!(-3);
+            let (status, body) = server.post(route, &request);
+            if accepted {
+                assert_eq!(status, 200, "{route}: {body}");
+            } else {
+                assert_eq!(
+                    (status, body["error"]["param"].as_str()),
+                    (400, Some("priority")),
+                    "{body}"
+                );
+            }
+            // Priority 0 is every request's default, under either policy.
+            request["priority"] = json!(0);
+            assert_eq!(server.post(route, &request).0, 200);
+        }
+    }
+}
+
+#[test]
 fn n_choices_are_the_answers_of_their_seeds_share_the_prompt_and_stream_by_index() {
     let server = Server::start(&[]);
     let prompt = "Tell me about ferries. ".repeat(8);

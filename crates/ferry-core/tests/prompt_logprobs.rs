@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
-use ferry_core::engine::{Event, ModelExecutor, Request, Scheduler, SchedulerConfig, TokenLogprobs};
+use ferry_core::engine::{Event, ModelExecutor, Request, Scheduler, SchedulerConfig, SchedulingPolicy, TokenLogprobs};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::Model;
 
@@ -36,6 +36,7 @@ fn run(requests: Vec<Request>, step_tokens: usize, kv_tokens: usize) -> (Vec<Hea
         step_tokens,
         max_model_len: kv_tokens.min(64),
         sampled_vocab: None,
+        policy: SchedulingPolicy::Fcfs,
     };
     let mut scheduler = Scheduler::new(config, ModelExecutor::new(backend, model, kv), tokenizer).unwrap();
     let heard = engine_common::run_to_the_end(&mut scheduler, requests)

@@ -8,7 +8,7 @@ use std::sync::{mpsc, Arc};
 
 use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
-use ferry_core::engine::{Event, ModelExecutor, Request, RequestId, Scheduler, SchedulerConfig};
+use ferry_core::engine::{Event, ModelExecutor, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::Model;
 
@@ -40,6 +40,7 @@ fn scheduled(
             step_tokens,
             max_model_len,
             sampled_vocab: None,
+            policy: SchedulingPolicy::Fcfs,
         },
         ModelExecutor::new(backend, model, kv),
         tokenizer,

@@ -11,7 +11,7 @@ use ferry_core::backend::cpu::CpuBackend;
 use ferry_core::backend::Backend;
 use ferry_core::engine::{
     Event, FinishReason, GrammarCompiler, ModelExecutor, Request, ResponseFormat, SamplingParams, Scheduler,
-    SchedulerConfig,
+    SchedulerConfig, SchedulingPolicy,
 };
 use ferry_core::loader::{Checkpoint, Tokenizer};
 use ferry_core::model::Model;
@@ -41,6 +41,7 @@ fn generate(format: &ResponseFormat) -> Vec<(String, FinishReason)> {
             step_tokens: 256,
             max_model_len: 256,
             sampled_vocab: None,
+            policy: SchedulingPolicy::Fcfs,
         },
         ModelExecutor::new(backend, model, kv),
         tokenizer,

@@ -62,6 +62,8 @@ pub struct GenerationParams {
     pub keep_special_tokens: bool,
     /// Prefix-cache blocks are shared only with requests of this salt (vLLM's `cache_salt`).
     pub cache_salt: Option<String>,
+    /// vLLM's `priority`: under priority scheduling, lower is served first.
+    pub priority: i64,
     /// Answer as a stream of events rather than one object.
     pub stream: bool,
 }
@@ -404,6 +406,12 @@ fn engine_request(
     in_vocabulary("logit_bias", biased.iter())?;
     in_vocabulary("stop_token_ids", params.stop_token_ids.iter())?;
     in_vocabulary("allowed_token_ids", params.allowed_token_ids.iter())?;
+    if params.priority != 0 && !model.priority_scheduling {
+        return Err(ApiError::invalid_param(
+            "priority",
+            "`priority` is served only under priority scheduling (`ferry serve --scheduling-policy priority`)",
+        ));
+    }
     if params.keep_special_tokens && model.tool_call_format == Some(ToolCallFormat::Harmony) {
         // Harmony's parser puts the markers (special tokens) back itself.
         return Err(ApiError::invalid_param(
@@ -441,6 +449,7 @@ fn engine_request(
         },
         skip_special_tokens: !params.keep_special_tokens,
         cache_salt: params.cache_salt.clone(),
+        priority: params.priority,
         thinking_budget: None,
         prompt_ids,
     };

@@ -103,6 +103,9 @@ pub struct LoadedModel {
     /// The engine reuses cached prefixes (`--no-prefix-cache` turns it off): the choices of one prompt then start
     /// after its first, from its blocks.
     pub prefix_cache: bool,
+    /// The engine serves by request priority (`--scheduling-policy priority`); otherwise a non-zero `priority` is a
+    /// 400.
+    pub priority_scheduling: bool,
 }
 
 impl LoadedModel {

@@ -137,6 +137,7 @@ fn generation_params(body: &Body, max_tokens_fields: &[&str]) -> Result<Generati
         },
         min_tokens: min_tokens(body, max_tokens)?,
         cache_salt: cache_salt(body)?,
+        priority: body.integer("priority")?.unwrap_or(0),
         stream: body.boolean("stream")?,
     })
 }
@@ -485,6 +486,8 @@ mod tests {
             ("model", json!(3)),
             ("cache_salt", json!("")),
             ("cache_salt", json!(7)),
+            ("priority", json!("high")),
+            ("priority", json!(1.5)),
         ] {
             let mut body = json!({"messages": user});
             body[name] = value.clone();

@@ -8,7 +8,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use ferry_core::backend::Backend;
-use ferry_core::engine::{Event, Executor, ModelExecutor, NoText, Request, RequestId, Scheduler, SchedulerConfig};
+use ferry_core::engine::{
+    Event, Executor, ModelExecutor, NoText, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
+};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{Model, ModelInfo};
 use ferry_core::moe::RoutingTap;
@@ -153,6 +155,7 @@ pub(super) fn bench_on<B: Backend>(
         step_tokens: machine.step_tokens,
         max_model_len: kv_tokens,
         sampled_vocab: None,
+        policy: SchedulingPolicy::Fcfs,
     };
     let executor = BenchExecutor::new(executor, args.model.synthetic.is_some());
     let mut scheduler = Scheduler::new(config, executor, Arc::new(NoText))?;

@@ -21,6 +21,6 @@ pub use logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use plan::MAX_BATCH_TOKENS;
 pub use request::{Event, EventSink, FinishReason, Request, RequestId, StopRules, ThinkingBudget};
 pub use sampler::{apply_penalties, Sampler, SamplingParams};
-pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats, StepReport};
+pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats, SchedulingPolicy, StepReport};
 pub use service::{EngineHandle, EngineStatus, Heartbeat};
 pub use stop::{partial_match_len, validate_stop_strings, StopStrings};

@@ -77,6 +77,9 @@ pub struct Request {
     /// one per tenant, so that none learns from the cache's timing what another's prompts held); None: with
     /// every unsalted request.
     pub cache_salt: Option<String>,
+    /// Where it is served under priority scheduling ([`crate::engine::SchedulingPolicy::Priority`]): lower first,
+    /// equal ones in arrival order (vLLM's `priority`); under first-come-first-served it must be 0.
+    pub priority: i64,
 }
 
 impl Request {
@@ -101,6 +104,7 @@ impl Request {
             thinking_budget: None,
             skip_special_tokens: true,
             cache_salt: None,
+            priority: 0,
         }
     }
 

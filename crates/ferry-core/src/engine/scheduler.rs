@@ -2,11 +2,13 @@
 //! decode one token and fills the rest of a token budget with chunks of prompts still being prefilled, so one long
 //! prompt never freezes the other streams.
 //!
-//! KV is counted in the cache's blocks ([`crate::kv::BlockAllocator`], through [`Executor::kv`]), taken as a
-//! sequence grows. When a decode finds no free block, the newest running request is preempted: its KV is freed and
-//! it goes back to the front of the queue, to be recomputed from its prompt and the tokens it had generated. The
-//! oldest request is never preempted, and the cache holds at least one whole context window, so it always
-//! finishes. A forward pass that fails is retried one request at a time, so a failing request fails alone.
+//! Requests are served in arrival order, or under [`SchedulingPolicy::Priority`] by their priority first (lower
+//! first, as vLLM's `priority`), then arrival: the queue is admitted, and each step's token budget given, in that
+//! order. KV is counted in the cache's blocks ([`crate::kv::BlockAllocator`], through [`Executor::kv`]), taken as a
+//! sequence grows. When a decode finds no free block, the last running request in that order is preempted: its KV
+//! is freed and it goes back to the queue, to be recomputed from its prompt and the tokens it had generated. The
+//! first is never preempted, and the cache holds at least one whole context window, so it always finishes. A
+//! forward pass that fails is retried one request at a time, so a failing request fails alone.
 //!
 //! With prefix caching on (the cache's [`crate::kv::BlockAllocator::enable_prefix_cache`]), a request starts after
 //! the longest prefix of its tokens whose blocks are cached, always leaving its last token to compute; the blocks it
@@ -36,6 +38,16 @@ use crate::{Error, Result};
 /// offloaded prefill's chunks end on anchors anyway, and a prompt that diverges mid-way recomputes at most that much.
 pub const ANCHOR_EVERY_BLOCKS: usize = 256;
 
+/// The order requests are served in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SchedulingPolicy {
+    /// Arrival order; every request's priority must be 0.
+    #[default]
+    Fcfs,
+    /// By [`Request::priority`] (lower first), then arrival (vLLM's `--scheduling-policy priority`).
+    Priority,
+}
+
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
     pub max_running: usize,
@@ -48,11 +60,14 @@ pub struct SchedulerConfig {
     /// Sample only ids below this: a synthetic model serving with a borrowed tokenizer that cannot decode the rest
     /// of its vocabulary (the model still computes every logit). None: the whole vocabulary.
     pub sampled_vocab: Option<usize>,
+    pub policy: SchedulingPolicy,
 }
 
 /// A request the scheduler holds, queued or running.
 struct Sequence {
     id: RequestId,
+    /// Where it is served: (its priority, or 0 under FCFS; its arrival), the smallest first.
+    order: (i64, u64),
     request: Request,
     /// Prompt and generated tokens.
     tokens: Vec<u32>,
@@ -157,10 +172,13 @@ pub struct Scheduler<E: Executor> {
     config: SchedulerConfig,
     executor: E,
     decoder: Arc<dyn TextDecoder>,
+    /// Both in serving order ([`Sequence::order`]): the queue's first is admitted first, the running batch's last
+    /// preempted first.
     waiting: VecDeque<Sequence>,
-    /// In arrival order: the last is the first to be preempted.
     running: Vec<Sequence>,
     preemptions: u64,
+    /// Requests submitted so far: the next one's arrival.
+    arrivals: u64,
 }
 
 impl<E: Executor> Scheduler<E> {
@@ -188,6 +206,7 @@ impl<E: Executor> Scheduler<E> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             preemptions: 0,
+            arrivals: 0,
         })
     }
 
@@ -236,6 +255,13 @@ impl<E: Executor> Scheduler<E> {
             .validate(self.config.max_model_len, self.executor.vocab_size())
             .err()
             .or_else(|| {
+                (request.priority != 0 && self.config.policy == SchedulingPolicy::Fcfs).then(|| {
+                    Error::Request(
+                        "priority is only taken under priority scheduling (--scheduling-policy priority)".into(),
+                    )
+                })
+            })
+            .or_else(|| {
                 let held = self.waiting.len() + self.running.len();
                 (held >= self.config.max_running + self.config.max_queued).then(|| {
                     Error::Request(format!(
@@ -251,8 +277,10 @@ impl<E: Executor> Scheduler<E> {
             });
             return Err(error);
         }
-        self.waiting.push_back(Sequence {
+        self.arrivals += 1;
+        self.queue(Sequence {
             id,
+            order: (request.priority, self.arrivals),
             tokens: request.prompt_ids.clone(),
             computed: 0,
             cached: None,
@@ -326,8 +354,14 @@ impl<E: Executor> Scheduler<E> {
         }
     }
 
-    /// Moves the newest running request back to the front of the queue, freeing its KV.
-    fn preempt_newest(&mut self) {
+    /// Puts `seq` in the queue in serving order.
+    fn queue(&mut self, seq: Sequence) {
+        let at = self.waiting.partition_point(|s| s.order < seq.order);
+        self.waiting.insert(at, seq);
+    }
+
+    /// Moves the last running request in serving order back to the queue, freeing its KV.
+    fn preempt_last(&mut self) {
         if let Some(mut seq) = self.running.pop() {
             tracing::debug!(
                 "KV full: preempting request {} ({} tokens to recompute)",
@@ -335,7 +369,7 @@ impl<E: Executor> Scheduler<E> {
                 seq.tokens.len()
             );
             self.free_kv(&mut seq);
-            self.waiting.push_front(seq);
+            self.queue(seq);
             self.preemptions += 1;
         }
     }
@@ -377,12 +411,13 @@ impl<E: Executor> Scheduler<E> {
             seq.computed = reused;
             seq.last_anchor = reused;
             seq.cached.get_or_insert(reused.min(seq.request.prompt_ids.len()));
-            self.running.push(seq);
+            let at = self.running.partition_point(|s| s.order < seq.order);
+            self.running.insert(at, seq);
         }
     }
 
     /// Picks this step's slices (index into `running`, tokens to feed) and grows their KV blocks, preempting the
-    /// newest requests until something can run.
+    /// last running requests in serving order until something can run.
     fn plan(&mut self) -> Vec<(usize, usize)> {
         loop {
             let planned = match self.running.iter().position(|s| s.solo) {
@@ -402,7 +437,7 @@ impl<E: Executor> Scheduler<E> {
                 }
                 return Vec::new();
             }
-            self.preempt_newest();
+            self.preempt_last();
         }
     }
 

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{mpsc, Arc};
 
 use ferry_core::backend::Backend;
-use ferry_core::engine::{Event, ModelExecutor, Request, RequestId, Scheduler, SchedulerConfig};
+use ferry_core::engine::{Event, ModelExecutor, Request, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy};
 use ferry_core::kv::{KvCache, BLOCK_SIZE};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, Model};
@@ -45,6 +45,7 @@ fn answers<B: Backend>(
         step_tokens,
         max_model_len: 128,
         sampled_vocab: None,
+        policy: SchedulingPolicy::Fcfs,
     };
     let mut scheduler = Scheduler::new(config, ModelExecutor::new(backend, model, kv), tokenizer).unwrap();
     let mut out = Vec::new();

@@ -175,6 +175,7 @@ impl ResponsesBody {
                 stream,
                 logprobs,
                 cache_salt: crate::params::cache_salt(body)?,
+                priority: body.integer("priority")?.unwrap_or(0),
                 ..GenerationParams::default()
             },
         };

@@ -186,6 +186,7 @@ fn scheduler_sampling(
         step_tokens,
         max_model_len: 16,
         sampled_vocab,
+        policy: SchedulingPolicy::Fcfs,
     };
     Scheduler::new(config, FakeModel::new(blocks), Arc::new(Letters)).unwrap()
 }
@@ -313,6 +314,94 @@ fn when_kv_runs_out_the_newest_is_preempted_and_recomputed() {
     assert!(s.executor.kv.live.is_empty());
 }
 
+/// A scheduler of `scheduler(..)`'s kind serving by priority.
+fn by_priority(max_running: usize, blocks: usize) -> Scheduler<FakeModel> {
+    let config = SchedulerConfig {
+        policy: SchedulingPolicy::Priority,
+        ..scheduler(max_running, 64, blocks).config().clone()
+    };
+    Scheduler::new(config, FakeModel::new(blocks), Arc::new(Letters)).unwrap()
+}
+
+fn prioritised(prompt: &[u32], max_tokens: usize, priority: i64) -> Request {
+    Request {
+        priority,
+        ..request(prompt, max_tokens)
+    }
+}
+
+/// Steps `s` until idle; the step at which each of `rxs` finished, and its text.
+fn finishing_steps(s: &mut Scheduler<FakeModel>, rxs: &[mpsc::Receiver<Event>]) -> Vec<(usize, String)> {
+    let mut done: Vec<Option<(usize, String)>> = vec![None; rxs.len()];
+    let mut texts = vec![String::new(); rxs.len()];
+    for step in 0..400 {
+        if s.is_idle() {
+            break;
+        }
+        s.step();
+        for (i, rx) in rxs.iter().enumerate() {
+            for event in rx.try_iter() {
+                match event {
+                    Event::Token { text, .. } => texts[i].push_str(&text),
+                    Event::Finished { .. } => done[i] = Some((step, texts[i].clone())),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+    }
+    done.into_iter().map(|d| d.expect("finished")).collect()
+}
+
+#[test]
+fn priority_scheduling_serves_lower_priorities_first_then_by_arrival() {
+    let mut s = by_priority(1, 16);
+    let rxs: Vec<_> = [(0, 5), (1, -1), (2, 5), (3, 0)]
+        .into_iter()
+        .map(|(id, priority)| submit(&mut s, id, prioritised(&[1, 2, 3], 3, priority)))
+        .collect();
+    let finished: Vec<usize> = finishing_steps(&mut s, &rxs)
+        .into_iter()
+        .map(|(step, _)| step)
+        .collect();
+    let mut order: Vec<usize> = (0..4).collect();
+    order.sort_by_key(|&i| finished[i]);
+    assert_eq!(order, [1, 3, 0, 2]);
+}
+
+#[test]
+fn under_priority_scheduling_kv_shortage_preempts_the_lowest_priority() {
+    // As when_kv_runs_out_the_newest_is_preempted_and_recomputed, but the older request has the lower priority:
+    // it is the one preempted, so the newer finishes first; first come first served does the opposite.
+    for (policy, newer_first) in [(SchedulingPolicy::Priority, true), (SchedulingPolicy::Fcfs, false)] {
+        let mut s = match policy {
+            SchedulingPolicy::Priority => by_priority(2, 4),
+            SchedulingPolicy::Fcfs => scheduler(2, 64, 4),
+        };
+        let priority = |p| if policy == SchedulingPolicy::Priority { p } else { 0 };
+        let older = submit(&mut s, 0, prioritised(&[1, 2, 3, 4, 5], 7, priority(1)));
+        let newer = submit(&mut s, 1, prioritised(&[6, 7, 8, 9, 10], 7, priority(0)));
+        let finished = finishing_steps(&mut s, &[older, newer]);
+        assert!(s.stats().preemptions > 0, "{policy:?}");
+        assert_eq!(finished[1].0 < finished[0].0, newer_first, "{policy:?}: {finished:?}");
+        assert_eq!(finished[0].1, alone(&[1, 2, 3, 4, 5], 7));
+        assert_eq!(finished[1].1, alone(&[6, 7, 8, 9, 10], 7));
+    }
+}
+
+#[test]
+fn first_come_first_served_refuses_a_priority() {
+    let mut s = scheduler(1, 64, 16);
+    let (tx, _rx) = mpsc::channel();
+    let error = s
+        .submit(
+            RequestId(0),
+            prioritised(&[1], 2, 3),
+            Box::new(move |e| tx.send(e).is_ok()),
+        )
+        .unwrap_err();
+    assert!(error.to_string().contains("--scheduling-policy priority"), "{error}");
+}
+
 #[test]
 fn cancelling_or_hanging_up_frees_kv_at_once() {
     let mut s = scheduler(2, 64, 16);
@@ -415,6 +504,7 @@ fn a_cache_shorter_than_the_context_window_is_refused() {
         step_tokens: 64,
         max_model_len: 16,
         sampled_vocab: None,
+        policy: SchedulingPolicy::Fcfs,
     };
     let err = Scheduler::new(config, FakeModel::new(3), Arc::new(Letters))
         .err()

@@ -13,6 +13,7 @@ fn caching(max_running: usize, step_tokens: usize, blocks: usize, hybrid: bool) 
         step_tokens,
         max_model_len: 4 * blocks.min(400),
         sampled_vocab: None,
+        policy: SchedulingPolicy::Fcfs,
     };
     Scheduler::new(config, FakeModel::caching(blocks, hybrid, 4), Arc::new(Letters)).unwrap()
 }
@@ -25,6 +26,7 @@ fn cold(prompt: &[u32], max_tokens: usize, hybrid: bool) -> String {
         step_tokens: 64,
         max_model_len: 1600,
         sampled_vocab: None,
+        policy: SchedulingPolicy::Fcfs,
     };
     let mut model = FakeModel::new(400);
     model.kv.states = hybrid.then(HashMap::new);
