@@ -186,6 +186,19 @@ impl Server {
             .collect()
     }
 
+    /// The chunks of `request`'s chat answer streamed with a usage chunk, checked to end with `[DONE]`.
+    pub fn streamed_with_usage(&self, request: &Value) -> Vec<Value> {
+        let mut streamed = request.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let events = self.post_stream("/v1/chat/completions", &streamed);
+        assert_eq!(events.last().unwrap(), "[DONE]");
+        events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect()
+    }
+
     pub fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics", Some(KEY));
         text.lines()
