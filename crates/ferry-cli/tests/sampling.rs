@@ -1,7 +1,8 @@
 //! The sampling surface of `ferry serve` over real HTTP on the bundled fixture (random weights): logprobs in
 //! OpenAI's chat and completions shapes (plain and streamed), `logit_bias` moving greedy's choice, `min_p` and
 //! `repetition_penalty` accepted, `response_format` output that validates, `allowed_token_ids` and `bad_words`
-//! narrowing the output, and bad values refused by name.
+//! narrowing the output, logprobs naming tokens by id (`return_tokens_as_token_ids`), and bad values refused by
+//! name.
 
 mod common;
 
@@ -111,6 +112,60 @@ fn completion_logprobs_have_openais_legacy_shape() {
         );
         assert_eq!(top[token.as_str()].as_f64().unwrap(), best);
     }
+}
+
+#[test]
+fn tokens_as_token_ids_name_each_logprob_by_its_id() {
+    let server = Server::start(&[]);
+    // Text completions: the same answer, its tokens and top_logprobs keys as `token_id:{id}` of the ids the
+    // answer's return_token_ids gives, its offsets still counting the text.
+    let body = json!({"prompt": "Once upon", "max_tokens": 5, "temperature": 0, "logprobs": 2,
+                      "return_token_ids": true});
+    let by_text = ok(&server, "/v1/completions", &body);
+    let mut asked = body.clone();
+    asked["return_tokens_as_token_ids"] = json!(true);
+    let by_id = ok(&server, "/v1/completions", &asked);
+    let (text_choice, id_choice) = (&by_text["choices"][0], &by_id["choices"][0]);
+    assert_eq!(id_choice["text"], text_choice["text"]);
+    let ids: Vec<u64> = serde_json::from_value(id_choice["token_ids"].clone()).unwrap();
+    let names: Vec<String> = serde_json::from_value(id_choice["logprobs"]["tokens"].clone()).unwrap();
+    assert_eq!(names, ids.iter().map(|id| format!("token_id:{id}")).collect::<Vec<_>>());
+    assert_eq!(
+        id_choice["logprobs"]["text_offset"],
+        text_choice["logprobs"]["text_offset"]
+    );
+    for (i, name) in names.iter().enumerate() {
+        let top = id_choice["logprobs"]["top_logprobs"][i].as_object().unwrap();
+        assert!(top.contains_key(name.as_str()), "{top:?}");
+        assert!(top.keys().all(|k| k.starts_with("token_id:")), "{top:?}");
+    }
+    // Chat: each entry's token and its alternatives' likewise, the bytes those of the name.
+    let chat_body = chat(
+        json!({"logprobs": true, "top_logprobs": 2, "return_tokens_as_token_ids": true,
+                                "return_token_ids": true}),
+    );
+    let answer = ok(&server, "/v1/chat/completions", &chat_body);
+    let ids: Vec<u64> = serde_json::from_value(answer["choices"][0]["token_ids"].clone()).unwrap();
+    let content = answer["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), ids.len());
+    for (entry, id) in content.iter().zip(&ids) {
+        let name = format!("token_id:{id}");
+        assert_eq!(entry["token"], json!(name));
+        assert_eq!(entry["bytes"], json!(name.as_bytes()));
+        assert!(entry["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|alt| alt["token"].as_str().unwrap().starts_with("token_id:")));
+    }
+    let (status, error) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "return_tokens_as_token_ids": "yes"}),
+    );
+    assert_eq!(
+        (status, error["error"]["param"].as_str()),
+        (400, Some("return_tokens_as_token_ids"))
+    );
 }
 
 #[test]

@@ -38,6 +38,8 @@ pub struct OpenAiOptions {
     pub structured_outputs: bool,
     /// vLLM's `return_token_ids`: the prompt's and each choice's token ids with the text.
     pub return_token_ids: bool,
+    /// vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:{id}`.
+    pub token_names: sampling::TokenNames,
     /// vLLM's `prompt_logprobs`: each prompt token's logprob, rank and this many most likely alternatives, with
     /// the answer (not with a stream, as vLLM).
     pub prompt_logprobs: Option<usize>,
@@ -184,6 +186,10 @@ fn options(body: &Body) -> Result<OpenAiOptions, ApiError> {
         choices: body.positive("n")?.unwrap_or(1),
         structured_outputs: body.get("structured_outputs").is_some(),
         return_token_ids: body.boolean("return_token_ids")?,
+        token_names: match body.boolean("return_tokens_as_token_ids")? {
+            true => sampling::TokenNames::Ids,
+            false => sampling::TokenNames::Text,
+        },
         request_id: body
             .string("request_id")?
             .map(|id| checked_request_id("request_id", id))

@@ -203,8 +203,28 @@ fn token_text(model: &LoadedModel, id: u32) -> String {
     model.tokenizer.decode(&[id], false).unwrap_or_default()
 }
 
-fn chat_entry(model: &LoadedModel, id: u32, logprob: f32) -> Map<String, Value> {
-    let token = token_text(model, id);
+/// How logprobs name their tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TokenNames {
+    /// By their text.
+    #[default]
+    Text,
+    /// As `token_id:{id}` (vLLM's `return_tokens_as_token_ids`): a token that is part of a character, whose text
+    /// alone is U+FFFD, stays identifiable.
+    Ids,
+}
+
+impl TokenNames {
+    fn name(self, model: &LoadedModel, id: u32) -> String {
+        match self {
+            TokenNames::Text => token_text(model, id),
+            TokenNames::Ids => format!("token_id:{id}"),
+        }
+    }
+}
+
+fn chat_entry(model: &LoadedModel, id: u32, logprob: f32, names: TokenNames) -> Map<String, Value> {
+    let token = names.name(model, id);
     let bytes: Vec<u8> = token.clone().into_bytes();
     let mut entry = Map::new();
     entry.insert("token".into(), token.into());
@@ -215,20 +235,23 @@ fn chat_entry(model: &LoadedModel, id: u32, logprob: f32) -> Map<String, Value> 
 
 /// One token's logprobs as chat (and the Responses API's `output_text`) shows them: `{token, logprob, bytes,
 /// top_logprobs: [{token, logprob, bytes}]}`.
-pub fn token_json(model: &LoadedModel, id: u32, lp: &TokenLogprobs) -> Value {
-    let mut entry = chat_entry(model, id, lp.logprob);
+pub fn token_json(model: &LoadedModel, id: u32, lp: &TokenLogprobs, names: TokenNames) -> Value {
+    let mut entry = chat_entry(model, id, lp.logprob, names);
     let top: Vec<Value> = lp
         .top
         .iter()
-        .map(|&(alt, logprob)| Value::Object(chat_entry(model, alt, logprob)))
+        .map(|&(alt, logprob)| Value::Object(chat_entry(model, alt, logprob, names)))
         .collect();
     entry.insert("top_logprobs".into(), top.into());
     Value::Object(entry)
 }
 
 /// Chat's `logprobs`: `{"content": [`[`token_json`]`...]}`.
-pub fn chat_json(model: &LoadedModel, tokens: &[(u32, TokenLogprobs)]) -> Value {
-    let content: Vec<Value> = tokens.iter().map(|(id, lp)| token_json(model, *id, lp)).collect();
+pub fn chat_json(model: &LoadedModel, tokens: &[(u32, TokenLogprobs)], names: TokenNames) -> Value {
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|(id, lp)| token_json(model, *id, lp, names))
+        .collect();
     json!({ "content": content })
 }
 
@@ -253,26 +276,28 @@ pub fn prompt_logprobs_json(model: &LoadedModel, scores: &[PromptScore], top: us
 
 /// A text completion's `logprobs`: `{tokens, token_logprobs, top_logprobs, text_offset}`, offsets counted in bytes
 /// from `offset` (where these tokens start in the completion); each `top_logprobs` entry holds the chosen token and
-/// its alternatives. A token without logprobs (an echoed prompt's first) has null for both.
+/// its alternatives. A token without logprobs (an echoed prompt's first) has null for both. Tokens are named as
+/// `names` says; offsets always count the text.
 pub fn completion_json<'a>(
     model: &LoadedModel,
     tokens: impl IntoIterator<Item = (u32, Option<&'a TokenLogprobs>)>,
     offset: &mut usize,
+    names: TokenNames,
 ) -> Value {
     let mut texts = Vec::new();
     let mut logprobs = Vec::new();
     let mut tops = Vec::new();
     let mut offsets = Vec::new();
     for (id, lp) in tokens {
-        let text = token_text(model, id);
         offsets.push(*offset);
-        *offset += text.len();
+        *offset += token_text(model, id).len();
+        let name = names.name(model, id);
         match lp {
             Some(lp) => {
                 let mut top = Map::new();
-                top.insert(text.clone(), lp.logprob.into());
+                top.insert(name.clone(), lp.logprob.into());
                 for &(alt, logprob) in &lp.top {
-                    top.insert(token_text(model, alt), logprob.into());
+                    top.insert(names.name(model, alt), logprob.into());
                 }
                 logprobs.push(lp.logprob.into());
                 tops.push(Value::Object(top));
@@ -282,7 +307,7 @@ pub fn completion_json<'a>(
                 tops.push(Value::Null);
             }
         }
-        texts.push(text);
+        texts.push(name);
     }
     json!({"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
 }

@@ -50,6 +50,8 @@ struct Renderer {
     continuous_usage: bool,
     /// vLLM's `return_token_ids`: token ids ride with the text.
     return_token_ids: bool,
+    /// How logprobs name tokens (vLLM's `return_tokens_as_token_ids`).
+    token_names: sampling::TokenNames,
     /// The model may reason: a whole chat answer then says `reasoning_content: null` when it did not.
     splits_reasoning: bool,
     /// The model whose tokens logprobs name.
@@ -178,6 +180,7 @@ impl Renderer {
             include_usage: options.include_usage,
             continuous_usage: options.continuous_usage,
             return_token_ids: options.return_token_ids,
+            token_names: options.token_names,
             splits_reasoning,
             tokens_of: model.clone(),
             logprobs_asked: logprobs,
@@ -194,7 +197,7 @@ impl Renderer {
         }
         let model = &self.tokens_of;
         match self.endpoint {
-            Endpoint::Chat => sampling::chat_json(model, tokens),
+            Endpoint::Chat => sampling::chat_json(model, tokens, self.token_names),
             Endpoint::Text => {
                 let text_offset = &self.text_offsets[choice];
                 let mut offset = text_offset.get();
@@ -202,7 +205,7 @@ impl Renderer {
                     .into_iter()
                     .flat_map(|e| e.tokens.iter().map(|(id, lp)| (*id, lp.as_ref())));
                 let generated = tokens.iter().map(|(id, lp)| (*id, Some(lp)));
-                let rendered = sampling::completion_json(model, prompt.chain(generated), &mut offset);
+                let rendered = sampling::completion_json(model, prompt.chain(generated), &mut offset, self.token_names);
                 text_offset.set(offset);
                 rendered
             }

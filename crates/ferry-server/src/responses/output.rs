@@ -162,7 +162,7 @@ impl OutputItems {
         if let Some(model) = &self.logprobs_of {
             let entries = logprobs
                 .iter()
-                .map(|(id, lp)| crate::sampling::token_json(model, *id, lp));
+                .map(|(id, lp)| crate::sampling::token_json(model, *id, lp, crate::sampling::TokenNames::Text));
             self.pending.extend(entries);
         }
         self.pieces(pieces, events);
