@@ -22,6 +22,11 @@ mod vllm;
 pub const NO_ACTION_FIELDS: &[&str] = &[
     // An end-user id that OpenAI keeps for abuse monitoring; a self-hosted server has no such monitoring.
     "user",
+    // Its successor, likewise.
+    "safety_identifier",
+    // A hint that routes requests sharing a prefix to one cache; this server's prefix cache finds shared prefixes by
+    // their tokens (vLLM's `cache_salt` is what separates tenants).
+    "prompt_cache_key",
 ];
 
 /// What an OpenAI body says besides the neutral request.
@@ -432,7 +437,8 @@ mod tests {
             "max_completion_tokens": 5, "max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": -1,
             "seed": 3, "stop": "x", "presence_penalty": 1, "frequency_penalty": -1, "n": 3,
             "stream": true, "stream_options": {"include_usage": true},
-            "chat_template_kwargs": {"enable_thinking": false}
+            "chat_template_kwargs": {"enable_thinking": false},
+            "user": "u-1", "safety_identifier": "s-1", "prompt_cache_key": "agent-7"
         }))
         .unwrap();
         assert_eq!(body.chat.messages[1].content, "hi there");
