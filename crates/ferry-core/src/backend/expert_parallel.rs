@@ -41,14 +41,10 @@ impl<B: Backend> ExpertParallel<B> {
         Ok(ExpertParallel { ranks, collective })
     }
 
-    pub fn ranks(&self) -> &[B] {
-        &self.ranks
-    }
-
     /// The rank that holds and computes routed expert `expert` of every MoE layer: experts are dealt out in turn,
     /// so each rank holds an equal share of every layer (to within one) and, under routing that favours no expert
     /// by its index, an equal share of each step's work.
-    pub fn home_rank(&self, expert: usize) -> usize {
+    fn home_rank(&self, expert: usize) -> usize {
         expert % self.ranks.len()
     }
 
@@ -164,7 +160,7 @@ impl<B: Backend> Backend for ExpertParallel<B> {
         self.each(|_, rank| rank.check_router(kind)).map(drop)
     }
 
-    /// Each rank's share of the layer: its home experts ([`ExpertParallel::home_rank`]); a group of one holds them
+    /// Each rank's share of the layer: its home experts (`home_rank`); a group of one holds them
     /// all, as its backend alone would.
     fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<Self::Experts> {
         if self.ranks.len() == 1 {
