@@ -2,7 +2,7 @@
 //! `allowed_tools`), plain and streamed: on the scripted checkpoint they are the calls the model makes unforced; on a
 //! random model, in each format that tags its calls (Hermes, Qwen XML, GLM-4.5, DeepSeek-V3.1), every answer is calls
 //! of declared tools (the allowed ones) with arguments valid under their schemas. (Harmony's forced calls:
-//! scripts/openai_client_test.py.)
+//! scripts/openai_client_test.py.) Also vLLM's `include_reasoning: false`, which leaves the reasoning out.
 
 mod common;
 
@@ -159,6 +159,80 @@ fn forced_choices_give_the_calls_the_scripted_model_makes_unforced_plain_and_str
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), 4, "every call has an id of its own: {whole}");
+}
+
+#[test]
+fn include_reasoning_false_leaves_the_reasoning_out_plain_and_streamed() {
+    // The scripted Hermes checkpoint thinks, says a sentence, then calls the tool.
+    let server = serve("tool_calls_hermes", &[]);
+    let body = |include: Option<bool>| {
+        let mut body = chat(
+            "What is the weather in Paris?",
+            json!({"tools": [weather(json!({"type": "string"}))], "max_tokens": 200, "temperature": 0}),
+        );
+        if let Some(include) = include {
+            body["include_reasoning"] = json!(include);
+        }
+        body
+    };
+    let reasoning_of = |body: &Value| -> (Value, String) {
+        let (_, whole) = server.post("/v1/chat/completions", body);
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let deltas: String = server
+            .post_stream("/v1/chat/completions", &streamed)
+            .iter()
+            .filter(|data| *data != "[DONE]")
+            .filter_map(|data| {
+                let chunk: Value = serde_json::from_str(data).unwrap();
+                chunk["choices"][0]["delta"]["reasoning_content"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .collect();
+        (
+            whole["choices"][0]["message"]
+                .get("reasoning_content")
+                .cloned()
+                .unwrap_or(Value::Null),
+            deltas,
+        )
+    };
+    for include in [None, Some(true)] {
+        let (whole, streamed) = reasoning_of(&body(include));
+        assert_eq!(whole, json!("\nThe user wants the weather.\n"), "{include:?}");
+        assert_eq!(streamed, "\nThe user wants the weather.\n");
+    }
+    assert_eq!(reasoning_of(&body(Some(false))), (Value::Null, String::new()));
+    // The rest of the answer is the same.
+    let (content, calls, finish) = answer(&server, &body(Some(false)));
+    assert_eq!(
+        answer(&server, &body(None)),
+        (content.clone(), calls.clone(), finish.clone())
+    );
+    assert_eq!(
+        streamed_answer(&server, &body(Some(false))),
+        streamed_answer(&server, &body(None))
+    );
+    assert_eq!(
+        calls,
+        [("get_weather".to_string(), json!({"city": "Paris", "days": 3}))]
+    );
+    let (status, error) = server.post(
+        "/v1/chat/completions",
+        &body(None)
+            .as_object()
+            .map(|b| {
+                let mut b = b.clone();
+                b.insert("include_reasoning".into(), json!("no"));
+                Value::Object(b)
+            })
+            .unwrap(),
+    );
+    assert_eq!(
+        (status, error["error"]["param"].as_str()),
+        (400, Some("include_reasoning"))
+    );
 }
 
 #[test]

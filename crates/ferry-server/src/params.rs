@@ -45,6 +45,9 @@ pub struct OpenAiOptions {
     pub return_token_ids: bool,
     /// vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:{id}`.
     pub token_names: sampling::TokenNames,
+    /// vLLM's `include_reasoning` (chat; true unless false): the answer carries the model's reasoning
+    /// (`reasoning_content`); false leaves it out (it is still generated and counted).
+    pub include_reasoning: bool,
     /// vLLM's `prompt_logprobs`: each prompt token's logprob, rank and this many most likely alternatives, with
     /// the answer (not with a stream, as vLLM).
     pub prompt_logprobs: Option<usize>,
@@ -195,6 +198,8 @@ fn options(body: &Body) -> Result<OpenAiOptions, ApiError> {
             true => sampling::TokenNames::Ids,
             false => sampling::TokenNames::Text,
         },
+        // A chat answer's; text completions have no reasoning apart.
+        include_reasoning: true,
         request_id: body
             .string("request_id")?
             .map(|id| checked_request_id("request_id", id))
@@ -357,8 +362,12 @@ impl ChatBody {
             },
             ending: chat_ending(add_generation_prompt, body.boolean("continue_final_message")?)?,
         };
-        let options = options(body)?;
+        let mut options = options(body)?;
         chat.params.prompt_logprobs = options.prompt_logprobs;
+        options.include_reasoning = match body.raw("include_reasoning") {
+            None | Some(Value::Null) => true,
+            Some(_) => body.boolean("include_reasoning")?,
+        };
         body.refuse_unread(NO_ACTION_FIELDS)?;
         Ok(ChatBody { chat, options })
     }

@@ -52,6 +52,8 @@ struct Renderer {
     return_token_ids: bool,
     /// How logprobs name tokens (vLLM's `return_tokens_as_token_ids`).
     token_names: sampling::TokenNames,
+    /// The answer carries the reasoning (vLLM's `include_reasoning`).
+    include_reasoning: bool,
     /// The model may reason: a whole chat answer then says `reasoning_content: null` when it did not.
     splits_reasoning: bool,
     /// The model whose tokens logprobs name.
@@ -79,7 +81,8 @@ impl Text {
     fn add(&mut self, renderer: &Renderer, choice: usize, pieces: &[Piece], streamed: bool) {
         for piece in pieces {
             match piece {
-                Piece::Reasoning(text) => self.reasoning += text,
+                Piece::Reasoning(text) if renderer.include_reasoning => self.reasoning += text,
+                Piece::Reasoning(_) => {}
                 Piece::Content(text) => self.content += text,
                 Piece::ToolCallStart { index, name } => {
                     let mut call = json!({
@@ -181,6 +184,7 @@ impl Renderer {
             continuous_usage: options.continuous_usage,
             return_token_ids: options.return_token_ids,
             token_names: options.token_names,
+            include_reasoning: options.include_reasoning,
             splits_reasoning,
             tokens_of: model.clone(),
             logprobs_asked: logprobs,
@@ -262,7 +266,7 @@ impl Renderer {
                 }
                 if !text.reasoning.is_empty() {
                     message.insert("reasoning_content".into(), text.reasoning.clone().into());
-                } else if !streamed && self.splits_reasoning {
+                } else if !streamed && self.splits_reasoning && self.include_reasoning {
                     message.insert("reasoning_content".into(), Value::Null);
                 }
                 if !text.tool_calls.is_empty() {
