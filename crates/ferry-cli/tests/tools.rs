@@ -204,6 +204,30 @@ fn include_reasoning_false_leaves_the_reasoning_out_plain_and_streamed() {
         assert_eq!(streamed, "\nThe user wants the weather.\n");
     }
     assert_eq!(reasoning_of(&body(Some(false))), (Value::Null, String::new()));
+    // Either way the reasoning was generated, and the usage counts it, as the Responses API does for the same answer.
+    let reasoning_tokens = |body: &Value| {
+        let (_, whole) = server.post("/v1/chat/completions", body);
+        let usage = &whole["usage"];
+        let reasoning = usage["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap();
+        assert!(
+            reasoning > 0 && reasoning < usage["completion_tokens"].as_u64().unwrap(),
+            "{usage}"
+        );
+        reasoning
+    };
+    let counted = reasoning_tokens(&body(None));
+    assert_eq!(reasoning_tokens(&body(Some(false))), counted);
+    let (_, response) = server.post(
+        "/v1/responses",
+        &json!({"model": "tiny", "input": "What is the weather in Paris?", "max_output_tokens": 200,
+                "temperature": 0, "tools": [{"type": "function", "name": "get_weather",
+                "parameters": weather(json!({"type": "string"}))["function"]["parameters"]}]}),
+    );
+    assert_eq!(
+        response["usage"]["output_tokens_details"]["reasoning_tokens"],
+        json!(counted),
+        "{response}"
+    );
     // The rest of the answer is the same.
     let (content, calls, finish) = answer(&server, &body(Some(false)));
     assert_eq!(

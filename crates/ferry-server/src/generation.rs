@@ -53,6 +53,8 @@ pub struct Finish {
     /// Of the prompt tokens, those whose KV came from the prefix cache.
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// Of the completion tokens, those the model reasoned in ([`PieceParser::reasoning_tokens`]).
+    pub reasoning_tokens: usize,
 }
 
 /// What a generation produces next.
@@ -73,6 +75,7 @@ pub struct PieceParser {
     reasoning: Option<ReasoningParser>,
     tools: Option<ToolCallParser>,
     harmony: Option<HarmonyParser>,
+    reasoning_tokens: usize,
 }
 
 impl PieceParser {
@@ -83,6 +86,7 @@ impl PieceParser {
             reasoning,
             tools,
             harmony: None,
+            reasoning_tokens: 0,
         }
     }
 
@@ -92,6 +96,7 @@ impl PieceParser {
             reasoning: None,
             tools: None,
             harmony: Some(parser),
+            reasoning_tokens: 0,
         }
     }
 
@@ -108,11 +113,30 @@ impl PieceParser {
         self.reasoning.is_some() || self.harmony.is_some()
     }
 
+    /// Whether the output is in the model's reasoning.
+    fn in_reasoning(&self) -> bool {
+        match &self.harmony {
+            Some(harmony) => harmony.in_reasoning(),
+            None => self.reasoning.as_ref().is_some_and(ReasoningParser::in_reasoning),
+        }
+    }
+
+    /// Tokens so far that the model reasoned in: those that gave reasoning, or gave nothing while the output was in
+    /// its reasoning (text held back, the tag that ends the reasoning).
+    pub fn reasoning_tokens(&self) -> usize {
+        self.reasoning_tokens
+    }
+
     /// Token `id`'s text: the markup a Harmony model writes in special tokens is given back (the engine's text
     /// leaves special tokens out).
     fn push_token(&mut self, id: u32, text: &str) -> Vec<Piece> {
+        let was_reasoning = self.in_reasoning();
         let marker = self.harmony.as_ref().and_then(|h| h.marker(id));
-        self.push(marker.unwrap_or(text))
+        let pieces = self.push(marker.unwrap_or(text));
+        if pieces.iter().any(|p| matches!(p, Piece::Reasoning(_))) || (pieces.is_empty() && was_reasoning) {
+            self.reasoning_tokens += 1;
+        }
+        pieces
     }
 
     fn push(&mut self, text: &str) -> Vec<Piece> {
@@ -368,6 +392,7 @@ impl Generation {
                     prompt_tokens,
                     cached_tokens,
                     completion_tokens,
+                    reasoning_tokens: self.parser.reasoning_tokens(),
                 };
                 Output::Finished(pieces, finish)
             }
@@ -422,6 +447,20 @@ impl Generation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reasoning_tokens_are_those_that_reason_or_are_held_back_while_reasoning() {
+        let mut parser = PieceParser::new(Some(ReasoningParser::new("<|im_start|>assistant\n<think>\n")), None);
+        // Reasoning; a part of the closing tag, held back; the rest of it, which gives nothing; then content.
+        for (text, reasoning) in [("so", 1), ("</thi", 2), ("nk>", 3), ("\n\nyes", 3), (" no", 3)] {
+            parser.push_token(0, text);
+            assert_eq!(parser.reasoning_tokens(), reasoning, "after {text:?}");
+        }
+        let mut plain = PieceParser::new(None, None);
+        plain.push_token(0, "");
+        plain.push_token(0, "hi");
+        assert_eq!(plain.reasoning_tokens(), 0);
+    }
 
     #[test]
     fn pieces_keep_reasoning_before_content_and_drop_empty_text() {

@@ -143,18 +143,24 @@ fn finish_reason(reason: &FinishReason) -> &'static str {
 }
 
 /// The usage of a response whose choices ended so, `per_prompt` a prompt: each prompt once (as its first choice
-/// computed it, the others reusing its blocks), the completions of all.
-fn usage(finishes: &[Finish], per_prompt: usize) -> Value {
+/// computed it, the others reusing its blocks), the completions of all; a chat answer's with the tokens its
+/// choices reasoned in (`completion_tokens_details.reasoning_tokens`, as OpenAI reports them).
+fn usage(endpoint: Endpoint, finishes: &[Finish], per_prompt: usize) -> Value {
     let firsts = || finishes.iter().step_by(per_prompt.max(1));
     let prompt: usize = firsts().map(|f| f.prompt_tokens).sum();
     let cached: usize = firsts().map(|f| f.cached_tokens).sum();
     let completion: usize = finishes.iter().map(|f| f.completion_tokens).sum();
-    json!({
+    let mut usage = json!({
         "prompt_tokens": prompt,
         "prompt_tokens_details": {"cached_tokens": cached},
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-    })
+    });
+    if endpoint == Endpoint::Chat {
+        let reasoning: usize = finishes.iter().map(|f| f.reasoning_tokens).sum();
+        usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning});
+    }
+    usage
 }
 
 impl Renderer {
@@ -593,7 +599,7 @@ async fn respond_whole(renderer: Renderer, mut choices: Choices) -> Response {
     if let (Endpoint::Chat, Some(scores)) = (renderer.endpoint, renderer.prompt_scores(&prompts_scored[0])) {
         body.insert("prompt_logprobs".into(), scores);
     }
-    body.insert("usage".into(), usage(&finishes, choices.per_prompt));
+    body.insert("usage".into(), usage(renderer.endpoint, &finishes, choices.per_prompt));
     Json(Value::Object(body)).into_response()
 }
 

@@ -102,7 +102,10 @@ impl Streaming {
                 if let Some(finishes) = self.finishes.iter().cloned().collect::<Option<Vec<Finish>>>() {
                     if renderer.include_usage {
                         let mut body = renderer.envelope(vec![], true);
-                        body.insert("usage".into(), usage(&finishes, self.choices.per_prompt));
+                        body.insert(
+                            "usage".into(),
+                            usage(renderer.endpoint, &finishes, self.choices.per_prompt),
+                        );
                         out.push(SseEvent::default().data(Value::Object(body).to_string()));
                     }
                     out.push(done());

@@ -61,12 +61,12 @@ struct ResponseMeta {
 }
 
 /// `usage`: the prompt (with the tokens the prefix cache held) and the output (with its reasoning).
-fn usage(finish: &Finish, reasoning_tokens: usize) -> Value {
+fn usage(finish: &Finish) -> Value {
     json!({
         "input_tokens": finish.prompt_tokens,
         "input_tokens_details": {"cached_tokens": finish.cached_tokens},
         "output_tokens": finish.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "output_tokens_details": {"reasoning_tokens": finish.reasoning_tokens},
         "total_tokens": finish.prompt_tokens + finish.completion_tokens,
     })
 }
@@ -99,11 +99,11 @@ impl ResponseMeta {
     }
 
     /// The response object: in progress (no `finish`), or finished with its output.
-    fn object(&self, output: Vec<Value>, finish: Option<(&Finish, usize)>) -> Value {
+    fn object(&self, output: Vec<Value>, finish: Option<&Finish>) -> Value {
         let mut object = self.echo.clone();
         let (status, usage) = match finish {
             None => ("in_progress", Value::Null),
-            Some((finish, reasoning_tokens)) => (status(finish), usage(finish, reasoning_tokens)),
+            Some(finish) => (status(finish), usage(finish)),
         };
         let incomplete_details = match status {
             "incomplete" => json!({"reason": "max_output_tokens"}),
@@ -166,7 +166,7 @@ async fn generated(meta: &ResponseMeta, mut generation: Generation) -> Result<Va
             Output::Finished(pieces, finish) => {
                 items.pieces(&pieces, &mut events);
                 items.close(status(&finish), &mut events);
-                return Ok(meta.object(items.items(), Some((&finish, items.reasoning_tokens))));
+                return Ok(meta.object(items.items(), Some(&finish)));
             }
             Output::Failed(error) => return Err(error),
         }
@@ -444,8 +444,9 @@ mod tests {
             prompt_tokens: 5,
             cached_tokens: 2,
             completion_tokens: 3,
+            reasoning_tokens: 1,
         };
-        let cut = meta.object(vec![], Some((&finish(FinishReason::Length), 1)));
+        let cut = meta.object(vec![], Some(&finish(FinishReason::Length)));
         assert_eq!(cut["status"], "incomplete");
         assert_eq!(cut["incomplete_details"], json!({"reason": "max_output_tokens"}));
         assert_eq!(
@@ -453,7 +454,7 @@ mod tests {
             json!({"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 3,
                    "output_tokens_details": {"reasoning_tokens": 1}, "total_tokens": 8})
         );
-        let done = meta.object(vec![], Some((&finish(FinishReason::ToolCalls), 0)));
+        let done = meta.object(vec![], Some(&finish(FinishReason::ToolCalls)));
         assert_eq!(
             (done["status"].as_str(), &done["incomplete_details"]),
             (Some("completed"), &Value::Null)

@@ -83,7 +83,6 @@ pub struct OutputItems {
     encrypted_reasoning: bool,
     done: Vec<Value>,
     open: Option<Open>,
-    pub reasoning_tokens: usize,
     /// The functions of the request's namespaces: a call of one names its namespace.
     namespaces: Namespaces,
     /// The model whose tokens the logprobs name, when the request asked for them.
@@ -144,21 +143,14 @@ impl OutputItems {
             encrypted_reasoning,
             done: vec![],
             open: None,
-            reasoning_tokens: 0,
             namespaces,
             logprobs_of,
             pending: vec![],
         }
     }
 
-    /// The pieces of one generated token, with its logprobs (when asked for): it counts as reasoning when it gave
-    /// reasoning, or gave nothing yet while the model was reasoning (text held back: a tag that may end the
-    /// reasoning).
+    /// The pieces of one generated token, with its logprobs (when asked for).
     pub fn token(&mut self, pieces: &[Piece], logprobs: &[(u32, TokenLogprobs)], events: &mut Vec<Value>) {
-        let in_reasoning = self.open.as_ref().is_some_and(|open| open.kind == Kind::Reasoning);
-        if pieces.iter().any(|p| matches!(p, Piece::Reasoning(_))) || (pieces.is_empty() && in_reasoning) {
-            self.reasoning_tokens += 1;
-        }
         if let Some(model) = &self.logprobs_of {
             let entries = logprobs
                 .iter()
@@ -378,10 +370,6 @@ mod tests {
         items.pieces(&call("f"), &mut events);
         items.close("completed", &mut events);
         assert_eq!(
-            items.reasoning_tokens, 2,
-            "the token held back inside the reasoning counts"
-        );
-        assert_eq!(
             types(&events),
             [
                 "response.output_item.added",
@@ -456,7 +444,6 @@ mod tests {
         items.token(&[Piece::Content("par".into())], &[], &mut events);
         items.close("incomplete", &mut events);
         assert_eq!(items.items()[0]["status"], "incomplete");
-        assert_eq!(items.reasoning_tokens, 0);
         let mut empty = OutputItems::new("resp_2", false, Namespaces::default(), None);
         empty.close("completed", &mut events);
         assert!(empty.items().is_empty());

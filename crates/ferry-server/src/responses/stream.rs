@@ -44,9 +44,7 @@ impl Streaming {
                 self.items.pieces(&pieces, &mut events);
                 let status = status(&finish);
                 self.items.close(status, &mut events);
-                let response = self
-                    .meta
-                    .object(self.items.items(), Some((&finish, self.items.reasoning_tokens)));
+                let response = self.meta.object(self.items.items(), Some(&finish));
                 self.meta.kept(&response);
                 events.push(json!({"type": format!("response.{status}"), "response": response}));
             }

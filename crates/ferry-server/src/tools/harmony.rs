@@ -67,6 +67,11 @@ impl HarmonyParser {
             .map(|(_, m)| *m)
     }
 
+    /// Whether the body being read is reasoning (the `analysis` channel's).
+    pub fn in_reasoning(&self) -> bool {
+        self.body == Some(Body::Reasoning)
+    }
+
     /// Calls emitted so far.
     pub fn calls(&self) -> usize {
         self.calls.as_ref().map_or(0, ToolCallParser::calls)
