@@ -60,10 +60,19 @@ extern "C" __global__ void route_sigmoid_grouped_topk(const float* __restrict__ 
 struct Bf16Layout {
     int inter, hidden;
 
-    // Gate's and up's row i.
-    __device__ __forceinline__ Bf16Rows<2> gate_up_rows(const void* block, int i) const {
+    // Gate's and up's rows of features i .. i + F - 1 (past inter: the last feature's again), in the order gate
+    // and up of i, gate and up of i + 1, ...
+    template <int F>
+    __device__ __forceinline__ Bf16Rows<2 * F> gate_up_rows(const void* block, int i) const {
         const uint16_t* gate = static_cast<const uint16_t*>(block);
-        return {{gate + static_cast<size_t>(i) * hidden, gate + static_cast<size_t>(inter + i) * hidden}};
+        Bf16Rows<2 * F> rows;
+#pragma unroll
+        for (int f = 0; f < F; ++f) {
+            const int r = min(i + f, inter - 1);
+            rows.w[2 * f] = gate + static_cast<size_t>(r) * hidden;
+            rows.w[2 * f + 1] = gate + static_cast<size_t>(inter + r) * hidden;
+        }
+        return rows;
     }
     // Down's rows features[0..ROWS).
     template <int ROWS>
@@ -77,28 +86,34 @@ struct Bf16Layout {
 };
 
 // act[(r * top_k + k), i] = expert_glu(gate_e[i] . x_r, up_e[i] . x_r), e = ids[r * top_k + k].
-// Grid: (ceil(inter / MOE_WARPS), pairs); one warp per output feature, its gate and up rows read together. Block y
+// Grid: (ceil(inter / (MOE_WARPS * FEATURES)), pairs); a warp per FEATURES output features, their gate and up rows
+// read together (two features a warp halve the blocks of a launch whose registers would run it in two waves). Block y
 // takes pair order[y], or pair y when order is null: under offload a step runs the pairs of resident experts
 // first and each copied expert's pairs once its copy has landed, each pair computed exactly as in one launch.
 // The kernels wait for the kernel before them first: the router wrote ids, and the offload wrote the table.
-template <typename Layout>
+template <int FEATURES, typename Layout>
 __device__ __forceinline__ void gate_up(const Layout& layout, const float* __restrict__ x, int top_k,
                                         const int* __restrict__ ids, const int* __restrict__ order,
                                         const void* const* __restrict__ experts, long long bias_at, int clamped,
                                         float alpha, float limit, float* __restrict__ act) {
     __shared__ WarpStaging staging[MOE_WARPS];
     const int warp = threadIdx.x >> 5;
-    const int i = blockIdx.x * MOE_WARPS + warp;
+    const int first = (blockIdx.x * MOE_WARPS + warp) * FEATURES;
     const int pair = order != nullptr ? order[blockIdx.y] : blockIdx.y;
-    if (i >= layout.inter) return;
+    if (first >= layout.inter) return;
     const void* block = experts[ids[pair]];
-    float acc[2][1] = {};
-    warp_rows_dot<2, 1>(layout.gate_up_rows(block, i), x + static_cast<size_t>(pair / top_k) * layout.hidden,
-                        layout.hidden, layout.hidden, 0, 1, staging[warp], acc, AlreadyWaited());
-    const float gs = warp_sum(acc[0][0]), us = warp_sum(acc[1][0]);
-    if ((threadIdx.x & 31) == 0)
-        act[static_cast<size_t>(pair) * layout.inter + i] =
-            expert_glu(expert_biases(block, bias_at), layout.inter, i, gs, us, clamped, alpha, limit);
+    float acc[2 * FEATURES][1] = {};
+    warp_rows_dot<2 * FEATURES, 1>(layout.template gate_up_rows<FEATURES>(block, first),
+                                   x + static_cast<size_t>(pair / top_k) * layout.hidden, layout.hidden,
+                                   layout.hidden, 0, 1, staging[warp], acc, AlreadyWaited());
+#pragma unroll
+    for (int f = 0; f < FEATURES; ++f) {
+        const int i = first + f;
+        const float gs = warp_sum(acc[2 * f][0]), us = warp_sum(acc[2 * f + 1][0]);
+        if ((threadIdx.x & 31) == 0 && i < layout.inter)
+            act[static_cast<size_t>(pair) * layout.inter + i] =
+                expert_glu(expert_biases(block, bias_at), layout.inter, i, gs, us, clamped, alpha, limit);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
@@ -106,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
                 const int* __restrict__ order, const void* const* __restrict__ experts, long long bias_at,
                 int clamped, float alpha, float limit, float* __restrict__ act) {
     wait_for_previous_kernel();
-    gate_up(Bf16Layout{inter, hidden}, x, top_k, ids, order, experts, bias_at, clamped, alpha, limit, act);
+    gate_up<1>(Bf16Layout{inter, hidden}, x, top_k, ids, order, experts, bias_at, clamped, alpha, limit, act);
 }
 
 // moe_down's last step in every format, once the block's products are in shared memory: each feature's weighted
@@ -341,10 +356,21 @@ struct Fp8Layout {
     }
 
     // Bf16Layout's two.
-    __device__ __forceinline__ Fp8Rows<2> gate_up_rows(const void* block, int i) const {
+    template <int F>
+    __device__ __forceinline__ Fp8Rows<2 * F> gate_up_rows(const void* block, int i) const {
         const uint8_t* bytes = static_cast<const uint8_t*>(block);
-        return {{row(bytes, 0, i), row(bytes, 1, i)}, {scale_row(bytes, 0, i), scale_row(bytes, 1, i)},
-                gate_up_block_cols};
+        Fp8Rows<2 * F> rows;
+        rows.block_cols = gate_up_block_cols;
+#pragma unroll
+        for (int f = 0; f < F; ++f) {
+            const int r = min(i + f, inter - 1);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                rows.w[2 * f + m] = row(bytes, m, r);
+                rows.scales[2 * f + m] = scale_row(bytes, m, r);
+            }
+        }
+        return rows;
     }
     template <int ROWS>
     __device__ __forceinline__ Fp8Rows<ROWS> down_rows(const void* block, const int (&features)[ROWS]) const {
@@ -367,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
                     int gate_up_block_cols, int down_block_rows, int down_block_cols, float* __restrict__ act) {
     wait_for_previous_kernel();
     const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
-    gate_up(layout, x, top_k, ids, order, experts, -1, 0, 0.0f, 0.0f, act);
+    gate_up<MOE_FP8_GATE_UP_FEATURES>(layout, x, top_k, ids, order, experts, -1, 0, 0.0f, 0.0f, act);
 }
 
 // At most 64 registers a thread, so that four blocks fit a multiprocessor as moe_down's do: left alone the FP8
@@ -503,9 +529,20 @@ struct Mxfp4Layout {
     }
 
     // Bf16Layout's two.
-    __device__ __forceinline__ Mxfp4Rows<2> gate_up_rows(const void* block, int i) const {
+    template <int F>
+    __device__ __forceinline__ Mxfp4Rows<2 * F> gate_up_rows(const void* block, int i) const {
         const uint8_t* bytes = static_cast<const uint8_t*>(block);
-        return {{values(bytes, 0, i), values(bytes, 1, i)}, {scales(bytes, 0, i), scales(bytes, 1, i)}};
+        Mxfp4Rows<2 * F> rows;
+#pragma unroll
+        for (int f = 0; f < F; ++f) {
+            const int r = min(i + f, inter - 1);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                rows.values[2 * f + m] = values(bytes, m, r);
+                rows.scales[2 * f + m] = scales(bytes, m, r);
+            }
+        }
+        return rows;
     }
     template <int ROWS>
     __device__ __forceinline__ Mxfp4Rows<ROWS> down_rows(const void* block, const int (&features)[ROWS]) const {
@@ -526,7 +563,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
                       const int* __restrict__ order, const void* const* __restrict__ experts, long long bias_at,
                       int clamped, float alpha, float limit, float* __restrict__ act) {
     wait_for_previous_kernel();
-    gate_up(Mxfp4Layout{inter, hidden}, x, top_k, ids, order, experts, bias_at, clamped, alpha, limit, act);
+    gate_up<1>(Mxfp4Layout{inter, hidden}, x, top_k, ids, order, experts, bias_at, clamped, alpha, limit, act);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)

@@ -25,6 +25,9 @@ kernel_constants! {
     MOE_WARPS: usize = 8;
     /// Output features per (expert, feature group) work item of moe_down.
     MOE_DOWN_ROWS: usize = 4;
+    /// Output features a warp of moe_gate_up_fp8 computes: two, so that q30's batch-1 launch (768 blocks of one
+    /// feature a warp at 56 registers, 1.45 waves on the H200) runs in one wave of 384.
+    MOE_FP8_GATE_UP_FEATURES: usize = 2;
     /// Experts the router kernel handles: one warp, 16 per lane.
     ROUTER_MAX_EXPERTS: usize = 512;
     /// Experts a row the router kernel chooses at most: lane k of its warp keeps the k-th choice.

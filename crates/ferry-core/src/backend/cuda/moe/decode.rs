@@ -3,7 +3,7 @@
 //! each copied expert once its copy lands, summed in router order by moe_combine.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
-use ferry_kernels::constants::{MOE_DOWN_ROWS, MOE_WARPS};
+use ferry_kernels::constants::{MOE_DOWN_ROWS, MOE_FP8_GATE_UP_FEATURES, MOE_WARPS};
 
 use super::{launch_combine, ResidualEpilogue};
 use crate::backend::cuda::expert_format::{ExpertFormat, ExpertGlu};
@@ -230,8 +230,12 @@ pub(super) fn launch_gate_up(
     glu: ExpertGlu,
 ) -> Result<()> {
     let inter = act.cols;
+    let features_a_warp = match format {
+        ExpertFormat::Fp8(_) => MOE_FP8_GATE_UP_FEATURES,
+        ExpertFormat::Bf16 | ExpertFormat::Mxfp4 => 1,
+    };
     let config = LaunchConfig {
-        grid_dim: (inter.div_ceil(MOE_WARPS) as u32, pairs as u32, 1),
+        grid_dim: (inter.div_ceil(MOE_WARPS * features_a_warp) as u32, pairs as u32, 1),
         block_dim: (MOE_WARPS as u32 * 32, 1, 1),
         shared_mem_bytes: 0,
     };
