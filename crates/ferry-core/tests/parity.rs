@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use ferry_core::backend::cpu::{CpuBackend, HostSum};
-use ferry_core::backend::cuda::CudaBackend;
+use ferry_core::backend::cuda::{CudaBackend, HostStagedSum};
 use ferry_core::backend::expert_parallel::ExpertParallel;
 use ferry_core::backend::Backend;
 use ferry_core::backend::{ForwardStep, SeqSlice};
@@ -398,6 +398,25 @@ fn check_state_across_calls<B: Backend>(backend: &B, name: &str, tolerance: f32)
         short_diff <= tolerance,
         "{name}: a sequence batched with another differs from its own call by {short_diff}"
     );
+}
+
+/// The same on two CUDA ranks sharing GPU 0 (each its own backend, experts and KV cache), summed through the host:
+/// the expert-parallel code path of several GPUs (each rank's share resident, other ranks' experts null in its
+/// tables, the decode kernels passing them over, the grouped prefill leaving them out) on one.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn expert_parallel_ranks_on_one_gpu_match_the_references() {
+    let ranks = vec![CudaBackend::new(0).unwrap(), CudaBackend::new(0).unwrap()];
+    let group = ExpertParallel::new(ranks, Box::new(HostStagedSum)).unwrap();
+    for name in [
+        "qwen3_moe",
+        "qwen3_5_moe",
+        "deepseek_v3",
+        "gpt_oss_mxfp4",
+        "glm4_moe_fp8",
+    ] {
+        check_family(&group, name);
+    }
 }
 
 /// CPU ranks of an expert-parallel group, as many as `ranks`.

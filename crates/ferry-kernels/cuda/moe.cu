@@ -102,6 +102,8 @@ __device__ __forceinline__ void gate_up(const Layout& layout, const float* __res
     const int pair = order != nullptr ? order[blockIdx.y] : blockIdx.y;
     if (first >= layout.inter) return;
     const void* block = experts[ids[pair]];
+    // Another rank's expert (expert parallelism): moe_down passes its pair over, so its act is never read.
+    if (block == nullptr) return;
     float acc[2 * FEATURES][1] = {};
     warp_rows_dot<2 * FEATURES, 1>(layout.template gate_up_rows<FEATURES>(block, first),
                                    x + static_cast<size_t>(pair / top_k) * layout.hidden, layout.hidden,
@@ -191,10 +193,12 @@ __device__ __forceinline__ void down(const Layout& layout, const float* __restri
         const int pair = r * top_k + k;
         const void* block = reinterpret_cast<const void*>(
             __ldcg(reinterpret_cast<const unsigned long long*>(experts) + __ldcg(ids + pair)));
-        float sums[MOE_DOWN_ROWS];
+        // Another rank's expert (expert parallelism, a null entry) adds nothing to this rank's sum.
+        float sums[MOE_DOWN_ROWS] = {};
         // After the first item the wait returns at once.
-        down_products(layout, block, bias_at, first + group * MOE_DOWN_ROWS,
-                      act + static_cast<size_t>(pair) * layout.inter, staging[warp], sums, inputs_ready);
+        if (block != nullptr)
+            down_products(layout, block, bias_at, first + group * MOE_DOWN_ROWS,
+                          act + static_cast<size_t>(pair) * layout.inter, staging[warp], sums, inputs_ready);
 #pragma unroll
         for (int j = 0; j < MOE_DOWN_ROWS; ++j)
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];

@@ -17,6 +17,7 @@ mod attention;
 mod bank;
 mod builder;
 mod ceilings;
+mod collective;
 mod context;
 mod elementwise;
 mod expert_format;
@@ -51,6 +52,7 @@ use crate::moe::OffloadStats;
 use crate::{Error, Result};
 pub use builder::CudaBackendBuilder;
 pub use ceilings::GpuCeilings;
+pub use collective::HostStagedSum;
 use context::{blas_err, cuda_err};
 pub use ferry_kernels::constants::GEMV_MAX_ROWS;
 pub use kv::{DeviceBatch, DeviceKv};
@@ -284,6 +286,10 @@ impl Backend for CudaBackend {
 
     fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<CudaExperts> {
         moe::upload_experts(self, experts, activation)
+    }
+
+    fn expert_shard(&self, experts: Vec<Option<ExpertTensors>>, activation: ExpertActivation) -> Result<CudaExperts> {
+        moe::upload_expert_shard(self, experts, activation)
     }
 
     fn rope_table(&self, rope: &Rope) -> Result<CudaRope> {

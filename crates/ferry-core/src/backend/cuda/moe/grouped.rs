@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::launch_combine;
+use super::{launch_combine, HostProducts};
 use crate::backend::cuda::elementwise::copy_rows;
 use crate::backend::cuda::expert_format::{ExpertFormat, ExpertGlu};
 use crate::backend::cuda::launch::{grid_1d, kernel, ptr, Ptr, BLOCK_THREADS};
@@ -66,7 +66,9 @@ pub(super) struct ExpertGroup {
 
 /// The MoE block for a batch too large for the decode kernels, its routed `ids` on the host: the rows run in
 /// groups of at most [`MOE_GROUP_ROWS`] (bounding the workspace of long steps), each expert's rows of a group
-/// gathered and run through batched cuBLAS GEMMs, and the results combined in router order.
+/// gathered and run through batched cuBLAS GEMMs, and the results combined in router order. Pairs routed to an
+/// expert this backend does not hold (a null address: another rank's, under expert parallelism) are left out and
+/// add nothing: moe_combine reads them from a row of zeros.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn moe_experts_grouped(
     cuda: &CudaBackend,
@@ -79,6 +81,19 @@ pub(super) fn moe_experts_grouped(
     format: ExpertFormat,
     glu: ExpertGlu,
 ) -> Result<CudaTensor> {
+    let elsewhere: Vec<bool> = ids.iter().map(|&e| addresses[e as usize] == 0).collect();
+    let zeros = match elsewhere.iter().any(|&absent| absent) {
+        true => Some(HostProducts {
+            products: cuda.upload_tensor(&vec![0.0; hidden], 1, hidden)?,
+            index: cuda.copy_to_device(
+                &elsewhere
+                    .iter()
+                    .map(|&absent| if absent { 0 } else { -1 })
+                    .collect::<Vec<i32>>(),
+            )?,
+        }),
+        false => None,
+    };
     let out = cuda.tensor(routing.rows, hidden)?;
     for first_row in (0..routing.rows).step_by(MOE_GROUP_ROWS) {
         let group = ExpertGroup {
@@ -89,8 +104,16 @@ pub(super) fn moe_experts_grouped(
             format,
             glu,
         };
-        let y = group_products(cuda, x, routing, ids, addresses, &group, &|_| false)?;
-        launch_combine(cuda, &y, routing, first_row..first_row + group.rows, None, &out, None)?;
+        let y = group_products(cuda, x, routing, ids, addresses, &group, &|pair| elsewhere[pair])?;
+        launch_combine(
+            cuda,
+            &y,
+            routing,
+            first_row..first_row + group.rows,
+            zeros.as_ref(),
+            &out,
+            None,
+        )?;
     }
     Ok(out)
 }

@@ -76,16 +76,24 @@ struct HostProducts {
     index: CudaSlice<i32>,
 }
 
-/// [`crate::backend::Backend::experts`]: into the offload's bank when offload is on, else into one slab of the
-/// layer's expert blocks (gate, up, down, back to back: the layout moe.cu reads).
-pub(super) fn upload_experts(
-    cuda: &CudaBackend,
+/// A layer's experts as the kernels read them: biases widened to f32 where the format keeps them so, and their
+/// format, activation and shape, or why the CUDA backend cannot run them.
+struct PreparedExperts {
     experts: Vec<ExpertTensors>,
-    activation: ExpertActivation,
-) -> Result<CudaExperts> {
+    format: ExpertFormat,
+    glu: ExpertGlu,
+    inter: usize,
+    hidden: usize,
+    biased: bool,
+}
+
+fn prepare_experts(experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<PreparedExperts> {
+    let first = experts
+        .first()
+        .ok_or_else(|| Error::Config("a MoE layer (or a rank's part of one) without experts".into()))?;
     let format = ExpertFormat::of(&experts)?;
     let biased = experts.iter().any(ExpertTensors::has_bias);
-    let (inter, hidden) = (experts[0].gate.shape[0], experts[0].gate.shape[1]);
+    let (inter, hidden) = (first.gate.shape[0], first.gate.shape[1]);
     let glu = ExpertGlu::new(activation, format, inter, hidden, biased);
     if matches!(format, ExpertFormat::Fp8(_)) && !glu.is_plain() {
         return Err(Error::Config(format!(
@@ -93,33 +101,30 @@ pub(super) fn upload_experts(
             if biased { " with biases" } else { "" }
         )));
     }
-    let experts: Vec<ExpertTensors> = experts
+    let experts = experts
         .into_iter()
         .map(|e| with_f32_biases(e, biased))
         .collect::<Result<_>>()?;
-    if let Some(offload) = &cuda.offload {
-        let layer = offload
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .add_layer(&cuda.stream, &experts, glu)?;
-        let table = cuda
-            .stream
-            .alloc_zeros::<u64>(experts.len())
-            .map_err(cuda_err("allocating a slot table"))?;
-        return Ok(CudaExperts::Offloaded {
-            layer,
-            table,
-            hidden,
-            inter,
-            format,
-            glu,
-        });
-    }
-    let block = format.block_bytes(inter, hidden, biased);
-    let mut slab: CudaSlice<u8> = cuda.alloc(block * experts.len())?;
-    for (e, expert) in experts.iter().enumerate() {
+    Ok(PreparedExperts {
+        experts,
+        format,
+        glu,
+        inter,
+        hidden,
+        biased,
+    })
+}
+
+/// One slab of the experts' blocks (gate, up, down, back to back: the layout moe.cu reads) and each block's
+/// address.
+fn upload_slab(cuda: &CudaBackend, prepared: &PreparedExperts) -> Result<(CudaSlice<u8>, Vec<u64>)> {
+    let block = prepared
+        .format
+        .block_bytes(prepared.inter, prepared.hidden, prepared.biased);
+    let mut slab: CudaSlice<u8> = cuda.alloc(block * prepared.experts.len())?;
+    for (e, expert) in prepared.experts.iter().enumerate() {
         let mut start = e * block;
-        for bytes in format.block_parts(expert)? {
+        for bytes in prepared.format.block_parts(expert)? {
             let mut dst = slab.slice_mut(start..start + bytes.len());
             cuda.stream
                 .memcpy_htod(bytes, &mut dst)
@@ -128,16 +133,86 @@ pub(super) fn upload_experts(
         }
     }
     let base = ptr(&slab).address();
-    let addresses: Vec<u64> = (0..experts.len()).map(|e| base + (e * block) as u64).collect();
+    let addresses = (0..prepared.experts.len()).map(|e| base + (e * block) as u64).collect();
+    Ok((slab, addresses))
+}
+
+/// Resident experts whose table holds `addresses` (a null address: an expert this backend does not hold).
+fn resident(
+    cuda: &CudaBackend,
+    slab: CudaSlice<u8>,
+    addresses: Vec<u64>,
+    prepared: &PreparedExperts,
+) -> Result<CudaExperts> {
     Ok(CudaExperts::Resident {
         table: cuda.copy_to_device(&addresses)?,
         _slab: slab,
         addresses,
-        hidden,
-        inter,
-        format,
-        glu,
+        hidden: prepared.hidden,
+        inter: prepared.inter,
+        format: prepared.format,
+        glu: prepared.glu,
     })
+}
+
+/// [`crate::backend::Backend::experts`]: into the offload's bank when offload is on, else into one resident slab.
+pub(super) fn upload_experts(
+    cuda: &CudaBackend,
+    experts: Vec<ExpertTensors>,
+    activation: ExpertActivation,
+) -> Result<CudaExperts> {
+    let prepared = prepare_experts(experts, activation)?;
+    if let Some(offload) = &cuda.offload {
+        let layer = offload.lock().unwrap_or_else(|e| e.into_inner()).add_layer(
+            &cuda.stream,
+            &prepared.experts,
+            prepared.glu,
+        )?;
+        let table = cuda
+            .stream
+            .alloc_zeros::<u64>(prepared.experts.len())
+            .map_err(cuda_err("allocating a slot table"))?;
+        return Ok(CudaExperts::Offloaded {
+            layer,
+            table,
+            hidden: prepared.hidden,
+            inter: prepared.inter,
+            format: prepared.format,
+            glu: prepared.glu,
+        });
+    }
+    let (slab, addresses) = upload_slab(cuda, &prepared)?;
+    resident(cuda, slab, addresses, &prepared)
+}
+
+/// [`crate::backend::Backend::expert_shard`]: this rank's experts in one resident slab, the others' table entries
+/// null, which the decode kernels pass over and the grouped path leaves out (their pairs add nothing here).
+/// Expert parallelism keeps each rank's experts resident: the offload does not hold part of a layer yet.
+pub(super) fn upload_expert_shard(
+    cuda: &CudaBackend,
+    experts: Vec<Option<ExpertTensors>>,
+    activation: ExpertActivation,
+) -> Result<CudaExperts> {
+    if cuda.offload.is_some() {
+        return Err(Error::Config(
+            "expert parallelism keeps each GPU's experts resident: offloading part of a layer is still to come".into(),
+        ));
+    }
+    let held: Vec<bool> = experts.iter().map(Option::is_some).collect();
+    let prepared = prepare_experts(experts.into_iter().flatten().collect(), activation)?;
+    let (slab, held_addresses) = upload_slab(cuda, &prepared)?;
+    let mut next = held_addresses.into_iter();
+    let addresses = held
+        .iter()
+        .map(|&held| {
+            if held {
+                next.next().expect("one block a held expert")
+            } else {
+                0
+            }
+        })
+        .collect();
+    resident(cuda, slab, addresses, &prepared)
 }
 
 /// [`crate::backend::Backend::moe_experts`]: the decode kernels for a few rows, the grouped path for more. With an
