@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use ferry_core::backend::cpu::{CpuBackend, HostSum};
-use ferry_core::backend::cuda::{CudaBackend, HostStagedSum};
+use ferry_core::backend::cuda::{CudaBackend, HostStagedSum, NcclSum};
 use ferry_core::backend::expert_parallel::ExpertParallel;
 use ferry_core::backend::Backend;
 use ferry_core::backend::{ForwardStep, SeqSlice};
@@ -408,6 +408,25 @@ fn check_state_across_calls<B: Backend>(backend: &B, name: &str, tolerance: f32)
 fn expert_parallel_ranks_on_one_gpu_match_the_references() {
     let ranks = vec![CudaBackend::new(0).unwrap(), CudaBackend::new(0).unwrap()];
     let group = ExpertParallel::new(ranks, Box::new(HostStagedSum)).unwrap();
+    for name in [
+        "qwen3_moe",
+        "qwen3_5_moe",
+        "deepseek_v3",
+        "gpt_oss_mxfp4",
+        "glm4_moe_fp8",
+    ] {
+        check_family(&group, name);
+    }
+}
+
+/// The same over two GPUs, one rank each, summed by NCCL on the ranks' streams (scripts/device/gpu-tests.sh skips
+/// the `two_gpus` tests on a machine of one GPU).
+#[test]
+#[ignore = "needs two NVIDIA GPUs: scripts/device/gpu-tests.sh on a multi-GPU machine"]
+fn expert_parallel_over_two_gpus_matches_the_references() {
+    let ranks = vec![CudaBackend::new(0).unwrap(), CudaBackend::new(1).unwrap()];
+    let sum = NcclSum::new(&ranks).unwrap();
+    let group = ExpertParallel::new(ranks, Box::new(sum)).unwrap();
     for name in [
         "qwen3_moe",
         "qwen3_5_moe",

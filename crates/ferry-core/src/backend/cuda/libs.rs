@@ -122,6 +122,16 @@ fn load(name: &str, dirs: &[PathBuf]) -> Result<String, String> {
     }
 }
 
+/// Loads NCCL (libnccl.so.2: the system's, CUDA_HOME's or the nvidia-nccl wheel's) once per process, for the
+/// all-reduce of an expert-parallel group of several GPUs; its path.
+pub fn load_nccl() -> Result<String> {
+    static LOADED: OnceLock<Result<String, String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| load("libnccl.so.2", &search_dirs()))
+        .clone()
+        .map_err(Error::Cuda)
+}
+
 /// Loads the driver and cuBLAS once per process.
 pub fn load_cuda_libraries() -> Result<CudaLibraries> {
     static LOADED: OnceLock<Result<CudaLibraries, String>> = OnceLock::new();

@@ -52,7 +52,7 @@ use crate::moe::OffloadStats;
 use crate::{Error, Result};
 pub use builder::CudaBackendBuilder;
 pub use ceilings::GpuCeilings;
-pub use collective::HostStagedSum;
+pub use collective::{HostStagedSum, NcclSum};
 use context::{blas_err, cuda_err};
 pub use ferry_kernels::constants::GEMV_MAX_ROWS;
 pub use kv::{DeviceBatch, DeviceKv};
