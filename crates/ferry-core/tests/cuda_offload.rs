@@ -13,7 +13,8 @@
 use std::path::{Path, PathBuf};
 
 use ferry_core::backend::cuda::workspace::MOE_GROUP_ROWS;
-use ferry_core::backend::cuda::{CudaBackend, OffloadConfig};
+use ferry_core::backend::cuda::{CudaBackend, HostStagedSum, OffloadConfig};
+use ferry_core::backend::expert_parallel::ExpertParallel;
 use ferry_core::backend::{Backend, SeqSlice};
 use ferry_core::engine::argmax;
 use ferry_core::engine::plan::{plan_memory, BudgetRequest, MemoryPlan, OffloadMode, MAX_BATCH_TOKENS};
@@ -46,12 +47,12 @@ struct Run {
 }
 
 /// Greedy decode of `steps` tokens after `prompt`.
-fn run(backend: &CudaBackend, checkpoint: &Checkpoint, prompt: &[u32], steps: usize) -> Run {
+fn run<B: Backend>(backend: &B, checkpoint: &Checkpoint, prompt: &[u32], steps: usize) -> Run {
     run_model(backend, &Model::load(backend, checkpoint).unwrap(), prompt, steps)
 }
 
 /// [`run`] of a loaded model.
-fn run_model(backend: &CudaBackend, model: &Model<CudaBackend>, prompt: &[u32], steps: usize) -> Run {
+fn run_model<B: Backend>(backend: &B, model: &Model<B>, prompt: &[u32], steps: usize) -> Run {
     let mut kv = backend.new_kv(model.kv_spec(prompt.len() + steps)).unwrap();
     let seq = kv.alloc_seq();
     let mut logits = Vec::new();
@@ -226,6 +227,65 @@ fn offload_equals_resident_for_every_fixture_family() {
             stats.guessed_routed <= stats.guessed.min(stats.routed_after_guess),
             "{family}"
         );
+    }
+}
+
+/// Two ranks of an expert-parallel group on GPU 0, each holding its share of every layer's experts resident or
+/// offloaded.
+fn two_ranks(offload: Option<(usize, SplitRule)>) -> ExpertParallel<CudaBackend> {
+    let rank = || match offload {
+        None => CudaBackend::new(0).unwrap(),
+        Some((slots, split)) => CudaBackend::builder(0)
+            .unwrap()
+            .offload(lru(slots, true))
+            .split(split)
+            .build()
+            .unwrap(),
+    };
+    ExpertParallel::new(vec![rank(), rank()], Box::new(HostStagedSum)).unwrap()
+}
+
+/// Expert parallelism under offload: each rank banks, caches, streams (and on its CPU lane computes) only its own
+/// experts, its cache holding one layer's share, so every layer misses. Against the same two ranks with their
+/// shares resident: bit for bit over the link (the grouped prefill path and decode under copies, other ranks'
+/// pairs adding nothing in either), and with half of each rank's misses on its CPU lane the same greedy tokens and
+/// logits within the lane's tolerance.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/device/gpu-tests.sh"]
+fn expert_parallel_ranks_under_offload_equal_resident_ranks() {
+    for (family, lane) in [
+        ("qwen3_moe", true),
+        ("qwen3_5_moe", true),
+        ("deepseek_v3", false),
+        ("gpt_oss_mxfp4", false),
+        ("glm4_moe_fp8", false),
+    ] {
+        let checkpoint = Checkpoint::open(&fixtures().join(family)).unwrap();
+        let spec = spec_for(&checkpoint.model_type, &checkpoint.config).unwrap();
+        let share = spec.moe.as_ref().unwrap().num_experts.div_ceil(2);
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % spec.vocab_size as u32).collect();
+        let resident = run(&two_ranks(None), &checkpoint, &prompt, 12);
+        let splits = if lane {
+            vec![SplitRule::Link, SplitRule::Share(0.5)]
+        } else {
+            vec![SplitRule::Link]
+        };
+        for split in splits {
+            let label = format!("{family}, two offloaded ranks, {split:?}");
+            let group = two_ranks(Some((share, split)));
+            let offloaded = run(&group, &checkpoint, &prompt, 12);
+            let stats = group.offload_stats().unwrap();
+            assert!(stats.copies > 0, "{label}: nothing was copied");
+            assert_eq!(stats.host_experts > 0, split != SplitRule::Link, "{label}");
+            assert_same_run(&offloaded, &resident, split, &label);
+            println!(
+                "{label}: {} tokens as resident; {} copies, {} on the CPU lanes, hit rate {:.2}",
+                offloaded.tokens.len(),
+                stats.copies,
+                stats.host_experts,
+                stats.hit_rate()
+            );
+        }
     }
 }
 

@@ -233,9 +233,12 @@ __device__ __forceinline__ void down_pairs(const Layout& layout, const float* __
     const int pair = order[blockIdx.y];
     const int first = (blockIdx.x * MOE_WARPS + warp) * MOE_DOWN_ROWS;
     if (first >= layout.hidden) return;
-    float sums[MOE_DOWN_ROWS];
-    down_products(layout, experts[ids[pair]], bias_at, first, act + static_cast<size_t>(pair) * layout.inter,
-                  staging[warp], sums, AlreadyWaited());
+    const void* block = experts[ids[pair]];
+    // Another rank's expert (expert parallelism, a null entry): a product of zeros, which adds nothing.
+    float sums[MOE_DOWN_ROWS] = {};
+    if (block != nullptr)
+        down_products(layout, block, bias_at, first, act + static_cast<size_t>(pair) * layout.inter, staging[warp],
+                      sums, AlreadyWaited());
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_ROWS; ++j)
         if ((threadIdx.x & 31) == 0 && first + j < layout.hidden)

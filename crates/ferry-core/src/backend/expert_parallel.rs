@@ -146,10 +146,7 @@ impl<B: Backend> Backend for ExpertParallel<B> {
 
     /// One rank's counters: only a group of one offloads (no device backend holds part of a layer yet).
     fn offload_stats(&self) -> Option<OffloadStats> {
-        match self.ranks.as_slice() {
-            [only] => only.offload_stats(),
-            _ => None,
-        }
+        OffloadStats::of_ranks(self.ranks.iter().map(B::offload_stats))
     }
 
     fn weight(&self, tensor: TensorRef) -> Result<Self::Weight> {

@@ -57,6 +57,46 @@ pub struct OffloadStats {
 }
 
 impl OffloadStats {
+    /// The offloads of an expert-parallel group's ranks as one: slots, banks and every count summed (per MoE layer
+    /// for hits and misses), the block size the ranks share. Each rank calibrates its own CPU lane: a group of
+    /// several reports no calibrated rates. None for no ranks, or a rank without offload.
+    pub fn of_ranks(ranks: impl IntoIterator<Item = Option<OffloadStats>>) -> Option<OffloadStats> {
+        let mut ranks = ranks.into_iter();
+        let mut group = ranks.next()??;
+        for rank in ranks {
+            let rank = rank?;
+            group.slots += rank.slots;
+            group.bank_bytes += rank.bank_bytes;
+            group.bank_pinned &= rank.bank_pinned;
+            add_per_layer(&mut group.layer_hits, &rank.layer_hits);
+            add_per_layer(&mut group.layer_misses, &rank.layer_misses);
+            for (sum, part) in [
+                (&mut group.bytes_copied, rank.bytes_copied),
+                (&mut group.copies, rank.copies),
+                (&mut group.prefetched, rank.prefetched),
+                (&mut group.prefetches_used, rank.prefetches_used),
+                (&mut group.routed_pairs, rank.routed_pairs),
+                (&mut group.guessed, rank.guessed),
+                (&mut group.guessed_routed, rank.guessed_routed),
+                (&mut group.routed_after_guess, rank.routed_after_guess),
+                (&mut group.guesses_copied, rank.guesses_copied),
+                (&mut group.guesses_dropped, rank.guesses_dropped),
+                (&mut group.router_waits, rank.router_waits),
+                (&mut group.router_wait_ns, rank.router_wait_ns),
+                (&mut group.host_experts, rank.host_experts),
+                (&mut group.host_pairs, rank.host_pairs),
+                (&mut group.host_bytes, rank.host_bytes),
+                (&mut group.host_ns, rank.host_ns),
+                (&mut group.host_pipeline_ns, rank.host_pipeline_ns),
+                (&mut group.link_ns, rank.link_ns),
+            ] {
+                *sum += part;
+            }
+            group.calibrated = None;
+        }
+        Some(group)
+    }
+
     pub fn hits(&self) -> u64 {
         self.layer_hits.iter().sum()
     }
@@ -96,10 +136,55 @@ impl OffloadStats {
     }
 }
 
+/// `sum[l] += part[l]` for every MoE layer either has.
+fn add_per_layer(sum: &mut Vec<u64>, part: &[u64]) {
+    if sum.len() < part.len() {
+        sum.resize(part.len(), 0);
+    }
+    sum.iter_mut().zip(part).for_each(|(s, p)| *s += p);
+}
+
 fn ratio(part: u64, whole: u64) -> f64 {
     if whole == 0 {
         0.0
     } else {
         part as f64 / whole as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rank(slots: usize, hits: Vec<u64>, copies: u64) -> OffloadStats {
+        OffloadStats {
+            slots,
+            bytes_per_expert: 64,
+            bank_bytes: 64 * slots * 2,
+            bank_pinned: true,
+            layer_misses: vec![1; hits.len()],
+            layer_hits: hits,
+            copies,
+            bytes_copied: 64 * copies,
+            router_waits: 3,
+            calibrated: Some(CalibratedRates::default()),
+            ..OffloadStats::default()
+        }
+    }
+
+    #[test]
+    fn a_group_of_ranks_sums_their_offloads() {
+        let one = rank(4, vec![1, 2], 5);
+        assert_eq!(OffloadStats::of_ranks([Some(one.clone())]), Some(one.clone()));
+        let group = OffloadStats::of_ranks([Some(one.clone()), Some(rank(6, vec![10, 20, 30], 7))]).unwrap();
+        assert_eq!(group.slots, 10);
+        assert_eq!(group.bank_bytes, 64 * 20);
+        assert_eq!(group.layer_hits, vec![11, 22, 30]);
+        assert_eq!(group.layer_misses, vec![2, 2, 1]);
+        assert_eq!((group.copies, group.bytes_copied, group.router_waits), (12, 64 * 12, 6));
+        assert_eq!(group.bytes_per_expert, 64);
+        assert_eq!(group.calibrated, None);
+        assert_eq!(OffloadStats::of_ranks([Some(one), None]), None);
+        assert_eq!(OffloadStats::of_ranks([]), None);
     }
 }

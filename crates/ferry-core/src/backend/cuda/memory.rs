@@ -32,6 +32,18 @@ impl CudaBackend {
         })
     }
 
+    /// A `[rows, cols]` tensor of zeros.
+    pub(super) fn zeros(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        Ok(CudaTensor {
+            data: self
+                .stream
+                .alloc_zeros((rows * cols).max(1))
+                .map_err(cuda_err("allocating device memory"))?,
+            rows,
+            cols,
+        })
+    }
+
     /// [`crate::backend::Backend::upload`].
     pub(super) fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
         check_upload(data.len(), rows, cols)?;

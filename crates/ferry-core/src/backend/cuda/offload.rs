@@ -80,10 +80,11 @@ impl CudaBackend {
 /// layer's experts: a batch that wide is a prefill chunk, and the next layer will want nearly all of its experts.
 const PREFETCH_SHARE: (usize, usize) = (7, 8);
 
-/// One MoE layer under offload: where its experts sit in the bank, and its slot table (device and a pinned host
-/// mirror the table is uploaded from).
+/// One MoE layer under offload: where its experts sit in the bank (by expert id; None for another rank's expert
+/// under expert parallelism, which this offload never plans, copies nor computes), and its slot table (device and
+/// a pinned host mirror the table is uploaded from).
 struct OffloadLayer {
-    bank_blocks: Vec<usize>,
+    bank_blocks: Vec<Option<usize>>,
     format: ExpertFormat,
     /// What the layer's experts compute around their products, for the CPU lane.
     glu: ExpertGlu,
@@ -104,7 +105,8 @@ pub struct LayerCopies {
     /// The misses the CPU lane computes, in first-routed order: no slot holds them. The lane has started on them.
     pub host: Vec<u32>,
     /// Per (row, k) pair, its row among the lane's products, or -1 where the GPU computes it (empty when the lane
-    /// has nothing).
+    /// has nothing). Under expert parallelism a pair on another rank's expert reads the row after the lane's, to
+    /// be kept zero.
     pub host_index: Vec<i32>,
 }
 
@@ -242,11 +244,28 @@ impl Offload {
         self.decode_prefetch && rows <= decode_rows && self.split != SplitRule::Cpu
     }
 
-    /// Puts a layer's experts in the bank (the slab is made with the first layer, when the block size is known);
-    /// returns the layer's index.
-    pub fn add_layer(&mut self, stream: &Arc<CudaStream>, experts: &[ExpertTensors], glu: ExpertGlu) -> Result<usize> {
+    /// Puts a layer's `experts` in the bank: those of the ids `held` marks, in id order (all of them, except for a
+    /// rank's share under expert parallelism). The slab is made with the first layer, when the block size is
+    /// known. Returns the layer's index.
+    pub fn add_layer(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        experts: &[ExpertTensors],
+        held: &[bool],
+        glu: ExpertGlu,
+    ) -> Result<usize> {
+        let first = experts
+            .first()
+            .ok_or_else(|| Error::Config("a MoE layer (or a rank's part of one) without experts".into()))?;
+        if held.iter().filter(|&&h| h).count() != experts.len() {
+            return Err(Error::Shape(format!(
+                "{} experts for {} held ids",
+                experts.len(),
+                held.iter().filter(|&&h| h).count()
+            )));
+        }
         let format = ExpertFormat::of(experts)?;
-        let block_bytes = format.block_bytes(experts[0].gate.shape[0], experts[0].gate.shape[1], glu.biased());
+        let block_bytes = format.block_bytes(first.gate.shape[0], first.gate.shape[1], glu.biased());
         if self.slab.is_none() {
             if self.slots < experts.len() {
                 return Err(Error::Cuda(format!(
@@ -269,11 +288,12 @@ impl Offload {
         if block_bytes != bank.block_bytes() {
             return Err(Error::Cuda("MoE layers with experts of different sizes".into()));
         }
-        let bank_blocks = experts
+        let mut pushed = experts.iter().map(|e| bank.push(&format.block_parts(e)?));
+        let bank_blocks = held
             .iter()
-            .map(|e| bank.push(&format.block_parts(e)?))
+            .map(|&held| if held { pushed.next().transpose() } else { Ok(None) })
             .collect::<Result<_>>()?;
-        let mut table_host = unsafe { self.ctx.alloc_pinned_with_flags::<u64>(experts.len(), 0) }
+        let mut table_host = unsafe { self.ctx.alloc_pinned_with_flags::<u64>(held.len(), 0) }
             .map_err(cuda_err("pinning a slot table"))?;
         table_host.as_mut_slice().map_err(cuda_err("slot table"))?.fill(0);
         self.layers.push(OffloadLayer {
@@ -312,7 +332,7 @@ impl Offload {
     fn apply(
         cache: &mut ExpertCache,
         bank: &mut HostBank,
-        blocks: &[usize],
+        blocks: &[Option<usize>],
         plan: &Plan,
         slab_base: u64,
         stream: &Arc<CudaStream>,
@@ -321,7 +341,8 @@ impl Offload {
         for (queued, &(expert, slot)) in plan.fetch.iter().enumerate() {
             let dst = Self::slot_address(slab_base, bank.block_bytes(), slot);
             let copied = match blocks.get(expert as usize) {
-                Some(&block) => bank.copy_to_device(block, dst, stream),
+                Some(&Some(block)) => bank.copy_to_device(block, dst, stream),
+                Some(None) => Err(Error::Cuda(format!("expert {expert} is another rank's"))),
                 None => Err(Error::Cuda(format!(
                     "routed to expert {expert} of a layer of {} experts",
                     blocks.len()
@@ -437,18 +458,31 @@ impl Offload {
         } else {
             &[]
         };
-        let host = self.split_misses(layer, &ids);
+        let shard = self.held_pairs(layer, &ids, prefill_rows, routing.top_k)?;
+        let (ids, prefill_rows) = match &shard {
+            Some((ids, prefill)) => (ids, &prefill[..]),
+            None => (&ids, prefill_rows),
+        };
+        let host = self.split_misses(layer, ids);
         let plan = self
             .cache
-            .plan_batch_elsewhere(layer as u32, &ids, prefill_rows, |e| host.contains(&e))?;
+            .plan_batch_elsewhere(layer as u32, ids, prefill_rows, |e| host.contains(&e))?;
         // The lane first: nothing it reads waits for the copies or the slot table queued below.
         let host_index = if plan.elsewhere.is_empty() {
             Vec::new()
         } else {
-            let experts = self.layers.get(layer).map_or(0, |l| l.bank_blocks.len());
-            let share = host_pairs(&all_ids[..routed], routing.top_k, &plan.elsewhere, experts)?;
+            let blocks = self.layers.get(layer).map_or(&[][..], |l| &l.bank_blocks[..]);
+            let share = host_pairs(&all_ids[..routed], routing.top_k, &plan.elsewhere, blocks.len())?;
+            let mut index = share.index;
+            // Another rank's pairs read the row after the lane's products, which stays zero.
+            let zero_row = share.pairs.len() as i32;
+            for (at, &e) in index.iter_mut().zip(&all_ids[..routed]) {
+                if blocks.get(e as usize).is_some_and(Option::is_none) {
+                    *at = zero_row;
+                }
+            }
             self.start_on_host(layer, (x.rows, x.cols), inter, &plan.elsewhere, share.pairs)?;
-            share.index
+            index
         };
         let routed_experts: Vec<u32> = plan.resident.iter().chain(&plan.fetch).map(|&(e, _)| e).collect();
         if let Some(scored) = self.next_guess.take().filter(|g| g.layer == layer) {
@@ -459,7 +493,7 @@ impl Offload {
             self.counters.guessed_routed += hits as u64;
             self.counters.routed_after_guess += (routed_experts.len() + plan.elsewhere.len()) as u64;
         }
-        self.counters.routed_pairs += routed as u64;
+        self.counters.routed_pairs += ids.len() as u64;
         let (Some(bank), Some(slab)) = (self.bank.as_mut(), self.slab.as_ref()) else {
             return Err(Error::Cuda(
                 "expert offload used before any MoE layer was loaded".into(),
@@ -470,7 +504,7 @@ impl Offload {
             .layers
             .get_mut(layer)
             .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
-        let layer_experts = layer_state.bank_blocks.len();
+        let layer_experts = layer_state.bank_blocks.iter().flatten().count();
         let resident_ready = self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?;
         let link_start = timed_event(&self.ctx, &self.copy_stream, !plan.fetch.is_empty())?;
         let fetched = Self::apply(
@@ -506,11 +540,12 @@ impl Offload {
         // the lane's), and never when no expert may cross the link.
         let link_alone = plan.elsewhere.is_empty() && self.split != SplitRule::Cpu;
         if let (Some(next), true) = (self.layers.get(layer + 1), link_alone) {
-            let next_experts = next.bank_blocks.len();
+            let all: Vec<u32> = (0..next.bank_blocks.len() as u32)
+                .filter(|&e| next.bank_blocks[e as usize].is_some())
+                .collect();
             if routed_experts.len() * PREFETCH_SHARE.1 >= layer_experts * PREFETCH_SHARE.0
-                && routed_experts.len() + next_experts <= self.slots
+                && routed_experts.len() + all.len() <= self.slots
             {
-                let all: Vec<u32> = (0..next_experts as u32).collect();
                 let prefetch = self.cache.plan_prefetch(layer as u32 + 1, &all)?;
                 let copied = Self::apply(
                     &mut self.cache,
@@ -538,6 +573,38 @@ impl Offload {
             host: plan.elsewhere,
             host_index,
         })
+    }
+
+    /// Under expert parallelism, the routed `ids` (`[rows * top_k]`) of `layer` whose experts this offload holds,
+    /// each with its row's flag of `prefill_rows` (empty: all decode rows): the pairs it plans, the others being
+    /// other ranks'. None when it holds all of the layer's experts.
+    #[allow(clippy::type_complexity)]
+    fn held_pairs(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        prefill_rows: &[bool],
+        top_k: usize,
+    ) -> Result<Option<(Vec<u32>, Vec<bool>)>> {
+        let blocks = &self
+            .layers
+            .get(layer)
+            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?
+            .bank_blocks;
+        if blocks.iter().all(Option::is_some) {
+            return Ok(None);
+        }
+        let held = |&(_, &e): &(usize, &u32)| blocks.get(e as usize).is_some_and(Option::is_some);
+        let pairs: Vec<(usize, &u32)> = ids.iter().enumerate().filter(held).collect();
+        let prefill = if prefill_rows.is_empty() {
+            Vec::new()
+        } else {
+            pairs
+                .iter()
+                .map(|&(pair, _)| prefill_rows[pair / top_k.max(1)])
+                .collect()
+        };
+        Ok(Some((pairs.into_iter().map(|(_, &e)| e).collect(), prefill)))
     }
 
     /// The misses of `layer` among `ids` that the CPU lane takes, by the split rule.
@@ -594,8 +661,10 @@ impl Offload {
                 let block = layer_state
                     .bank_blocks
                     .get(e as usize)
-                    .ok_or_else(|| Error::Cuda(format!("no expert {e} in MoE layer {layer}")))?;
-                bank.block(*block)
+                    .copied()
+                    .flatten()
+                    .ok_or_else(|| Error::Cuda(format!("no expert {e} of MoE layer {layer} here")))?;
+                bank.block(block)
             })
             .collect::<Result<Vec<_>>>()?;
         lane.start(

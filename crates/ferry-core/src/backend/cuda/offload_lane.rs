@@ -305,12 +305,18 @@ impl OffloadLane {
     }
 
     /// Queues on `compute` the wait for the started job (a host function that returns once it is done) and the
-    /// upload of its products into `products` (`[pairs, hidden]`) behind it. Everything queued on `compute`
-    /// before this runs while the lane computes.
+    /// upload of its products into the first rows of `products` (`[pairs or more, hidden]`) behind it. Everything
+    /// queued on `compute` before this runs while the lane computes.
     pub fn queue_products(&mut self, compute: &Arc<CudaStream>, products: &CudaTensor) -> Result<()> {
         let (Some(pending), Some(products_host)) = (self.pending.as_ref(), self.products_host.as_ref()) else {
             return Err(Error::Cuda("no CPU lane job to wait for".into()));
         };
+        if products.rows < pending.pairs {
+            return Err(Error::Shape(format!(
+                "{} rows for the CPU lane's {} products",
+                products.rows, pending.pairs
+            )));
+        }
         let wait = Box::into_raw(Box::new((self.signal.clone(), pending.seq)));
         // SAFETY: the callback makes no CUDA call and owns `wait` once queued; a failed launch leaves it ours.
         let queued = unsafe {
@@ -321,7 +327,7 @@ impl OffloadLane {
             drop(unsafe { Box::from_raw(wait) });
             return Err(cuda_err("waiting for the CPU lane")(error));
         }
-        let values = products.rows * products.cols;
+        let values = pending.pairs * products.cols;
         let src = &products_host.as_slice().map_err(cuda_err("lane products"))?[..values];
         let dst = products.data.device_ptr(compute).0;
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, compute.cu_stream()) }

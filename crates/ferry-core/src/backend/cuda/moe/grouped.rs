@@ -84,7 +84,7 @@ pub(super) fn moe_experts_grouped(
     let elsewhere: Vec<bool> = ids.iter().map(|&e| addresses[e as usize] == 0).collect();
     let zeros = match elsewhere.iter().any(|&absent| absent) {
         true => Some(HostProducts {
-            products: cuda.upload_tensor(&vec![0.0; hidden], 1, hidden)?,
+            products: cuda.zeros(1, hidden)?,
             index: cuda.copy_to_device(
                 &elsewhere
                     .iter()

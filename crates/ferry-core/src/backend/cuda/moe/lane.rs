@@ -31,9 +31,10 @@ pub(super) fn moe_with_host_lane(
     glu: ExpertGlu,
 ) -> Result<CudaTensor> {
     let hidden = x.cols;
-    let host_pairs = copies.host_index.iter().filter(|&&at| at >= 0).count();
+    // The lane's products, then (under expert parallelism) the zero row other ranks' pairs read.
+    let host_rows = copies.host_index.iter().max().map_or(0, |&at| at + 1).max(0) as usize;
     let host = HostProducts {
-        products: cuda.tensor(host_pairs, hidden)?,
+        products: cuda.zeros(host_rows, hidden)?,
         index: cuda.copy_to_device(&copies.host_index)?,
     };
     let on_host = |pair: usize| copies.host_index[pair] >= 0;

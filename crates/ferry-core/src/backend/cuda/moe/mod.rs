@@ -69,17 +69,20 @@ impl ResidualEpilogue {
     }
 }
 
-/// The CPU lane's products of a batch on the device: `[host pairs, hidden]`, and per (row, k) pair of the batch its
-/// row there or -1.
+/// Products read from outside the batch's GPU products by moe_combine: `[rows, hidden]`, and per (row, k) pair of
+/// the batch its row there or -1. The CPU lane's products fill the first rows; under expert parallelism, a pair
+/// routed to another rank's expert reads a row of zeros (it adds nothing to this rank's partial sum).
 struct HostProducts {
     products: CudaTensor,
     index: CudaSlice<i32>,
 }
 
 /// A layer's experts as the kernels read them: biases widened to f32 where the format keeps them so, and their
-/// format, activation and shape, or why the CUDA backend cannot run them.
+/// format, activation and shape, or why the CUDA backend cannot run them. `held[e]`: whether this backend holds
+/// expert e (all of them, except for a rank's share under expert parallelism); `experts` are the held ones.
 struct PreparedExperts {
     experts: Vec<ExpertTensors>,
+    held: Vec<bool>,
     format: ExpertFormat,
     glu: ExpertGlu,
     inter: usize,
@@ -87,7 +90,9 @@ struct PreparedExperts {
     biased: bool,
 }
 
-fn prepare_experts(experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<PreparedExperts> {
+fn prepare_experts(experts: Vec<Option<ExpertTensors>>, activation: ExpertActivation) -> Result<PreparedExperts> {
+    let held: Vec<bool> = experts.iter().map(Option::is_some).collect();
+    let experts: Vec<ExpertTensors> = experts.into_iter().flatten().collect();
     let first = experts
         .first()
         .ok_or_else(|| Error::Config("a MoE layer (or a rank's part of one) without experts".into()))?;
@@ -107,6 +112,7 @@ fn prepare_experts(experts: Vec<ExpertTensors>, activation: ExpertActivation) ->
         .collect::<Result<_>>()?;
     Ok(PreparedExperts {
         experts,
+        held,
         format,
         glu,
         inter,
@@ -115,9 +121,30 @@ fn prepare_experts(experts: Vec<ExpertTensors>, activation: ExpertActivation) ->
     })
 }
 
-/// One slab of the experts' blocks (gate, up, down, back to back: the layout moe.cu reads) and each block's
-/// address.
-fn upload_slab(cuda: &CudaBackend, prepared: &PreparedExperts) -> Result<(CudaSlice<u8>, Vec<u64>)> {
+/// Into the offload's bank when offload is on, else into one resident slab whose table holds each held expert's
+/// block address and null for the others (which the decode kernels pass over and the grouped path leaves out).
+fn upload(cuda: &CudaBackend, prepared: PreparedExperts) -> Result<CudaExperts> {
+    if let Some(offload) = &cuda.offload {
+        let layer = offload.lock().unwrap_or_else(|e| e.into_inner()).add_layer(
+            &cuda.stream,
+            &prepared.experts,
+            &prepared.held,
+            prepared.glu,
+        )?;
+        let table = cuda
+            .stream
+            .alloc_zeros::<u64>(prepared.held.len())
+            .map_err(cuda_err("allocating a slot table"))?;
+        return Ok(CudaExperts::Offloaded {
+            layer,
+            table,
+            hidden: prepared.hidden,
+            inter: prepared.inter,
+            format: prepared.format,
+            glu: prepared.glu,
+        });
+    }
+    // One slab of the held experts' blocks (gate, up, down, back to back: the layout moe.cu reads).
     let block = prepared
         .format
         .block_bytes(prepared.inter, prepared.hidden, prepared.biased);
@@ -133,17 +160,12 @@ fn upload_slab(cuda: &CudaBackend, prepared: &PreparedExperts) -> Result<(CudaSl
         }
     }
     let base = ptr(&slab).address();
-    let addresses = (0..prepared.experts.len()).map(|e| base + (e * block) as u64).collect();
-    Ok((slab, addresses))
-}
-
-/// Resident experts whose table holds `addresses` (a null address: an expert this backend does not hold).
-fn resident(
-    cuda: &CudaBackend,
-    slab: CudaSlice<u8>,
-    addresses: Vec<u64>,
-    prepared: &PreparedExperts,
-) -> Result<CudaExperts> {
+    let mut blocks = (0..prepared.experts.len()).map(|e| base + (e * block) as u64);
+    let addresses: Vec<u64> = prepared
+        .held
+        .iter()
+        .map(|&held| if held { blocks.next().unwrap_or(0) } else { 0 })
+        .collect();
     Ok(CudaExperts::Resident {
         table: cuda.copy_to_device(&addresses)?,
         _slab: slab,
@@ -155,64 +177,26 @@ fn resident(
     })
 }
 
-/// [`crate::backend::Backend::experts`]: into the offload's bank when offload is on, else into one resident slab.
+/// [`crate::backend::Backend::experts`].
 pub(super) fn upload_experts(
     cuda: &CudaBackend,
     experts: Vec<ExpertTensors>,
     activation: ExpertActivation,
 ) -> Result<CudaExperts> {
-    let prepared = prepare_experts(experts, activation)?;
-    if let Some(offload) = &cuda.offload {
-        let layer = offload.lock().unwrap_or_else(|e| e.into_inner()).add_layer(
-            &cuda.stream,
-            &prepared.experts,
-            prepared.glu,
-        )?;
-        let table = cuda
-            .stream
-            .alloc_zeros::<u64>(prepared.experts.len())
-            .map_err(cuda_err("allocating a slot table"))?;
-        return Ok(CudaExperts::Offloaded {
-            layer,
-            table,
-            hidden: prepared.hidden,
-            inter: prepared.inter,
-            format: prepared.format,
-            glu: prepared.glu,
-        });
-    }
-    let (slab, addresses) = upload_slab(cuda, &prepared)?;
-    resident(cuda, slab, addresses, &prepared)
+    upload(
+        cuda,
+        prepare_experts(experts.into_iter().map(Some).collect(), activation)?,
+    )
 }
 
-/// [`crate::backend::Backend::expert_shard`]: this rank's experts in one resident slab, the others' table entries
-/// null, which the decode kernels pass over and the grouped path leaves out (their pairs add nothing here).
-/// Expert parallelism keeps each rank's experts resident: the offload does not hold part of a layer yet.
+/// [`crate::backend::Backend::expert_shard`]: this rank's experts, resident or in the offload's bank, the others'
+/// table entries null (under offload their pairs are never planned: each rank caches and streams its own).
 pub(super) fn upload_expert_shard(
     cuda: &CudaBackend,
     experts: Vec<Option<ExpertTensors>>,
     activation: ExpertActivation,
 ) -> Result<CudaExperts> {
-    if cuda.offload.is_some() {
-        return Err(Error::Config(
-            "expert parallelism keeps each GPU's experts resident: offloading part of a layer is still to come".into(),
-        ));
-    }
-    let held: Vec<bool> = experts.iter().map(Option::is_some).collect();
-    let prepared = prepare_experts(experts.into_iter().flatten().collect(), activation)?;
-    let (slab, held_addresses) = upload_slab(cuda, &prepared)?;
-    let mut next = held_addresses.into_iter();
-    let addresses = held
-        .iter()
-        .map(|&held| {
-            if held {
-                next.next().expect("one block a held expert")
-            } else {
-                0
-            }
-        })
-        .collect();
-    resident(cuda, slab, addresses, &prepared)
+    upload(cuda, prepare_experts(experts, activation)?)
 }
 
 /// [`crate::backend::Backend::moe_experts`]: the decode kernels for a few rows, the grouped path for more. With an
