@@ -6,8 +6,10 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use ferry_core::backend::cpu::CpuBackend;
-use ferry_core::backend::cuda::{CudaBackend, LaneCeilings, OffloadConfig};
-use ferry_core::engine::plan::{parse_size, plan_memory, BudgetRequest, MemoryPlan, OffloadMode, MAX_BATCH_TOKENS};
+use ferry_core::backend::cuda::{CudaBackend, CudaBackendBuilder, LaneCeilings, NcclSum, OffloadConfig};
+use ferry_core::backend::expert_parallel::ExpertParallel;
+use ferry_core::backend::Backend;
+use ferry_core::engine::plan::{parse_size, plan_group, BudgetRequest, MemoryPlan, OffloadMode, MAX_BATCH_TOKENS};
 use ferry_core::loader::Checkpoint;
 use ferry_core::model::{spec_for, ModelInfo};
 use ferry_core::moe::{EvictionPolicy, PolicyChoice, SplitRule};
@@ -27,6 +29,19 @@ pub enum Device {
 pub enum Backends {
     Cpu(CpuBackend),
     Cuda(Box<CudaBackend>),
+    /// Several GPUs by expert parallelism (`--gpus N`).
+    CudaGroup(Box<ExpertParallel<CudaBackend>>),
+}
+
+impl Backends {
+    /// The GPUs, in rank order (none on the CPU).
+    pub fn gpus(&self) -> &[CudaBackend] {
+        match self {
+            Backends::Cpu(_) => &[],
+            Backends::Cuda(cuda) => std::slice::from_ref(&**cuda),
+            Backends::CudaGroup(group) => group.ranks(),
+        }
+    }
 }
 
 /// Where routed experts live (`--offload`).
@@ -73,6 +88,11 @@ pub struct OffloadArgs {
     /// before it reads).
     #[arg(long)]
     pub no_dependent_launch: bool,
+    /// Run on GPUs 0 to N-1 by expert parallelism: each holds the dense part and the KV cache, and its share of the
+    /// routed experts (expert e on GPU e mod N), which it alone caches, streams over its own link and computes; the
+    /// experts' outputs are summed across the GPUs with NCCL. --gpu-memory-budget is then each GPU's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub gpus: u64,
     /// Not a flag: recurrent-state snapshots the plan keeps room for (`serve` sets it unless --no-prefix-cache).
     #[arg(skip)]
     pub snapshot_slots: usize,
@@ -101,10 +121,11 @@ impl OffloadArgs {
             && self.moe_cache_slots.is_none()
             && self.moe_cache_policy == PolicyChoice::DEFAULT
             && !self.no_cuda_graphs
+            && self.gpus == 1
     }
 
-    /// The plan for `checkpoint` under a budget of `budget_bytes`.
-    pub fn plan(&self, checkpoint: &Checkpoint, budget_bytes: u64) -> Result<MemoryPlan> {
+    /// The plan of each GPU (`--gpus`) for `checkpoint` under a budget of `budget_bytes` each.
+    pub fn plans(&self, checkpoint: &Checkpoint, budget_bytes: u64) -> Result<Vec<MemoryPlan>> {
         let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
         let info = ModelInfo::new(&spec, checkpoint.weight_format());
         let request = BudgetRequest {
@@ -115,7 +136,7 @@ impl OffloadArgs {
             max_batch_tokens: self.max_batch_tokens.map(|n| n as usize),
             snapshot_slots: self.snapshot_slots,
         };
-        Ok(plan_memory(&info, &spec, &request)?)
+        Ok(plan_group(&info, &spec, &request, self.gpus as usize)?)
     }
 
     /// Tokens one forward pass carries at most: what the GPU memory plan was sized for, else `--max-batch-tokens`,
@@ -146,6 +167,9 @@ pub fn open_backend(
     // FERRY_GEMV_ISA picks the CPU kernels' path; they cannot return an error, so a bad value is reported here,
     // whatever the device.
     ferry_core::backend::cpu::gemv::check_isa_env()?;
+    if offload.gpus > 1 {
+        return open_group(device, offload, strategy, checkpoint);
+    }
     let gpu = match device {
         Device::Cpu => None,
         Device::Cuda => Some(CudaBackend::builder(0).context("--device cuda")?),
@@ -155,20 +179,80 @@ pub fn open_backend(
     };
     let Some(gpu) = gpu else {
         if !offload.is_default() || strategy != MoeStrategy::Offload {
-            bail!("--gpu-memory-budget, --moe-strategy, --no-cuda-graphs and the offload flags need a GPU (this run is on the CPU)");
+            bail!(
+                "--gpu-memory-budget, --moe-strategy, --no-cuda-graphs, --gpus and the offload flags need a GPU (this \
+                 run is on the CPU)"
+            );
         }
         return Ok((Backends::Cpu(CpuBackend), None));
     };
     let budget = match offload.budget_bytes()? {
         Some(b) => b,
-        // Leave a little for the CUDA context's own growth and other processes.
-        None => (gpu.memory_info()?.0 as u64).saturating_sub(1 << 30),
+        None => free_budget(&gpu)?,
     };
-    let plan = offload.plan(checkpoint, budget)?;
+    let plan = offload.plans(checkpoint, budget)?.remove(0);
+    let gpu = build_gpu(gpu, &plan, budget, offload, strategy, checkpoint)?;
+    Ok((Backends::Cuda(Box::new(gpu)), Some(plan)))
+}
+
+/// The budget of a GPU given none: its free memory, less a little for the CUDA context's own growth and other
+/// processes.
+fn free_budget(gpu: &CudaBackendBuilder) -> Result<u64> {
+    Ok((gpu.memory_info()?.0 as u64).saturating_sub(1 << 30))
+}
+
+/// `--gpus N`: GPUs 0 to N-1 as one expert-parallel group, each under the same budget (the asked one, else the
+/// least free memory of any of them) and its own plan, its experts' outputs summed with NCCL. Returns the group's
+/// plan (the first GPU's: the largest share of experts, and every GPU's KV).
+fn open_group(
+    device: Device,
+    offload: &OffloadArgs,
+    strategy: MoeStrategy,
+    checkpoint: &Checkpoint,
+) -> Result<(Backends, Option<MemoryPlan>)> {
+    let gpus = offload.gpus as usize;
+    if device == Device::Cpu {
+        bail!("--gpus {gpus} runs on GPUs: give --device cuda (or auto)");
+    }
+    let builders = (0..gpus)
+        .map(|rank| CudaBackend::builder(rank).with_context(|| format!("--gpus {gpus}: GPU {rank}")))
+        .collect::<Result<Vec<_>>>()?;
+    let budget = match offload.budget_bytes()? {
+        Some(b) => b,
+        None => builders
+            .iter()
+            .map(free_budget)
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .min()
+            .unwrap_or(0),
+    };
+    let plans = offload.plans(checkpoint, budget)?;
+    let ranks = builders
+        .into_iter()
+        .zip(&plans)
+        .map(|(gpu, plan)| build_gpu(gpu, plan, budget, offload, strategy, checkpoint))
+        .collect::<Result<Vec<_>>>()?;
+    let sum = NcclSum::new(&ranks).context("--gpus: NCCL")?;
+    let group = ExpertParallel::new(ranks, Box::new(sum))?;
+    Ok((Backends::CudaGroup(Box::new(group)), plans.into_iter().next()))
+}
+
+/// Makes an opened GPU a backend under `plan` (made for a budget of `budget`): with expert offload (a cache under
+/// `--moe-cache-policy`, misses split by `strategy`) when the plan says so.
+fn build_gpu(
+    gpu: CudaBackendBuilder,
+    plan: &MemoryPlan,
+    budget: u64,
+    offload: &OffloadArgs,
+    strategy: MoeStrategy,
+    checkpoint: &Checkpoint,
+) -> Result<CudaBackend> {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
-        "GPU budget {:.2} GiB: dense {:.2}, workspace {:.2} ({}-token steps), experts {:.2} ({}), KV {:.2} GiB ({} \
+        "{} budget {:.2} GiB: dense {:.2}, workspace {:.2} ({}-token steps), experts {:.2} ({}), KV {:.2} GiB ({} \
          tokens)",
+        gpu.device_name(),
         gib(budget),
         gib(plan.dense_bytes),
         gib(plan.workspace_bytes),
@@ -200,10 +284,10 @@ pub fn open_backend(
         }
         gpu
     };
-    let gpu = gpu
+    Ok(gpu
         .cuda_graphs(!offload.no_cuda_graphs)
-        .dependent_launch(!offload.no_dependent_launch);
-    Ok((Backends::Cuda(Box::new(gpu.build()?)), Some(plan)))
+        .dependent_launch(!offload.no_dependent_launch)
+        .build()?)
 }
 
 /// The expert cache's eviction policy and the misses' split rule that the offload of `checkpoint` (over `slots`
@@ -229,33 +313,38 @@ fn offload_start(
     Ok((policy, split))
 }
 
-/// Starts the expert offload of `backends` over, as [`open_backend`] would have started it under `strategy`, the
-/// loaded bank kept (`CudaBackend::restart_offload`): `ferry bench`'s later variants on one load. Nothing to do
-/// when every expert is resident (`plan` says), or on the CPU, which has `offload` only.
+/// Starts the expert offload of every GPU of `backends` over, as [`open_backend`] would have started it under
+/// `strategy`, the loaded bank kept (`CudaBackend::restart_offload`): `ferry bench`'s later variants on one load.
+/// Nothing to do when every expert is resident, or on the CPU, which have `offload` only.
 pub fn restart_offload(
     backends: &Backends,
-    plan: Option<&MemoryPlan>,
     offload: &OffloadArgs,
     strategy: MoeStrategy,
     checkpoint: &Checkpoint,
 ) -> Result<()> {
-    let (cuda, slots) = match (backends, plan) {
-        (Backends::Cuda(cuda), Some(plan)) if plan.offload => (cuda, plan.slots),
-        _ if strategy == MoeStrategy::Offload => return Ok(()),
-        (Backends::Cuda(_), _) => {
-            bail!("--moe-strategy {strategy:?} needs offloaded experts: every expert is resident")
+    let gpus = backends.gpus();
+    let offloaded = !gpus.is_empty() && gpus.iter().all(|gpu| gpu.offload_stats().is_some());
+    if !offloaded {
+        if strategy == MoeStrategy::Offload {
+            return Ok(());
         }
-        (Backends::Cpu(_), _) => bail!("--moe-strategy {strategy:?} needs a GPU (this run is on the CPU)"),
-    };
-    let (policy, split) = offload_start(
-        offload,
-        strategy,
-        checkpoint,
-        slots,
-        cuda.device_name(),
-        |experts, rounds| cuda.measure_lanes(experts, rounds),
-    )?;
-    cuda.restart_offload(policy, split)?;
+        if gpus.is_empty() {
+            bail!("--moe-strategy {strategy:?} needs a GPU (this run is on the CPU)");
+        }
+        bail!("--moe-strategy {strategy:?} needs offloaded experts: every expert is resident");
+    }
+    for gpu in gpus {
+        let slots = gpu.offload_stats().map_or(0, |stats| stats.slots);
+        let (policy, split) = offload_start(
+            offload,
+            strategy,
+            checkpoint,
+            slots,
+            gpu.device_name(),
+            |experts, rounds| gpu.measure_lanes(experts, rounds),
+        )?;
+        gpu.restart_offload(policy, split)?;
+    }
     Ok(())
 }
 
@@ -328,6 +417,10 @@ macro_rules! with_backend {
         match &$backends {
             $crate::device::Backends::Cpu($be) => $body,
             $crate::device::Backends::Cuda($be) => {
+                let $be = &**$be;
+                $body
+            }
+            $crate::device::Backends::CudaGroup($be) => {
                 let $be = &**$be;
                 $body
             }

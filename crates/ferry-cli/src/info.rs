@@ -16,7 +16,8 @@ pub struct InfoArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// With --gpu-memory-budget: how that budget would be divided, and how much of the bank the cache holds.
+    /// With --gpu-memory-budget: how that budget would be divided, and how much of the bank the cache holds (with
+    /// --gpus N, each GPU's budget, for its share of the experts).
     #[command(flatten)]
     offload: OffloadArgs,
     /// Read every weight and list the tensors holding NaN or infinite values (fails if any do).
@@ -45,17 +46,23 @@ pub fn run(args: InfoArgs) -> Result<()> {
     args.expert_dtype.apply(&mut checkpoint);
     let spec = spec_for(&checkpoint.model_type, &checkpoint.config)?;
     let info = ModelInfo::new(&spec, checkpoint.weight_format());
-    let plan = args
+    let plans = args
         .offload
         .budget_bytes()?
-        .map(|budget| args.offload.plan(&checkpoint, budget))
-        .transpose()?;
+        .map(|budget| args.offload.plans(&checkpoint, budget))
+        .transpose()?
+        .unwrap_or_default();
+    // The GPUs' experts together, against the bank.
+    let cached_share = plans.iter().map(|p| p.expert_bytes).sum::<u64>() as f64 / info.expert_bank_bytes.max(1) as f64;
     let non_finite = args.check.then(|| checkpoint.weights.non_finite());
     if args.json {
         let mut out = serde_json::to_value(&info)?;
-        if let Some(plan) = &plan {
+        if let Some(plan) = plans.first() {
             out["memory_plan"] = serde_json::to_value(plan)?;
-            out["cached_share_of_bank"] = (plan.expert_bytes as f64 / info.expert_bank_bytes.max(1) as f64).into();
+            out["cached_share_of_bank"] = cached_share.into();
+        }
+        if plans.len() > 1 {
+            out["memory_plans"] = serde_json::to_value(&plans)?;
         }
         if let Some(found) = &non_finite {
             out["non_finite"] = serde_json::to_value(found)?;
@@ -103,7 +110,14 @@ pub fn run(args: InfoArgs) -> Result<()> {
     for (name, value) in rows {
         println!("{name:<28}{value}");
     }
-    if let Some(p) = plan {
+    for (gpu, p) in plans.iter().enumerate() {
+        if plans.len() > 1 {
+            println!(
+                "GPU {gpu} of {}: its {} experts a MoE layer",
+                plans.len(),
+                info.rank_share(plans.len(), gpu).num_experts
+            );
+        }
         let share = 100.0 * p.expert_bytes as f64 / info.expert_bank_bytes.max(1) as f64;
         let experts = match p.offload {
             true => format!(

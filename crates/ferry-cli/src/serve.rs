@@ -272,6 +272,7 @@ fn load(args: &ServeArgs, state: &AppState) -> Result<LoadedModel> {
     let (engine, max_model_len, vocab_size) = match backends {
         Backends::Cpu(backend) => start_engine(backend, &checkpoint, tokenizer.clone(), args, plan, &mut progress)?,
         Backends::Cuda(backend) => start_engine(*backend, &checkpoint, tokenizer.clone(), args, plan, &mut progress)?,
+        Backends::CudaGroup(group) => start_engine(*group, &checkpoint, tokenizer.clone(), args, plan, &mut progress)?,
     };
     let defaults = &checkpoint.generation;
     let tool_call_format = args.tool_call_parser.unwrap_or_default().format(&tokenizer);

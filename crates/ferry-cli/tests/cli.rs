@@ -483,6 +483,61 @@ fn info_divides_a_gpu_memory_budget() {
 }
 
 #[test]
+fn info_plans_each_gpu_of_an_expert_parallel_group() {
+    let out = info_under_a_budget(&["--gpus", "2", "--offload", "experts"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let plans = info["memory_plans"].as_array().unwrap();
+    assert_eq!(plans.len(), 2);
+    // 8 experts a layer, 4 on each GPU: each cache holds its own 2 x 4, and together the whole bank.
+    for plan in plans {
+        assert_eq!(
+            (plan["offload"].as_bool(), plan["slots"].as_u64()),
+            (Some(true), Some(8))
+        );
+        assert_eq!(
+            plan["kv_tokens"], plans[0]["kv_tokens"],
+            "every GPU keeps the same KV blocks"
+        );
+    }
+    assert_eq!(info["memory_plan"], plans[0]);
+    assert_eq!(info["cached_share_of_bank"], 1.0);
+    let one = info_under_a_budget(&["--offload", "experts"]);
+    let one: serde_json::Value = serde_json::from_slice(&one.stdout).unwrap();
+    assert!(one.get("memory_plans").is_none());
+    assert_eq!(one["memory_plan"]["slots"], 16);
+    // More GPUs than experts a layer, and none, are refused by name.
+    let too_many = info_under_a_budget(&["--gpus", "9"]);
+    let stderr = String::from_utf8_lossy(&too_many.stderr);
+    assert!(!too_many.status.success() && stderr.contains("9 GPUs"), "{stderr}");
+    let none = info_under_a_budget(&["--gpus", "0"]);
+    assert!(!none.status.success() && String::from_utf8_lossy(&none.stderr).contains("--gpus"));
+}
+
+#[test]
+fn several_gpus_need_a_gpu_device() {
+    let model = fixture(FIXTURE);
+    let out = ferry(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+        "--device",
+        "cpu",
+        "--gpus",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("--gpus 2 runs on GPUs"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn one_offload_flag_says_where_experts_live() {
     let plan = |extra: &[&str]| {
         let out = info_under_a_budget(extra);

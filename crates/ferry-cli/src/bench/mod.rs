@@ -21,7 +21,7 @@ use ferry_core::backend::profiled::Profiled;
 
 use self::report::{print_report, BenchReport, MemoryCeiling};
 use self::run::{bench_on, Machine};
-use crate::device::{open_backend, restart_offload, Backends, Device, ExpertDtypeArgs, ModelArgs, OffloadArgs};
+use crate::device::{open_backend, restart_offload, Device, ExpertDtypeArgs, ModelArgs, OffloadArgs};
 use crate::doctor_lanes::MoeStrategy;
 
 #[derive(clap::Args)]
@@ -129,9 +129,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut checkpoint = args.model.open()?;
     args.expert_dtype.apply(&mut checkpoint);
     let (backends, plan) = open_backend(args.device, &args.offload, variants[0].strategy, &checkpoint)?;
-    let (ceiling, h2d_gb_s) = match &backends {
-        Backends::Cuda(cuda) => {
-            let c = cuda.measure_ceilings()?;
+    let (ceiling, h2d_gb_s) = match backends.gpus() {
+        [gpu] => {
+            let c = gpu.measure_ceilings()?;
             (
                 MemoryCeiling {
                     what: "device copy bandwidth (read + write), measured".into(),
@@ -140,7 +140,26 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 Some(c.h2d_pinned_gb_s),
             )
         }
-        Backends::Cpu(_) => (
+        // Each GPU of a group reads the dense part and its own experts, and streams its misses over its own link:
+        // the first GPU's memory bandwidth, and the links' together.
+        gpus @ [first, ..] => {
+            let ceilings = gpus
+                .iter()
+                .map(|gpu| gpu.measure_ceilings())
+                .collect::<Result<Vec<_>, _>>()?;
+            (
+                MemoryCeiling {
+                    what: format!(
+                        "device copy bandwidth (read + write) of GPU 0 ({}) of {}, measured",
+                        first.device_name(),
+                        gpus.len()
+                    ),
+                    gb_s: ceilings[0].d2d_copy_gb_s,
+                },
+                Some(ceilings.iter().map(|c| c.h2d_pinned_gb_s).sum()),
+            )
+        }
+        [] => (
             MemoryCeiling {
                 what: "host memory read bandwidth, measured".into(),
                 gb_s: ferry_core::backend::cpu::measure_read_bandwidth(1 << 30),
@@ -153,8 +172,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         backends: &backends,
         h2d_gb_s,
     };
-    let restart =
-        |variant: &Variant| restart_offload(&backends, plan.as_ref(), &args.offload, variant.strategy, &checkpoint);
+    let restart = |variant: &Variant| restart_offload(&backends, &args.offload, variant.strategy, &checkpoint);
     let offloaded = plan.as_ref().is_some_and(|p| p.offload);
     // Each variant's report as soon as it is measured: a run cut short keeps the variants it finished.
     let finish = |variant: &Variant, mut report: BenchReport| -> Result<()> {

@@ -32,10 +32,13 @@ pub(super) struct Machine<'a> {
 
 impl Machine<'_> {
     fn gpu_memory_used(&self) -> Option<u64> {
-        match self.backends {
-            Backends::Cuda(cuda) => cuda.memory_info().ok().map(|(free, total)| (total - free) as u64),
-            Backends::Cpu(_) => None,
+        let gpus = self.backends.gpus();
+        if gpus.is_empty() {
+            return None;
         }
+        gpus.iter()
+            .map(|gpu| gpu.memory_info().ok().map(|(free, total)| (total - free) as u64))
+            .sum()
     }
 
     /// Raises `peak` to the GPU memory in use now.

@@ -41,17 +41,27 @@ impl<B: Backend> ExpertParallel<B> {
         Ok(ExpertParallel { ranks, collective })
     }
 
-    /// The rank that holds and computes routed expert `expert` of every MoE layer: experts are dealt out in turn,
-    /// so each rank holds an equal share of every layer (to within one) and, under routing that favours no expert
-    /// by its index, an equal share of each step's work.
-    fn home_rank(&self, expert: usize) -> usize {
-        expert % self.ranks.len()
+    /// The group's ranks, in rank order.
+    pub fn ranks(&self) -> &[B] {
+        &self.ranks
     }
 
     /// `op` on every rank, in rank order.
     fn each<T>(&self, mut op: impl FnMut(usize, &B) -> Result<T>) -> Result<Vec<T>> {
         self.ranks.iter().enumerate().map(|(r, rank)| op(r, rank)).collect()
     }
+}
+
+/// The rank of a group of `ranks` that holds and computes routed expert `expert` of every MoE layer: experts are
+/// dealt out in turn, so each rank holds an equal share of every layer (to within one) and, under routing that
+/// favours no expert by its index, an equal share of each step's work.
+pub fn home_rank(expert: usize, ranks: usize) -> usize {
+    expert % ranks.max(1)
+}
+
+/// How many of a MoE layer's `experts` rank `rank` of a group of `ranks` is home to ([`home_rank`]).
+pub fn home_experts(experts: usize, ranks: usize, rank: usize) -> usize {
+    (0..experts).filter(|&e| home_rank(e, ranks) == rank).count()
 }
 
 /// What a group keeps between forward passes: each rank's own cache, whose block bookkeeping is the first rank's.
@@ -157,7 +167,7 @@ impl<B: Backend> Backend for ExpertParallel<B> {
         self.each(|_, rank| rank.check_router(kind)).map(drop)
     }
 
-    /// Each rank's share of the layer: its home experts (`home_rank`); a group of one holds them
+    /// Each rank's share of the layer: its home experts ([`home_rank`]); a group of one holds them
     /// all, as its backend alone would.
     fn experts(&self, experts: Vec<ExpertTensors>, activation: ExpertActivation) -> Result<Self::Experts> {
         if self.ranks.len() == 1 {
@@ -167,7 +177,7 @@ impl<B: Backend> Backend for ExpertParallel<B> {
             let shard = experts
                 .iter()
                 .enumerate()
-                .map(|(e, tensors)| (self.home_rank(e) == r).then(|| tensors.clone()))
+                .map(|(e, tensors)| (home_rank(e, self.ranks.len()) == r).then(|| tensors.clone()))
                 .collect();
             rank.expert_shard(shard, activation)
         })

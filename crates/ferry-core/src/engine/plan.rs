@@ -8,6 +8,9 @@ use crate::backend::cuda::workspace::{self, ActivationShapes, KV_VALUE_BYTES};
 use crate::model::{FfnKind, ModelInfo, ModelSpec};
 use crate::{Error, Result};
 
+mod group;
+pub use group::plan_group;
+
 /// The most tokens one forward pass carries: long prompts are prefilled in chunks of this many (which also bounds
 /// the activation workspace a budget must hold).
 pub const MAX_BATCH_TOKENS: usize = 2048;

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use super::config::{ExpertLayout, FfnKind, Mixer, ModelSpec, QkNorm};
 use super::recurrent_spec;
+use crate::backend::expert_parallel::home_experts;
 use crate::loader::{DType, WeightFormat};
 
 #[derive(Clone, Debug, Serialize)]
@@ -50,6 +51,18 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
+    /// What rank `rank` of an expert-parallel group of `ranks` GPUs holds: the dense part whole and its home experts
+    /// of each MoE layer ([`home_experts`]), so that a memory plan for it sizes one GPU of the group. One rank: the
+    /// model as it is.
+    pub fn rank_share(&self, ranks: usize, rank: usize) -> ModelInfo {
+        let held = home_experts(self.num_experts, ranks, rank);
+        ModelInfo {
+            num_experts: held,
+            expert_bank_bytes: self.num_moe_layers as u64 * held as u64 * self.bytes_per_expert,
+            ..self.clone()
+        }
+    }
+
     pub fn new(spec: &ModelSpec, format: WeightFormat) -> Self {
         let h = spec.hidden_size as u64;
         let (heads, kv_heads, d) = (spec.num_heads as u64, spec.num_kv_heads as u64, spec.head_dim as u64);
