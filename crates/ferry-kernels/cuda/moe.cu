@@ -176,7 +176,11 @@ __device__ __forceinline__ void down_products(const Layout& layout, const void* 
 // before this kernel launched, so its first weights are copied before it waits for moe_gate_up's act (ids and
 // table read through L2, where those writes are): the kernels pass WaitForPreviousKernel, and every thread waits
 // before the sums.
-template <typename Layout, typename InputsReady>
+//
+// SHARD: the table may hold null entries (another rank's experts under expert parallelism), whose items add
+// nothing; the moe_down*_shard kernels. Only they test for it: the test, even skipping before any of an item's
+// work, costs moe_down registers or spills (63 -> 64 with 36 bytes spilled, moe_down_fp8 88 bytes).
+template <bool SHARD, typename Layout, typename InputsReady>
 __device__ __forceinline__ void down(const Layout& layout, const float* __restrict__ act, int top_k,
                                      const int* __restrict__ ids, const float* __restrict__ weights,
                                      const void* const* __restrict__ experts, long long bias_at, int feature_groups,
@@ -193,12 +197,19 @@ __device__ __forceinline__ void down(const Layout& layout, const float* __restri
         const int pair = r * top_k + k;
         const void* block = reinterpret_cast<const void*>(
             __ldcg(reinterpret_cast<const unsigned long long*>(experts) + __ldcg(ids + pair)));
-        // Another rank's expert (expert parallelism, a null entry) adds nothing to this rank's sum.
-        float sums[MOE_DOWN_ROWS] = {};
+        if constexpr (SHARD) {
+            if (block == nullptr) {
+                if ((threadIdx.x & 31) == 0)
+#pragma unroll
+                    for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+                        products[k * block_features + group * MOE_DOWN_ROWS + j] = 0.0f;
+                continue;
+            }
+        }
+        float sums[MOE_DOWN_ROWS];
         // After the first item the wait returns at once.
-        if (block != nullptr)
-            down_products(layout, block, bias_at, first + group * MOE_DOWN_ROWS,
-                          act + static_cast<size_t>(pair) * layout.inter, staging[warp], sums, inputs_ready);
+        down_products(layout, block, bias_at, first + group * MOE_DOWN_ROWS,
+                      act + static_cast<size_t>(pair) * layout.inter, staging[warp], sums, inputs_ready);
 #pragma unroll
         for (int j = 0; j < MOE_DOWN_ROWS; ++j)
             if ((threadIdx.x & 31) == 0) products[k * block_features + group * MOE_DOWN_ROWS + j] = sums[j];
@@ -209,14 +220,18 @@ __device__ __forceinline__ void down(const Layout& layout, const float* __restri
                 counter, out);
 }
 
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    moe_down(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
-             const float* __restrict__ weights, const void* const* __restrict__ experts, long long bias_at,
-             int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
-             const float* __restrict__ norm, float eps, unsigned int* counter) {
-    down(Bf16Layout{inter, hidden}, act, top_k, ids, weights, experts, bias_at, feature_groups, out, shared, residual,
-         norm, eps, counter, WaitForPreviousKernel());
-}
+// moe_down and moe_down_shard (see down's SHARD).
+#define MOE_DOWN_KERNEL(NAME, SHARD)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                       \
+        NAME(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,             \
+             const float* __restrict__ weights, const void* const* __restrict__ experts, long long bias_at,            \
+             int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,           \
+             const float* __restrict__ norm, float eps, unsigned int* counter) {                                       \
+        down<SHARD>(Bf16Layout{inter, hidden}, act, top_k, ids, weights, experts, bias_at, feature_groups, out, shared, \
+                    residual, norm, eps, counter, WaitForPreviousKernel());                                            \
+    }
+MOE_DOWN_KERNEL(moe_down, false)
+MOE_DOWN_KERNEL(moe_down_shard, true)
 
 // y[pair, h] = down_e[h] . act[pair] + down bias_e[h], e = ids[pair], for the pairs order[blockIdx.y]: moe_down's
 // products, one (row, k) pair at a time, for the offload's decode path, which runs each copied expert's pairs once
@@ -235,10 +250,16 @@ __device__ __forceinline__ void down_pairs(const Layout& layout, const float* __
     if (first >= layout.hidden) return;
     const void* block = experts[ids[pair]];
     // Another rank's expert (expert parallelism, a null entry): a product of zeros, which adds nothing.
-    float sums[MOE_DOWN_ROWS] = {};
-    if (block != nullptr)
-        down_products(layout, block, bias_at, first, act + static_cast<size_t>(pair) * layout.inter, staging[warp],
-                      sums, AlreadyWaited());
+    if (block == nullptr) {
+#pragma unroll
+        for (int j = 0; j < MOE_DOWN_ROWS; ++j)
+            if ((threadIdx.x & 31) == 0 && first + j < layout.hidden)
+                y[static_cast<size_t>(pair) * layout.hidden + first + j] = 0.0f;
+        return;
+    }
+    float sums[MOE_DOWN_ROWS];
+    down_products(layout, block, bias_at, first, act + static_cast<size_t>(pair) * layout.inter, staging[warp], sums,
+                  AlreadyWaited());
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_ROWS; ++j)
         if ((threadIdx.x & 31) == 0 && first + j < layout.hidden)
@@ -406,16 +427,20 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // At most 64 registers a thread, so that four blocks fit a multiprocessor as moe_down's do: left alone the FP8
 // layout's scales take 79 and three blocks, and q30's 512-block decode launch ran in two waves (15.5 us against
 // 12.7 at four blocks, without spills).
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, 4)
-    moe_down_fp8(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                 const float* __restrict__ weights, const void* const* __restrict__ experts, int gate_up_block_rows,
-                 int gate_up_block_cols, int down_block_rows, int down_block_cols, int feature_groups,
-                 float* __restrict__ out, const float* __restrict__ shared, float* residual,
-                 const float* __restrict__ norm, float eps, unsigned int* counter) {
-    const Fp8Layout layout{inter, hidden, gate_up_block_rows, gate_up_block_cols, down_block_rows, down_block_cols};
-    down(layout, act, top_k, ids, weights, experts, -1, feature_groups, out, shared, residual, norm, eps, counter,
-         WaitForPreviousKernel());
-}
+#define MOE_DOWN_FP8_KERNEL(NAME, SHARD)                                                                               \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, 4)                                                    \
+        NAME(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,             \
+             const float* __restrict__ weights, const void* const* __restrict__ experts, int gate_up_block_rows,       \
+             int gate_up_block_cols, int down_block_rows, int down_block_cols, int feature_groups,                     \
+             float* __restrict__ out, const float* __restrict__ shared, float* residual,                               \
+             const float* __restrict__ norm, float eps, unsigned int* counter) {                                       \
+        const Fp8Layout layout{inter,           hidden,          gate_up_block_rows,                                   \
+                               gate_up_block_cols, down_block_rows, down_block_cols};                                  \
+        down<SHARD>(layout, act, top_k, ids, weights, experts, -1, feature_groups, out, shared, residual, norm, eps,    \
+                    counter, WaitForPreviousKernel());                                                                 \
+    }
+MOE_DOWN_FP8_KERNEL(moe_down_fp8, false)
+MOE_DOWN_FP8_KERNEL(moe_down_fp8_shard, true)
 
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs_fp8(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
@@ -573,14 +598,17 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     gate_up<1>(Mxfp4Layout{inter, hidden}, x, top_k, ids, order, experts, bias_at, clamped, alpha, limit, act);
 }
 
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    moe_down_mxfp4(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,
-                   const float* __restrict__ weights, const void* const* __restrict__ experts, long long bias_at,
-                   int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,
-                   const float* __restrict__ norm, float eps, unsigned int* counter) {
-    down(Mxfp4Layout{inter, hidden}, act, top_k, ids, weights, experts, bias_at, feature_groups, out, shared,
-         residual, norm, eps, counter, WaitForPreviousKernel());
-}
+#define MOE_DOWN_MXFP4_KERNEL(NAME, SHARD)                                                                             \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                       \
+        NAME(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,             \
+             const float* __restrict__ weights, const void* const* __restrict__ experts, long long bias_at,            \
+             int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,           \
+             const float* __restrict__ norm, float eps, unsigned int* counter) {                                       \
+        down<SHARD>(Mxfp4Layout{inter, hidden}, act, top_k, ids, weights, experts, bias_at, feature_groups, out,       \
+                    shared, residual, norm, eps, counter, WaitForPreviousKernel());                                    \
+    }
+MOE_DOWN_MXFP4_KERNEL(moe_down_mxfp4, false)
+MOE_DOWN_MXFP4_KERNEL(moe_down_mxfp4_shard, true)
 
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs_mxfp4(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,

@@ -173,6 +173,8 @@ pub enum CudaExperts {
         inter: usize,
         format: expert_format::ExpertFormat,
         glu: expert_format::ExpertGlu,
+        /// A rank's share under expert parallelism: the other ranks' entries of `table` are null.
+        shard: bool,
     },
     Offloaded {
         layer: usize,
@@ -181,6 +183,8 @@ pub enum CudaExperts {
         inter: usize,
         format: expert_format::ExpertFormat,
         glu: expert_format::ExpertGlu,
+        /// A rank's share under expert parallelism: the other ranks' experts are never in `table`.
+        shard: bool,
     },
 }
 
@@ -202,6 +206,12 @@ impl CudaExperts {
     fn glu(&self) -> expert_format::ExpertGlu {
         match self {
             CudaExperts::Resident { glu, .. } | CudaExperts::Offloaded { glu, .. } => *glu,
+        }
+    }
+
+    fn shard(&self) -> bool {
+        match self {
+            CudaExperts::Resident { shard, .. } | CudaExperts::Offloaded { shard, .. } => *shard,
         }
     }
 }

@@ -51,7 +51,8 @@ kernel! {
 kernel! {
     /// moe.cu's `moe_down`: `out[r] = sum_k weights[r, k] * (down_e act[r * top_k + k] + down bias_e)`, in router
     /// order; with a `residual` (else null) the [`ResidualEpilogue`], its last block (counted on `counter`)
-    /// normalising. Also `moe_down_mxfp4`.
+    /// normalising. Also `moe_down_mxfp4`, and each one's `_shard` twin for a table with null entries (another
+    /// rank's experts under expert parallelism, which add nothing).
     struct MoeDown {
         act: Ptr<f32>,
         hidden: i32,
@@ -107,8 +108,8 @@ kernel! {
 }
 
 kernel! {
-    /// moe.cu's `moe_down_fp8`: [`MoeDown`] over FP8 expert blocks.
-    struct MoeDownFp8 = "moe_down_fp8" {
+    /// moe.cu's `moe_down_fp8` (and `moe_down_fp8_shard`): [`MoeDown`] over FP8 expert blocks.
+    struct MoeDownFp8 {
         act: Ptr<f32>,
         hidden: i32,
         inter: i32,
@@ -140,8 +141,7 @@ pub(super) fn moe_decode(
     table: &CudaSlice<u64>,
     hidden: usize,
     inter: usize,
-    format: ExpertFormat,
-    glu: ExpertGlu,
+    (format, glu, shard): (ExpertFormat, ExpertGlu, bool),
     epilogue: Option<ResidualEpilogue>,
 ) -> Result<CudaTensor> {
     let ([shared, residual, norm], eps) = ResidualEpilogue::pointers(epilogue);
@@ -179,10 +179,11 @@ pub(super) fn moe_decode(
         }
         .launch_kernel(
             cuda,
-            if format == ExpertFormat::Mxfp4 {
-                "moe_down_mxfp4"
-            } else {
-                "moe_down"
+            match (format == ExpertFormat::Mxfp4, shard) {
+                (true, false) => "moe_down_mxfp4",
+                (true, true) => "moe_down_mxfp4_shard",
+                (false, false) => "moe_down",
+                (false, true) => "moe_down_shard",
             },
             config,
         )?,
@@ -209,7 +210,7 @@ pub(super) fn moe_decode(
                 eps,
                 counter,
             }
-            .launch(cuda, config)?
+            .launch_kernel(cuda, if shard { "moe_down_fp8_shard" } else { "moe_down_fp8" }, config)?
         }
     }
     Ok(out)

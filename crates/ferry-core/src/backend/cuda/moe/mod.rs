@@ -124,6 +124,7 @@ fn prepare_experts(experts: Vec<Option<ExpertTensors>>, activation: ExpertActiva
 /// Into the offload's bank when offload is on, else into one resident slab whose table holds each held expert's
 /// block address and null for the others (which the decode kernels pass over and the grouped path leaves out).
 fn upload(cuda: &CudaBackend, prepared: PreparedExperts) -> Result<CudaExperts> {
+    let shard = prepared.held.contains(&false);
     if let Some(offload) = &cuda.offload {
         let layer = offload.lock().unwrap_or_else(|e| e.into_inner()).add_layer(
             &cuda.stream,
@@ -142,6 +143,7 @@ fn upload(cuda: &CudaBackend, prepared: PreparedExperts) -> Result<CudaExperts> 
             inter: prepared.inter,
             format: prepared.format,
             glu: prepared.glu,
+            shard,
         });
     }
     // One slab of the held experts' blocks (gate, up, down, back to back: the layout moe.cu reads).
@@ -174,6 +176,7 @@ fn upload(cuda: &CudaBackend, prepared: PreparedExperts) -> Result<CudaExperts> 
         inter: prepared.inter,
         format: prepared.format,
         glu: prepared.glu,
+        shard,
     })
 }
 
@@ -211,7 +214,7 @@ pub(super) fn moe_experts(
 ) -> Result<(CudaTensor, bool)> {
     let fused = epilogue.is_some();
     let (hidden, inter) = experts.shape();
-    let (format, glu) = (experts.format(), experts.glu());
+    let (format, glu, shard) = (experts.format(), experts.glu(), experts.shard());
     let (table, layer) = match experts {
         CudaExperts::Resident { table, addresses, .. } => {
             if x.rows > MOE_DECODE_MAX_ROWS {
@@ -222,7 +225,7 @@ pub(super) fn moe_experts(
                 let out = moe_experts_grouped(cuda, x, routing, &ids, addresses, hidden, inter, format, glu)?;
                 return Ok((out, false));
             }
-            let out = moe_decode(cuda, x, routing, table, hidden, inter, format, glu, epilogue)?;
+            let out = moe_decode(cuda, x, routing, table, hidden, inter, (format, glu, shard), epilogue)?;
             return Ok((out, fused));
         }
         CudaExperts::Offloaded { layer, table, .. } => (table, *layer),
@@ -256,7 +259,7 @@ pub(super) fn moe_experts(
             )?;
             return Ok((out, false));
         }
-        let out = moe_decode(cuda, x, routing, table, hidden, inter, format, glu, epilogue)?;
+        let out = moe_decode(cuda, x, routing, table, hidden, inter, (format, glu, shard), epilogue)?;
         return Ok((out, fused));
     }
     let out = moe_decode_under_copies(cuda, x, routing, table, &copies, hidden, inter, format, glu, epilogue)?;
