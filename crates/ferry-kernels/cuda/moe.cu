@@ -220,18 +220,18 @@ __device__ __forceinline__ void down(const Layout& layout, const float* __restri
                 counter, out);
 }
 
-// moe_down and moe_down_shard (see down's SHARD).
-#define MOE_DOWN_KERNEL(NAME, SHARD)                                                                                   \
+// moe_down, and moe_down_shard (see down's SHARD).
+#define MOE_DOWN_KERNEL(SUFFIX, SHARD)                                                                                   \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                       \
-        NAME(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,             \
+        moe_down##SUFFIX(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids, \
              const float* __restrict__ weights, const void* const* __restrict__ experts, long long bias_at,            \
              int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,           \
              const float* __restrict__ norm, float eps, unsigned int* counter) {                                       \
         down<SHARD>(Bf16Layout{inter, hidden}, act, top_k, ids, weights, experts, bias_at, feature_groups, out, shared, \
                     residual, norm, eps, counter, WaitForPreviousKernel());                                            \
     }
-MOE_DOWN_KERNEL(moe_down, false)
-MOE_DOWN_KERNEL(moe_down_shard, true)
+MOE_DOWN_KERNEL(, false)
+MOE_DOWN_KERNEL(_shard, true)
 
 // y[pair, h] = down_e[h] . act[pair] + down bias_e[h], e = ids[pair], for the pairs order[blockIdx.y]: moe_down's
 // products, one (row, k) pair at a time, for the offload's decode path, which runs each copied expert's pairs once
@@ -427,10 +427,11 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // At most 64 registers a thread, so that four blocks fit a multiprocessor as moe_down's do: left alone the FP8
 // layout's scales take 79 and three blocks, and q30's 512-block decode launch ran in two waves (15.5 us against
 // 12.7 at four blocks, without spills).
-#define MOE_DOWN_FP8_KERNEL(NAME, SHARD)                                                                               \
+#define MOE_DOWN_FP8_KERNEL(SUFFIX, SHARD)                                                                               \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, 4)                                                    \
-        NAME(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,             \
-             const float* __restrict__ weights, const void* const* __restrict__ experts, int gate_up_block_rows,       \
+        moe_down_fp8##SUFFIX(const float* __restrict__ act, int hidden, int inter, int top_k,                         \
+             const int* __restrict__ ids, const float* __restrict__ weights, const void* const* __restrict__ experts,  \
+             int gate_up_block_rows,       \
              int gate_up_block_cols, int down_block_rows, int down_block_cols, int feature_groups,                     \
              float* __restrict__ out, const float* __restrict__ shared, float* residual,                               \
              const float* __restrict__ norm, float eps, unsigned int* counter) {                                       \
@@ -439,8 +440,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
         down<SHARD>(layout, act, top_k, ids, weights, experts, -1, feature_groups, out, shared, residual, norm, eps,    \
                     counter, WaitForPreviousKernel());                                                                 \
     }
-MOE_DOWN_FP8_KERNEL(moe_down_fp8, false)
-MOE_DOWN_FP8_KERNEL(moe_down_fp8_shard, true)
+MOE_DOWN_FP8_KERNEL(, false)
+MOE_DOWN_FP8_KERNEL(_shard, true)
 
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs_fp8(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,
@@ -598,17 +599,17 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     gate_up<1>(Mxfp4Layout{inter, hidden}, x, top_k, ids, order, experts, bias_at, clamped, alpha, limit, act);
 }
 
-#define MOE_DOWN_MXFP4_KERNEL(NAME, SHARD)                                                                             \
+#define MOE_DOWN_MXFP4_KERNEL(SUFFIX, SHARD)                                                                             \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                       \
-        NAME(const float* __restrict__ act, int hidden, int inter, int top_k, const int* __restrict__ ids,             \
-             const float* __restrict__ weights, const void* const* __restrict__ experts, long long bias_at,            \
-             int feature_groups, float* __restrict__ out, const float* __restrict__ shared, float* residual,           \
-             const float* __restrict__ norm, float eps, unsigned int* counter) {                                       \
+        moe_down_mxfp4##SUFFIX(const float* __restrict__ act, int hidden, int inter, int top_k,                       \
+             const int* __restrict__ ids, const float* __restrict__ weights, const void* const* __restrict__ experts,  \
+             long long bias_at, int feature_groups, float* __restrict__ out, const float* __restrict__ shared,         \
+             float* residual, const float* __restrict__ norm, float eps, unsigned int* counter) {                      \
         down<SHARD>(Mxfp4Layout{inter, hidden}, act, top_k, ids, weights, experts, bias_at, feature_groups, out,       \
                     shared, residual, norm, eps, counter, WaitForPreviousKernel());                                    \
     }
-MOE_DOWN_MXFP4_KERNEL(moe_down_mxfp4, false)
-MOE_DOWN_MXFP4_KERNEL(moe_down_mxfp4_shard, true)
+MOE_DOWN_MXFP4_KERNEL(, false)
+MOE_DOWN_MXFP4_KERNEL(_shard, true)
 
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down_pairs_mxfp4(const float* __restrict__ act, int hidden, int inter, const int* __restrict__ ids,

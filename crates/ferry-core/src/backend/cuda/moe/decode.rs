@@ -179,11 +179,16 @@ pub(super) fn moe_decode(
         }
         .launch_kernel(
             cuda,
-            match (format == ExpertFormat::Mxfp4, shard) {
-                (true, false) => "moe_down_mxfp4",
-                (true, true) => "moe_down_mxfp4_shard",
-                (false, false) => "moe_down",
-                (false, true) => "moe_down_shard",
+            if format == ExpertFormat::Mxfp4 {
+                if shard {
+                    "moe_down_mxfp4_shard"
+                } else {
+                    "moe_down_mxfp4"
+                }
+            } else if shard {
+                "moe_down_shard"
+            } else {
+                "moe_down"
             },
             config,
         )?,
