@@ -400,6 +400,16 @@ fn check_state_across_calls<B: Backend>(backend: &B, name: &str, tolerance: f32)
     );
 }
 
+/// The families an expert-parallel group is checked on: plain, hybrid, latent attention with a grouped router and
+/// shared experts, MXFP4 with biases, FP8.
+const EXPERT_PARALLEL_FAMILIES: [&str; 5] = [
+    "qwen3_moe",
+    "qwen3_5_moe",
+    "deepseek_v3",
+    "gpt_oss_mxfp4",
+    "glm4_moe_fp8",
+];
+
 /// The same on two CUDA ranks sharing GPU 0 (each its own backend, experts and KV cache), summed through the host:
 /// the expert-parallel code path of several GPUs (each rank's share resident, other ranks' experts null in its
 /// tables, the decode kernels passing them over, the grouped prefill leaving them out) on one.
@@ -408,13 +418,7 @@ fn check_state_across_calls<B: Backend>(backend: &B, name: &str, tolerance: f32)
 fn expert_parallel_ranks_on_one_gpu_match_the_references() {
     let ranks = vec![CudaBackend::new(0).unwrap(), CudaBackend::new(0).unwrap()];
     let group = ExpertParallel::new(ranks, Box::new(HostStagedSum)).unwrap();
-    for name in [
-        "qwen3_moe",
-        "qwen3_5_moe",
-        "deepseek_v3",
-        "gpt_oss_mxfp4",
-        "glm4_moe_fp8",
-    ] {
+    for name in EXPERT_PARALLEL_FAMILIES {
         check_family(&group, name);
     }
 }
@@ -427,13 +431,7 @@ fn expert_parallel_over_two_gpus_matches_the_references() {
     let ranks = vec![CudaBackend::new(0).unwrap(), CudaBackend::new(1).unwrap()];
     let sum = NcclSum::new(&ranks).unwrap();
     let group = ExpertParallel::new(ranks, Box::new(sum)).unwrap();
-    for name in [
-        "qwen3_moe",
-        "qwen3_5_moe",
-        "deepseek_v3",
-        "gpt_oss_mxfp4",
-        "glm4_moe_fp8",
-    ] {
+    for name in EXPERT_PARALLEL_FAMILIES {
         check_family(&group, name);
     }
 }
@@ -451,13 +449,7 @@ fn cpu_group(ranks: usize) -> ExpertParallel<CpuBackend> {
 fn expert_parallel_groups_match_the_references() {
     for ranks in [2, 3] {
         let group = cpu_group(ranks);
-        for name in [
-            "qwen3_moe",
-            "qwen3_5_moe",
-            "deepseek_v3",
-            "gpt_oss_mxfp4",
-            "glm4_moe_fp8",
-        ] {
+        for name in EXPERT_PARALLEL_FAMILIES {
             check_family(&group, name);
         }
     }

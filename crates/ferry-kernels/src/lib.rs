@@ -35,9 +35,9 @@ mod tests {
         "gemv_bf16_",
         "gemv_fp8_",
         "gemv_route_",
-        "moe_down(",
-        "moe_down_fp8(",
-        "moe_down_mxfp4(",
+        "moe_down##SUFFIX(",
+        "moe_down_fp8##SUFFIX(",
+        "moe_down_mxfp4##SUFFIX(",
         " attention_d",
     ];
 
