@@ -540,12 +540,12 @@ impl Offload {
         // the lane's), and never when no expert may cross the link.
         let link_alone = plan.elsewhere.is_empty() && self.split != SplitRule::Cpu;
         if let (Some(next), true) = (self.layers.get(layer + 1), link_alone) {
-            let all: Vec<u32> = (0..next.bank_blocks.len() as u32)
-                .filter(|&e| next.bank_blocks[e as usize].is_some())
-                .collect();
             if routed_experts.len() * PREFETCH_SHARE.1 >= layer_experts * PREFETCH_SHARE.0
-                && routed_experts.len() + all.len() <= self.slots
+                && routed_experts.len() + next.bank_blocks.iter().flatten().count() <= self.slots
             {
+                let all: Vec<u32> = (0..next.bank_blocks.len() as u32)
+                    .filter(|&e| next.bank_blocks[e as usize].is_some())
+                    .collect();
                 let prefetch = self.cache.plan_prefetch(layer as u32 + 1, &all)?;
                 let copied = Self::apply(
                     &mut self.cache,

@@ -27,14 +27,17 @@ pub(super) fn moe_with_host_lane(
     table: &CudaSlice<u64>,
     copies: &LayerCopies,
     inter: usize,
-    format: ExpertFormat,
-    glu: ExpertGlu,
+    (format, glu, shard): (ExpertFormat, ExpertGlu, bool),
 ) -> Result<CudaTensor> {
     let hidden = x.cols;
-    // The lane's products, then (under expert parallelism) the zero row other ranks' pairs read.
+    // The lane's products, then (for a rank's share under expert parallelism) the zero row other ranks' pairs read.
     let host_rows = copies.host_index.iter().max().map_or(0, |&at| at + 1).max(0) as usize;
     let host = HostProducts {
-        products: cuda.zeros(host_rows, hidden)?,
+        products: if shard {
+            cuda.zeros(host_rows, hidden)?
+        } else {
+            cuda.tensor(host_rows, hidden)?
+        },
         index: cuda.copy_to_device(&copies.host_index)?,
     };
     let on_host = |pair: usize| copies.host_index[pair] >= 0;

@@ -237,7 +237,16 @@ pub(super) fn moe_experts(
     let mut offload = offload.lock().unwrap_or_else(|e| e.into_inner());
     let copies = offload.prepare_layer(&cuda.stream, layer, routing, table, (x, inter))?;
     if !copies.host.is_empty() {
-        let out = moe_with_host_lane(cuda, &mut offload, x, routing, table, &copies, inter, format, glu)?;
+        let out = moe_with_host_lane(
+            cuda,
+            &mut offload,
+            x,
+            routing,
+            table,
+            &copies,
+            inter,
+            (format, glu, shard),
+        )?;
         return Ok((out, false));
     }
     drop(offload);
