@@ -154,7 +154,7 @@ impl<B: Backend> Backend for ExpertParallel<B> {
         self.each(|_, rank| rank.synchronize()).map(drop)
     }
 
-    /// One rank's counters: only a group of one offloads (no device backend holds part of a layer yet).
+    /// The ranks' offloads as one (`OffloadStats::of_ranks`): each caches and streams its own experts.
     fn offload_stats(&self) -> Option<OffloadStats> {
         OffloadStats::of_ranks(self.ranks.iter().map(B::offload_stats))
     }
