@@ -91,6 +91,23 @@ struct OffloadLayer {
     table_host: PinnedHostSlice<u64>,
 }
 
+impl OffloadLayer {
+    /// Whether this offload holds `expert` of the layer.
+    fn holds(&self, expert: u32) -> bool {
+        self.bank_blocks.get(expert as usize).is_some_and(Option::is_some)
+    }
+
+    /// Whether `expert` is another rank's (an expert of the layer this offload does not hold).
+    fn is_other_ranks(&self, expert: u32) -> bool {
+        matches!(self.bank_blocks.get(expert as usize), Some(None))
+    }
+
+    /// The experts this offload holds, in id order.
+    fn held(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.bank_blocks.len() as u32).filter(|&e| self.holds(e))
+    }
+}
+
 /// What the expert kernels of one layer wait for under offload ([`Offload::prepare_layer`]).
 pub struct LayerCopies {
     /// The layer's slot addresses by expert (0 for experts not routed now).
@@ -471,13 +488,14 @@ impl Offload {
         let host_index = if plan.elsewhere.is_empty() {
             Vec::new()
         } else {
-            let blocks = self.layers.get(layer).map_or(&[][..], |l| &l.bank_blocks[..]);
-            let share = host_pairs(&all_ids[..routed], routing.top_k, &plan.elsewhere, blocks.len())?;
+            let layer_state = self.layers.get(layer);
+            let experts = layer_state.map_or(0, |l| l.bank_blocks.len());
+            let share = host_pairs(&all_ids[..routed], routing.top_k, &plan.elsewhere, experts)?;
             let mut index = share.index;
             // Another rank's pairs read the row after the lane's products, which stays zero.
             let zero_row = share.pairs.len() as i32;
             for (at, &e) in index.iter_mut().zip(&all_ids[..routed]) {
-                if blocks.get(e as usize).is_some_and(Option::is_none) {
+                if layer_state.is_some_and(|l| l.is_other_ranks(e as u32)) {
                     *at = zero_row;
                 }
             }
@@ -504,7 +522,7 @@ impl Offload {
             .layers
             .get_mut(layer)
             .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
-        let layer_experts = layer_state.bank_blocks.iter().flatten().count();
+        let layer_experts = layer_state.held().count();
         let resident_ready = self.copy_stream.record_event(None).map_err(cuda_err("copy event"))?;
         let link_start = timed_event(&self.ctx, &self.copy_stream, !plan.fetch.is_empty())?;
         let fetched = Self::apply(
@@ -541,11 +559,9 @@ impl Offload {
         let link_alone = plan.elsewhere.is_empty() && self.split != SplitRule::Cpu;
         if let (Some(next), true) = (self.layers.get(layer + 1), link_alone) {
             if routed_experts.len() * PREFETCH_SHARE.1 >= layer_experts * PREFETCH_SHARE.0
-                && routed_experts.len() + next.bank_blocks.iter().flatten().count() <= self.slots
+                && routed_experts.len() + next.held().count() <= self.slots
             {
-                let all: Vec<u32> = (0..next.bank_blocks.len() as u32)
-                    .filter(|&e| next.bank_blocks[e as usize].is_some())
-                    .collect();
+                let all: Vec<u32> = next.held().collect();
                 let prefetch = self.cache.plan_prefetch(layer as u32 + 1, &all)?;
                 let copied = Self::apply(
                     &mut self.cache,
@@ -586,16 +602,14 @@ impl Offload {
         prefill_rows: &[bool],
         top_k: usize,
     ) -> Result<Option<(Vec<u32>, Vec<bool>)>> {
-        let blocks = &self
+        let layer_state = self
             .layers
             .get(layer)
-            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?
-            .bank_blocks;
-        if blocks.iter().all(Option::is_some) {
+            .ok_or_else(|| Error::Cuda(format!("no MoE layer {layer}")))?;
+        if !layer_state.bank_blocks.contains(&None) {
             return Ok(None);
         }
-        let held = |&(_, &e): &(usize, &u32)| blocks.get(e as usize).is_some_and(Option::is_some);
-        let pairs: Vec<(usize, &u32)> = ids.iter().enumerate().filter(held).collect();
+        let pairs: Vec<(usize, &u32)> = ids.iter().enumerate().filter(|&(_, &e)| layer_state.holds(e)).collect();
         let prefill = if prefill_rows.is_empty() {
             Vec::new()
         } else {

@@ -75,12 +75,7 @@ impl Offload {
     /// it runs from slots and those the CPU lane computes alike), which a prefetch must spare.
     pub(super) fn keep_guess(&mut self, layer: usize, ids: &[i32]) {
         // Only this offload's experts (under expert parallelism, the others are other ranks' to guess).
-        let held = |e: u32| {
-            self.layers
-                .get(layer)
-                .and_then(|l| l.bank_blocks.get(e as usize))
-                .is_some_and(Option::is_some)
-        };
+        let held = |e: u32| self.layers.get(layer).is_some_and(|l| l.holds(e));
         let mut experts: Vec<u32> = Vec::new();
         for &e in ids {
             if held(e as u32) && !experts.contains(&(e as u32)) {
